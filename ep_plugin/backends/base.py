@@ -1,0 +1,166 @@
+"""The protocol every backend implements, with the input checks they all share.
+
+A backend instance is bound to one process group and one (hidden_size, num_experts)
+shape, like a communication buffer. ``dispatch``/``combine`` here validate input and
+then call the backend's ``_dispatch``/``_combine``; nothing reaches a collective or a
+kernel before the checks pass, so a rejected call leaves the backend usable.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..handle import CombineOutput, DispatchOutput, Handle
+from ..routing import Routing, check_tensor, make_routing
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    devices: tuple[str, ...]  # "cpu", "cuda"
+    hidden_dtypes: tuple[torch.dtype, ...]
+    probs_dtypes: tuple[torch.dtype, ...]
+    fp8_dispatch: bool = False
+    non_blocking: bool = False
+    cuda_graphs: bool = False
+
+
+class Backend(abc.ABC):
+    """Dispatch/combine over one expert-parallel process group."""
+
+    name: str = "base"
+    capabilities: Capabilities
+
+    def __init__(
+        self,
+        group: Optional[dist.ProcessGroup] = None,
+        *,
+        hidden_size: int,
+        num_experts: int,
+        config: Optional[Config] = None,
+        device: Optional[torch.device | str] = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(f"ep_plugin backend {self.name!r} needs torch.distributed to be initialized first")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.num_ranks = dist.get_world_size(self.group)
+        self.config = config if config is not None else Config.from_env()
+        if not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"hidden_size must be a positive int, got {hidden_size!r}")
+        if not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+        if num_experts % self.num_ranks:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the {self.num_ranks} ranks of the group")
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.num_ranks
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type not in self.capabilities.devices:
+            raise ValueError(f"backend {self.name!r} runs on {self.capabilities.devices}, not on {self.device}")
+
+    # ---- public, validated entry points -------------------------------------------------
+
+    def dispatch(
+        self,
+        hidden: torch.Tensor,
+        *,
+        routing_map: Optional[torch.Tensor] = None,
+        probs: Optional[torch.Tensor] = None,
+        topk_idx: Optional[torch.Tensor] = None,
+        topk_weights: Optional[torch.Tensor] = None,
+        pad_multiple: Optional[int] = None,
+    ) -> DispatchOutput:
+        """Send each token to the ranks of its experts (no autograd; see ``ep_plugin.dispatch``).
+
+        Args:
+            hidden: [T, H] tokens of this rank, dtype in ``capabilities.hidden_dtypes``.
+            routing_map / probs: [T, E] bool / [T, E] float32, or
+            topk_idx / topk_weights: [T, k] int64 (-1 = none) / [T, k] float32.
+            pad_multiple: pad each local expert's segment to a multiple of this (default config).
+        Returns: DispatchOutput(hidden [R, H], probs [R] or None, tokens_per_expert [L] int64, handle).
+        """
+        routing, weights, pad_multiple = self.check_dispatch_input(
+            hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx, topk_weights=topk_weights,
+            pad_multiple=pad_multiple)
+        return self._dispatch(hidden, routing, weights, pad_multiple)
+
+    def dispatch_again(self, hidden: torch.Tensor, handle: Handle) -> torch.Tensor:
+        """Dispatch new tokens along a cached layout (backward of combine). Returns [R, H]."""
+        self.check_handle(handle)
+        self.check_hidden("hidden", hidden, handle.num_tokens)
+        return self._dispatch_again(hidden, handle)
+
+    def combine(self, rows: torch.Tensor, handle: Handle, *, row_probs: Optional[torch.Tensor] = None) -> CombineOutput:
+        """Return each token's expert rows summed at its source (unweighted).
+
+        Args:
+            rows: [R, H] in the layout that dispatch produced for ``handle``.
+            row_probs: optional [R] per-row values sent back unsummed (backward of probs).
+        Returns: CombineOutput(hidden [T, H], probs shaped like the dispatched probs or None).
+        """
+        self.check_handle(handle)
+        self.check_hidden("rows", rows, handle.num_rows)
+        if row_probs is not None:
+            if handle.probs_shape is None:
+                raise ValueError("row_probs given but this handle's dispatch carried no probs")
+            check_tensor("row_probs", row_probs, dtypes=self.capabilities.probs_dtypes, shape=(handle.num_rows,),
+                         device=self.device)
+        return self._combine(rows, handle, row_probs)
+
+    def barrier(self) -> None:
+        """Block until every rank of the group reaches this point."""
+        dist.barrier(group=self.group)
+
+    def destroy(self) -> None:
+        """Release communication resources; the backend is unusable afterwards."""
+        return None
+
+    # ---- shared checks ------------------------------------------------------------------
+
+    def check_dispatch_input(self, hidden, *, routing_map, probs, topk_idx, topk_weights, pad_multiple):
+        self.check_hidden("hidden", hidden, None)
+        if hidden.shape[0] > self.config.max_tokens_per_rank:
+            raise ValueError(f"hidden has {hidden.shape[0]} tokens, over max_tokens_per_rank="
+                             f"{self.config.max_tokens_per_rank} (raise it with EP_PLUGIN_MAX_TOKENS_PER_RANK)")
+        pad_multiple = self.config.pad_multiple if pad_multiple is None else pad_multiple
+        if not isinstance(pad_multiple, int) or pad_multiple < 1:
+            raise ValueError(f"pad_multiple must be a positive int, got {pad_multiple!r}")
+        routing, weights = make_routing(
+            hidden, self.num_experts, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
+            topk_weights=topk_weights, probs_dtypes=self.capabilities.probs_dtypes,
+            check_values=self.config.blocking)
+        return routing, weights, pad_multiple
+
+    def check_hidden(self, name: str, hidden: torch.Tensor, num_rows: Optional[int]) -> None:
+        check_tensor(name, hidden, dtypes=self.capabilities.hidden_dtypes, ndim=2, device=self.device)
+        if hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"{name} has hidden size {hidden.shape[1]}, but this {self.name} backend was built for "
+                             f"hidden_size={self.hidden_size}")
+        if num_rows is not None and hidden.shape[0] != num_rows:
+            raise ValueError(f"{name} has {hidden.shape[0]} rows; the handle expects {num_rows}")
+
+    def check_handle(self, handle: Handle) -> None:
+        if not isinstance(handle, Handle):
+            raise TypeError(f"expected an ep_plugin Handle, got {type(handle).__name__}")
+        if handle.backend is not self:
+            raise ValueError("this handle belongs to another backend instance")
+
+    # ---- what each backend implements ---------------------------------------------------
+
+    @abc.abstractmethod
+    def _dispatch(self, hidden: torch.Tensor, routing: Routing, probs: Optional[torch.Tensor],
+                  pad_multiple: int) -> DispatchOutput: ...
+
+    @abc.abstractmethod
+    def _dispatch_again(self, hidden: torch.Tensor, handle: Handle) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _combine(self, rows: torch.Tensor, handle: Handle, row_probs: Optional[torch.Tensor]) -> CombineOutput: ...

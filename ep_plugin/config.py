@@ -1,0 +1,111 @@
+"""Every knob of ep_plugin in one dataclass, each with an ``EP_PLUGIN_<NAME>`` env override.
+
+Precedence: explicit keyword arguments > environment variables > defaults.
+``Config.from_env()`` is what backends use when the caller passes no config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+ENV_PREFIX = "EP_PLUGIN_"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Runtime configuration shared by all backends.
+
+    Each field's env override is ``EP_PLUGIN_`` + the upper-cased field name
+    (for example ``EP_PLUGIN_TIMEOUT_S=5``). The README has the full table.
+    """
+
+    # Seconds any wait (device spin-wait, host wait on a count, launcher join) may take
+    # before it reports rank / phase / peer and raises instead of hanging.
+    timeout_s: float = field(default=100.0, metadata={"help": "seconds before a wait reports and raises"})
+    # Largest number of tokens one rank may pass to dispatch; communication buffers are sized from it.
+    max_tokens_per_rank: int = field(default=8192, metadata={"help": "largest T per rank per call"})
+    # Thread blocks (one per SM) each rank's communication kernels may use.
+    num_sms: int = field(default=16, metadata={"help": "SMs per rank for dispatch/combine kernels"})
+    # Tokens per chunk between a sender's progress flags (GPU backends).
+    chunk_tokens: int = field(default=64, metadata={"help": "tokens per signalled chunk"})
+    # Default padding of each expert segment in the dispatch output.
+    pad_multiple: int = field(default=1, metadata={"help": "default expert-segment padding"})
+    # Non-blocking mode: rows reserved for the permuted dispatch output (0 = worst case).
+    num_permuted_tokens: int = field(default=0, metadata={"help": "non-blocking output budget (0 = worst case)"})
+    # Blocking mode reads the exact output size on the host; non-blocking never syncs.
+    blocking: bool = field(default=True, metadata={"help": "exact-size output with one host read"})
+    # Keep cross-stream tensors alive by holding them in the event object instead of record_stream.
+    avoid_record_stream: bool = field(default=False, metadata={"help": "hold tensors in events, no record_stream"})
+    # Force the NVLink-domain size (ranks that share NVLink); 0 = detect.
+    nvlink_domain_size: int = field(default=0, metadata={"help": "ranks per NVLink domain (0 = detect)"})
+    # Refuse launches whose resident blocks across ranks sharing a GPU would exceed this many SMs (0 = detect).
+    max_sms_per_gpu: int = field(default=0, metadata={"help": "SMs a GPU offers to co-resident ranks (0 = detect)"})
+
+    def __post_init__(self) -> None:
+        _require(self.timeout_s > 0, "timeout_s", "> 0", self.timeout_s)
+        _require(self.max_tokens_per_rank >= 1, "max_tokens_per_rank", ">= 1", self.max_tokens_per_rank)
+        _require(1 <= self.num_sms <= 1024, "num_sms", "in [1, 1024]", self.num_sms)
+        _require(self.chunk_tokens >= 1, "chunk_tokens", ">= 1", self.chunk_tokens)
+        _require(self.pad_multiple >= 1, "pad_multiple", ">= 1", self.pad_multiple)
+        _require(self.num_permuted_tokens >= 0, "num_permuted_tokens", ">= 0", self.num_permuted_tokens)
+        _require(self.nvlink_domain_size >= 0, "nvlink_domain_size", ">= 0", self.nvlink_domain_size)
+        _require(self.max_sms_per_gpu >= 0, "max_sms_per_gpu", ">= 0", self.max_sms_per_gpu)
+
+    @classmethod
+    def from_env(cls, environ: Optional[dict] = None, **overrides: Any) -> "Config":
+        """Build a Config from defaults, then ``EP_PLUGIN_*`` variables, then ``overrides``."""
+        environ = os.environ if environ is None else environ
+        known = {f.name: f for f in fields(cls)}
+        unknown = set(overrides) - set(known)
+        if unknown:
+            raise TypeError(f"Config has no field(s) {sorted(unknown)}; known fields: {sorted(known)}")
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            env_name = env_var_name(name)
+            if env_name in environ:
+                values[name] = _parse(env_name, environ[env_name], f.type)
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+
+def env_var_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(env var, default, help) rows, for the README table and ``python -m ep_plugin info``."""
+    return [(env_var_name(f.name), repr(f.default), f.metadata.get("help", "")) for f in fields(Config)]
+
+
+def _require(ok: bool, name: str, expected: str, actual: Any) -> None:
+    if not ok:
+        raise ValueError(f"ep_plugin config: {name} must be {expected}, got {actual!r} "
+                         f"(env override {env_var_name(name)})")
+
+
+def _parse(env_name: str, text: str, type_name: Any) -> Any:
+    type_name = type_name if isinstance(type_name, str) else type_name.__name__
+    try:
+        if type_name == "bool":
+            lowered = text.strip().lower()
+            if lowered in _TRUE:
+                return True
+            if lowered in _FALSE:
+                return False
+            raise ValueError("expected one of 1/0/true/false/yes/no/on/off")
+        if type_name == "int":
+            return int(text)
+        if type_name == "float":
+            return float(text)
+    except ValueError as exc:
+        raise ValueError(f"ep_plugin config: cannot parse {env_name}={text!r} as {type_name}: {exc}") from None
+    raise TypeError(f"ep_plugin config: unsupported field type {type_name} for {env_name}")

@@ -1,0 +1,148 @@
+"""Routing input in Megatron's two forms, validated before any communication.
+
+Form (a): ``routing_map [T, E] bool`` + ``probs [T, E]``  (Megatron's router output).
+Form (b): ``topk_idx [T, k] int64`` (-1 = no expert) + ``topk_weights [T, k]``.
+
+Either way, a token's (token, expert) pairs are ordered by expert id, which makes the
+dispatch output of both forms identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+ROUTING_MAP = "routing_map"
+TOPK = "topk"
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One rank's routing indices (probs travel separately so autograd can see them)."""
+
+    form: str
+    num_tokens: int
+    num_experts: int
+    routing_map: Optional[torch.Tensor] = None  # [T, E] bool
+    topk_idx: Optional[torch.Tensor] = None  # [T, k] int64, -1 = none
+
+    @property
+    def probs_shape(self) -> tuple[int, int]:
+        index = self.routing_map if self.form == ROUTING_MAP else self.topk_idx
+        return tuple(index.shape)
+
+    def pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token, expert, slot) of every selected pair, sorted by (token, expert).
+
+        ``slot`` indexes the flattened probs tensor of this form. Reads the indices on the
+        host (the reference backend syncs anyway).
+        """
+        if self.form == ROUTING_MAP:
+            token, expert = self.routing_map.nonzero(as_tuple=True)  # row-major: sorted by (token, expert)
+            return token, expert, token * self.num_experts + expert
+        k = self.topk_idx.shape[1]
+        # Sort each token's slots by expert id, pushing -1 ("none") to the end.
+        key = torch.where(self.topk_idx < 0, torch.full_like(self.topk_idx, self.num_experts), self.topk_idx)
+        sorted_key, column = key.sort(dim=1, stable=True)
+        valid = sorted_key < self.num_experts
+        token = torch.arange(self.num_tokens, device=key.device).unsqueeze(1).expand_as(key)[valid]
+        expert = sorted_key[valid]
+        slot = token * k + column[valid]
+        return token, expert, slot
+
+
+def make_routing(
+    hidden: torch.Tensor,
+    num_experts: int,
+    *,
+    routing_map: Optional[torch.Tensor] = None,
+    probs: Optional[torch.Tensor] = None,
+    topk_idx: Optional[torch.Tensor] = None,
+    topk_weights: Optional[torch.Tensor] = None,
+    probs_dtypes: tuple[torch.dtype, ...] = (torch.float32,),
+    check_values: bool = True,
+) -> tuple[Routing, Optional[torch.Tensor]]:
+    """Validate one of the two routing forms against ``hidden``; return (Routing, probs-or-None).
+
+    ``check_values`` reads expert ids on the host to range-check them; modes that may not
+    sync pass False and validate on the device instead.
+    """
+    num_tokens = hidden.shape[0]
+    if (routing_map is None) == (topk_idx is None):
+        raise ValueError("dispatch needs exactly one routing form: routing_map (+ probs) or topk_idx (+ topk_weights)")
+    if routing_map is not None:
+        if topk_weights is not None:
+            raise ValueError("topk_weights goes with topk_idx; with routing_map pass probs")
+        check_tensor("routing_map", routing_map, dtypes=(torch.bool,), shape=(num_tokens, num_experts),
+                     device=hidden.device)
+        weights, form = probs, ROUTING_MAP
+        routing = Routing(ROUTING_MAP, num_tokens, num_experts, routing_map=routing_map)
+    else:
+        if probs is not None:
+            raise ValueError("probs goes with routing_map; with topk_idx pass topk_weights")
+        check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2, device=hidden.device)
+        k = topk_idx.shape[1]
+        if topk_idx.shape[0] != num_tokens:
+            raise ValueError(f"topk_idx has {topk_idx.shape[0]} rows but hidden has {num_tokens} tokens")
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"topk_idx has k={k} columns; expected 1 <= k <= num_experts={num_experts}")
+        if check_values:
+            check_topk_values(topk_idx, num_experts)
+        weights, form = topk_weights, TOPK
+        routing = Routing(TOPK, num_tokens, num_experts, topk_idx=topk_idx)
+    if weights is not None:
+        name = "probs" if form == ROUTING_MAP else "topk_weights"
+        check_tensor(name, weights, dtypes=probs_dtypes, shape=routing.probs_shape, device=hidden.device)
+    return routing, weights
+
+
+def check_topk_values(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Expert ids must be -1 or in [0, E), and no expert twice in one token (host read)."""
+    if topk_idx.numel() == 0:
+        return
+    low, high = int(topk_idx.min()), int(topk_idx.max())
+    if low < -1 or high >= num_experts:
+        bad = low if low < -1 else high
+        raise ValueError(f"topk_idx holds expert id {bad}; expected -1 (none) or an id in [0, {num_experts})")
+    sorted_idx = topk_idx.sort(dim=1).values
+    repeated = (sorted_idx[:, 1:] == sorted_idx[:, :-1]) & (sorted_idx[:, 1:] >= 0)
+    if bool(repeated.any()):
+        token = int(repeated.any(dim=1).nonzero()[0])
+        raise ValueError(f"topk_idx row {token} names the same expert twice: {topk_idx[token].tolist()}")
+
+
+def check_tensor(
+    name: str,
+    tensor: torch.Tensor,
+    *,
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device,
+    shape: Optional[tuple[int, ...]] = None,
+    ndim: Optional[int] = None,
+) -> None:
+    """Raise TypeError/ValueError naming ``name``, the expected and the actual property."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {tensor.dtype}")
+    expected_ndim = len(shape) if shape is not None else ndim
+    if expected_ndim is not None and tensor.dim() != expected_ndim:
+        raise ValueError(f"{name} must be a {expected_ndim}-D tensor, got {tensor.dim()}-D shape {tuple(tensor.shape)}")
+    if shape is not None and tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(tensor.shape)}")
+    if not same_device(tensor.device, device):
+        raise ValueError(f"{name} must be on {device}, got a tensor on {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous()); got strides {tensor.stride()}")
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        current = torch.cuda.current_device()
+        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+    return True

@@ -1,0 +1,5 @@
+"""Test and benchmark helpers: multi-rank launcher, private MPS daemon, dense MoE oracle."""
+
+from .launcher import LaunchPlan, RankContext, plan_launch, run_ranks
+
+__all__ = ["LaunchPlan", "RankContext", "plan_launch", "run_ranks"]

@@ -1,0 +1,154 @@
+"""Run a function on N ranks, each a separate process with a real torch.distributed group.
+
+Placement (``plan_launch``):
+- device "cpu": N CPU processes over gloo;
+- device "cuda", N <= GPUs: one rank per GPU over NCCL;
+- device "cuda", N > GPUs: ranks share GPUs round-robin over gloo, under a private MPS
+  daemon that the launcher starts and stops itself.
+
+``fn(ctx, *args)`` must be a module-level function; its return value (picklable) comes
+back in a list indexed by rank. An exception on any rank raises here with that rank's
+traceback; a rank that does not finish within ``timeout_s`` is killed and reported.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ..errors import EPError, EPTimeoutError
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    num_ranks: int
+    device_type: str  # "cpu" or "cuda"
+    gpu_of_rank: tuple[int, ...]  # empty on CPU
+    process_group_backend: str  # "gloo" or "nccl"
+    use_mps: bool
+
+    @property
+    def ranks_per_gpu(self) -> int:
+        if not self.gpu_of_rank:
+            return 0
+        return max(self.gpu_of_rank.count(gpu) for gpu in set(self.gpu_of_rank))
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a rank function gets: its rank, the world, and where it runs."""
+
+    rank: int
+    world_size: int
+    device: str  # "cpu" or "cuda:<i>"
+    plan: LaunchPlan
+
+
+def plan_launch(num_ranks: int, device: str, num_gpus: int) -> LaunchPlan:
+    """Decide placement for ``num_ranks`` ranks on ``device`` ("cpu", "cuda") with ``num_gpus`` GPUs."""
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    if device == "cpu":
+        return LaunchPlan(num_ranks, "cpu", (), "gloo", False)
+    if device != "cuda":
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if num_gpus < 1:
+        raise ValueError("device='cuda' but no CUDA device is visible")
+    gpu_of_rank = tuple(rank % num_gpus for rank in range(num_ranks))
+    if num_ranks <= num_gpus:
+        return LaunchPlan(num_ranks, "cuda", gpu_of_rank, "nccl", False)
+    # NCCL refuses two ranks on one GPU; gloo + MPS lets them run concurrently.
+    return LaunchPlan(num_ranks, "cuda", gpu_of_rank, "gloo", True)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    num_ranks: int,
+    *args: Any,
+    device: str = "cpu",
+    timeout_s: float = 300.0,
+    env: Optional[dict[str, str]] = None,
+) -> list[Any]:
+    """Run ``fn(RankContext, *args)`` on ``num_ranks`` processes and return each rank's result."""
+    num_gpus = 0
+    if device == "cuda":
+        import torch
+
+        num_gpus = torch.cuda.device_count()
+    plan = plan_launch(num_ranks, device, num_gpus)
+    if plan.use_mps:
+        from .mps import PrivateMPS
+
+        with PrivateMPS() as mps_env:
+            return _spawn(fn, args, plan, timeout_s, {**(env or {}), **mps_env})
+    return _spawn(fn, args, plan, timeout_s, env or {})
+
+
+def _spawn(fn, args, plan: LaunchPlan, timeout_s: float, env: dict[str, str]) -> list[Any]:
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory(prefix="ep_plugin_rdzv_") as rendezvous_dir:
+        init_method = "file://" + os.path.join(rendezvous_dir, "store")
+        processes = [
+            context.Process(target=_rank_main, args=(fn, args, plan, rank, init_method, env, results), daemon=True)
+            for rank in range(plan.num_ranks)
+        ]
+        for process in processes:
+            process.start()
+        try:
+            return _collect(processes, results, plan.num_ranks, timeout_s)
+        finally:
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+                process.join(timeout=10)
+
+
+def _collect(processes, results, num_ranks: int, timeout_s: float) -> list[Any]:
+    outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(outputs) < num_ranks:
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            dead = [rank for rank, p in enumerate(processes)
+                    if rank not in outputs and not p.is_alive() and p.exitcode not in (None, 0)]
+            if dead:
+                raise EPError(f"rank(s) {dead} exited with code(s) {[processes[r].exitcode for r in dead]} "
+                              f"before reporting a result") from None
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(num_ranks)) - set(outputs))
+                raise EPTimeoutError(f"launcher: rank(s) {missing} did not finish within {timeout_s:.0f} s "
+                                     f"(finished: {sorted(outputs)})") from None
+            continue
+        if not ok:
+            raise EPError(f"rank {rank} raised:\n{payload}")
+        outputs[rank] = payload
+    return [outputs[rank] for rank in range(num_ranks)]
+
+
+def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dict[str, str], results) -> None:
+    os.environ.update(env)  # before any CUDA call: MPS pipes, EP_PLUGIN_* knobs
+    try:
+        import torch
+        import torch.distributed as dist
+
+        device = "cpu"
+        if plan.device_type == "cuda":
+            torch.cuda.set_device(plan.gpu_of_rank[rank])
+            device = f"cuda:{plan.gpu_of_rank[rank]}"
+        dist.init_process_group(plan.process_group_backend, init_method=init_method, rank=rank,
+                                world_size=plan.num_ranks)
+        try:
+            output = fn(RankContext(rank, plan.num_ranks, device, plan), *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, output))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, False, traceback.format_exc()))

@@ -1,0 +1,80 @@
+"""Build: the Python package always; the CUDA extension ep_plugin._C when nvcc is found.
+
+The extension is compiled by nvcc alone (pybind11 headers, static CUDA runtime) and never
+links libtorch: it talks to torch through data pointers and stream handles, so it does not
+need rebuilding when torch changes. Without nvcc the package installs without it and the
+CUDA backends report themselves unavailable.
+
+Environment:
+  EP_PLUGIN_CUDA_ARCHS   semicolon list of SM versions to build (default "90"; e.g. "80;90;100")
+  EP_PLUGIN_NO_CUDA=1    skip the extension even when nvcc is present
+  CUDA_HOME / nvcc on PATH  which toolkit to use
+"""
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def find_nvcc():
+    if os.environ.get("EP_PLUGIN_NO_CUDA", "0") not in ("", "0"):
+        return None
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and os.path.exists(os.path.join(cuda_home, "bin", "nvcc")):
+        return os.path.join(cuda_home, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+class NvccBuildExt(build_ext):
+    """Compile ep_plugin._C with one nvcc command (host C++ and CUDA sources together)."""
+
+    def build_extension(self, ext):
+        nvcc = find_nvcc()
+        if nvcc is None:
+            print("ep_plugin: nvcc not found; installing without the CUDA extension "
+                  "(only the reference backend will be available)", file=sys.stderr)
+            return
+        import pybind11
+
+        archs = [a.strip() for a in os.environ.get("EP_PLUGIN_CUDA_ARCHS", "90").split(";") if a.strip()]
+        output = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(output), exist_ok=True)
+        command = [
+            nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
+            "-lineinfo", "--expt-relaxed-constexpr",
+            "-I" + os.path.join(ROOT, "csrc", "include"),
+            "-I" + pybind11.get_include(),
+            "-I" + sysconfig.get_paths()["include"],
+        ]
+        for arch in archs:
+            command.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+        command += ["-o", output] + ext.sources
+        print("ep_plugin: " + " ".join(command), file=sys.stderr)
+        subprocess.check_call(command, cwd=ROOT)
+
+
+sources = sorted(glob.glob("csrc/*.cu")) + sorted(glob.glob("csrc/*.cpp"))
+
+setup(
+    name="ep_plugin",
+    version="0.1.0",
+    description="Expert-parallel dispatch/combine for MoE training: a Megatron-Core / NeMo plugin",
+    python_requires=">=3.10",
+    packages=find_packages(include=["ep_plugin", "ep_plugin.*"]) + ["ep_plugin.integrations"]
+    + ["ep_plugin.integrations." + p for p in find_packages(where="integrations")],
+    package_dir={"ep_plugin.integrations": "integrations"},
+    ext_modules=[Extension("ep_plugin._C", sources=sources)],
+    cmdclass={"build_ext": NvccBuildExt},
+    install_requires=["torch>=2.1", "numpy", "tqdm"],
+    extras_require={"test": ["pytest", "pytest-timeout"], "plots": ["matplotlib"],
+                    "megatron": ["megatron-core>=0.16.1"]},
+    entry_points={"console_scripts": ["ep-plugin=ep_plugin.__main__:main"]},
+)
