@@ -26,8 +26,8 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows, grad_row_probs, _grad_counts, _grad_handle):
+        # The Handle stays on ctx (not released here): backward may run again with retain_graph.
         handle: Handle = ctx.handle
-        ctx.handle = None  # the graph node may outlive backward; the Handle need not
         if grad_rows is None:
             grad_rows = torch.zeros(handle.num_rows, handle.hidden_size, dtype=handle.hidden_dtype,
                                     device=handle.backend.device)
@@ -48,7 +48,6 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         handle: Handle = ctx.handle
-        ctx.handle = None
         return handle.backend.dispatch_again(grad_out.contiguous(), handle), None
 
 

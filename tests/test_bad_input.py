@@ -1,0 +1,99 @@
+"""Bad input raises a clear error before any communication, and the backend stays usable.
+
+Only rank 0 makes each bad call; the other ranks go straight on to the next valid call.
+Had a bad call entered any collective, the ranks' collectives would pair up wrongly and
+the valid calls would return wrong data or hang (the launcher's timeout reports that).
+"""
+
+import pytest
+import torch
+
+import ep_plugin
+from ep_plugin.config import Config
+from ep_plugin.testing import run_ranks
+from ep_plugin.testing.dense import expected_dispatch, make_problem
+
+HIDDEN, EXPERTS, TOPK = 8, 4, 2
+
+
+def _bad_calls(backend, problem, rank):
+    """(expected error type, text the message must contain, call) for each kind of bad input."""
+    x, rmap, probs = problem.hidden[rank], problem.routing_map[rank], problem.probs[rank]
+    idx, weights = problem.topk_idx[rank], problem.topk_weights[rank]
+    out_of_range = idx.clone()
+    out_of_range[0, 0] = EXPERTS
+    repeated = idx.clone()
+    repeated[0, 1] = repeated[0, 0]
+    too_many = torch.zeros(backend.config.max_tokens_per_rank + 1, HIDDEN)
+    too_many_map = torch.zeros(len(too_many), EXPERTS, dtype=torch.bool)
+
+    def dispatch(hidden, **kw):
+        return lambda: ep_plugin.dispatch(backend, hidden, **kw)
+
+    return [
+        (TypeError, "hidden must have dtype", dispatch(x.to(torch.int32), routing_map=rmap, probs=probs)),
+        (TypeError, "probs must have dtype", dispatch(x, routing_map=rmap, probs=probs.to(torch.bfloat16))),
+        (TypeError, "routing_map must have dtype", dispatch(x, routing_map=rmap.int(), probs=probs)),
+        (TypeError, "topk_idx must have dtype", dispatch(x, topk_idx=idx.int(), topk_weights=weights)),
+        (ValueError, "hidden must be a 2-D tensor", dispatch(x.unsqueeze(0), routing_map=rmap, probs=probs)),
+        (ValueError, "hidden_size=8", dispatch(torch.zeros(len(x), HIDDEN + 1), routing_map=rmap, probs=probs)),
+        (ValueError, "routing_map must have shape", dispatch(x, routing_map=rmap[:, :2].contiguous(),
+                                                             probs=probs)),
+        (ValueError, "expert id 4", dispatch(x, topk_idx=out_of_range, topk_weights=weights)),
+        (ValueError, "same expert twice", dispatch(x, topk_idx=repeated, topk_weights=weights)),
+        (ValueError, "max_tokens_per_rank", dispatch(too_many, routing_map=too_many_map,
+                                                     probs=too_many_map.float())),
+        (ValueError, "contiguous", dispatch(torch.zeros(HIDDEN, len(x)).t(), routing_map=rmap, probs=probs)),
+        (ValueError, "must be on cpu", dispatch(x.to("meta"), routing_map=rmap, probs=probs)),
+        (ValueError, "probs must be on cpu", dispatch(x, routing_map=rmap, probs=probs.to("meta"))),
+        (ValueError, "exactly one routing form", dispatch(x)),
+        (ValueError, "topk_weights goes with topk_idx", dispatch(x, routing_map=rmap, topk_weights=weights)),
+        (ValueError, "pad_multiple", dispatch(x, routing_map=rmap, probs=probs, pad_multiple=0)),
+        (ValueError, "not divisible", lambda: ep_plugin.get_backend("reference")(
+            hidden_size=HIDDEN, num_experts=backend.num_ranks + 1, device="cpu")),
+    ]
+
+
+def check_bad_inputs_leave_backend_usable(ctx) -> int:
+    config = Config.from_env(max_tokens_per_rank=64)
+    backend = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=EXPERTS, config=config,
+                                                 device="cpu")
+    problem = make_problem(0, [6] * ctx.world_size, HIDDEN, EXPERTS, TOPK)
+    rows, _, _ = expected_dispatch(problem, ctx.rank, 1)
+    rejected = 0
+    for error_type, text, call in _bad_calls(backend, problem, ctx.rank):
+        if ctx.rank == 0:
+            with pytest.raises(error_type, match=text):
+                call()
+            rejected += 1
+        out = ep_plugin.dispatch(backend, problem.hidden[ctx.rank], routing_map=problem.routing_map[ctx.rank],
+                                 probs=problem.probs[ctx.rank])
+        assert torch.equal(out.hidden, rows), f"valid dispatch after bad call {text!r} returned wrong rows"
+        restored = ep_plugin.combine(out.hidden, out.handle)
+        assert torch.allclose(restored, problem.hidden[ctx.rank] * TOPK)
+        if ctx.rank == 0:
+            with pytest.raises(ValueError, match="rows has 3 rows"):
+                ep_plugin.combine(out.hidden[:3], out.handle)
+    return rejected
+
+
+def test_bad_input_rejected_before_communication():
+    rejected = run_ranks(check_bad_inputs_leave_backend_usable, 2, timeout_s=120)
+    assert rejected[0] == 17 and rejected[1] == 0
+
+
+def check_foreign_handle(ctx) -> None:
+    first = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=EXPERTS, device="cpu")
+    second = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=EXPERTS, device="cpu")
+    problem = make_problem(1, [4] * ctx.world_size, HIDDEN, EXPERTS, TOPK)
+    out = ep_plugin.dispatch(first, problem.hidden[ctx.rank], routing_map=problem.routing_map[ctx.rank],
+                             probs=problem.probs[ctx.rank])
+    with pytest.raises(ValueError, match="another backend instance"):
+        second.combine(out.hidden, out.handle)
+    with pytest.raises(TypeError, match="Handle"):
+        ep_plugin.combine(out.hidden, "not a handle")
+    ep_plugin.combine(out.hidden, out.handle)
+
+
+def test_handle_of_another_backend_is_rejected():
+    run_ranks(check_foreign_handle, 2, timeout_s=60)

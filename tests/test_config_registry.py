@@ -1,0 +1,87 @@
+"""Config env overrides and validation; backend registry including the entry-point group."""
+
+import sys
+import textwrap
+
+import pytest
+
+import ep_plugin
+from ep_plugin import registry
+from ep_plugin.config import Config, describe
+
+
+def test_env_overrides_and_keyword_precedence():
+    env = {"EP_PLUGIN_TIMEOUT_S": "5", "EP_PLUGIN_NUM_SMS": "24", "EP_PLUGIN_AVOID_RECORD_STREAM": "yes",
+           "EP_PLUGIN_BLOCKING": "0"}
+    config = Config.from_env(env)
+    assert (config.timeout_s, config.num_sms, config.avoid_record_stream, config.blocking) == (5.0, 24, True, False)
+    assert Config.from_env(env, num_sms=8).num_sms == 8
+    assert Config.from_env({}).timeout_s == Config().timeout_s
+
+
+@pytest.mark.parametrize("env,text", [
+    ({"EP_PLUGIN_TIMEOUT_S": "soon"}, "cannot parse EP_PLUGIN_TIMEOUT_S"),
+    ({"EP_PLUGIN_TIMEOUT_S": "-1"}, "timeout_s must be > 0"),
+    ({"EP_PLUGIN_NUM_SMS": "0"}, r"num_sms must be in \[1, 1024\]"),
+    ({"EP_PLUGIN_BLOCKING": "maybe"}, "cannot parse EP_PLUGIN_BLOCKING"),
+    ({"EP_PLUGIN_PAD_MULTIPLE": "0"}, "pad_multiple must be >= 1"),
+])
+def test_bad_config_values_name_the_knob(env, text):
+    with pytest.raises(ValueError, match=text):
+        Config.from_env(env)
+
+
+def test_unknown_config_field():
+    with pytest.raises(TypeError, match="no field"):
+        Config.from_env({}, num_smz=3)
+
+
+def test_every_knob_is_described():
+    names = [row[0] for row in describe()]
+    assert "EP_PLUGIN_TIMEOUT_S" in names and len(names) == len(Config.__dataclass_fields__)
+
+
+def test_builtin_backends_listed_and_unknown_name_lists_them():
+    assert {"reference", "hybrid"} <= set(ep_plugin.list_backends())
+    assert ep_plugin.get_backend("reference").name == "reference"
+    with pytest.raises(ValueError, match="known backends: .*reference"):
+        ep_plugin.get_backend("nccl_magic")
+
+
+def test_register_backend_and_refuse_silent_overwrite():
+    class MyBackend:
+        name = "mine"
+
+    ep_plugin.register_backend("test_mine", MyBackend)
+    try:
+        assert ep_plugin.get_backend("test_mine") is MyBackend
+        with pytest.raises(ValueError, match="already registered"):
+            ep_plugin.register_backend("test_mine", object)
+    finally:
+        registry._registry.pop("test_mine")
+
+
+def test_entry_point_group_is_loaded(tmp_path, monkeypatch):
+    # A real installed-distribution layout on sys.path: importlib.metadata finds it.
+    (tmp_path / "thirdparty_ep.py").write_text("class Backend:\n    name = 'third'\n")
+    dist_info = tmp_path / "thirdparty_ep-1.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-ep\nVersion: 1.0\n")
+    (dist_info / "entry_points.txt").write_text(textwrap.dedent("""\
+        [ep_plugin.backends]
+        third = thirdparty_ep:Backend
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    monkeypatch.setattr(registry, "_registry", dict(registry._BUILTIN))
+    assert "third" in ep_plugin.list_backends()
+    assert ep_plugin.get_backend("third").name == "third"
+    sys.modules.pop("thirdparty_ep", None)
+
+
+def test_readme_documents_every_knob():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [name for name, _, _ in describe() if f"`{name}`" not in readme]
+    assert not missing, f"README knob table lacks {missing}"
