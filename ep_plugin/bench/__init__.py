@@ -1,0 +1,1 @@
+"""Benchmark harness: ``python -m ep_plugin.bench --help``."""

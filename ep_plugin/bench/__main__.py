@@ -1,0 +1,112 @@
+"""python -m ep_plugin.bench: dispatch/combine side by side with a baseline and the ceiling.
+
+Launches N ranks (one per GPU over NCCL, or several per GPU under a private MPS daemon;
+CPU ranks over gloo with --device cpu) and sweeps the shapes below for each backend.
+Reports per call: median / p10 / p90 µs over ranks x iterations, algorithm GB/s per rank
+(bytes of the tokens a rank receives, once per (token, source rank) — DeepEP's convention,
+so a rank's bytes to itself count), and two ratios measured in the same run:
+
+  ceil/ours  ceiling time / our time. Ranks sharing a GPU: the ceiling is one device-to-device
+             copy of as many bytes as all ranks' dispatch outputs together (combine: all ranks'
+             combine inputs), timed in this run. One GPU per rank: the busiest rank's bytes that
+             cross a link, at --link-gbps (478 GB/s per direction on two H200s with NV18).
+  ref/ours   the reference backend's time / ours (when ranks share a GPU the reference runs over
+             gloo through host memory: reported, but no target there).
+
+Writes a table to stdout, and under --out: bench.json (every sample + environment) and
+PNG plots (GB/s vs tokens, GB/s vs SMs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .report import attach_reference_ratio, format_table, summarize, write_json, write_plots
+from .runner import SweepSpec, bench_rank, environment
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v)
+
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+PRESETS = {
+    # The shape of issue 5's first bar: 8 ranks sharing a GPU, 16 SMs, 4096 tokens, H=7168, top-8, 256 experts.
+    "standard": dict(tokens="4096", hidden="7168", sms="16", payloads="bf16,fp8", routings="balanced",
+                     modes="blocking"),
+    "decode": dict(tokens="128", hidden="7168", sms="16", payloads="bf16", routings="balanced",
+                   modes="nonblocking,blocking"),
+    "full": dict(tokens="128,1024,4096,8192", hidden="4096,7168", sms="8,16,24,32", payloads="bf16,fp8",
+                 routings="balanced,skewed", modes="blocking,nonblocking"),
+}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m ep_plugin.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full",
+                        help="default values for the sweep axes (explicit options override them)")
+    parser.add_argument("--ranks", type=int, default=8, help="rank processes (default 8)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--backends", default="hybrid,reference", help="comma list (default hybrid,reference)")
+    parser.add_argument("--tokens", help="tokens per rank, comma list")
+    parser.add_argument("--hidden", help="hidden sizes, comma list")
+    parser.add_argument("--topk", default="8", help="experts per token (default 8)")
+    parser.add_argument("--experts", default="256", help="total experts (default 256)")
+    parser.add_argument("--payloads", help="bf16 and/or fp8 (fp8 = e4m3 + one fp32 scale per 128 for dispatch)")
+    parser.add_argument("--sms", help="SMs (blocks) per rank, comma list")
+    parser.add_argument("--routings", help="balanced and/or skewed (expert popularity decays e^6 across ids)")
+    parser.add_argument("--modes", help="blocking (exact size, one host read) and/or nonblocking (no host sync)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations per case and rank")
+    parser.add_argument("--reference-iters", type=int, default=3, help="timed iterations of the (slow) reference")
+    parser.add_argument("--reference-max-tokens", type=int, default=4096, help="skip the reference above this")
+    parser.add_argument("--link-gbps", type=float, default=478.0,
+                        help="per-direction link rate for the one-GPU-per-rank ceiling (default 478: 2 x H200 NV18)")
+    parser.add_argument("--out", default="bench_out", help="folder for bench.json and the plots")
+    parser.add_argument("--timeout", type=float, default=580.0, help="seconds before the launcher gives up")
+    args = parser.parse_args(argv)
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    from ep_plugin.testing import run_ranks
+    from ep_plugin.testing.launcher import plan_launch
+
+    spec = SweepSpec(backends=_words(args.backends), tokens=_ints(args.tokens), hidden=_ints(args.hidden),
+                     topk=_ints(args.topk), experts=_ints(args.experts), payloads=_words(args.payloads),
+                     sms=_ints(args.sms), routings=_words(args.routings), modes=_words(args.modes),
+                     warmup=args.warmup, iters=args.iters, reference_iters=args.reference_iters,
+                     reference_max_tokens=args.reference_max_tokens)
+    import torch
+
+    num_gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    plan = plan_launch(args.ranks, args.device, num_gpus)
+    records = run_ranks(bench_rank, args.ranks, spec, device=args.device, timeout_s=args.timeout)[0]
+    link_gbps = 0.0 if plan.use_mps or args.device == "cpu" else args.link_gbps
+    rows = [row for record in records for row in summarize(record, link_gbps)]
+    attach_reference_ratio(rows)
+    os.makedirs(args.out, exist_ok=True)
+    env = environment(args.device, plan)
+    env["ceiling"] = ("in-run device copy (ranks share a GPU)" if plan.use_mps else
+                      f"link line rate {link_gbps} GB/s per direction" if link_gbps else "none (CPU)")
+    write_json(os.path.join(args.out, "bench.json"), env, records, rows, argv)
+    plots = write_plots(args.out, rows)
+    print(f"environment: {env}")
+    print(format_table(rows))
+    print(f"wrote {os.path.join(args.out, 'bench.json')}" + "".join(f", {p}" for p in plots))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
