@@ -8,6 +8,7 @@ ranks' outputs together (the least traffic the operation can cost on that GPU).
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -113,6 +114,29 @@ def _time_copy_us(num_bytes: int, device: torch.device, repeats: int = 5) -> flo
     return statistics.median(times[1:])
 
 
+def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, shared_gpu: bool,
+              ceiling_cache: dict[int, float]) -> dict:
+    """Time one shape on every rank; rank 0 also times the ceiling. Returns the record (complete on rank 0)."""
+    iters = spec.reference_iters if backend.name == "reference" else spec.iters
+    samples = _time_calls(backend, shape, ctx.rank, spec.seed, device, spec.warmup, iters)
+    all_samples = [None] * ctx.world_size
+    dist.all_gather_object(all_samples, samples)
+    # Every rank's routing is reproducible from the seed: no need to gather the maps.
+    maps = [make_routing(shape, r, spec.seed, torch.device("cpu"))[0] for r in range(ctx.world_size)]
+    bytes_per_rank = traffic(maps, ctx.world_size, shape)
+    combine_bytes = sum(bytes_per_rank["out_bytes"]) // shape.row_bytes() * 2 * shape.hidden  # bf16 rows back
+    ceilings = {}
+    if ctx.rank == 0 and shared_gpu:
+        for op, num_bytes in (("dispatch", sum(bytes_per_rank["out_bytes"])), ("combine", combine_bytes)):
+            if num_bytes not in ceiling_cache:
+                ceiling_cache[num_bytes] = _time_copy_us(num_bytes, device)
+            ceilings[op] = ceiling_cache[num_bytes]
+    _barrier(device)
+    return dict(payload=shape.payload, tokens=shape.tokens, hidden=shape.hidden, topk=shape.topk,
+                experts=shape.experts, routing=shape.routing, ranks=ctx.world_size, samples_us=all_samples,
+                bytes=bytes_per_rank, ceiling_us=ceilings)
+
+
 def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
     """Run the sweep on this rank; rank 0 returns every record (with all ranks' samples)."""
     torch.set_num_threads(1)
@@ -134,39 +158,20 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
         config = Config.from_env(num_sms=sms, blocking=(mode == "blocking"), max_tokens_per_rank=max(spec.tokens),
                                  **spec.extra_config)
         backend = None
-        for tokens in spec.tokens:
-            for topk in spec.topk:
-                for payload in spec.payloads:
-                    for routing in spec.routings:
-                        if progress:
-                            progress.update()
-                        if not _supported(name, cls, payload, mode):
-                            continue
-                        if name == "reference" and tokens > spec.reference_max_tokens:
-                            continue
-                        if backend is None:
-                            backend = cls(hidden_size=hidden, num_experts=experts, config=config, device=device)
-                        shape = Shape(tokens, hidden, topk, experts, payload, routing)
-                        iters = spec.reference_iters if name == "reference" else spec.iters
-                        samples = _time_calls(backend, shape, ctx.rank, spec.seed, device, spec.warmup, iters)
-                        all_samples = [None] * ctx.world_size
-                        dist.all_gather_object(all_samples, samples)
-                        maps = [make_routing(shape, r, spec.seed, torch.device("cpu"))[0] for r in range(ctx.world_size)]
-                        bytes_per_rank = traffic(maps, ctx.world_size, shape)
-                        combine_bytes = sum(bytes_per_rank["out_bytes"]) // shape.row_bytes() * 2 * hidden
-                        ceilings = {}
-                        if ctx.rank == 0 and shared_gpu:
-                            for op, num_bytes in (("dispatch", sum(bytes_per_rank["out_bytes"])),
-                                                  ("combine", combine_bytes)):
-                                if num_bytes not in ceiling_cache:
-                                    ceiling_cache[num_bytes] = _time_copy_us(num_bytes, device)
-                                ceilings[op] = ceiling_cache[num_bytes]
-                        _barrier(device)
-                        if ctx.rank == 0:
-                            records.append(dict(backend=name, mode=mode, payload=payload, tokens=tokens, hidden=hidden,
-                                                topk=topk, experts=experts, sms=sms if name != "reference" else None,
-                                                routing=routing, ranks=ctx.world_size, samples_us=all_samples,
-                                                bytes=bytes_per_rank, ceiling_us=ceilings))
+        for tokens, topk, payload, routing in itertools.product(spec.tokens, spec.topk, spec.payloads,
+                                                                spec.routings):
+            if progress:
+                progress.update()
+            if not _supported(name, cls, payload, mode) or (name == "reference" and
+                                                             tokens > spec.reference_max_tokens):
+                continue
+            if backend is None:  # built lazily: a backend owns large buffers
+                backend = cls(hidden_size=hidden, num_experts=experts, config=config, device=device)
+            shape = Shape(tokens, hidden, topk, experts, payload, routing)
+            record = _run_case(ctx, spec, backend, shape, device, shared_gpu, ceiling_cache)
+            if ctx.rank == 0:
+                record.update(backend=name, mode=mode, sms=sms if name != "reference" else None)
+                records.append(record)
         if backend is not None:
             backend.destroy()
             del backend

@@ -70,5 +70,5 @@ def traffic(routing_maps: list[torch.Tensor], num_ranks: int, shape: Shape) -> d
     return {
         "recv_token_bytes": [t * row_bytes for t in recv_tokens],
         "out_bytes": [r * row_bytes for r in out_rows],
-        "remote_bytes_in": [(t - s) * row_bytes for t, s in zip(recv_tokens, self_tokens)],
+        "remote_bytes_in": [(t - s) * row_bytes for t, s in zip(recv_tokens, self_tokens, strict=True)],
     }
