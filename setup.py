@@ -38,10 +38,6 @@ class NvccBuildExt(build_ext):
 
     def build_extension(self, ext):
         nvcc = find_nvcc()
-        if nvcc is None:
-            print("ep_plugin: nvcc not found; installing without the CUDA extension "
-                  "(only the reference backend will be available)", file=sys.stderr)
-            return
         import pybind11
 
         archs = [a.strip() for a in os.environ.get("EP_PLUGIN_CUDA_ARCHS", "90").split(";") if a.strip()]
@@ -62,6 +58,11 @@ class NvccBuildExt(build_ext):
 
 
 sources = sorted(glob.glob("csrc/*.cu")) + sorted(glob.glob("csrc/*.cpp"))
+# Decided up front: an extension listed but not built breaks editable installs.
+ext_modules = [Extension("ep_plugin._C", sources=sources)] if find_nvcc() else []
+if not ext_modules:
+    print("ep_plugin: nvcc not found (or EP_PLUGIN_NO_CUDA=1); installing without the CUDA extension "
+          "(only the reference backend will be available)", file=sys.stderr)
 
 setup(
     name="ep_plugin",
@@ -71,7 +72,7 @@ setup(
     packages=find_packages(include=["ep_plugin", "ep_plugin.*"]) + ["ep_plugin.integrations"]
     + ["ep_plugin.integrations." + p for p in find_packages(where="integrations")],
     package_dir={"ep_plugin.integrations": "integrations"},
-    ext_modules=[Extension("ep_plugin._C", sources=sources)],
+    ext_modules=ext_modules,
     cmdclass={"build_ext": NvccBuildExt},
     install_requires=["torch>=2.1", "numpy", "tqdm"],
     extras_require={"test": ["pytest", "pytest-timeout"], "plots": ["matplotlib"],
