@@ -1,0 +1,228 @@
+"""Megatron-Core adapter: select ep_plugin backends with ``moe_flex_dispatcher_backend``.
+
+    import ep_plugin.integrations.megatron as ep_megatron
+    ep_megatron.install()
+    config = TransformerConfig(..., moe_token_dispatcher_type="flex",
+                               moe_flex_dispatcher_backend="ep_hybrid")
+
+or, for an unmodified Megatron-LM script:
+
+    python -m ep_plugin.integrations.megatron.run pretrain_gpt.py --moe-token-dispatcher-type flex \\
+        --moe-flex-dispatcher-backend ep_hybrid ...
+
+``install()`` (idempotent) does four things:
+
+1. wraps ``MoEFlexTokenDispatcher.__init__`` (the class attribute, so the name that
+   moe_layer.py bound at import sees it): a plugin name builds an ``EPPluginManager``;
+   builtin names run Megatron's own code; an unknown name raises a ValueError listing
+   every valid name;
+2. widens the ``Literal`` type of ``TransformerConfig.moe_flex_dispatcher_backend`` (which
+   Megatron-LM >= 0.17 turns into the CLI ``choices``) and adds the names to the choices of
+   an argparse ``--moe-flex-dispatcher-backend`` option written with a fixed list;
+3. makes the name-based spots (FP8 padding skip, fine-grained 1F1B callables, input
+   freeing) see a plugin name as "hybridep": our manager has HybridEP's shape (permuted
+   output, probs needed in backward, identity post-processing, in-dispatch padding);
+4. with ``replace_builtin=True``, routes "hybridep" itself to the plugin's hybrid backend.
+
+Importing this package does not import Megatron; ``install()`` raises an ImportError naming
+the pip package ``megatron-core`` when it is missing. Version differences live in ``compat``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Optional
+
+from . import compat
+
+# moe_flex_dispatcher_backend value -> ep_plugin registry name.
+PLUGIN_BACKENDS: dict[str, str] = {
+    "ep_reference": "reference",
+    "ep_hybrid": "hybrid",
+    "ep_elastic": "elastic",
+}
+# The builtin whose code paths our manager matches (see the name-based spots).
+BUILTIN_ALIAS = "hybridep"
+CLI_OPTION = "--moe-flex-dispatcher-backend"
+
+_lock = threading.Lock()
+
+
+class _State:
+    installed = False
+    replace_builtin = False
+    builtin_names: tuple[str, ...] = ()  # Megatron's own names, read before we widen the type
+    original_init = None
+    original_functions: dict = {}  # (module, function) -> original callable
+    original_parse_known_args = None
+
+
+_state = _State()
+
+
+def install(replace_builtin: bool = False) -> None:
+    """Teach Megatron-Core the plugin's ``moe_flex_dispatcher_backend`` names. Idempotent.
+
+    Args:
+        replace_builtin: also route "hybridep" to the plugin's hybrid backend, so existing
+            configs use the plugin without an edit. A later call may switch this on or off.
+    Raises:
+        ImportError: megatron-core is missing or older than 0.16.1 (the message names the package).
+    """
+    compat.require_megatron()
+    with _lock:
+        _state.replace_builtin = bool(replace_builtin)
+        if _state.installed:
+            return
+        _state.builtin_names = compat.literal_names(compat.backend_field().type)
+        compat.set_backend_names(_state.builtin_names + tuple(PLUGIN_BACKENDS))
+        _wrap_dispatcher_init()
+        _wrap_name_spots()
+        _widen_argparse_choices()
+        _state.installed = True
+
+
+def uninstall() -> None:
+    """Undo ``install()`` (for tests and for users who need Megatron's original behaviour back)."""
+    with _lock:
+        if not _state.installed:
+            return
+        compat.flex_dispatcher_class().__init__ = _state.original_init
+        for (module_name, function_name), original in _state.original_functions.items():
+            _rebind(getattr(sys.modules[module_name], function_name), original)
+        _state.original_functions = {}
+        argparse.ArgumentParser.parse_known_args = _state.original_parse_known_args
+        compat.set_backend_names(_state.builtin_names)
+        _state.installed = False
+        _state.replace_builtin = False
+
+
+def is_installed() -> bool:
+    return _state.installed
+
+
+def valid_backend_names() -> tuple[str, ...]:
+    """Every value ``moe_flex_dispatcher_backend`` accepts once installed (builtin ones first)."""
+    builtin = _state.builtin_names or compat.literal_names(compat.backend_field().type)
+    return tuple(dict.fromkeys(builtin + tuple(PLUGIN_BACKENDS)))
+
+
+def plugin_backend_for(name: str) -> Optional[str]:
+    """The ep_plugin backend a config value selects, or None when Megatron's own code handles it."""
+    if name in PLUGIN_BACKENDS:
+        return PLUGIN_BACKENDS[name]
+    if name == BUILTIN_ALIAS and _state.replace_builtin:
+        return PLUGIN_BACKENDS["ep_hybrid"]
+    return None
+
+
+# ---- 1. the dispatcher ------------------------------------------------------------------------
+
+def _wrap_dispatcher_init() -> None:
+    dispatcher_class = compat.flex_dispatcher_class()
+    original = dispatcher_class.__init__
+    _state.original_init = original
+
+    @functools.wraps(original)
+    def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
+        name = config.moe_flex_dispatcher_backend
+        backend_name = plugin_backend_for(name)
+        if backend_name is None:
+            if name not in _state.builtin_names:
+                raise ValueError(f"unknown moe_flex_dispatcher_backend {name!r}; valid names: "
+                                 f"{', '.join(valid_backend_names())}")
+            return original(self, num_local_experts, local_expert_indices, config=config,
+                            pg_collection=pg_collection)
+        _init_plugin_dispatcher(self, backend_name, num_local_experts, local_expert_indices, config,
+                                pg_collection)
+
+    dispatcher_class.__init__ = __init__
+
+
+def _init_plugin_dispatcher(dispatcher, backend_name, num_local_experts, local_expert_indices, config,
+                            pg_collection) -> None:
+    from .manager import EPPluginManager
+
+    if pg_collection is None:
+        pg_collection = compat.default_pg_collection()
+    # The base class sets config, groups and sizes; unlike Megatron's DeepEP path there is no
+    # TP x EP > 1 requirement: a plugin backend runs on one rank too.
+    compat.dispatcher_base_class().__init__(dispatcher, config=config, pg_collection=pg_collection)
+    dispatcher.num_local_experts = num_local_experts
+    dispatcher.local_expert_indices = local_expert_indices
+    dispatcher._comm_manager = EPPluginManager(
+        backend_name, group=dispatcher.tp_ep_group, num_local_experts=num_local_experts,
+        num_experts=dispatcher.tp_size * config.num_moe_experts, config=config)
+    dispatcher.cudagraph_attrs = ["_comm_manager.token_probs", "_comm_manager.routing_map"]
+
+
+# ---- 3. name-based spots ----------------------------------------------------------------------
+
+@contextmanager
+def _seen_as_builtin(config):
+    """Temporarily present a plugin name as "hybridep" to Megatron code that compares names."""
+    name = getattr(config, compat.BACKEND_FIELD, None)
+    if name not in PLUGIN_BACKENDS:
+        yield
+        return
+    setattr(config, compat.BACKEND_FIELD, BUILTIN_ALIAS)
+    try:
+        yield
+    finally:
+        setattr(config, compat.BACKEND_FIELD, name)
+
+
+def _wrap_name_spots() -> None:
+    for spot in compat.NAME_SPOTS:
+        original = compat.find_function(spot)
+        if original is None or hasattr(original, "__ep_plugin_original__"):
+            continue  # absent in this version, or the same function re-exported by an earlier spot
+
+        def wrapper(*args, _original=original, _spot=spot, **kwargs):
+            with _seen_as_builtin(_spot.config_of(args, kwargs)):
+                return _original(*args, **kwargs)
+
+        functools.update_wrapper(wrapper, original)
+        wrapper.__ep_plugin_original__ = original
+        _state.original_functions[(spot.module, spot.function)] = original
+        _rebind(original, wrapper)
+
+
+def _rebind(old, new) -> None:
+    """Replace ``old`` by ``new`` in every loaded megatron module (callers bound it by name)."""
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith("megatron"):
+            continue
+        for attribute, value in list(vars(module).items()):
+            if value is old:
+                setattr(module, attribute, new)
+
+
+# ---- 2. the Megatron-LM argument parser -------------------------------------------------------
+
+def _widen_argparse_choices() -> None:
+    """Add the plugin names to a ``--moe-flex-dispatcher-backend`` option's fixed choices.
+
+    Megatron-LM <= 0.16 writes ``choices=['deepep', 'hybridep']`` by hand; the option is
+    found by its flag when the parser parses, wherever it was defined.
+    """
+    original = argparse.ArgumentParser.parse_known_args
+    _state.original_parse_known_args = original
+
+    @functools.wraps(original)
+    def parse_known_args(self, *args, **kwargs):
+        for action in self._actions:
+            if CLI_OPTION in action.option_strings and action.choices is not None:
+                missing = [name for name in PLUGIN_BACKENDS if name not in action.choices]
+                if missing:
+                    action.choices = list(action.choices) + missing
+        return original(self, *args, **kwargs)
+
+    argparse.ArgumentParser.parse_known_args = parse_known_args
+
+
+__all__ = ["PLUGIN_BACKENDS", "install", "is_installed", "plugin_backend_for", "uninstall", "valid_backend_names"]

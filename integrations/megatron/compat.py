@@ -1,0 +1,167 @@
+"""Everything that differs between megatron-core versions (0.16.1 through 0.19.x) lives here.
+
+The rest of the Megatron adapter asks this module for classes and facts and never tests a
+version itself. What differs:
+
+- where the name-based spots live: ``should_free_input`` moved from
+  ``models.gpt.fine_grained_callables`` (0.16) to ``models.common.utils`` (0.19);
+  ``skip_routed_expert_padding`` (the FP8 padding skip in the experts) exists from 0.19 on;
+- the builtin backend names (0.16: deepep, hybridep; 0.19 adds ncclep) — read from the
+  ``Literal`` type of ``TransformerConfig.moe_flex_dispatcher_backend``, never listed here;
+- whether a dispatcher may be built without ``pg_collection`` (0.16 needs one; both versions
+  offer ``moe_utils.get_default_pg_collection()``);
+- 0.19 reads ``manager.over_budget`` (paged stash) and asserts TP x EP > 1 only for deepep and
+  ncclep; 0.16 asserts it for every flex backend. The plugin path never asserts it, and its
+  manager always carries ``over_budget``, so neither needs a version test.
+"""
+
+from __future__ import annotations
+
+import importlib
+import typing
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+PIP_PACKAGE = "megatron-core"
+MIN_VERSION = (0, 16, 1)
+TESTED_UP_TO = (0, 19)  # newest minor version this adapter was written against
+
+
+def require_megatron():
+    """Import megatron.core or raise an ImportError that names the pip package to install."""
+    try:
+        import megatron.core  # noqa: F401
+        from megatron.core import package_info
+    except ImportError as error:
+        raise ImportError(
+            f"ep_plugin.integrations.megatron needs Megatron-Core: `pip install {PIP_PACKAGE}` "
+            f"(>= {'.'.join(map(str, MIN_VERSION))}; 0.16.1 is the newest for Python 3.11). "
+            f"Importing it failed with: {error}") from error
+    version = megatron_version()
+    if version < MIN_VERSION:
+        raise ImportError(f"ep_plugin.integrations.megatron needs {PIP_PACKAGE} >= "
+                          f"{'.'.join(map(str, MIN_VERSION))}, found {package_info.__version__}")
+    if version[:2] > TESTED_UP_TO:
+        warnings.warn(f"ep_plugin.integrations.megatron was written against megatron-core up to "
+                      f"{'.'.join(map(str, TESTED_UP_TO))}.x; found {package_info.__version__}. The flex "
+                      f"dispatcher's contract may have changed.", stacklevel=3)
+    return megatron.core
+
+
+def megatron_version() -> tuple[int, int, int]:
+    from megatron.core import package_info
+
+    return (int(package_info.MAJOR), int(package_info.MINOR), int(package_info.PATCH))
+
+
+def flex_dispatcher_class():
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    return MoEFlexTokenDispatcher
+
+
+def dispatcher_base_class():
+    from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+    return MoETokenDispatcher
+
+
+def transformer_config_class():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig
+
+
+BACKEND_FIELD = "moe_flex_dispatcher_backend"
+
+
+def backend_field():
+    """The dataclass Field of ``TransformerConfig.moe_flex_dispatcher_backend``."""
+    return transformer_config_class().__dataclass_fields__[BACKEND_FIELD]
+
+
+def literal_names(annotation: Any) -> tuple[str, ...]:
+    """The strings of a ``Literal[...]`` (or ``Optional[Literal[...]]``) annotation."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return tuple(typing.get_args(annotation))
+    names: tuple[str, ...] = ()
+    for argument in typing.get_args(annotation):
+        names += literal_names(argument)
+    return names
+
+
+def set_backend_names(names: tuple[str, ...]) -> None:
+    """Make ``TransformerConfig.moe_flex_dispatcher_backend`` a Literal of ``names``.
+
+    Megatron-LM >= 0.17 generates the ``--moe-flex-dispatcher-backend`` choices from this
+    type (``ArgumentGroupFactory`` reads ``Field.type``); typed config systems read the
+    annotation.
+    """
+    literal = typing.Literal[names]  # type: ignore[valid-type]
+    backend_field().type = literal
+    transformer_config_class().__annotations__[BACKEND_FIELD] = literal
+
+
+def default_pg_collection():
+    """Process groups of the global parallel state (what a dispatcher uses without pg_collection)."""
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    return get_default_pg_collection()
+
+
+def quantization_pad_multiple(config) -> Optional[int]:
+    """Row alignment FP8/FP4 expert GEMMs need (None without FP8/FP4), like HybridEP's pad_multiple."""
+    if not (getattr(config, "fp8", None) or getattr(config, "fp4", None)):
+        return None
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+    return int(get_align_size_for_quantization(config)) or None
+
+
+# ---- name-based spots -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NameSpot:
+    """A Megatron function that branches on ``config.moe_flex_dispatcher_backend == "hybridep"``.
+
+    ``config_of(args, kwargs)`` finds the TransformerConfig in a call of that function.
+    """
+
+    module: str
+    function: str
+    config_of: Callable[[tuple, dict], Any]
+    what: str
+
+
+def _argument(index: int, name: str) -> Callable[[tuple, dict], Any]:
+    def config_of(args: tuple, kwargs: dict) -> Any:
+        return kwargs[name] if name in kwargs else args[index]
+
+    return config_of
+
+
+def _layer_config(args: tuple, kwargs: dict) -> Any:
+    layer = kwargs["layer"] if "layer" in kwargs else args[0]
+    return layer.config
+
+
+NAME_SPOTS = (
+    NameSpot("megatron.core.models.gpt.fine_grained_callables", "should_free_input", _argument(2, "config"),
+             "input freeing of the 1F1B schedule nodes (0.16)"),
+    NameSpot("megatron.core.models.common.utils", "should_free_input", _argument(2, "config"),
+             "input freeing of the 1F1B schedule nodes (0.19)"),
+    NameSpot("megatron.core.models.gpt.fine_grained_callables", "build_transformer_layer_callables",
+             _layer_config, "fine-grained 1F1B callables (probs handed to the dispatcher's manager)"),
+    NameSpot("megatron.core.transformer.moe.moe_utils", "skip_routed_expert_padding", _argument(0, "config"),
+             "FP8/FP4 padding skip in the experts (0.19)"),
+)
+
+
+def find_function(spot: NameSpot) -> Optional[Callable]:
+    """The spot's function in this megatron-core version, or None where it does not exist."""
+    try:
+        module = importlib.import_module(spot.module)
+    except ImportError:
+        return None
+    return getattr(module, spot.function, None)

@@ -1,0 +1,164 @@
+"""The communication manager that ``MoEFlexTokenDispatcher`` drives when a plugin name is chosen.
+
+Megatron's flex dispatcher calls, per MoE layer and step (DESIGN §7):
+
+    setup_metadata(routing_map, probs)      inside torch.compile: reshapes only, sets token_probs
+    dispatch(hidden, async_finish, allocate_on_comm_stream) -> rows; sets dispatched_probs
+    get_permuted_hidden_states_by_experts(rows) -> (rows, dispatched_probs)
+    get_number_of_tokens_per_expert()       -> [num_local_experts] int64 (padded segment lengths)
+    get_restored_hidden_states_by_experts(rows) -> rows
+    combine(rows, async_finish, allocate_on_comm_stream) -> [T, H], unweighted sum
+
+The dispatch output is already grouped by local expert (the backend permutes), so the two
+"by experts" steps are identities, as with Megatron's HybridEP manager. Probs travel with
+the tokens and are applied inside the experts; combine only sums.
+
+The backend instance (a communication buffer on GPU backends) is created on the first
+``dispatch``, outside the compiled region, and shared by every layer with the same group,
+hidden size and expert count.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+import ep_plugin
+from ep_plugin.backends.base import Backend
+
+from . import compat
+
+logger = logging.getLogger(__name__)
+
+# (backend name, process group, hidden size, experts, device) -> Backend instance.
+_backends: dict[tuple, Backend] = {}
+
+
+def resolve_backend_class(backend_name: str, config_name: str):
+    """The ep_plugin backend class, or BackendUnavailableError saying why this install lacks it."""
+    try:
+        return ep_plugin.get_backend(backend_name)
+    except (ImportError, ValueError) as error:
+        raise ep_plugin.BackendUnavailableError(
+            f"moe_flex_dispatcher_backend={config_name!r} selects ep_plugin backend {backend_name!r}, which "
+            f"this installation cannot provide ({error}); available backends: "
+            f"{', '.join(ep_plugin.list_backends())}") from error
+
+
+def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int, device: torch.device) -> Backend:
+    """One backend instance per (name, group, hidden size, experts, device), shared by all layers."""
+    key = (backend_name, group, hidden_size, num_experts, str(device))
+    if key not in _backends:
+        backend_class = ep_plugin.get_backend(backend_name)
+        _backends[key] = backend_class(group, hidden_size=hidden_size, num_experts=num_experts, device=device)
+    return _backends[key]
+
+
+def clear_backend_cache() -> None:
+    """Destroy the shared backends (call before destroying the process groups they use)."""
+    for backend in _backends.values():
+        backend.destroy()
+    _backends.clear()
+
+
+class EPPluginManager:
+    """Drives one ep_plugin backend for one MoE layer (Megatron's ``_DispatchManager`` duck type).
+
+    Args:
+        backend_name: ep_plugin registry name ("reference", "hybrid", "elastic").
+        group: the TP x EP process group (``dispatcher.tp_ep_group``).
+        num_local_experts: experts on this rank.
+        num_experts: experts over the group, TP x ``num_moe_experts`` (the dispatcher expands the
+            routing map over TP ranks, so each TP rank counts as its own destination).
+        config: the layer's TransformerConfig.
+    """
+
+    def __init__(self, backend_name: str, group, num_local_experts: int, num_experts: int, config) -> None:
+        self.backend_name = backend_name
+        self.group = group
+        self.num_local_experts = num_local_experts
+        self.num_experts = num_experts
+        self.config = config
+        # Resolve the class now so an unknown or unavailable backend fails at model build time.
+        self.backend_class = resolve_backend_class(backend_name, config.moe_flex_dispatcher_backend)
+        if config.moe_pad_expert_input_to_capacity:
+            raise ValueError("ep_plugin backends are dropless: moe_pad_expert_input_to_capacity=True is not "
+                             "supported with moe_flex_dispatcher_backend='ep_*'")
+        self.pad_multiple = compat.quantization_pad_multiple(config)
+
+        # Per-step state, the same attribute names Megatron's managers use (the fine-grained 1F1B
+        # callables overwrite token_probs and dispatched_probs with detached copies).
+        self.routing_map: Optional[torch.Tensor] = None  # [T, num_experts] bool
+        self.token_probs: Optional[torch.Tensor] = None  # [T, num_experts]
+        self.dispatched_probs: Optional[torch.Tensor] = None  # [R] float32
+        self.tokens_per_expert: Optional[torch.Tensor] = None  # [num_local_experts] int64
+        self.handle: Optional[ep_plugin.Handle] = None
+        self.backend: Optional[Backend] = None
+        # Read (and reset) by 0.19's paged stash through dispatcher.check_over_budget(). Plugin
+        # backends size the output exactly in blocking mode and never drop a token, so it stays False.
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.over_budget = torch.zeros(1, dtype=torch.bool, device=device)
+
+    def setup_metadata(self, routing_map: torch.Tensor, probs: torch.Tensor) -> None:
+        """Keep this rank's routing for ``dispatch``. Runs under torch.compile: reshapes only.
+
+        Args:
+            routing_map: [T, world, num_local_experts] (or [T, num_experts]) bool.
+            probs: same shape, the router's probs (any float dtype; fp32 is sent).
+        """
+        num_tokens = routing_map.shape[0]
+        self.routing_map = routing_map.reshape(num_tokens, self.num_experts)
+        self.token_probs = probs.reshape(num_tokens, self.num_experts)
+
+    def dispatch(self, hidden_states: torch.Tensor, async_finish: bool = True,
+                 allocate_on_comm_stream: bool = True) -> torch.Tensor:
+        """Send tokens to their experts' ranks. Returns rows [R, H] grouped by local expert.
+
+        ``async_finish``/``allocate_on_comm_stream`` are accepted for the contract; the call is
+        ordered on the current stream (DESIGN §3.2), so the result is ready for the next kernel.
+        """
+        if self.routing_map is None:
+            raise RuntimeError("EPPluginManager.dispatch called before setup_metadata")
+        probs = self.token_probs
+        if probs.dtype != torch.float32:
+            probs = probs.float()  # ep_plugin carries fp32 probs, like HybridEP
+        backend = self._backend_for(hidden_states)
+        out = ep_plugin.dispatch(backend, hidden_states.contiguous(), routing_map=self.routing_map.contiguous(),
+                                 probs=probs.contiguous(), pad_multiple=self.pad_multiple)
+        self.handle = out.handle
+        self.dispatched_probs = out.probs
+        self.tokens_per_expert = out.tokens_per_expert
+        return out.hidden
+
+    def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
+        """Rows are already grouped by local expert: returns (rows, their probs [R])."""
+        return hidden_states, self.dispatched_probs
+
+    def get_number_of_tokens_per_expert(self) -> torch.Tensor:
+        """[num_local_experts] int64 rows per local expert (segments padded to pad_multiple)."""
+        return self.tokens_per_expert
+
+    def get_restored_hidden_states_by_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Expert outputs stay in the dispatch layout; combine reverses it."""
+        return hidden_states
+
+    def combine(self, hidden_states: torch.Tensor, async_finish: bool = True,
+                allocate_on_comm_stream: bool = True) -> torch.Tensor:
+        """Return [T, H]: each token's expert rows summed at its source rank (unweighted)."""
+        if self.handle is None:
+            raise RuntimeError("EPPluginManager.combine called without a preceding dispatch")
+        handle, self.handle = self.handle, None  # autograd keeps the Handle for backward
+        return ep_plugin.combine(hidden_states.contiguous(), handle)
+
+    def _backend_for(self, hidden_states: torch.Tensor) -> Backend:
+        hidden_size = hidden_states.shape[-1]
+        backend = self.backend
+        if backend is None or backend.hidden_size != hidden_size or backend.device != hidden_states.device:
+            device = hidden_states.device
+            if device.type == "cuda" and device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            backend = shared_backend(self.backend_name, self.group, hidden_size, self.num_experts, device)
+            self.backend = backend
+        return backend

@@ -1,0 +1,49 @@
+"""Run an unmodified Megatron-LM training script with the ep_plugin backends installed.
+
+    python -m ep_plugin.integrations.megatron.run pretrain_gpt.py --moe-token-dispatcher-type flex \\
+        --moe-flex-dispatcher-backend ep_hybrid [more Megatron-LM arguments]
+    torchrun --nproc-per-node 8 -m ep_plugin.integrations.megatron.run pretrain_gpt.py ...
+
+Options before the script (all optional):
+    --replace-builtin   also route "hybridep" to the plugin's hybrid backend
+
+The script runs as ``__main__`` with ``sys.argv = [script, *its args]`` and its folder first
+on ``sys.path``, as ``python script.py`` would run it.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from . import install
+
+USAGE = "usage: python -m ep_plugin.integrations.megatron.run [--replace-builtin] <script.py> [script args...]"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    replace_builtin = False
+    while argv and argv[0].startswith("--"):
+        option = argv.pop(0)
+        if option == "--replace-builtin":
+            replace_builtin = True
+        elif option in ("-h", "--help"):
+            print(USAGE)
+            return
+        else:
+            raise SystemExit(f"unknown option {option!r}\n{USAGE}")
+    if not argv:
+        raise SystemExit(USAGE)
+    script = argv[0]
+    if not os.path.isfile(script):
+        raise SystemExit(f"training script not found: {script}\n{USAGE}")
+    install(replace_builtin=replace_builtin)
+    sys.argv = argv
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""MoEFlexTokenDispatcher on the plugin's ``ep_reference`` backend, against real megatron-core.
+
+Each rank builds the dispatcher from a real TransformerConfig (moe_token_dispatcher_type="flex",
+moe_flex_dispatcher_backend="ep_reference") and real SequentialMLP experts, then runs the
+MoE layer's own sequence:
+
+    dispatch_preprocess -> token_dispatch -> dispatch_postprocess -> experts
+    -> combine_preprocess -> token_combine -> combine_postprocess -> backward
+
+Every rank also computes the same layer densely, in float64, on the tokens of all ranks
+(every rank draws the same global tensors from one seed), and the parent compares: the
+output, and the gradients of the tokens, the router probs and the local expert weights.
+
+A second group of checks follows upstream Megatron's token-dispatcher tests
+(MoEModelTestContainer: dropless restore-identity and gradient checks), written here anew:
+with identity experts that scale by the dispatched probs, combine must restore the input
+(probs of a token sum to one) and backward must return the upstream gradient.
+
+The same launches also run the layer with expert tensor parallelism (TP=2 with sequence
+parallelism, EP = ranks/2): the routing map reaches the manager as [T, TP*E] and combine
+sums the TP ranks' partial outputs.
+
+One process launch per rank count (2 and 4) runs all cases; a 1-rank launch covers the
+plugin path Megatron's own code refuses (TP x EP == 1), that builtin names still reach
+Megatron's code, replace_builtin=True, and torch.compile traceability of setup_metadata.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = [
+    pytest.mark.megatron,
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None
+                       or importlib.util.find_spec("megatron.core") is None,
+                       reason="megatron-core is not installed (pip install megatron-core==0.16.1)"),
+]
+
+HIDDEN = 16
+FFN = 24
+NUM_EXPERTS = 8
+TOKENS_PER_RANK = 12
+
+# (name, top-k, router probs dtype)
+CASES = (
+    ("top1_fp32", 1, "float32"),
+    ("top4_fp32", 4, "float32"),
+    ("top4_bf16_probs", 4, "bfloat16"),
+)
+
+
+# ---- rank side ----------------------------------------------------------------------------------
+
+def _global_inputs(world_size: int, topk: int, seed: int):
+    """Tokens, routing and upstream gradients of every rank, identical on every rank."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(world_size, TOKENS_PER_RANK, HIDDEN, generator=generator)
+    logits = torch.randn(world_size, TOKENS_PER_RANK, NUM_EXPERTS, generator=generator)
+    top_logits, top_index = logits.topk(topk, dim=-1)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, top_index, True)
+    # Normalised over the chosen experts, as Megatron's softmax-after-topk router gives them.
+    probs = torch.zeros_like(logits).scatter(-1, top_index, top_logits.softmax(-1))
+    grad_out = torch.randn(world_size, TOKENS_PER_RANK, HIDDEN, generator=generator)
+    fc1 = torch.randn(NUM_EXPERTS, FFN, HIDDEN, generator=generator) * 0.3
+    fc2 = torch.randn(NUM_EXPERTS, HIDDEN, FFN, generator=generator) * 0.3
+    return hidden, routing_map, probs, grad_out, fc1, fc2
+
+
+def _make_config(topk: int, backend: str = "ep_reference", tensor_parallel: int = 1):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    # Megatron requires sequence parallelism for MoE with TP: each TP rank holds its own tokens.
+    return TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=2,
+        num_moe_experts=NUM_EXPERTS, moe_router_topk=topk, moe_token_dispatcher_type="flex",
+        moe_flex_dispatcher_backend=backend, moe_router_dtype="fp32", add_bias_linear=False,
+        moe_router_pre_softmax=topk == 1, use_cpu_initialization=True,
+        tensor_model_parallel_size=tensor_parallel, sequence_parallel=tensor_parallel > 1)
+
+
+def _make_layer(config, fc1, fc2):
+    """The flex dispatcher and this rank's SequentialMLP experts (weights from the global draw).
+
+    Returns (dispatcher, experts, global indices of the local experts, this rank's slice of
+    the FFN dimension: expert tensor parallelism splits fc1's rows and fc2's columns).
+    """
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    pg_collection = get_default_pg_collection()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    num_local = NUM_EXPERTS // parallel_state.get_expert_model_parallel_world_size()
+    local_indices = [ep_rank * num_local + i for i in range(num_local)]
+    ffn_part = FFN // parallel_state.get_expert_tensor_parallel_world_size()
+    ffn_start = parallel_state.get_expert_tensor_parallel_rank() * ffn_part
+    ffn_slice = slice(ffn_start, ffn_start + ffn_part)
+    dispatcher = MoEFlexTokenDispatcher(num_local, local_indices, config=config, pg_collection=pg_collection)
+    experts = SequentialMLP(num_local, config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                            linear_fc2=RowParallelLinear),
+                            pg_collection=pg_collection)
+    with torch.no_grad():
+        for local, expert in enumerate(experts.local_experts):
+            expert.linear_fc1.weight.copy_(fc1[local_indices[local]][ffn_slice])
+            expert.linear_fc2.weight.copy_(fc2[local_indices[local]][:, ffn_slice])
+    return dispatcher, experts, local_indices, ffn_slice
+
+
+def _moe_forward(dispatcher, experts, hidden, routing_map, probs):
+    """The MoE layer's dispatcher/expert sequence (MoELayer.forward without router)."""
+    hidden_2d, token_probs = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
+    dispatched, dispatched_probs = dispatcher.token_dispatch(hidden_2d, token_probs)
+    rows, tokens_per_expert, row_probs = dispatcher.dispatch_postprocess(dispatched, dispatched_probs)
+    expert_out, _ = experts(rows, tokens_per_expert, row_probs)
+    combined = dispatcher.combine_preprocess(expert_out)
+    combined = dispatcher.token_combine(combined)
+    return dispatcher.combine_postprocess(combined), tokens_per_expert, row_probs
+
+
+def _dense_moe(hidden, routing_map, probs, fc1, fc2, activation):
+    """y[t] = sum over chosen e of probs[t, e] * fc2[e] @ act(fc1[e] @ x[t]), in float64."""
+    import torch
+
+    out = torch.zeros_like(hidden)
+    for expert in range(NUM_EXPERTS):
+        chosen = routing_map[:, expert]
+        if bool(chosen.any()):
+            expert_out = activation(hidden[chosen] @ fc1[expert].T) @ fc2[expert].T
+            out = out.index_add(0, chosen.nonzero().squeeze(1), expert_out * probs[chosen, expert, None])
+    return out
+
+
+def _max_error(actual, expected) -> float:
+    """Largest absolute difference, relative to the largest expected magnitude once that exceeds 1."""
+    if actual.shape != expected.shape:
+        return float("inf")
+    if not actual.numel():
+        return 0.0
+    scale = max(1.0, float(expected.double().abs().max()))
+    return float((actual.double() - expected.double()).abs().max()) / scale
+
+
+def _layer_case(ctx, topk: int, probs_dtype: str, seed: int, tensor_parallel: int = 1) -> dict:
+    """Our dispatcher + SequentialMLP vs the dense float64 layer; returns max errors."""
+    import torch
+
+    rank, world = ctx.rank, ctx.world_size
+    hidden_all, routing_all, probs_all, grad_all, fc1, fc2 = _global_inputs(world, topk, seed)
+    config = _make_config(topk, tensor_parallel=tensor_parallel)
+    dispatcher, experts, local_indices, ffn_slice = _make_layer(config, fc1, fc2)
+
+    hidden = hidden_all[rank].clone().requires_grad_()
+    probs = probs_all[rank].to(getattr(torch, probs_dtype)).requires_grad_()
+    out, tokens_per_expert, row_probs = _moe_forward(dispatcher, experts, hidden, routing_all[rank], probs)
+    (out * grad_all[rank]).sum().backward()
+
+    # Dense float64 layer over the tokens of all ranks.
+    dense_hidden = hidden_all.reshape(-1, HIDDEN).double().requires_grad_()
+    dense_probs = probs_all.reshape(-1, NUM_EXPERTS).to(getattr(torch, probs_dtype)).double().requires_grad_()
+    dense_fc1 = fc1.double().requires_grad_()
+    dense_fc2 = fc2.double().requires_grad_()
+    dense_out = _dense_moe(dense_hidden, routing_all.reshape(-1, NUM_EXPERTS), dense_probs, dense_fc1, dense_fc2,
+                           config.activation_func)
+    (dense_out * grad_all.reshape(-1, HIDDEN).double()).sum().backward()
+    mine = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
+
+    routed_here = routing_all.reshape(-1, NUM_EXPERTS)[:, local_indices].sum(0)
+    return {
+        "out": _max_error(out, dense_out[mine]),
+        "grad_hidden": _max_error(hidden.grad, dense_hidden.grad[mine]),
+        "grad_probs": _max_error(probs.grad, dense_probs.grad[mine]),
+        "grad_fc1": max(_max_error(e.linear_fc1.weight.grad, dense_fc1.grad[i][ffn_slice])
+                        for e, i in zip(experts.local_experts, local_indices, strict=True)),
+        "grad_fc2": max(_max_error(e.linear_fc2.weight.grad, dense_fc2.grad[i][:, ffn_slice])
+                        for e, i in zip(experts.local_experts, local_indices, strict=True)),
+        "out_dtype": str(out.dtype), "out_shape": tuple(out.shape),
+        "row_probs_dtype": str(row_probs.dtype),
+        "tokens_per_expert": tokens_per_expert.tolist(), "expected_tokens_per_expert": routed_here.tolist(),
+        "manager": type(dispatcher._comm_manager).__name__,
+        "probs_grad_dtype": str(probs.grad.dtype),
+    }
+
+
+def _restore_identity_case(ctx, topk: int, seed: int) -> dict:
+    """Upstream-style dropless check: rows * probs, combined, restore the input; grads too."""
+    import torch
+
+    rank, world = ctx.rank, ctx.world_size
+    hidden_all, routing_all, probs_all, _, _, _ = _global_inputs(world, topk, seed)
+    dispatcher = _make_layer(_make_config(topk), torch.zeros(NUM_EXPERTS, FFN, HIDDEN),
+                             torch.zeros(NUM_EXPERTS, HIDDEN, FFN))[0]
+    # Megatron passes hidden states as [S, B, H]; the dispatcher must give that shape back.
+    hidden = hidden_all[rank].reshape(TOKENS_PER_RANK // 2, 2, HIDDEN).clone().requires_grad_()
+    probs = probs_all[rank].clone().requires_grad_()
+
+    hidden_2d, token_probs = dispatcher.dispatch_preprocess(hidden, routing_all[rank], probs)
+    dispatched, dispatched_probs = dispatcher.token_dispatch(hidden_2d, token_probs)
+    rows, tokens_per_expert, row_probs = dispatcher.dispatch_postprocess(dispatched, dispatched_probs)
+    scaled = rows * row_probs.unsqueeze(-1)
+    restored = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(scaled)))
+    torch.autograd.backward(restored, hidden.detach())
+
+    # d restored / d probs[t, e] = <x_t, upstream_t> = |x_t|^2 where token t chose e.
+    flat = hidden.detach().reshape(-1, HIDDEN)
+    expected_probs_grad = (flat * flat).sum(-1, keepdim=True) * routing_all[rank]
+    return {
+        "restore": _max_error(restored, hidden.detach()),
+        "shape_ok": tuple(restored.shape) == tuple(hidden.shape),
+        "grad_hidden": _max_error(hidden.grad, hidden.detach()),
+        "grad_probs": _max_error(probs.grad, expected_probs_grad),
+        "rows_match_counts": int(tokens_per_expert.sum()) == rows.shape[0],
+    }
+
+
+def _init_megatron(ctx, tensor_parallel: int = 1) -> None:
+    import ep_plugin.integrations.megatron as ep_megatron
+    from megatron.core import parallel_state
+
+    ep_megatron.install()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                             expert_model_parallel_size=ctx.world_size // tensor_parallel)
+
+
+def _finish_megatron() -> None:
+    from ep_plugin.integrations.megatron.manager import clear_backend_cache
+    from megatron.core import parallel_state
+
+    clear_backend_cache()
+    parallel_state.destroy_model_parallel()
+
+
+def _rank_all_cases(ctx) -> dict:
+    _init_megatron(ctx)
+    try:
+        results = {}
+        for index, (name, topk, probs_dtype) in enumerate(CASES):
+            results[name] = _layer_case(ctx, topk, probs_dtype, seed=100 + index)
+        for topk in (1, 4):
+            results[f"restore_top{topk}"] = _restore_identity_case(ctx, topk, seed=200 + topk)
+    finally:
+        _finish_megatron()
+    # Expert tensor parallelism: the dispatcher expands the routing map over TP ranks
+    # ([T, TP*E] reaches the manager) and combine sums the TP partial outputs.
+    _init_megatron(ctx, tensor_parallel=2)
+    try:
+        results["tp2_top2"] = _layer_case(ctx, 2, "float32", seed=400, tensor_parallel=2)
+    finally:
+        _finish_megatron()
+    return results
+
+
+def _construct_outcome(config) -> str:
+    """What building a flex dispatcher for ``config`` gives: our manager's backend, or the error."""
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    try:
+        dispatcher = MoEFlexTokenDispatcher(NUM_EXPERTS, list(range(NUM_EXPERTS)), config=config,
+                                            pg_collection=get_default_pg_collection())
+    except BaseException as error:  # noqa: BLE001 - the outcome is what the test compares
+        return f"{type(error).__name__}: {error}"
+    manager = dispatcher._comm_manager
+    return f"{type(manager).__name__}:{getattr(manager, 'backend_name', '')}"
+
+
+def _rank_single(ctx) -> dict:
+    """World of one: Megatron's own flex path asserts TP x EP > 1; the plugin path must not."""
+    import ep_plugin.integrations.megatron as ep_megatron
+    import torch
+
+    _init_megatron(ctx)
+    try:
+        results = {"layer": _layer_case(ctx, 2, "float32", seed=300)}
+        # setup_metadata must trace without a graph break (dispatch_preprocess runs under torch.compile).
+        dispatcher = _make_layer(_make_config(2), torch.zeros(NUM_EXPERTS, FFN, HIDDEN),
+                                 torch.zeros(NUM_EXPERTS, HIDDEN, FFN))[0]
+        manager = dispatcher._comm_manager
+
+        def preprocess(routing_map, probs):
+            manager.setup_metadata(routing_map, probs)
+            return manager.token_probs * 1
+
+        routing_map = torch.zeros(4, 1, NUM_EXPERTS, dtype=torch.bool)
+        routing_map[:, 0, :2] = True
+        compiled = torch.compile(preprocess, fullgraph=True, backend="eager")
+        traced = compiled(routing_map, routing_map.float())
+        results["compiled_shape"] = tuple(traced.shape)
+        results["compiled_routing_shape"] = tuple(manager.routing_map.shape)
+        results["builtin_deepep"] = _construct_outcome(_make_config(2, "deepep"))
+        # replace_builtin=True: "hybridep" reaches our manager on the plugin's hybrid backend
+        # (or our BackendUnavailableError where this install lacks it), never Megatron's HybridEP.
+        ep_megatron.install(replace_builtin=True)
+        try:
+            results["replaced_hybridep"] = _construct_outcome(_make_config(2, "hybridep"))
+        finally:
+            ep_megatron.install(replace_builtin=False)
+        results["builtin_hybridep"] = _construct_outcome(_make_config(2, "hybridep"))
+        return results
+    finally:
+        _finish_megatron()
+
+
+# ---- parent side ---------------------------------------------------------------------------------
+
+def _check_layer(name: str, result: dict, tolerance: float) -> None:
+    for key in ("out", "grad_hidden", "grad_probs", "grad_fc1", "grad_fc2"):
+        assert result[key] < tolerance, f"{name}: {key} differs from the dense layer by {result[key]:.3g}"
+    assert result["tokens_per_expert"] == result["expected_tokens_per_expert"], name
+    assert result["out_dtype"] == "torch.float32" and result["out_shape"] == (TOKENS_PER_RANK, HIDDEN), name
+    assert result["row_probs_dtype"] == "torch.float32", f"{name}: probs must travel in fp32"
+    assert result["manager"] == "EPPluginManager", name
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_flex_dispatcher_matches_dense_layer(num_ranks):
+    from ep_plugin.testing.launcher import run_ranks
+
+    # torch.compile (Megatron's jit_fuser around dispatch_preprocess) stays on at 2 ranks; the
+    # 4-rank launch skips compiling, which costs several seconds per process on a small CPU.
+    env = {"TORCHDYNAMO_DISABLE": "1"} if num_ranks == 4 else {}
+    results = run_ranks(_rank_all_cases, num_ranks, timeout_s=600, env=env)
+    for rank, per_rank in enumerate(results):
+        for name, _topk, probs_dtype in CASES:
+            result = per_rank[name]
+            # bf16 router probs: the gradient returned to them is rounded to bf16.
+            tolerance = 2e-2 if probs_dtype == "bfloat16" else 1e-5
+            _check_layer(f"rank {rank}/{num_ranks} {name}", result, tolerance)
+            assert result["probs_grad_dtype"] == f"torch.{probs_dtype}"
+        _check_layer(f"rank {rank}/{num_ranks} TP=2 x EP={num_ranks // 2}", per_rank["tp2_top2"], 1e-5)
+        for topk in (1, 4):
+            result = per_rank[f"restore_top{topk}"]
+            label = f"rank {rank}/{num_ranks} restore top-{topk}"
+            assert result["shape_ok"], label
+            assert result["rows_match_counts"], label
+            for key in ("restore", "grad_hidden", "grad_probs"):
+                assert result[key] < 1e-5, f"{label}: {key} off by {result[key]:.3g}"
+
+
+def test_single_rank_plugin_path_and_traceable_metadata():
+    from ep_plugin.testing.launcher import run_ranks
+
+    (result,) = run_ranks(_rank_single, 1, timeout_s=300)
+    _check_layer("single rank", result["layer"], 1e-5)
+    assert result["compiled_shape"] == (4, NUM_EXPERTS)
+    assert result["compiled_routing_shape"] == (4, NUM_EXPERTS)
+    # Builtin names still reach Megatron's own code (which refuses a world of one).
+    assert result["builtin_deepep"].startswith("AssertionError") and "TPxEP > 1" in result["builtin_deepep"]
+    assert result["builtin_hybridep"] != "EPPluginManager:hybrid"
+    assert "BackendUnavailableError" not in result["builtin_hybridep"]
+    replaced = result["replaced_hybridep"]
+    assert replaced == "EPPluginManager:hybrid" or (
+        replaced.startswith("BackendUnavailableError") and "'hybrid'" in replaced), replaced

@@ -1,0 +1,303 @@
+"""ep_plugin.integrations.megatron.install() and the NeMo/Bridge helper, against real megatron-core.
+
+These run in the test process (no process group needed) plus two short subprocesses: one
+with Megatron hidden from the import system (the ImportError a user without megatron-core
+sees), one running a script through ``python -m ep_plugin.integrations.megatron.run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+import typing
+
+import pytest
+
+HAVE_MEGATRON = (importlib.util.find_spec("megatron") is not None
+                 and importlib.util.find_spec("megatron.core") is not None)
+needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON,
+                                    reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
+pytestmark = pytest.mark.megatron
+
+PLUGIN_NAMES = ("ep_reference", "ep_hybrid", "ep_elastic")
+
+
+@pytest.fixture
+def ep_megatron():
+    """The adapter, installed; restored to Megatron's original state afterwards."""
+    import ep_plugin.integrations.megatron as adapter
+
+    was_installed = adapter.is_installed()
+    adapter.install()
+    yield adapter
+    if not was_installed:
+        adapter.uninstall()
+    else:
+        adapter.install(replace_builtin=False)
+
+
+def _config(**overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    values = dict(num_layers=1, hidden_size=16, ffn_hidden_size=32, num_attention_heads=1, num_moe_experts=4,
+                  moe_router_topk=2, moe_token_dispatcher_type="flex", use_cpu_initialization=True)
+    values.update(overrides)
+    return TransformerConfig(**values)
+
+
+def _should_free_input_module():
+    """Where this megatron-core keeps should_free_input (0.16: gpt.fine_grained_callables; 0.19: common.utils)."""
+    import importlib
+
+    for name in ("megatron.core.models.common.utils", "megatron.core.models.gpt.fine_grained_callables"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "should_free_input"):
+            return module
+    raise AssertionError("should_free_input not found in this megatron-core")
+
+
+def _should_free_input(node: str, config) -> bool:
+    import inspect
+
+    function = _should_free_input_module().should_free_input
+    if "num_local_experts" in inspect.signature(function).parameters:  # 0.19
+        return function(node, True, config, num_local_experts=2)
+    return function(node, True, config)
+
+
+def _snapshot():
+    """Everything install() touches, by identity."""
+    from megatron.core.models.gpt import fine_grained_callables
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    field = TransformerConfig.__dataclass_fields__["moe_flex_dispatcher_backend"]
+    return {
+        "init": MoEFlexTokenDispatcher.__init__,
+        "should_free_input": _should_free_input_module().should_free_input,
+        "layer_callables": fine_grained_callables.build_transformer_layer_callables,
+        "field_type": field.type,
+        "annotation": TransformerConfig.__annotations__["moe_flex_dispatcher_backend"],
+        "parse_known_args": argparse.ArgumentParser.parse_known_args,
+    }
+
+
+@needs_megatron
+def test_install_twice_changes_nothing(ep_megatron):
+    first = _snapshot()
+    ep_megatron.install()
+    second = _snapshot()
+    assert first == second
+    names = typing.get_args(second["field_type"])
+    assert len(names) == len(set(names)), f"a name was added twice: {names}"
+    for name in PLUGIN_NAMES + ("deepep", "hybridep"):
+        assert names.count(name) == 1
+
+
+@needs_megatron
+def test_install_then_uninstall_restores_megatron(ep_megatron):
+    ep_megatron.uninstall()
+    original = _snapshot()
+    assert not set(PLUGIN_NAMES) & set(typing.get_args(original["field_type"]))
+    ep_megatron.install()
+    installed = _snapshot()
+    for key in original:
+        assert installed[key] is not original[key], f"install() did not replace {key}"
+    ep_megatron.uninstall()
+    assert _snapshot() == original
+    ep_megatron.install()
+
+
+@needs_megatron
+def test_unknown_backend_name_lists_valid_names(ep_megatron):
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    config = _config(moe_flex_dispatcher_backend="ep_hybird")  # TransformerConfig itself accepts any string
+    with pytest.raises(ValueError) as error:
+        MoEFlexTokenDispatcher(2, [0, 1], config=config)
+    message = str(error.value)
+    assert "'ep_hybird'" in message
+    for name in PLUGIN_NAMES + ("deepep", "hybridep"):
+        assert name in message
+
+
+@needs_megatron
+def test_config_and_argument_parser_accept_plugin_names(ep_megatron):
+    for name in PLUGIN_NAMES:
+        config = _config(moe_flex_dispatcher_backend=name)
+        assert config.moe_flex_dispatcher_backend == name
+    # Megatron-LM <= 0.16 writes the choices by hand; the installed parser hook widens them.
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--moe-flex-dispatcher-backend", type=str, default="deepep", choices=["deepep", "hybridep"])
+    assert parser.parse_args(["--moe-flex-dispatcher-backend", "ep_hybrid"]).moe_flex_dispatcher_backend == "ep_hybrid"
+    assert parser.parse_args(["--moe-flex-dispatcher-backend", "hybridep"]).moe_flex_dispatcher_backend == "hybridep"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--moe-flex-dispatcher-backend", "ep_nope"])
+    # Megatron-LM >= 0.17 derives the choices from the dataclass field's Literal type.
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    field_type = TransformerConfig.__dataclass_fields__["moe_flex_dispatcher_backend"].type
+    assert typing.get_origin(field_type) is typing.Literal
+    assert set(PLUGIN_NAMES) | {"deepep", "hybridep"} <= set(typing.get_args(field_type))
+
+
+@needs_megatron
+def test_generated_megatron_lm_parser_accepts_plugin_names(ep_megatron):
+    """Megatron-LM >= 0.17 builds its CLI from TransformerConfig (megatron.training, Python >= 3.12)."""
+    try:
+        from megatron.training.argument_utils import ArgumentGroupFactory
+    except ImportError as error:
+        pytest.skip(f"megatron.training.argument_utils is not importable here: {error}")
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parser = argparse.ArgumentParser()
+    ArgumentGroupFactory(TransformerConfig).build_group(parser, "transformer")
+    for name in PLUGIN_NAMES + ("hybridep",):
+        assert parser.parse_args(["--moe-flex-dispatcher-backend", name]).moe_flex_dispatcher_backend == name
+
+
+@needs_megatron
+def test_name_based_spots_treat_plugin_names_like_hybridep(ep_megatron):
+    def free_input(backend):
+        config = _config(moe_flex_dispatcher_backend=backend)
+        return {node: _should_free_input(node, config) for node in ("mlp", "moe_dispatch")}
+
+    hybridep = free_input("hybridep")
+    deepep = free_input("deepep")
+    assert hybridep != deepep  # the spot really depends on the name
+    for name in PLUGIN_NAMES:
+        assert free_input(name) == hybridep, name
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "skip_routed_expert_padding"):  # the FP8 padding skip, 0.19 on
+        assert not moe_utils.skip_routed_expert_padding(_config(moe_flex_dispatcher_backend="deepep"))
+        for name in PLUGIN_NAMES:
+            assert moe_utils.skip_routed_expert_padding(_config(moe_flex_dispatcher_backend=name)), name
+    config = _config(moe_flex_dispatcher_backend="ep_hybrid")
+    _should_free_input("mlp", config)
+    assert config.moe_flex_dispatcher_backend == "ep_hybrid"  # the alias is only shown during the call
+
+
+@needs_megatron
+def test_replace_builtin_routes_hybridep_to_plugin(ep_megatron):
+    assert ep_megatron.plugin_backend_for("hybridep") is None
+    assert ep_megatron.plugin_backend_for("deepep") is None
+    assert ep_megatron.plugin_backend_for("ep_reference") == "reference"
+    ep_megatron.install(replace_builtin=True)
+    assert ep_megatron.plugin_backend_for("hybridep") == "hybrid"
+    assert ep_megatron.plugin_backend_for("deepep") is None
+    ep_megatron.install(replace_builtin=False)
+    assert ep_megatron.plugin_backend_for("hybridep") is None
+
+
+# ---- Megatron-Core missing ------------------------------------------------------------------------
+
+HIDE_MEGATRON = textwrap.dedent("""
+    import sys
+
+    class HideMegatron:
+        def find_spec(self, name, path=None, target=None):
+            if name == "megatron" or name.startswith("megatron."):
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+            return None
+
+    sys.meta_path.insert(0, HideMegatron())
+    import ep_plugin.integrations.megatron as adapter   # importing the adapter needs no Megatron
+    try:
+        adapter.install()
+    except ImportError as error:
+        print("IMPORT-ERROR:", error)
+    else:
+        print("NO-ERROR")
+""")
+
+
+def test_missing_megatron_core_raises_clear_import_error():
+    result = subprocess.run([sys.executable, "-c", HIDE_MEGATRON], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "IMPORT-ERROR:" in result.stdout, result.stdout
+    assert "pip install megatron-core" in result.stdout
+
+
+# ---- the launcher -------------------------------------------------------------------------------
+
+TRAINING_SCRIPT = textwrap.dedent("""
+    # Stands in for an unmodified Megatron-LM script: a fixed-choice parser, then a config.
+    import argparse
+    import sys
+
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--moe-flex-dispatcher-backend", choices=["deepep", "hybridep"], default="deepep")
+    parser.add_argument("--steps", type=int, default=1)
+    args = parser.parse_args()
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, num_moe_experts=2,
+                               moe_token_dispatcher_type="flex", use_cpu_initialization=True,
+                               moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend)
+    print("RAN", __name__, config.moe_flex_dispatcher_backend, args.steps, sys.argv[1:])
+    print("WRAPPED", hasattr(MoEFlexTokenDispatcher.__init__, "__wrapped__"))
+""")
+
+
+@needs_megatron
+def test_run_launcher_installs_then_runs_unmodified_script(tmp_path):
+    script = tmp_path / "pretrain_toy.py"
+    script.write_text(TRAINING_SCRIPT)
+    command = [sys.executable, "-m", "ep_plugin.integrations.megatron.run", str(script),
+               "--moe-flex-dispatcher-backend", "ep_reference", "--steps", "3"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "RAN __main__ ep_reference 3" in result.stdout, result.stdout
+    assert "WRAPPED True" in result.stdout, result.stdout
+
+    missing = subprocess.run([sys.executable, "-m", "ep_plugin.integrations.megatron.run", str(tmp_path / "no.py")],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "training script not found" in missing.stderr
+
+
+# ---- NeMo / Megatron-Bridge helper ----------------------------------------------------------------
+
+@needs_megatron
+def test_apply_ep_plugin_backend_sets_bridge_fields(ep_megatron):
+    from ep_plugin.integrations.nemo import apply_ep_plugin_backend, validate_ep_plugin_backend
+
+    config = _config(moe_token_dispatcher_type="alltoall", moe_shared_expert_overlap=False)
+    config.moe_shared_expert_overlap = True  # set after construction: alltoall allows it
+    assert apply_ep_plugin_backend(config, "ep_reference") is True
+    assert config.moe_token_dispatcher_type == "flex"
+    assert config.moe_flex_dispatcher_backend == "ep_reference"
+    assert config.moe_shared_expert_overlap is False
+    validate_ep_plugin_backend(config)  # runs anywhere: no error
+
+    dense = _config(num_moe_experts=None, moe_token_dispatcher_type="alltoall", moe_router_topk=2)
+    assert apply_ep_plugin_backend(dense, "ep_reference") is False
+    assert dense.moe_token_dispatcher_type == "alltoall"
+
+    with pytest.raises(ValueError, match="ep_reference"):
+        apply_ep_plugin_backend(_config(), "ep_hybird")
+
+
+@needs_megatron
+def test_apply_ep_plugin_backend_gpu_check_falls_back(ep_megatron):
+    import torch
+    from ep_plugin.integrations.nemo import apply_ep_plugin_backend, gpu_problem, validate_ep_plugin_backend
+
+    if torch.cuda.is_available() and gpu_problem("ep_hybrid") is None:
+        pytest.skip("this machine has a supported GPU; the fallback is what is under test")
+    config = _config(moe_token_dispatcher_type="alltoall")
+    assert apply_ep_plugin_backend(config, "ep_hybrid") is False
+    assert config.moe_token_dispatcher_type == "alltoall"  # left as it was, as Bridge's helper does
+    config.moe_token_dispatcher_type = "flex"
+    config.moe_flex_dispatcher_backend = "ep_hybrid"
+    with pytest.raises(ValueError, match="ep_hybrid"):
+        validate_ep_plugin_backend(config)
