@@ -53,11 +53,11 @@ def check_gradients_against_dense(ctx, form: str, topk: int) -> None:
     else:  # scatter topk weights into [T, E] differentiably
         dense_probs = [w.clone().requires_grad_() for w in problem.topk_weights]
         dense_probs_full = []
-        for idx, w in zip(problem.topk_idx, dense_probs):
+        for idx, w in zip(problem.topk_idx, dense_probs, strict=False):
             full = torch.zeros(idx.shape[0], num_experts, dtype=torch.float64)
             dense_probs_full.append(full.scatter(1, idx.clamp(min=0), w * (idx >= 0)))
     dense_out = dense_moe(problem, lambda e, x: x @ dense_weights[e], dense_hidden, dense_probs_full)
-    sum((o * g).sum() for o, g in zip(dense_out, grad_outputs)).backward()
+    sum((o * g).sum() for o, g in zip(dense_out, grad_outputs, strict=False)).backward()
 
     torch.testing.assert_close(y, dense_out[rank].detach())
     torch.testing.assert_close(hidden.grad, _grad_or_zeros(dense_hidden[rank]))
@@ -113,7 +113,7 @@ def _all_gather_uneven(local: torch.Tensor, splits: list[int]) -> torch.Tensor:
     padded[:local.shape[0]] = local
     pieces = [torch.empty_like(padded) for _ in splits]
     dist.all_gather(pieces, padded)
-    return torch.cat([piece[:count] for piece, count in zip(pieces, splits)])
+    return torch.cat([piece[:count] for piece, count in zip(pieces, splits, strict=False)])
 
 
 def check_gradcheck(ctx) -> bool:

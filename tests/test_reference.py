@@ -62,7 +62,7 @@ def check_dispatch_combine_scenarios(ctx, num_experts: int) -> int:
         expert_out = run_local_experts(out.hidden, out.probs, out.tokens_per_expert, first_expert, expert_fn)
         moe_out = ep_plugin.combine(expert_out, out.handle)
         dense = dense_moe(problem, expert_fn)[rank]
-        torch.testing.assert_close(moe_out, dense, rtol=1e-5, atol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(moe_out, dense, rtol=1e-5, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
         checked += 1
     return checked
 

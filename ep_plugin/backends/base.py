@@ -126,7 +126,10 @@ class Backend(abc.ABC):
     # ---- shared checks ------------------------------------------------------------------
 
     def check_dispatch_input(self, hidden, *, routing_map, probs, topk_idx, topk_weights, pad_multiple):
-        self.check_hidden("hidden", hidden, None)
+        if isinstance(hidden, (tuple, list)):
+            hidden = self.check_fp8_hidden(hidden)
+        else:
+            self.check_hidden("hidden", hidden, None)
         if hidden.shape[0] > self.config.max_tokens_per_rank:
             raise ValueError(f"hidden has {hidden.shape[0]} tokens, over max_tokens_per_rank="
                              f"{self.config.max_tokens_per_rank} (raise it with EP_PLUGIN_MAX_TOKENS_PER_RANK)")
@@ -146,6 +149,28 @@ class Backend(abc.ABC):
                              f"hidden_size={self.hidden_size}")
         if num_rows is not None and hidden.shape[0] != num_rows:
             raise ValueError(f"{name} has {hidden.shape[0]} rows; the handle expects {num_rows}")
+
+    FP8_BLOCK = 128  # elements per fp32 scale of an FP8 dispatch payload
+
+    def check_fp8_hidden(self, hidden) -> torch.Tensor:
+        """Validate an FP8 dispatch input ``(data [T, H] float8_e4m3fn, scales [T, H/128] float32)``.
+
+        Returns the data tensor (for the shape checks that follow).
+        """
+        if not self.capabilities.fp8_dispatch:
+            raise TypeError(f"backend {self.name!r} does not take FP8 input; pass hidden as one tensor")
+        if len(hidden) != 2:
+            raise ValueError(f"FP8 hidden must be a (data, scales) pair, got {len(hidden)} items")
+        data, scales = hidden
+        check_tensor("hidden[0] (fp8 data)", data, dtypes=(torch.float8_e4m3fn,), ndim=2, device=self.device)
+        if data.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden[0] has hidden size {data.shape[1]}, but this {self.name} backend was built for "
+                             f"hidden_size={self.hidden_size}")
+        if self.hidden_size % self.FP8_BLOCK:
+            raise ValueError(f"FP8 dispatch needs hidden_size divisible by {self.FP8_BLOCK}, got {self.hidden_size}")
+        check_tensor("hidden[1] (fp8 scales)", scales, dtypes=(torch.float32,),
+                     shape=(data.shape[0], self.hidden_size // self.FP8_BLOCK), device=self.device)
+        return data
 
     def check_handle(self, handle: Handle) -> None:
         if not isinstance(handle, Handle):

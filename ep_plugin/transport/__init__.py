@@ -1,0 +1,1 @@
+"""Transports: ``ipc`` (CUDA IPC buffers within one NVLink domain / one GPU)."""
