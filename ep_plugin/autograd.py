@@ -1,8 +1,8 @@
 """Autograd Functions: backward of dispatch is combine, backward of combine is dispatch.
 
 Each Function keeps the Handle on its ctx, so the autograd graph owns the Handle (and
-through it every tensor the backward kernels read) until backward has run; the caller
-may drop its own references at any time.
+through it every tensor the backward kernels read) until the graph is freed — backward may
+run more than once with retain_graph. The caller may drop its own references at any time.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Ownership rule (DESIGN §3.1): a Handle owns every tensor that a kernel queued f
 dispatch/combine pair may still read or write — the backend's layout tensors, device
 counters, and any ``keepalive`` objects — until the work is known complete. Python code
 may drop its last reference to a Handle right after enqueueing backward: the autograd
-graph holds the Handle until backward has run, and GPU backends tie the tensors to the
-streams they were used on (record_stream, or an event held in ``keepalive``).
+graph holds the Handle until the graph is freed (after backward, or later with
+retain_graph), and GPU backends tie the tensors to the streams they were used on
+(record_stream, or an event held in ``keepalive``).
 """
 
 from __future__ import annotations
