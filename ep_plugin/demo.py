@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = DemoSpec(steps=args.steps, tokens_per_rank=args.tokens, hidden_size=args.hidden,
                     num_experts=args.experts, topk=args.topk, lr=args.lr, backend=args.backend)
     ep_plugin.get_backend(spec.backend)  # unknown names fail here, before any process starts
+    if args.ranks < 1 or args.experts % args.ranks:
+        parser.error(f"--experts {args.experts} must be divisible by --ranks {args.ranks} (>= 1)")
     losses = run_ranks(train, args.ranks, spec, device=args.device, timeout_s=max(600.0, 10.0 * args.steps))[0]
     print(f"loss: first {losses[0]:.5f} -> last {losses[-1]:.5f} over {len(losses)} steps "
           f"({'decreased' if losses[-1] < losses[0] else 'DID NOT DECREASE'})")

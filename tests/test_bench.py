@@ -65,3 +65,11 @@ def test_skewed_routing_is_skewed():
     per_expert = routing_map.sum(0)
     assert per_expert[:4].sum() > 4 * per_expert[-4:].sum()
     torch.testing.assert_close(probs.sum(1), torch.ones(2048))
+
+
+def test_bench_rejects_unknown_axis_values_before_launching():
+    for bad in (["--payloads", "fp16"], ["--modes", "async"], ["--backends", "nccl_magic"],
+                ["--experts", "10", "--ranks", "4"]):
+        result = subprocess.run([sys.executable, "-m", "ep_plugin.bench", "--device", "cpu", *bad],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and "error:" in result.stderr, (bad, result.stderr[-500:])

@@ -22,3 +22,9 @@ def test_every_rank_sees_the_same_global_loss():
     spec = DemoSpec(steps=3, tokens_per_rank=32, hidden_size=16, ffn_size=16, num_experts=4)
     per_rank = run_ranks(train, 2, spec, timeout_s=120)
     assert per_rank[0] == per_rank[1] and len(per_rank[0]) == 3
+
+
+def test_demo_rejects_experts_not_divisible_by_ranks():
+    result = subprocess.run([sys.executable, "-m", "ep_plugin", "demo", "--ranks", "3", "--experts", "8",
+                             "--device", "cpu"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "divisible" in result.stderr

@@ -74,6 +74,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    allowed = {"payloads": {"bf16", "fp8"}, "routings": {"balanced", "skewed"}, "modes": {"blocking", "nonblocking"}}
+    for key, choices in allowed.items():
+        unknown = set(_words(getattr(args, key))) - choices
+        if unknown:
+            parser.error(f"--{key}: unknown value(s) {sorted(unknown)}; choose from {sorted(choices)}")
+    import ep_plugin
+
+    unknown = set(_words(args.backends)) - set(ep_plugin.list_backends())
+    if unknown:
+        parser.error(f"--backends: unknown {sorted(unknown)}; known: {ep_plugin.list_backends()}")
+    for experts in _ints(args.experts):
+        if experts % args.ranks:
+            parser.error(f"--experts {experts} is not divisible by --ranks {args.ranks}")
     return args
 
 
