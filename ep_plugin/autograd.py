@@ -17,10 +17,13 @@ from .handle import DispatchOutput, Handle
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, probs, backend: Backend, routing_kwargs: dict, pad_multiple):
-        weights = _probs_kwarg(routing_kwargs, probs)
-        result = backend.dispatch(hidden, pad_multiple=pad_multiple, **routing_kwargs, **weights)
+    def forward(ctx, hidden, probs, topk_weights, backend: Backend, routing_map, topk_idx, pad_multiple):
+        # The backend validates the routing form; probs and topk_weights are inputs here only so
+        # that autograd sees whichever one was given.
+        result = backend.dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
+                                  topk_weights=topk_weights, pad_multiple=pad_multiple)
         ctx.handle = result.handle
+        ctx.weights_are_probs = routing_map is not None
         ctx.mark_non_differentiable(result.tokens_per_expert)
         return result.hidden, result.probs, result.tokens_per_expert, result.handle
 
@@ -31,12 +34,14 @@ class _Dispatch(torch.autograd.Function):
         if grad_rows is None:
             grad_rows = torch.zeros(handle.num_rows, handle.hidden_size, dtype=handle.hidden_dtype,
                                     device=handle.backend.device)
-        want_probs = handle.probs_shape is not None and ctx.needs_input_grad[1]
-        if want_probs and grad_row_probs is None:
-            want_probs = False
+        weights_index = 1 if ctx.weights_are_probs else 2
+        want_probs = (handle.probs_shape is not None and ctx.needs_input_grad[weights_index]
+                      and grad_row_probs is not None)
         result = handle.backend.combine(grad_rows.contiguous(), handle,
                                         row_probs=grad_row_probs.contiguous() if want_probs else None)
-        return result.hidden, result.probs, None, None, None
+        grad_probs = result.probs if ctx.weights_are_probs else None
+        grad_topk_weights = None if ctx.weights_are_probs else result.probs
+        return result.hidden, grad_probs, grad_topk_weights, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -49,10 +54,6 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, grad_out):
         handle: Handle = ctx.handle
         return handle.backend.dispatch_again(grad_out.contiguous(), handle), None
-
-
-def _probs_kwarg(routing_kwargs: dict, probs: Optional[torch.Tensor]) -> dict:
-    return {"probs": probs} if "routing_map" in routing_kwargs else {"topk_weights": probs}
 
 
 def dispatch(
@@ -78,15 +79,8 @@ def dispatch(
         tokens_per_expert [E/ranks] int64 padded segment lengths, handle for ``combine``).
         Gradients flow to ``hidden`` and to ``probs``/``topk_weights``.
     """
-    if routing_map is not None:
-        routing_kwargs, weights = {"routing_map": routing_map}, probs
-        if topk_weights is not None:
-            raise ValueError("topk_weights goes with topk_idx; with routing_map pass probs")
-    else:
-        routing_kwargs, weights = {"topk_idx": topk_idx}, topk_weights
-        if probs is not None:
-            raise ValueError("probs goes with routing_map; with topk_idx pass topk_weights")
-    rows, row_probs, tokens_per_expert, handle = _Dispatch.apply(hidden, weights, backend, routing_kwargs, pad_multiple)
+    rows, row_probs, tokens_per_expert, handle = _Dispatch.apply(hidden, probs, topk_weights, backend, routing_map,
+                                                                 topk_idx, pad_multiple)
     return DispatchOutput(rows, row_probs, tokens_per_expert, handle)
 
 
