@@ -4,10 +4,16 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from ep_plugin.bench.report import summarize
-from ep_plugin.bench.workload import Shape, make_routing, traffic
+import ep_plugin
+from ep_plugin.bench.__main__ import main, parse_args, reference_limits
+from ep_plugin.bench.report import _reference_levels, format_table, summarize, write_plots
+from ep_plugin.bench.runner import SweepSpec
+from ep_plugin.bench.workload import Shape, link_bytes, make_routing, traffic
+from ep_plugin.testing import run_ranks
+from ep_plugin.testing.launcher import plan_launch
 
 
 def test_bench_cli_writes_table_json_and_plot(tmp_path):
@@ -73,3 +79,162 @@ def test_bench_rejects_unknown_axis_values_before_launching():
         result = subprocess.run([sys.executable, "-m", "ep_plugin.bench", "--device", "cpu", *bad],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and "error:" in result.stderr, (bad, result.stderr[-500:])
+
+
+def _tiny_maps():
+    """2 ranks, 4 experts (rank 0 owns 0-1, rank 1 owns 2-3), 3 tokens each."""
+    first = torch.zeros(3, 4, dtype=torch.bool)
+    first[0, [0, 2]] = True  # both ranks: one packet / one row to rank 1
+    first[1, [2, 3]] = True  # rank 1 only: one packet, two rows to rank 1
+    first[2, [1]] = True  # local only: nothing crosses
+    second = torch.zeros(3, 4, dtype=torch.bool)
+    second[0, [0, 1]] = True  # rank 0 only: one packet, two rows to rank 0
+    second[1, [0, 3]] = True  # both ranks: one packet / one row to rank 0
+    second[2, [0]] = True  # rank 0 only: one packet / one row
+    return [first, second]
+
+
+def test_link_bytes_by_hand():
+    maps, hidden, local = _tiny_maps(), 256, 2
+    bf16 = Shape(tokens=3, hidden=hidden, topk=2, experts=4, payload="bf16", routing="balanced")
+    row = 2 * hidden
+    # hybrid: rank 0 sends 2 packets (tokens 0, 1), rank 1 sends 3; each packet carries L x (int32 + fp32).
+    hybrid = link_bytes("hybrid", maps, 2, bf16, with_probs=False)
+    assert hybrid["dispatch"] == [2 * (row + local * 8), 3 * (row + local * 8)]
+    # combine goes back from the expert rank: rank 0 returns rank 1's 3 packets, rank 1 returns 2.
+    assert hybrid["combine"] == [3 * row, 2 * row]
+    assert link_bytes("hybrid", maps, 2, bf16)["combine"] == [3 * (row + local * 4), 2 * (row + local * 4)]
+    # reference: one row per (token, remote expert): rank 0 sends 3 rows, rank 1 sends 4.
+    reference = link_bytes("reference", maps, 2, bf16)
+    assert reference["dispatch"] == [3 * (row + 4), 4 * (row + 4)]
+    assert reference["combine"] == [4 * (row + 4), 3 * (row + 4)]
+    assert link_bytes("reference", maps, 2, bf16, with_probs=False)["combine"] == [4 * row, 3 * row]
+    fp8 = Shape(tokens=3, hidden=hidden, topk=2, experts=4, payload="fp8", routing="balanced")
+    fp8_row = hidden + hidden // 128 * 4
+    assert link_bytes("hybrid", maps, 2, fp8)["dispatch"] == [2 * (fp8_row + 16), 3 * (fp8_row + 16)]
+    assert link_bytes("hybrid", maps, 2, fp8)["combine"] == [3 * (row + 8), 2 * (row + 8)]  # combine is bf16
+    with pytest.raises(ValueError, match="wire format"):
+        link_bytes("elastic", maps, 2, bf16)
+
+
+def _per_gpu_record(**overrides):
+    record = dict(backend="reference", mode="blocking", payload="bf16", tokens=4, hidden=8, topk=1, experts=2,
+                  sms=None, routing="balanced", ranks=2, samples_us=[[[10.0, 20.0]], [[10.0, 20.0]]],
+                  bytes={"recv_token_bytes": [1000, 2000], "out_bytes": [1000, 2000], "remote_bytes_in": [500, 1500]},
+                  ceiling_us={}, one_gpu_per_rank=True,
+                  link_bytes={"dispatch": [3000, 4000], "combine": [6000, 1000]},
+                  link_floor_bytes={"dispatch": 2000, "combine": 1800})
+    record.update(overrides)
+    return record
+
+
+def test_link_columns_and_ceiling_with_one_gpu_per_rank():
+    rows = {row["op"]: row for row in summarize(_per_gpu_record(), link_gbps=1.0)}
+    assert rows["dispatch"]["link_mb"] == 4000 / 1e6
+    assert rows["dispatch"]["link_gbps"] == pytest.approx(4000 / 10e-6 / 1e9)
+    assert rows["dispatch"]["link_pct"] == pytest.approx(rows["dispatch"]["link_gbps"] / 1.0 * 100)
+    assert rows["combine"]["link_mb"] == 6000 / 1e6
+    assert rows["roundtrip"]["link_mb"] == 9000 / 1e6  # the busiest rank over both ops, not a sum of maxima
+    # The ceiling is the hybrid floor at line rate, for every backend.
+    assert rows["dispatch"]["ceiling_us"] == pytest.approx(2000 / 1e9 * 1e6)
+    assert rows["combine"]["ceiling_us"] == pytest.approx(1800 / 1e9 * 1e6)
+    assert rows["roundtrip"]["ceiling_us"] == pytest.approx(3800 / 1e9 * 1e6)
+
+
+def test_link_columns_are_blank_when_ranks_share_a_gpu():
+    record = _per_gpu_record(one_gpu_per_rank=False, ceiling_us={"dispatch": 5.0, "combine": 6.0})
+    rows = summarize(record, link_gbps=0.0)
+    assert all(row["link_mb"] is None and row["link_gbps"] is None and row["link_pct"] is None for row in rows)
+    assert rows[0]["ceiling_us"] == 5.0
+    lines = format_table(rows).splitlines()
+    assert lines[0].split()[-3:] == ["link_MB", "link_GB/s", "link%"]
+    assert all(line.split()[-3:] == ["-", "-", "-"] for line in lines[1:])
+
+
+def test_failed_graph_capture_summarizes_without_samples():
+    record = _per_gpu_record(backend="hybrid", mode="nonblocking+graph", sms=8, samples_us=[[], []],
+                             graph_error="rank 1: RuntimeError: capture refused")
+    rows = summarize(record, link_gbps=1.0)
+    assert all(row["algo_gbps"] is None and row["link_gbps"] is None and row["error"] for row in rows)
+    assert "nonblocking+graph" in format_table(rows)
+
+
+def test_sms_plot_draws_the_reference_as_levels(tmp_path):
+    base = dict(mode="blocking", payload="bf16", tokens=64, hidden=8, routing="balanced", op="dispatch")
+    rows = [dict(base, backend="hybrid", sms=8, algo_gbps=10.0), dict(base, backend="hybrid", sms=16, algo_gbps=20.0),
+            dict(base, backend="reference", sms=None, algo_gbps=5.0),
+            dict(base, backend="reference", sms=None, algo_gbps=7.0, tokens=128)]  # no hybrid line at 128 tokens
+    written = write_plots(str(tmp_path), rows)
+    assert str(tmp_path / "gbps_vs_sms.png") in written
+    levels = _reference_levels(rows, {("hybrid", "blocking", "bf16", "dispatch", "balanced", 8, 64): {}})
+    assert list(levels.values()) == [5.0]
+
+
+def _run_main(tmp_path, capsys, *extra):
+    out = tmp_path / "bench"
+    argv = ["--device", "cpu", "--ranks", "2", "--backends", "reference", "--tokens", "16", "--hidden", "64",
+            "--experts", "8", "--topk", "2", "--payloads", "bf16", "--sms", "4", "--routings", "balanced",
+            "--iters", "4", "--warmup", "2", "--out", str(out), *extra]
+    assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    return json.loads((out / "bench.json").read_text()), stdout
+
+
+def test_back_to_back_timing_through_main(tmp_path, capsys):
+    report, stdout = _run_main(tmp_path, capsys, "--modes", "blocking")
+    assert report["environment"]["timing"] == "one barrier, then back to back"
+    # gloo: the reference defaults to 3 timed iterations (it goes through host memory).
+    assert report["environment"]["reference"] == {"max_tokens": 4096, "iters": 3}
+    [record] = report["records"]
+    assert len(record["samples_us"]) == 2 and all(len(s) == 3 for s in record["samples_us"])
+    assert all(t > 0 for samples in record["samples_us"] for sample in samples for t in sample)
+    assert record["one_gpu_per_rank"] is False and record["link_bytes"]["dispatch"][0] > 0
+    assert "roundtrip" in stdout.strip().splitlines()[-1]  # the table ends the output
+
+
+def test_sync_each_iter_and_explicit_reference_iters(tmp_path, capsys):
+    report, _ = _run_main(tmp_path, capsys, "--modes", "blocking", "--sync-each-iter", "--reference-iters", "4")
+    assert report["environment"]["timing"] == "barrier before every iteration"
+    assert all(len(s) == 4 for s in report["records"][0]["samples_us"])
+
+
+def test_graph_flag_on_cpu_is_accepted_and_not_applied(tmp_path, capsys):
+    report, _ = _run_main(tmp_path, capsys, "--modes", "blocking,nonblocking", "--graph")
+    assert report["environment"]["graph"] == "not applied (CPU)"
+    assert [record["mode"] for record in report["records"]] == ["blocking"]  # reference has no non-blocking mode
+
+
+def test_nvlink_preset_and_reference_defaults():
+    args = parse_args(["--preset", "nvlink", "--device", "cpu"])
+    assert args.ranks == 2 and args.tokens == "128,1024,4096,8192" and args.hidden == "7168"
+    assert args.sms == "8,16,24" and args.payloads == "bf16,fp8" and args.modes == "blocking"
+    assert reference_limits(args, plan_launch(2, "cuda", 2)) == (0, args.iters)  # never skipped
+    assert parse_args(["--device", "cpu"]).ranks == 8
+    default = parse_args(["--device", "cpu", "--iters", "7"])
+    assert reference_limits(default, plan_launch(2, "cuda", 2)) == (0, 7)  # NCCL: a real baseline
+    assert reference_limits(default, plan_launch(8, "cuda", 1)) == (4096, 3)  # gloo + MPS: through the host
+    explicit = parse_args(["--device", "cpu", "--reference-max-tokens", "1024", "--reference-iters", "2"])
+    assert reference_limits(explicit, plan_launch(2, "cuda", 2)) == (1024, 2)
+
+
+def capture_refused_on_rank_1(ctx):
+    """Rank 1's capture raises, rank 0's 'succeeds': neither may replay (rank 0's fake graphs cannot)."""
+    from ep_plugin.bench import runner
+
+    def capture(calls, side):
+        if ctx.rank == 1:
+            raise RuntimeError("capture refused")
+        return object(), object()
+
+    runner._warm_up_for_capture = lambda calls, warmup, device: None
+    runner._capture_graphs = capture
+    backend = ep_plugin.get_backend("reference")(hidden_size=64, num_experts=8, device="cpu")
+    spec = SweepSpec(backends=("reference",), tokens=(8,), hidden=(64,), topk=(2,), experts=(8,), payloads=("bf16",),
+                     sms=(4,), routings=("balanced",), modes=("nonblocking",), graph=True)
+    shape = Shape(tokens=8, hidden=64, topk=2, experts=8, payload="bf16", routing="balanced")
+    return runner._time_graph_replays(ctx, spec, backend, shape, torch.device("cpu"))
+
+
+def test_a_capture_failure_on_one_rank_stops_every_rank():
+    results = run_ranks(capture_refused_on_rank_1, 2, timeout_s=120)
+    assert results == [([], "rank 1: RuntimeError: capture refused")] * 2

@@ -8,13 +8,24 @@ so a rank's bytes to itself count), and two ratios measured in the same run:
 
   ceil/ours  ceiling time / our time. Ranks sharing a GPU: the ceiling is one device-to-device
              copy of as many bytes as all ranks' dispatch outputs together (combine: all ranks'
-             combine inputs), timed in this run. One GPU per rank: the busiest rank's bytes that
-             cross a link, at --link-gbps (478 GB/s per direction on two H200s with NV18).
+             combine inputs), timed in this run. One GPU per rank: the busiest rank's link bytes
+             in hybrid's format (each token once per remote rank: the least any backend moves),
+             at --link-gbps (478 GB/s per direction on two H200s with NV18).
   ref/ours   the reference backend's time / ours (when ranks share a GPU the reference runs over
              gloo through host memory: reported, but no target there).
 
-Writes a table to stdout, and under --out: bench.json (every sample + environment) and
-PNG plots (GB/s vs tokens, GB/s vs SMs).
+One GPU per rank also gets link_MB (the busiest rank's bytes sent to other ranks in this
+backend's own wire format), link_GB/s (that over the median time) and link% (of --link-gbps).
+
+Timing: per case one barrier, then warm-up and timed iterations back to back (dispatch,
+combine, dispatch, ...) with CUDA events before dispatch, between the ops and after combine,
+all read after one final synchronize (host clock on CPU). --sync-each-iter puts a host+device
+barrier before every iteration instead (the old method: it adds the barrier's exit skew to
+every rank's time). --graph also times CUDA-graph replays of one captured non-blocking
+dispatch and one combine (rows with mode nonblocking+graph; CUDA and graph-capable backends).
+
+Writes a table to stdout (last), and under --out: bench.json (every sample + environment) and
+PNG plots (GB/s vs tokens; GB/s vs SMs with the reference as dashed levels).
 """
 
 from __future__ import annotations
@@ -43,15 +54,24 @@ PRESETS = {
                    modes="nonblocking,blocking"),
     "full": dict(tokens="128,1024,4096,8192", hidden="4096,7168", sms="8,16,24,32", payloads="bf16,fp8",
                  routings="balanced,skewed", modes="blocking,nonblocking"),
+    # Issue 6: two ranks with a GPU each over real NVLink; NCCL's all_to_all is fast, so the
+    # reference runs at every token count.
+    "nvlink": dict(ranks=2, tokens="128,1024,4096,8192", hidden="7168", sms="8,16,24", payloads="bf16,fp8",
+                   routings="balanced", modes="blocking", reference_max_tokens=0),
 }
+DEFAULT_RANKS = 8
+# The reference over gloo (CPU, or ranks sharing a GPU) goes through host memory: keep it short there.
+GLOO_REFERENCE_MAX_TOKENS, GLOO_REFERENCE_ITERS = 4096, 3
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m ep_plugin.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full",
-                        help="default values for the sweep axes (explicit options override them)")
-    parser.add_argument("--ranks", type=int, default=8, help="rank processes (default 8)")
+                        help="default values for the sweep axes (explicit options override them): standard "
+                             "(issue 5, ranks sharing a GPU), decode (128 tokens), full, nvlink (issue 6: 2 ranks, "
+                             "one GPU each; the reference at every token count)")
+    parser.add_argument("--ranks", type=int, help=f"rank processes (default {DEFAULT_RANKS}; 2 with --preset nvlink)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--backends", default="hybrid,reference", help="comma list (default hybrid,reference)")
     parser.add_argument("--tokens", help="tokens per rank, comma list")
@@ -64,8 +84,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--modes", help="blocking (exact size, one host read) and/or nonblocking (no host sync)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per case and rank")
-    parser.add_argument("--reference-iters", type=int, default=3, help="timed iterations of the (slow) reference")
-    parser.add_argument("--reference-max-tokens", type=int, default=4096, help="skip the reference above this")
+    parser.add_argument("--reference-iters", type=int,
+                        help=f"timed iterations of the reference (default: --iters over NCCL, "
+                             f"{GLOO_REFERENCE_ITERS} over gloo, where it goes through host memory)")
+    parser.add_argument("--reference-max-tokens", type=int,
+                        help=f"skip the reference above this many tokens per rank, 0 = never (default: 0 over "
+                             f"NCCL, {GLOO_REFERENCE_MAX_TOKENS} over gloo)")
+    parser.add_argument("--sync-each-iter", action="store_true",
+                        help="host+device barrier before every iteration instead of once per case (adds the "
+                             "barrier's exit skew to each rank's times; the old method)")
+    parser.add_argument("--graph", action="store_true",
+                        help="non-blocking mode on CUDA: also time replays of one captured dispatch and one "
+                             "captured combine (mode nonblocking+graph); ignored on CPU")
     parser.add_argument("--link-gbps", type=float, default=478.0,
                         help="per-direction link rate for the one-GPU-per-rank ceiling (default 478: 2 x H200 NV18)")
     parser.add_argument("--out", default="bench_out", help="folder for bench.json and the plots")
@@ -74,6 +104,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.ranks is None:
+        args.ranks = DEFAULT_RANKS
     allowed = {"payloads": {"bf16", "fp8"}, "routings": {"balanced", "skewed"}, "modes": {"blocking", "nonblocking"}}
     for key, choices in allowed.items():
         unknown = set(_words(getattr(args, key))) - choices
@@ -90,21 +122,44 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def reference_limits(args: argparse.Namespace, plan) -> tuple[int, int]:
+    """(reference_max_tokens, reference_iters): explicit options, else by process group.
+
+    Over NCCL (one GPU per rank) the reference is a real baseline: every token count, as many
+    iterations as ours. Over gloo it goes through host memory: a few iterations, short shapes."""
+    nccl = plan.process_group_backend == "nccl"
+    max_tokens = args.reference_max_tokens
+    if max_tokens is None:
+        max_tokens = 0 if nccl else GLOO_REFERENCE_MAX_TOKENS
+    iters = args.reference_iters
+    if iters is None:
+        iters = args.iters if nccl else GLOO_REFERENCE_ITERS
+    return max_tokens, iters
+
+
+def _graph_note(args: argparse.Namespace) -> str:
+    if not args.graph:
+        return "off"
+    return "not applied (CPU)" if args.device == "cpu" else "non-blocking mode, graph-capable backends"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    import torch
+
     from ep_plugin.testing import run_ranks
     from ep_plugin.testing.launcher import plan_launch
 
+    num_gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    plan = plan_launch(args.ranks, args.device, num_gpus)
+    reference_max_tokens, reference_iters = reference_limits(args, plan)
     spec = SweepSpec(backends=_words(args.backends), tokens=_ints(args.tokens), hidden=_ints(args.hidden),
                      topk=_ints(args.topk), experts=_ints(args.experts), payloads=_words(args.payloads),
                      sms=_ints(args.sms), routings=_words(args.routings), modes=_words(args.modes),
-                     warmup=args.warmup, iters=args.iters, reference_iters=args.reference_iters,
-                     reference_max_tokens=args.reference_max_tokens)
-    import torch
-
-    num_gpus = torch.cuda.device_count() if args.device == "cuda" else 0
-    plan = plan_launch(args.ranks, args.device, num_gpus)
+                     warmup=args.warmup, iters=args.iters, reference_iters=reference_iters,
+                     reference_max_tokens=reference_max_tokens, sync_each_iter=args.sync_each_iter,
+                     graph=args.graph)
     records = run_ranks(bench_rank, args.ranks, spec, device=args.device, timeout_s=args.timeout)[0]
     link_gbps = 0.0 if plan.use_mps or args.device == "cpu" else args.link_gbps
     rows = [row for record in records for row in summarize(record, link_gbps)]
@@ -113,11 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.device, plan)
     env["ceiling"] = ("in-run device copy (ranks share a GPU)" if plan.use_mps else
                       f"link line rate {link_gbps} GB/s per direction" if link_gbps else "none (CPU)")
+    env["timing"] = "barrier before every iteration" if args.sync_each_iter else "one barrier, then back to back"
+    env["graph"] = _graph_note(args)
+    env["reference"] = {"max_tokens": reference_max_tokens or "no limit", "iters": reference_iters}
     write_json(os.path.join(args.out, "bench.json"), env, records, rows, argv)
     plots = write_plots(args.out, rows)
     print(f"environment: {env}")
-    print(format_table(rows))
+    for record in records:
+        if record.get("graph_error"):
+            print(f"graph capture failed ({record['backend']} {record['payload']} tokens={record['tokens']} "
+                  f"hidden={record['hidden']} sms={record['sms']}): {record['graph_error']}")
     print(f"wrote {os.path.join(args.out, 'bench.json')}" + "".join(f", {p}" for p in plots))
+    print(format_table(rows))  # last, so the table ends the output
     return 0
 
 

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import statistics
+from typing import Optional
 
 OPS = ("dispatch", "combine", "roundtrip")
 
@@ -19,10 +20,49 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def _link_ceiling_us(record: dict, op: str, link_gbps: float) -> Optional[float]:
+    """One GPU per rank: the busiest rank's least link bytes for the op, at line rate."""
+    if link_gbps <= 0 or record["ranks"] < 2:
+        return None
+    floor = record.get("link_floor_bytes")
+    # Records written before link_floor_bytes existed: the payload bytes a rank receives over links.
+    num_bytes = floor[op] if floor else max(record["bytes"]["remote_bytes_in"])
+    return num_bytes / (link_gbps * 1e9) * 1e6
+
+
+def _ceilings(record: dict, link_gbps: float) -> dict[str, Optional[float]]:
+    ceilings = {}
+    for op in ("dispatch", "combine"):
+        ceiling = record["ceiling_us"].get(op)  # timed in the run when ranks share a GPU
+        ceilings[op] = ceiling if ceiling is not None else _link_ceiling_us(record, op, link_gbps)
+    both = [ceilings["dispatch"], ceilings["combine"]]
+    ceilings["roundtrip"] = sum(both) if None not in both else None
+    return ceilings
+
+
+def _link_sent_bytes(record: dict, op: str) -> Optional[int]:
+    """The busiest rank's bytes sent to other ranks (roundtrip: both ops); None unless one GPU per rank."""
+    sent = record.get("link_bytes")
+    if not record.get("one_gpu_per_rank") or not sent:
+        return None
+    if op == "roundtrip":
+        return max(d + c for d, c in zip(sent["dispatch"], sent["combine"], strict=True))
+    return max(sent[op])
+
+
+def _link_columns(record: dict, op: str, median_us: float, link_gbps: float) -> dict:
+    """link_mb / link_gbps (measured) / link_pct (of --link-gbps); None where they do not apply."""
+    num_bytes = _link_sent_bytes(record, op)
+    rate = num_bytes / (median_us * 1e-6) / 1e9 if num_bytes is not None and median_us > 0 else None
+    return dict(link_mb=num_bytes / 1e6 if num_bytes is not None else None, link_gbps=rate,
+                link_pct=rate / link_gbps * 100 if rate is not None and link_gbps > 0 else None)
+
+
 def summarize(record: dict, link_gbps: float) -> list[dict]:
-    """One row per op: µs median/p10/p90 over ranks x iterations, algorithm GB/s per rank, ceiling."""
+    """One row per op: µs median/p10/p90 over ranks x iterations, algorithm GB/s per rank, ceiling, link use."""
     rows = []
     recv_bytes = record["bytes"]["recv_token_bytes"]
+    ceilings = _ceilings(record, link_gbps)
     for op_index, op in enumerate(OPS):
         times, rates = [], []
         for rank, samples in enumerate(record["samples_us"]):
@@ -31,12 +71,7 @@ def summarize(record: dict, link_gbps: float) -> list[dict]:
                 times.append(t)
                 if op != "roundtrip" and t > 0:
                     rates.append(recv_bytes[rank] / (t * 1e-6) / 1e9)
-        ceiling = record["ceiling_us"].get(op)
-        if ceiling is None and op != "roundtrip" and link_gbps > 0 and record["ranks"] > 1:
-            # One GPU per rank: the busiest rank's link-crossing bytes at line rate.
-            ceiling = max(record["bytes"]["remote_bytes_in"]) / (link_gbps * 1e9) * 1e6
-        if op == "roundtrip" and record["ceiling_us"]:
-            ceiling = sum(record["ceiling_us"].get(o, float("nan")) for o in ("dispatch", "combine"))
+        ceiling = ceilings[op]
         median = statistics.median(times) if times else float("nan")
         rows.append(dict(
             backend=record["backend"], mode=record["mode"], payload=record["payload"], tokens=record["tokens"],
@@ -44,7 +79,8 @@ def summarize(record: dict, link_gbps: float) -> list[dict]:
             routing=record["routing"], ranks=record["ranks"], op=op, median_us=median,
             p10_us=_percentile(times, 0.1), p90_us=_percentile(times, 0.9),
             algo_gbps=statistics.median(rates) if rates else None, ceiling_us=ceiling,
-            ceiling_ratio=(ceiling / median) if ceiling and median > 0 else None))
+            ceiling_ratio=(ceiling / median) if ceiling and median > 0 else None,
+            **_link_columns(record, op, median, link_gbps), error=record.get("graph_error")))
     return rows
 
 
@@ -57,24 +93,30 @@ def attach_reference_ratio(rows: list[dict]) -> None:
         row["reference_ratio"] = ref / row["median_us"] if ref and row["backend"] != "reference" else None
 
 
+# (header, row key, decimals for floats)
+COLUMNS = (("backend", "backend", 0), ("mode", "mode", 0), ("payload", "payload", 0), ("tokens", "tokens", 0),
+           ("hidden", "hidden", 0), ("sms", "sms", 0), ("routing", "routing", 0), ("op", "op", 0),
+           ("median_us", "median_us", 1), ("p10_us", "p10_us", 1), ("p90_us", "p90_us", 1),
+           ("algo_GB/s", "algo_gbps", 2), ("ceil_us", "ceiling_us", 1), ("ceil/ours", "ceiling_ratio", 2),
+           ("ref/ours", "reference_ratio", 2), ("link_MB", "link_mb", 2), ("link_GB/s", "link_gbps", 1),
+           ("link%", "link_pct", 1))
+
+
+def _cell(value, digits: int) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
 def format_table(rows: list[dict]) -> str:
-    header = ("backend", "mode", "payload", "tokens", "hidden", "sms", "routing", "op", "median_us", "p10_us",
-              "p90_us", "algo_GB/s", "ceil_us", "ceil/ours", "ref/ours")
-    lines = [" ".join(f"{h:>10s}" for h in header)]
-
-    def fmt(value, digits=1):
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            return f"{'-':>10s}"
-        if isinstance(value, float):
-            return f"{value:10.{digits}f}"
-        return f"{str(value):>10s}"
-
-    for r in rows:
-        lines.append(" ".join([fmt(r["backend"]), fmt(r["mode"]), fmt(r["payload"]), fmt(r["tokens"]),
-                               fmt(r["hidden"]), fmt(r["sms"]), fmt(r["routing"]), fmt(r["op"]),
-                               fmt(r["median_us"]), fmt(r["p10_us"]), fmt(r["p90_us"]), fmt(r["algo_gbps"], 2),
-                               fmt(r["ceiling_us"]), fmt(r["ceiling_ratio"], 2), fmt(r["reference_ratio"], 2)]))
-    return "\n".join(lines)
+    """Right-aligned columns, each as wide as its longest cell (mode names like nonblocking+graph)."""
+    cells = [[header for header, _, _ in COLUMNS]]
+    cells += [[_cell(row.get(key), digits) for _, key, digits in COLUMNS] for row in rows]
+    widths = [max(10, *(len(line[i]) for line in cells)) for i in range(len(COLUMNS))]
+    return "\n".join(" ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True))
+                     for line in cells)
 
 
 def write_json(path: str, environment: dict, records: list[dict], rows: list[dict], argv: list[str]) -> None:
@@ -83,8 +125,48 @@ def write_json(path: str, environment: dict, records: list[dict], rows: list[dic
                   default=str)
 
 
+def _series(rows: list[dict], x_key: str) -> dict[tuple, dict]:
+    """Lines of GB/s over x_key, one per (backend, mode, payload, op, routing, hidden, the other axis)."""
+    series: dict[tuple, dict] = {}
+    for r in rows:
+        if r[x_key] is None:
+            continue
+        key = (r["backend"], r["mode"], r["payload"], r["op"], r["routing"], r["hidden"],
+               r["sms"] if x_key == "tokens" else r["tokens"])
+        series.setdefault(key, {})[r[x_key]] = r["algo_gbps"]
+    return {k: v for k, v in series.items() if len(v) > 1}
+
+
+def _reference_levels(rows: list[dict], series: dict[tuple, dict]) -> dict[str, float]:
+    """The reference has no SM axis: one level per (op, payload) at each plotted (routing, hidden, tokens)."""
+    plotted = {(key[4], key[5], key[6]) for key in series}
+    return {f"reference {r['mode']} {r['payload']} {r['op']} {r['routing']} H={r['hidden']} tokens={r['tokens']}":
+            r["algo_gbps"] for r in rows
+            if r["backend"] == "reference" and (r["routing"], r["hidden"], r["tokens"]) in plotted}
+
+
+def _draw(plt, path: str, x_key: str, x_label: str, series: dict[tuple, dict], levels: dict[str, float]) -> None:
+    figure, axis = plt.subplots(figsize=(11, 5.5))
+    palette = plt.get_cmap("tab10" if len(series) + len(levels) <= 10 else "tab20").colors  # distinct lines
+    for index, (key, points) in enumerate(sorted(series.items(), key=lambda kv: str(kv[0]))):
+        xs = sorted(points)
+        fixed = "" if key[6] is None else f"sms={key[6]}" if x_key == "tokens" else f"tokens={key[6]}"
+        axis.plot(xs, [points[x] for x in xs], marker="o", color=palette[index % len(palette)],
+                  label=f"{key[0]} {key[1]} {key[2]} {key[3]} {key[4]} H={key[5]} {fixed}")
+    for index, (label, gbps) in enumerate(sorted(levels.items()), start=len(series)):
+        axis.axhline(gbps, linestyle="--", linewidth=1.2, color=palette[index % len(palette)], label=label)
+    axis.set_xlabel(x_label)
+    axis.set_ylabel("algorithm GB/s per rank")
+    if x_key == "tokens":
+        axis.set_xscale("log", base=2)
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: lines stay visible
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+
+
 def write_plots(out_dir: str, rows: list[dict]) -> list[str]:
-    """GB/s vs tokens per rank and GB/s vs SMs, one line per (backend, mode, payload, op)."""
+    """GB/s vs tokens per rank and GB/s vs SMs (the reference as dashed levels), one line per series."""
     try:
         import matplotlib
 
@@ -96,32 +178,10 @@ def write_plots(out_dir: str, rows: list[dict]) -> list[str]:
     rows = [r for r in rows if r["algo_gbps"] and r["op"] != "roundtrip"]
     for x_key, x_label, file_name in (("tokens", "tokens per rank", "gbps_vs_tokens.png"),
                                       ("sms", "SMs per rank", "gbps_vs_sms.png")):
-        series: dict[tuple, dict] = {}
-        for r in rows:
-            if r[x_key] is None:
-                continue
-            # Fix the other swept axes at their most common value so each line varies one axis.
-            key = (r["backend"], r["mode"], r["payload"], r["op"], r["routing"], r["hidden"],
-                   r["sms"] if x_key == "tokens" else r["tokens"])
-            series.setdefault(key, {})[r[x_key]] = r["algo_gbps"]
-        series = {k: v for k, v in series.items() if len(v) > 1}
+        series = _series(rows, x_key)
         if not series:
             continue
-        figure, axis = plt.subplots(figsize=(9, 5.5))
-        for key, points in sorted(series.items(), key=lambda kv: str(kv[0])):
-            xs = sorted(points)
-            fixed = f"sms={key[6]}" if x_key == "tokens" else f"tokens={key[6]}"
-            axis.plot(xs, [points[x] for x in xs], marker="o",
-                      label=f"{key[0]} {key[1]} {key[2]} {key[3]} {key[4]} H={key[5]} {fixed}")
-        axis.set_xlabel(x_label)
-        axis.set_ylabel("algorithm GB/s per rank")
-        if x_key == "tokens":
-            axis.set_xscale("log", base=2)
-        axis.grid(True, alpha=0.3)
-        axis.legend(fontsize=6)
-        figure.tight_layout()
         path = os.path.join(out_dir, file_name)
-        figure.savefig(path, dpi=120)
-        plt.close(figure)
+        _draw(plt, path, x_key, x_label, series, _reference_levels(rows, series) if x_key == "sms" else {})
         written.append(path)
     return written

@@ -1,9 +1,22 @@
 """What every rank runs: build backends, time dispatch/combine, time the ceiling, gather samples.
 
-Timing: CUDA events around each call after warm-up, a barrier (host + device) before each
-iteration so ranks start together; on CPU, the host clock. Rank 0 also times the ceiling in
-the same run: with ranks sharing a GPU, one device-to-device copy of as many bytes as all
-ranks' outputs together (the least traffic the operation can cost on that GPU).
+Timing (DESIGN §8). Per case: one barrier (host + device) so ranks start together, then the
+warm-up and timed iterations back to back — dispatch, combine, dispatch, combine, ... — with a
+CUDA event recorded before dispatch, between dispatch and combine, and after combine of every
+iteration. All events are allocated up front and read after one synchronize at the end, so
+nothing on the host sits between the calls. A rank's time still includes waiting for slower
+ranks inside the op's own handshake (that is part of the op), but no longer the skew of leaving
+a host barrier (hundreds of µs with gloo and 8 processes). ``sync_each_iter`` restores the old
+method, a barrier before every iteration. On CPU the host clock marks the same points.
+
+CUDA graphs (``graph``; non-blocking mode on CUDA, backends with ``capabilities.cuda_graphs``):
+after eager warm-up on a side stream, one dispatch is captured into a graph and one combine of
+its output (same backend, same handle) into a second; replays are timed like eager calls and
+reported as mode "nonblocking+graph". A failed capture is recorded as ``graph_error``, not raised.
+
+Ceiling, timed by rank 0 in the same run with ranks sharing a GPU: one device-to-device copy of
+as many bytes as all ranks' outputs together (the least traffic the operation can cost on that
+GPU). With one GPU per rank the report derives it from ``link_floor_bytes`` and the line rate.
 """
 
 from __future__ import annotations
@@ -12,7 +25,7 @@ import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,7 +34,9 @@ import ep_plugin
 from ep_plugin.config import Config
 from ep_plugin.testing import RankContext
 
-from .workload import Shape, make_hidden, make_routing, traffic
+from .workload import WIRE_FORMATS, Shape, link_bytes, make_hidden, make_routing, traffic
+
+GRAPH_MODE = "nonblocking+graph"
 
 
 @dataclass(frozen=True)
@@ -37,9 +52,11 @@ class SweepSpec:
     modes: tuple[str, ...]
     warmup: int = 3
     iters: int = 10
-    reference_max_tokens: int = 4096
+    reference_max_tokens: int = 4096  # 0 = no limit
     reference_iters: int = 3
     seed: int = 0
+    sync_each_iter: bool = False  # a barrier before every iteration (the old, skewed method)
+    graph: bool = False  # also time CUDA-graph replays of non-blocking dispatch/combine
     extra_config: dict = field(default_factory=dict)
 
 
@@ -50,6 +67,14 @@ def _supported(backend_name: str, backend_cls, payload: str, mode: str) -> bool:
     return mode == "blocking" or caps.non_blocking
 
 
+def _graph_applies(spec: SweepSpec, backend_cls, mode: str, device: torch.device) -> bool:
+    return spec.graph and mode == "nonblocking" and device.type == "cuda" and backend_cls.capabilities.cuda_graphs
+
+
+def _reference_skips(spec: SweepSpec, name: str, tokens: int) -> bool:
+    return name == "reference" and 0 < spec.reference_max_tokens < tokens
+
+
 def _barrier(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -57,10 +82,11 @@ def _barrier(device: torch.device) -> None:
 
 
 class _Timer:
-    """CUDA events on a GPU, the host clock on CPU; returns microseconds between marks."""
+    """CUDA events on a GPU, the host clock on CPU; mark freely, finish() once, then read µs."""
 
     def __init__(self, device: torch.device, marks: int) -> None:
         self.cuda = device.type == "cuda"
+        self.device = device
         self.marks = [torch.cuda.Event(enable_timing=True) for _ in range(marks)] if self.cuda else [0.0] * marks
 
     def mark(self, index: int) -> None:
@@ -69,33 +95,115 @@ class _Timer:
         else:
             self.marks[index] = time.perf_counter()
 
+    def finish(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
     def elapsed_us(self, start: int, end: int) -> float:
         if self.cuda:
-            self.marks[end].synchronize()
             return self.marks[start].elapsed_time(self.marks[end]) * 1e3
         return (self.marks[end] - self.marks[start]) * 1e6
 
 
-def _time_calls(backend, shape: Shape, rank: int, seed: int, device, warmup: int, iters: int) -> list[list[float]]:
-    routing_map, probs = make_routing(shape, rank, seed, device)
-    payload_dtype = torch.bfloat16
-    hidden = make_hidden(shape, rank, device, payload_dtype)
-    timer, samples, combine_rows = _Timer(device, 3), [], None
+class _Calls:
+    """One case's inputs and its two ops; combine consumes the latest dispatch's output."""
+
+    def __init__(self, backend, shape: Shape, rank: int, seed: int, device: torch.device) -> None:
+        self.backend, self.shape, self.device = backend, shape, device
+        self.routing_map, self.probs = make_routing(shape, rank, seed, device)
+        self.hidden = make_hidden(shape, rank, device, torch.bfloat16)
+        self.out = self.combined = self._bf16_rows = None
+
+    def dispatch(self) -> None:
+        self.out = None  # free the previous output first: non-blocking outputs are worst-case sized
+        self.out = self.backend.dispatch(self.hidden, routing_map=self.routing_map, probs=self.probs)
+
+    def combine(self) -> None:
+        self.combined = None
+        self.combined = self.backend.combine(self.combine_rows(), self.out.handle)
+
+    def combine_rows(self) -> torch.Tensor:
+        """The dispatch output, or for fp8 dispatch bf16 rows of the same count (what combine takes)."""
+        rows = self.out.hidden
+        if not isinstance(rows, tuple):
+            return rows
+        if self._bf16_rows is None or self._bf16_rows.shape[0] != rows[0].shape[0]:
+            self._bf16_rows = torch.randn(rows[0].shape[0], self.shape.hidden, device=self.device).to(torch.bfloat16)
+        return self._bf16_rows
+
+    def release(self) -> None:
+        self.out = self.combined = None
+
+
+def _time_pairs(dispatch: Callable[[], None], combine: Callable[[], None], device: torch.device, warmup: int,
+                iters: int, sync_each_iter: bool) -> list[list[float]]:
+    """[dispatch µs, combine µs] of each timed iteration, by the method in the module docstring."""
+    timer = _Timer(device, 3 * (warmup + iters))
     for iteration in range(warmup + iters):
-        _barrier(device)
-        timer.mark(0)
-        out = backend.dispatch(hidden, routing_map=routing_map, probs=probs)
-        timer.mark(1)
-        rows = out.hidden
-        if isinstance(rows, tuple):  # fp8 dispatch: combine takes bf16 rows of the same count
-            if combine_rows is None or combine_rows.shape[0] != rows[0].shape[0]:
-                combine_rows = torch.randn(rows[0].shape[0], shape.hidden, device=device).to(payload_dtype)
-            rows = combine_rows
-        backend.combine(rows, out.handle)
-        timer.mark(2)
-        if iteration >= warmup:
-            samples.append([timer.elapsed_us(0, 1), timer.elapsed_us(1, 2)])
-    return samples
+        if iteration == 0 or sync_each_iter:
+            _barrier(device)
+        first = 3 * iteration
+        timer.mark(first)
+        dispatch()
+        timer.mark(first + 1)
+        combine()
+        timer.mark(first + 2)
+    timer.finish()
+    return [[timer.elapsed_us(3 * i, 3 * i + 1), timer.elapsed_us(3 * i + 1, 3 * i + 2)]
+            for i in range(warmup, warmup + iters)]
+
+
+def _warm_up_for_capture(calls: _Calls, warmup: int, device: torch.device) -> torch.cuda.Stream:
+    """Eager dispatch + combine on a fresh side stream (torch asks for warm-up there); returns it.
+
+    Every rank runs the same number of these ops: each op handshakes across ranks."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(max(warmup, 1)):
+            calls.dispatch()
+            calls.combine()
+    torch.cuda.current_stream(device).wait_stream(side)
+    calls.release()  # nothing eager may be freed while a capture runs
+    return side
+
+
+def _capture_graphs(calls: _Calls, side: torch.cuda.Stream) -> tuple:
+    """Capture one dispatch, then one combine of its output (same handle), into two CUDA graphs.
+
+    Capture only records kernels: no handshake runs, so the ranks' device op numbers stay in
+    step whatever happens here. Returns (dispatch graph, combine graph); calls.out holds the
+    captured dispatch's output, which the combine graph reads.
+    """
+    dispatch_graph, combine_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(dispatch_graph, stream=side):
+        calls.dispatch()
+    calls.combine_rows()  # fp8: allocate the bf16 combine input outside the capture
+    # The combine graph reads the dispatch graph's outputs: share its memory pool.
+    with torch.cuda.graph(combine_graph, stream=side, pool=dispatch_graph.pool()):
+        calls.combine()
+    return dispatch_graph, combine_graph
+
+
+def _time_graph_replays(ctx: RankContext, spec: SweepSpec, backend, shape: Shape,
+                        device: torch.device) -> tuple[list[list[float]], Optional[str]]:
+    """Samples of graph replays, or ([], the error) when capture failed on any rank."""
+    calls = _Calls(backend, shape, ctx.rank, spec.seed, device)
+    side = _warm_up_for_capture(calls, spec.warmup, device)  # eager ops: their errors are real failures
+    error = graphs = None
+    try:
+        graphs = _capture_graphs(calls, side)
+    except Exception as exc:  # a capture that fails is a result to report, not a crash
+        error = f"{type(exc).__name__}: {exc}"
+    # All ranks replay or none does: a lone replay would wait on its peers' handshake forever.
+    errors: list[Optional[str]] = [None] * ctx.world_size
+    dist.all_gather_object(errors, error)
+    failed = [f"rank {rank}: {message}" for rank, message in enumerate(errors) if message]
+    if failed:
+        return [], "; ".join(failed)
+    dispatch_graph, combine_graph = graphs
+    return _time_pairs(dispatch_graph.replay, combine_graph.replay, device, spec.warmup, spec.iters,
+                       spec.sync_each_iter), None
 
 
 def _time_copy_us(num_bytes: int, device: torch.device, repeats: int = 5) -> float:
@@ -104,37 +212,70 @@ def _time_copy_us(num_bytes: int, device: torch.device, repeats: int = 5) -> flo
         return float("nan")
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
-    timer, times = _Timer(device, 2), []
-    for _ in range(repeats + 1):
-        timer.mark(0)
+    timer = _Timer(device, 2 * (repeats + 1))
+    for repeat in range(repeats + 1):
+        timer.mark(2 * repeat)
         dst.copy_(src)
-        timer.mark(1)
-        times.append(timer.elapsed_us(0, 1))
+        timer.mark(2 * repeat + 1)
+    timer.finish()
     del src, dst
-    return statistics.median(times[1:])
+    return statistics.median(timer.elapsed_us(2 * r, 2 * r + 1) for r in range(1, repeats + 1))
+
+
+def _gather(samples: list, world_size: int) -> list:
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, samples)
+    return everyone
+
+
+def _bench_link_bytes(backend_name: str, maps: list[torch.Tensor], num_ranks: int, shape: Shape) -> dict:
+    """link_bytes for the calls the bench makes: dispatch with probs, combine without."""
+    with_probs = link_bytes(backend_name, maps, num_ranks, shape, with_probs=True)
+    without_probs = link_bytes(backend_name, maps, num_ranks, shape, with_probs=False)
+    return {"dispatch": with_probs["dispatch"], "combine": without_probs["combine"]}
+
+
+def _case_bytes(backend_name: str, shape: Shape, num_ranks: int, seed: int) -> dict:
+    """Byte counts of one case: algorithm bytes, link bytes of this backend, and the link floor."""
+    # Every rank's routing is reproducible from the seed: no need to gather the maps.
+    maps = [make_routing(shape, r, seed, torch.device("cpu"))[0] for r in range(num_ranks)]
+    sent = _bench_link_bytes(backend_name, maps, num_ranks, shape) if backend_name in WIRE_FORMATS else None
+    # The floor for every backend: hybrid's wire format sends each token once per remote rank.
+    hybrid = sent if backend_name == "hybrid" else _bench_link_bytes("hybrid", maps, num_ranks, shape)
+    floor = {op: max(per_rank) for op, per_rank in hybrid.items()}
+    return dict(bytes=traffic(maps, num_ranks, shape), link_bytes=sent, link_floor_bytes=floor)
 
 
 def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, shared_gpu: bool,
               ceiling_cache: dict[int, float]) -> dict:
     """Time one shape on every rank; rank 0 also times the ceiling. Returns the record (complete on rank 0)."""
     iters = spec.reference_iters if backend.name == "reference" else spec.iters
-    samples = _time_calls(backend, shape, ctx.rank, spec.seed, device, spec.warmup, iters)
-    all_samples = [None] * ctx.world_size
-    dist.all_gather_object(all_samples, samples)
-    # Every rank's routing is reproducible from the seed: no need to gather the maps.
-    maps = [make_routing(shape, r, spec.seed, torch.device("cpu"))[0] for r in range(ctx.world_size)]
-    bytes_per_rank = traffic(maps, ctx.world_size, shape)
-    combine_bytes = sum(bytes_per_rank["out_bytes"]) // shape.row_bytes() * 2 * shape.hidden  # bf16 rows back
+    calls = _Calls(backend, shape, ctx.rank, spec.seed, device)
+    samples = _time_pairs(calls.dispatch, calls.combine, device, spec.warmup, iters, spec.sync_each_iter)
+    del calls  # free the last outputs before the ceiling's copy
+    all_samples = _gather(samples, ctx.world_size)
+    case_bytes = _case_bytes(backend.name, shape, ctx.world_size, spec.seed)
+    out_bytes = case_bytes["bytes"]["out_bytes"]
+    combine_bytes = sum(out_bytes) // shape.row_bytes() * 2 * shape.hidden  # bf16 rows back
     ceilings = {}
     if ctx.rank == 0 and shared_gpu:
-        for op, num_bytes in (("dispatch", sum(bytes_per_rank["out_bytes"])), ("combine", combine_bytes)):
+        for op, num_bytes in (("dispatch", sum(out_bytes)), ("combine", combine_bytes)):
             if num_bytes not in ceiling_cache:
                 ceiling_cache[num_bytes] = _time_copy_us(num_bytes, device)
             ceilings[op] = ceiling_cache[num_bytes]
     _barrier(device)
+    one_gpu_per_rank = device.type == "cuda" and not shared_gpu and ctx.world_size > 1
     return dict(payload=shape.payload, tokens=shape.tokens, hidden=shape.hidden, topk=shape.topk,
                 experts=shape.experts, routing=shape.routing, ranks=ctx.world_size, samples_us=all_samples,
-                bytes=bytes_per_rank, ceiling_us=ceilings)
+                ceiling_us=ceilings, one_gpu_per_rank=one_gpu_per_rank, **case_bytes)
+
+
+def _run_graph_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device) -> dict:
+    """Samples of CUDA-graph replays (all ranks) and the capture error, if any, for one shape."""
+    samples, error = _time_graph_replays(ctx, spec, backend, shape, device)
+    all_samples = _gather(samples, ctx.world_size)
+    _barrier(device)
+    return dict(samples_us=all_samples, graph_error=error)
 
 
 def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
@@ -162,16 +303,17 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                                                                 spec.routings):
             if progress:
                 progress.update()
-            if not _supported(name, cls, payload, mode) or (name == "reference" and
-                                                             tokens > spec.reference_max_tokens):
+            if not _supported(name, cls, payload, mode) or _reference_skips(spec, name, tokens):
                 continue
             if backend is None:  # built lazily: a backend owns large buffers
                 backend = cls(hidden_size=hidden, num_experts=experts, config=config, device=device)
             shape = Shape(tokens, hidden, topk, experts, payload, routing)
             record = _run_case(ctx, spec, backend, shape, device, shared_gpu, ceiling_cache)
-            if ctx.rank == 0:
-                record.update(backend=name, mode=mode, sms=sms if name != "reference" else None)
-                records.append(record)
+            record.update(backend=name, mode=mode, sms=sms if name != "reference" else None)
+            records.append(record)
+            if _graph_applies(spec, cls, mode, device):
+                # Same shape, same backend: only the samples differ from the eager record.
+                records.append({**record, **_run_graph_case(ctx, spec, backend, shape, device), "mode": GRAPH_MODE})
         if backend is not None:
             backend.destroy()
             del backend

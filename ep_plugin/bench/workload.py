@@ -72,3 +72,50 @@ def traffic(routing_maps: list[torch.Tensor], num_ranks: int, shape: Shape) -> d
         "out_bytes": [r * row_bytes for r in out_rows],
         "remote_bytes_in": [(t - s) * row_bytes for t, s in zip(recv_tokens, self_tokens, strict=True)],
     }
+
+
+WIRE_FORMATS = ("hybrid", "reference")  # backends whose bytes on the wire link_bytes knows
+
+
+def link_bytes(backend_name: str, routing_maps: list[torch.Tensor], num_ranks: int, shape: Shape,
+               with_probs: bool = True) -> dict[str, list[int]]:
+    """Bytes each rank sends to other ranks (what crosses a link with one GPU per rank), per op.
+
+    Args:
+        backend_name: "hybrid" or "reference" (their wire formats differ).
+        routing_maps: every rank's [T, E] bool routing map (host tensors), indexed by rank.
+        num_ranks: ranks of the group; experts are split evenly, rank r owns a contiguous block.
+        shape: payload and hidden size of the rows.
+        with_probs: probs travel with the rows (dispatch: the routing probs; combine: per-row probs
+            sent back, as in the backward). The bench dispatches with probs and combines without.
+    Returns: {"dispatch": [bytes sent by rank r], "combine": [...]}; a rank's bytes to itself excluded.
+
+    Wire formats, L = experts per rank:
+      hybrid: dispatch sends a token once per remote rank holding any of its experts: a packet of
+        shape.row_bytes() plus L x (int32 k index + fp32 prob), a slot the kernel always fills;
+        combine sends one bf16 row (2H) per such packet back from the expert rank, plus L x fp32
+        when probs come back.
+      reference (all_to_all_single of expanded rows): one row per (token, remote expert) each way,
+        shape.row_bytes() out and 2H (bf16) back, plus 4 bytes of prob per row where probs travel.
+        (Its small layout exchange — counts and one local expert id per row — is not counted.)
+    """
+    if backend_name not in WIRE_FORMATS:
+        raise ValueError(f"no wire format for backend {backend_name!r}; known: {WIRE_FORMATS}")
+    local = shape.experts // num_ranks
+    if backend_name == "hybrid":
+        dispatch_unit = shape.row_bytes() + local * 8
+        combine_unit = 2 * shape.hidden + (local * 4 if with_probs else 0)
+    else:
+        dispatch_unit = shape.row_bytes() + (4 if with_probs else 0)
+        combine_unit = 2 * shape.hidden + (4 if with_probs else 0)
+    sent = {"dispatch": [0] * num_ranks, "combine": [0] * num_ranks}
+    for source, routing_map in enumerate(routing_maps):
+        per_rank = routing_map.view(routing_map.shape[0], num_ranks, local)
+        # hybrid: one packet per (token, destination rank); reference: one row per (token, expert).
+        units = per_rank.any(dim=2).sum(dim=0) if backend_name == "hybrid" else per_rank.sum(dim=(0, 2))
+        for dest in range(num_ranks):
+            if dest == source:
+                continue
+            sent["dispatch"][source] += int(units[dest]) * dispatch_unit
+            sent["combine"][dest] += int(units[dest]) * combine_unit  # the expert rank sends it back
+    return sent
