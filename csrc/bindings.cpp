@@ -7,6 +7,7 @@
 
 #include "ep/device_info.h"
 #include "ep/hybrid.h"
+#include "ep/layout.h"
 
 namespace py = pybind11;
 
@@ -38,6 +39,34 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("total_bytes", &ep::Buffer::total_bytes);
 
   m.def(
+      "layout",
+      [](uintptr_t routing_map, uintptr_t topk_idx, uintptr_t probs, int num_tokens, int num_ranks,
+         int num_local_experts, int topk, uintptr_t send_slot, uintptr_t k_index, uintptr_t expert_counts,
+         uintptr_t rank_counts, uintptr_t dense_probs, uintptr_t bad_ids, int device, uintptr_t stream,
+         int max_blocks) {
+        ep::LayoutArgs a{ptr<const uint8_t>(routing_map),
+                         ptr<const int64_t>(topk_idx),
+                         ptr<const float>(probs),
+                         num_tokens,
+                         num_ranks,
+                         num_local_experts,
+                         topk,
+                         ptr<int32_t>(k_index),
+                         ptr<int32_t>(expert_counts),
+                         ptr<int32_t>(send_slot),
+                         ptr<int32_t>(rank_counts),
+                         ptr<float>(dense_probs),
+                         ptr<bool>(bad_ids),
+                         max_blocks};
+        ep::launch_layout(a, device, stream);
+      },
+      py::arg("routing_map"), py::arg("topk_idx"), py::arg("probs"), py::arg("num_tokens"), py::arg("num_ranks"),
+      py::arg("num_local_experts"), py::arg("topk"), py::arg("send_slot"), py::arg("k_index"),
+      py::arg("expert_counts"), py::arg("rank_counts"), py::arg("dense_probs"), py::arg("bad_ids"),
+      py::arg("device"), py::arg("stream"), py::arg("max_blocks") = 0,
+      "stage 0: send-side layout in one kernel (topk = 0: routing-map form; pointer 0 = absent)");
+
+  m.def(
       "notify",
       [](const ep::Buffer& b, int phase, uintptr_t expert_counts, uintptr_t rank_counts, int pad_multiple,
          uintptr_t row_base, uintptr_t expert_start, uintptr_t tokens_per_expert, uintptr_t real_per_expert,
@@ -59,10 +88,11 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "dispatch_send",
       [](const ep::Buffer& b, uintptr_t hidden, int64_t row_bytes, uintptr_t scales, int64_t scale_bytes,
-         uintptr_t send_slot, uintptr_t k_index, uintptr_t probs, int num_tokens, int num_blocks, uintptr_t stream) {
+         uintptr_t send_slot, uintptr_t k_index, uintptr_t probs, int num_tokens, int bulk_copy, int num_blocks,
+         uintptr_t stream) {
         ep::SendArgs a{ptr<const void>(hidden),       row_bytes, ptr<const float>(scales), scale_bytes,
                        ptr<const int32_t>(send_slot), ptr<const int32_t>(k_index), ptr<const float>(probs),
-                       num_tokens};
+                       num_tokens,                    bulk_copy};
         ep::launch_dispatch_send(b, a, num_blocks, stream);
       },
       "stage 2: push tokens once per destination rank");
@@ -72,7 +102,7 @@ PYBIND11_MODULE(_C, m) {
       [](const ep::Buffer& b, uintptr_t out, int64_t row_bytes, uintptr_t out_scales, int64_t scale_bytes,
          uintptr_t out_probs, int64_t budget, uintptr_t row_base, uintptr_t expert_start, uintptr_t tokens_per_expert,
          uintptr_t real_per_expert, uintptr_t num_packets, uintptr_t total_rows, uintptr_t packet_rows,
-         int use_cached_rows, uintptr_t overflow, int num_blocks, uintptr_t stream) {
+         int use_cached_rows, uintptr_t overflow, int bulk_copy, int num_blocks, uintptr_t stream) {
         ep::PermuteArgs a{ptr<void>(out),
                           row_bytes,
                           ptr<float>(out_scales),
@@ -87,7 +117,8 @@ PYBIND11_MODULE(_C, m) {
                           ptr<const int64_t>(total_rows),
                           ptr<int32_t>(packet_rows),
                           use_cached_rows,
-                          ptr<int32_t>(overflow)};
+                          ptr<int32_t>(overflow),
+                          bulk_copy};
         ep::launch_permute(b, a, num_blocks, stream);
       },
       "stage 3: expand packets into expert-sorted padded rows");

@@ -39,6 +39,47 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
   return word;
 }
 
+// out[i] = bf16(sum over n < count of row(n)[i]) for i < words (16-byte words of 8 bf16), summed in
+// fp32 in n order. Each lane loads kSumUnroll words of kSumRows rows before adding them, so a warp
+// keeps 8 KiB of loads in flight; a single row is a plain copy (bf16 -> fp32 -> bf16 is exact).
+constexpr int kSumUnroll = 4;
+constexpr int kSumRows = 4;
+
+template <typename Row>
+__device__ __forceinline__ void sum_rows(int4* out, int words, int count, Row row, int lane) {
+  if (count == 1) {
+    warp_copy16(out, row(0), static_cast<int64_t>(words) * 16, lane);
+    return;
+  }
+  const int4 zero = make_int4(0, 0, 0, 0);
+  for (int i0 = lane; i0 < words; i0 += 32 * kSumUnroll) {
+    float acc[kSumUnroll][8] = {};
+    for (int n0 = 0; n0 < count; n0 += kSumRows) {
+      int4 w[kSumRows][kSumUnroll];
+#pragma unroll
+      for (int m = 0; m < kSumRows; ++m) {
+        const int4* r = n0 + m < count ? row(n0 + m) : nullptr;
+#pragma unroll
+        for (int u = 0; u < kSumUnroll; ++u) {
+          const int i = i0 + 32 * u;
+          w[m][u] = (r != nullptr && i < words) ? r[i] : zero;
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < kSumRows; ++m) {
+        if (n0 + m < count) {
+#pragma unroll
+          for (int u = 0; u < kSumUnroll; ++u) add_bf16x8(acc[u], w[m][u]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kSumUnroll; ++u) {
+      if (i0 + 32 * u < words) out[i0 + 32 * u] = pack_bf16x8(acc[u]);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) combine_send_kernel(DeviceView v, CombineSendArgs a) {
   __shared__ int32_t s_rows[kWarps][kMaxLocalExperts];
   if (block_aborted(v)) return;
@@ -69,12 +110,8 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(DeviceView v, Co
       }
       __syncwarp();
       const int4* input = static_cast<const int4*>(a.rows);
-      int4* output = reinterpret_cast<int4*>(comb_row(v, r, v.rank, s));
-      for (int i = lane; i < H / 8; i += 32) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int n = 0; n < count; ++n) add_bf16x8(acc, input[static_cast<int64_t>(rows[n]) * (H / 8) + i]);
-        output[i] = pack_bf16x8(acc);
-      }
+      sum_rows(reinterpret_cast<int4*>(comb_row(v, r, v.rank, s)), H / 8, count,
+               [=](int n) { return input + static_cast<int64_t>(rows[n]) * (H / 8); }, lane);
       __syncwarp();
     }
   }
@@ -83,6 +120,7 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(DeviceView v, Co
 
 __global__ void __launch_bounds__(kThreads) combine_recv_kernel(DeviceView v, CombineRecvArgs a) {
   __shared__ int s_slots[kWarps][kMaxRanks];
+  __shared__ int s_ranks[kWarps][kMaxRanks];
   if (block_aborted(v)) return;
   const unsigned long long seq = current_seq(v);
   if (!wait_all_blocks(v, v.layout.off_comb_done, seq, gridDim.x, kPhaseCombineReceive)) return;
@@ -93,6 +131,7 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(DeviceView v, Co
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * kWarps;
   int* slots = s_slots[threadIdx.x / 32];
+  int* ranks = s_ranks[threadIdx.x / 32];
   for (int t = blockIdx.x * kWarps + threadIdx.x / 32; t < a.num_tokens; t += warps) {
     const int my_slot = lane < R ? a.send_slot[static_cast<int64_t>(t) * R + lane] : -1;
     const unsigned sources = __ballot_sync(0xffffffffu, my_slot >= 0);
@@ -100,15 +139,15 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(DeviceView v, Co
     // hidden loop at different times, so no shuffles inside it).
     if (lane < R) slots[lane] = my_slot;
     __syncwarp();
-    int4* output = static_cast<int4*>(a.out) + static_cast<int64_t>(t) * (H / 8);
-    for (int i = lane; i < H / 8; i += 32) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (unsigned mask = sources; mask; mask &= mask - 1) {
-        const int p = __ffs(mask) - 1;
-        add_bf16x8(acc, reinterpret_cast<const int4*>(comb_row(v, v.rank, p, slots[p]))[i]);
-      }
-      output[i] = pack_bf16x8(acc);
+    // Rank order of the sum: the n-th set bit of `sources`.
+    if (lane == 0) {
+      int n = 0;
+      for (unsigned mask = sources; mask; mask &= mask - 1) ranks[n++] = __ffs(mask) - 1;
     }
+    __syncwarp();
+    sum_rows(static_cast<int4*>(a.out) + static_cast<int64_t>(t) * (H / 8), H / 8, __popc(sources),
+             [=](int n) { return reinterpret_cast<const int4*>(comb_row(v, v.rank, ranks[n], slots[ranks[n]])); },
+             lane);
     if (a.out_probs != nullptr) {
       for (unsigned mask = sources; mask; mask &= mask - 1) {
         const int p = __ffs(mask) - 1;

@@ -1,12 +1,17 @@
 // Stage 2 of a dispatch: push each token once per destination rank.
 //
 // Data flow: warp w of the grid takes tokens t = w, w + warps, ...; lane p (< R) holds the token's
-// send slot at rank p (-1: no expert there). The payload, read once, (and fp8 scales) goes to
-// peer p's disp_data[this rank][slot]; on a first dispatch the token's per-local-expert k index
-// (its position within (this rank, expert)) and prob go to disp_k / disp_p beside it. Nothing is
-// waited on: the notify kernel before this one established that every peer's regions are free.
-// Each block ends by publishing disp_done[this rank][block] = n at every rank (release), which
-// the permute kernel waits on. A rank with no tokens still publishes.
+// send slot at rank p (-1: no expert there). The payload, read once, goes to peer p's
+// disp_data[this rank][slot]; the small parts go beside it with plain stores (fp8 scales; on a
+// first dispatch the token's per-local-expert k index, its position within (this rank, expert),
+// and prob into disp_k / disp_p). Nothing is waited on: the notify kernel before this one
+// established that every peer's regions are free. Each block ends by publishing
+// disp_done[this rank][block] = n at every rank (release), which the permute kernel waits on. A
+// rank with no tokens still publishes.
+//
+// Two copy engines move the payload: bulk copies (sm_90+: one lane loads the row into shared
+// memory and issues one bulk store per destination, several rows in flight per warp), or 16-byte
+// register copies (any GPU; EP_PLUGIN_BULK_COPY=0).
 #include <cuda_runtime.h>
 
 #include "ep/check.cuh"
@@ -16,45 +21,100 @@
 namespace ep {
 namespace {
 
-__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DeviceView v, SendArgs a) {
-  __shared__ char* s_packets[kThreads / 32][kMaxRanks];
-  if (block_aborted(v)) return;  // a wait of this op already timed out: leave peers untouched
-  const unsigned long long seq = current_seq(v);
+// Warp-cooperative: record the packet address at each destination of token t in `packets`
+// (shared memory, read by every lane after the call), write the packet's small parts, and
+// return the number of destinations. `slots` is the warp's [R] scratch of send slots.
+__device__ __forceinline__ int prepare_token(const DeviceView& v, const SendArgs& a, int t, char** packets,
+                                             int* slots, int lane) {
   const int R = v.layout.num_ranks;
   const int L = v.layout.num_local_experts;
   const int E = R * L;
+  const int my_slot = lane < R ? a.send_slot[static_cast<int64_t>(t) * R + lane] : -1;
+  const unsigned destinations = __ballot_sync(0xffffffffu, my_slot >= 0);
+  if (my_slot >= 0) packets[__popc(destinations & ((1u << lane) - 1))] = disp_payload(v, lane, v.rank, my_slot);
+  if (lane < R) slots[lane] = my_slot;
+  __syncwarp();
+  if (a.scales != nullptr) {
+    for (int n = 0; n < __popc(destinations); ++n) {
+      warp_copy4(packets[n] + a.row_bytes, reinterpret_cast<const char*>(a.scales) + t * a.scale_bytes,
+                 a.scale_bytes, lane);
+    }
+  }
+  if (a.k_index != nullptr) {
+    // The token's whole [E] row of k indices (and probs) at once, each column to its rank's packet:
+    // the loads do not wait on the stores of another destination.
+    const int64_t base = static_cast<int64_t>(t) * E;
+#pragma unroll 4
+    for (int j = lane; j < E; j += 32) {
+      const int p = j / L;
+      const int slot = slots[p];
+      if (slot < 0) continue;
+      const int32_t k = __ldg(a.k_index + base + j);
+      const float prob = a.probs != nullptr ? __ldg(a.probs + base + j) : 0.0f;
+      disp_k(v, p, v.rank, slot)[j - p * L] = k;
+      disp_p(v, p, v.rank, slot)[j - p * L] = prob;
+    }
+  }
+  return __popc(destinations);
+}
+
+__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DeviceView v, SendArgs a) {
+  __shared__ char* s_packets[kThreads / 32][kMaxRanks];
+  __shared__ int s_slots[kThreads / 32][kMaxRanks];
+  if (block_aborted(v)) return;  // a wait of this op already timed out: leave peers untouched
+  const unsigned long long seq = current_seq(v);
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * (blockDim.x / 32);
+  char** packets = s_packets[threadIdx.x / 32];
   for (int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; t < a.num_tokens; t += warps) {
-    const int my_slot = lane < R ? a.send_slot[static_cast<int64_t>(t) * R + lane] : -1;
-    const unsigned destinations = __ballot_sync(0xffffffffu, my_slot >= 0);
-    if (destinations == 0) continue;
-    // Each lane of the warp loads the row once and stores it to every destination.
-    char** packets = s_packets[threadIdx.x / 32];
-    if (my_slot >= 0) packets[__popc(destinations & ((1u << lane) - 1))] = disp_payload(v, lane, v.rank, my_slot);
-    __syncwarp();
-    const int count = __popc(destinations);
-    warp_copy16_multi([packets](int k) { return packets[k]; }, count, static_cast<const char*>(a.hidden) + t * a.row_bytes, a.row_bytes, lane);
-    int n = 0;
-    for (unsigned mask = destinations; mask; mask &= mask - 1, ++n) {
-      const int p = __ffs(mask) - 1;
-      const int slot = __shfl_sync(0xffffffffu, my_slot, p);
-      if (a.scales != nullptr) {
-        warp_copy4(packets[n] + a.row_bytes, reinterpret_cast<const char*>(a.scales) + t * a.scale_bytes,
-                   a.scale_bytes, lane);
-      }
-      if (a.k_index != nullptr) {
-        const int64_t base = static_cast<int64_t>(t) * E + p * L;
-        int32_t* k_out = disp_k(v, p, v.rank, slot);
-        float* p_out = disp_p(v, p, v.rank, slot);
-        for (int j = lane; j < L; j += 32) {
-          k_out[j] = a.k_index[base + j];
-          p_out[j] = a.probs != nullptr ? a.probs[base + j] : 0.0f;
-        }
-      }
-    }
+    const int count = prepare_token(v, a, t, packets, s_slots[threadIdx.x / 32], lane);
+    if (count == 0) continue;
+    // Each lane loads the row once and stores it to every destination.
+    warp_copy16_multi([packets](int k) { return packets[k]; }, count,
+                      static_cast<const char*>(a.hidden) + t * a.row_bytes, a.row_bytes, lane);
     __syncwarp();
   }
+  signal_block_done(v, v.layout.off_disp_done, seq);
+}
+
+__global__ void __launch_bounds__(kBulkWarps * 32) dispatch_send_bulk_kernel(DeviceView v, SendArgs a,
+                                                                             BulkShape shape) {
+  extern __shared__ __align__(128) char s_stages[];
+  __shared__ char* s_packets[kBulkWarps][kMaxRanks];
+  __shared__ int s_slots[kBulkWarps][kMaxRanks];
+  __shared__ uint64_t s_bars[kBulkWarps][kBulkMaxStages];
+  if (block_aborted(v)) return;
+  const unsigned long long seq = current_seq(v);
+  const int lane = threadIdx.x % 32;
+  const int warp_in_block = threadIdx.x / 32;
+  const int warp = blockIdx.x * kBulkWarps + warp_in_block;
+  const int warps = gridDim.x * kBulkWarps;
+  char** packets = s_packets[warp_in_block];
+  const BulkRing ring = make_bulk_ring(s_stages, s_bars[warp_in_block], shape, warp_in_block, lane);
+
+  // Job j: chunk (j % parts) of this warp's (j / parts)-th token.
+  const int parts = static_cast<int>((a.row_bytes + shape.chunk_bytes - 1) / shape.chunk_bytes);
+  const int my_tokens = warp < a.num_tokens ? (a.num_tokens - warp + warps - 1) / warps : 0;
+  int count = 0;
+  auto chunk_of = [&](int j, int64_t* offset) {
+    *offset = static_cast<int64_t>(j % parts) * shape.chunk_bytes;
+    return static_cast<uint32_t>(min(static_cast<int64_t>(shape.chunk_bytes), a.row_bytes - *offset));
+  };
+  auto source = [&](int j) {
+    const int64_t t = warp + static_cast<int64_t>(j / parts) * warps;
+    int64_t offset;
+    const uint32_t bytes = chunk_of(j, &offset);
+    return BulkJob{static_cast<const char*>(a.hidden) + t * a.row_bytes + offset, bytes};
+  };
+  auto consume = [&](int j, const char* stage) {
+    if (j % parts == 0) count = prepare_token(v, a, warp + (j / parts) * warps, packets, s_slots[warp_in_block], lane);
+    if (lane == 0) {
+      int64_t offset;
+      const uint32_t bytes = chunk_of(j, &offset);
+      for (int k = 0; k < count; ++k) bulk_store(packets[k] + offset, stage, bytes);
+    }
+  };
+  run_bulk_jobs(ring, my_tokens * parts, source, consume, lane);
   signal_block_done(v, v.layout.off_disp_done, seq);
 }
 
@@ -62,8 +122,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DeviceView v, S
 
 void launch_dispatch_send(const Buffer& buffer, const SendArgs& args, int num_blocks, uintptr_t stream) {
   EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
-  dispatch_send_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), args);
-  EP_CUDA_CHECK(cudaGetLastError());
+  const bool bulk = args.bulk_copy && buffer.bulk_capable();
+  launch_copy_kernel(bulk, dispatch_send_bulk_kernel, dispatch_send_kernel, buffer.view(), args, args.row_bytes, num_blocks,
+                     reinterpret_cast<cudaStream_t>(stream));
 }
 
 }  // namespace ep

@@ -1,12 +1,16 @@
 // Stage 3 of a dispatch: expand received packets into expert-sorted, padded output rows.
 //
 // Data flow: waits for disp_done[r][b] >= n from every block b of every source rank r (acquire);
-// then warp w takes packets (r, s), s = w, w + warps, ... < num_packets[r]. A packet's row for
-// local expert e is row_base[r][e] + k, with k the sender's index of the token within (r, e)
-// (first dispatch: read from disp_k and recorded in packet_rows for combine), or comes straight
-// from packet_rows (dispatch again). Rows at or past the budget are dropped and raise the
-// overflow flag. Padding rows of each segment, and rows between the total and the budget, are
-// zero-filled (hidden, scales and probs), so every row below the budget is written.
+// then warp w takes packets q = w, w + warps, ... of the packets received from all sources in
+// rank order (packet q is (r, s): source r's s-th packet). A packet's row for local expert e is
+// row_base[r][e] + k, with k the sender's index of the token within (r, e) (first dispatch: read
+// from disp_k and recorded in packet_rows for combine), or comes straight from packet_rows
+// (dispatch again). Rows at or past the budget are dropped and raise the overflow flag. Padding
+// rows of each segment are zero-filled (hidden, scales and probs). Rows past the total (only in
+// non-blocking mode, where the budget is an upper bound) are left as they are.
+//
+// Copy engines as in dispatch.cu: one bulk load of the packet, one bulk store per expert row
+// (sm_90+), or 16-byte register copies.
 #include <cuda_runtime.h>
 
 #include "ep/check.cuh"
@@ -22,74 +26,158 @@ __device__ __forceinline__ void zero_row(const PermuteArgs& a, int64_t row, int 
   if (a.out_probs != nullptr && lane == 0) a.out_probs[row] = 0.0f;
 }
 
+// First packet index of each source in the flat numbering (block-shared; R + 1 entries).
+__device__ __forceinline__ void packet_prefix(const DeviceView& v, const PermuteArgs& a, int* prefix) {
+  if (threadIdx.x == 0) {
+    int total = 0;
+    for (int r = 0; r < v.layout.num_ranks; ++r) {
+      prefix[r] = total;
+      total += a.num_packets[r];
+    }
+    prefix[v.layout.num_ranks] = total;
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ int source_of(const DeviceView& v, const int* prefix, int q) {
+  int r = 0;
+  while (r + 1 < v.layout.num_ranks && prefix[r + 1] <= q) ++r;
+  return r;
+}
+
+// Warp-cooperative: the output rows of packet (r, s), compacted in local-expert order into
+// `targets` (shared memory); also writes the rows' probs and fp8 scales. Returns the count.
+__device__ __forceinline__ int prepare_packet(const DeviceView& v, const PermuteArgs& a, int r, int s,
+                                              int32_t* targets, int lane) {
+  const int L = v.layout.num_local_experts;
+  int32_t* cached = a.packet_rows + packet_index(v, r, s) * L;
+  int count = 0;
+  for (int j0 = 0; j0 < L; j0 += 32) {
+    const int j = j0 + lane;
+    int row = -1;
+    if (j < L) {
+      // Independent loads first, so that a packet costs one memory latency, not three.
+      const float prob = a.out_probs != nullptr ? disp_p(v, v.rank, r, s)[j] : 0.0f;
+      if (a.use_cached_rows) {
+        row = cached[j];
+      } else {
+        const int k = disp_k(v, v.rank, r, s)[j];
+        const int base = a.row_base[r * L + j];
+        row = k >= 0 ? base + k : -1;
+        cached[j] = row;
+      }
+      if (row >= 0 && a.out_probs != nullptr && row < a.budget) a.out_probs[row] = prob;
+      if (row >= a.budget) *a.overflow = 1;
+    }
+    const bool valid = row >= 0 && row < a.budget;
+    const unsigned ballot = __ballot_sync(0xffffffffu, valid);
+    if (valid) targets[count + __popc(ballot & ((1u << lane) - 1))] = row;
+    count += __popc(ballot);
+  }
+  __syncwarp();
+  if (a.out_scales != nullptr) {
+    const char* packet = disp_payload(v, v.rank, r, s);
+    for (int n = 0; n < count; ++n) {
+      warp_copy4(reinterpret_cast<char*>(a.out_scales) + static_cast<int64_t>(targets[n]) * a.scale_bytes,
+                 packet + a.row_bytes, a.scale_bytes, lane);
+    }
+  }
+  return count;
+}
+
+// After the packets: zero the padding rows of each segment (all warps of the grid).
+__device__ __forceinline__ void zero_padding(const DeviceView& v, const PermuteArgs& a, int warp, int warps,
+                                             int lane) {
+  for (int e = 0; e < v.layout.num_local_experts; ++e) {
+    const int64_t first = a.expert_start[e] + a.real_per_expert[e];
+    const int64_t end = min(static_cast<int64_t>(a.expert_start[e] + a.tokens_per_expert[e]), a.budget);
+    for (int64_t row = first + warp; row < end; row += warps) zero_row(a, row, lane);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) permute_kernel(DeviceView v, PermuteArgs a) {
   __shared__ int32_t s_targets[kThreads / 32][kMaxLocalExperts];  // output rows of the packet in hand
+  __shared__ int s_prefix[kMaxRanks + 1];
   if (block_aborted(v)) return;
   const unsigned long long seq = current_seq(v);
   if (!wait_all_blocks(v, v.layout.off_disp_done, seq, gridDim.x, kPhaseDispatchReceive)) return;
-  const int R = v.layout.num_ranks;
-  const int L = v.layout.num_local_experts;
   const int lane = threadIdx.x % 32;
   const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int warps = gridDim.x * (blockDim.x / 32);
   int32_t* targets = s_targets[threadIdx.x / 32];
   if (warp == 0 && lane == 0 && a.total_rows[0] > a.budget) *a.overflow = 1;
+  packet_prefix(v, a, s_prefix);
+  for (int q = warp; q < s_prefix[v.layout.num_ranks]; q += warps) {
+    const int r = source_of(v, s_prefix, q);
+    const int s = q - s_prefix[r];
+    const int count = prepare_packet(v, a, r, s, targets, lane);
+    // Read the packet once, store it to each of its rows.
+    char* out = static_cast<char*>(a.out);
+    const int64_t row_bytes = a.row_bytes;
+    warp_copy16_multi([=](int k) { return out + targets[k] * row_bytes; }, count, disp_payload(v, v.rank, r, s),
+                      row_bytes, lane);
+    __syncwarp();
+  }
+  zero_padding(v, a, warp, warps, lane);
+}
 
-  for (int r = 0; r < R; ++r) {
-    const int packets = a.num_packets[r];
-    for (int s = warp; s < packets; s += warps) {
-      const char* packet = disp_payload(v, v.rank, r, s);
-      int32_t* cached = a.packet_rows + packet_index(v, r, s) * L;
-      int count = 0;
-      for (int j0 = 0; j0 < L; j0 += 32) {
-        const int j = j0 + lane;
-        int row = -1;
-        if (j < L) {
-          if (a.use_cached_rows) {
-            row = cached[j];
-          } else {
-            const int k = disp_k(v, v.rank, r, s)[j];
-            row = k >= 0 ? a.row_base[r * L + j] + k : -1;
-            cached[j] = row;
-          }
-          if (row >= 0 && a.out_probs != nullptr && row < a.budget) a.out_probs[row] = disp_p(v, v.rank, r, s)[j];
-          if (row >= a.budget) *a.overflow = 1;
-        }
-        const bool valid = row >= 0 && row < a.budget;
-        const unsigned ballot = __ballot_sync(0xffffffffu, valid);
-        if (valid) targets[count + __popc(ballot & ((1u << lane) - 1))] = row;
-        count += __popc(ballot);
-      }
-      __syncwarp();
-      // Read the packet once, store it to each of its rows.
-      char* out = static_cast<char*>(a.out);
-      const int64_t row_bytes = a.row_bytes;
-      warp_copy16_multi([=](int k) { return out + targets[k] * row_bytes; }, count, packet, row_bytes, lane);
-      if (a.out_scales != nullptr) {
-        for (int n = 0; n < count; ++n) {
-          warp_copy4(reinterpret_cast<char*>(a.out_scales) + static_cast<int64_t>(targets[n]) * a.scale_bytes,
-                     packet + a.row_bytes, a.scale_bytes, lane);
-        }
-      }
-      __syncwarp();
+__global__ void __launch_bounds__(kBulkWarps * 32) permute_bulk_kernel(DeviceView v, PermuteArgs a, BulkShape shape) {
+  extern __shared__ __align__(128) char s_stages[];
+  __shared__ int32_t s_targets[kBulkWarps][kMaxLocalExperts];
+  __shared__ uint64_t s_bars[kBulkWarps][kBulkMaxStages];
+  __shared__ int s_prefix[kMaxRanks + 1];
+  if (block_aborted(v)) return;
+  const unsigned long long seq = current_seq(v);
+  if (!wait_all_blocks(v, v.layout.off_disp_done, seq, gridDim.x, kPhaseDispatchReceive)) return;
+  const int lane = threadIdx.x % 32;
+  const int warp_in_block = threadIdx.x / 32;
+  const int warp = blockIdx.x * kBulkWarps + warp_in_block;
+  const int warps = gridDim.x * kBulkWarps;
+  int32_t* targets = s_targets[warp_in_block];
+  if (warp == 0 && lane == 0 && a.total_rows[0] > a.budget) *a.overflow = 1;
+  packet_prefix(v, a, s_prefix);
+  const BulkRing ring = make_bulk_ring(s_stages, s_bars[warp_in_block], shape, warp_in_block, lane);
+
+  // Job j: chunk (j % parts) of this warp's (j / parts)-th packet.
+  const int total = s_prefix[v.layout.num_ranks];
+  const int parts = static_cast<int>((a.row_bytes + shape.chunk_bytes - 1) / shape.chunk_bytes);
+  const int my_packets = warp < total ? (total - warp + warps - 1) / warps : 0;
+  int count = 0;
+  auto chunk_of = [&](int j, int64_t* offset) {
+    *offset = static_cast<int64_t>(j % parts) * shape.chunk_bytes;
+    return static_cast<uint32_t>(min(static_cast<int64_t>(shape.chunk_bytes), a.row_bytes - *offset));
+  };
+  auto source = [&](int j) {
+    const int q = warp + (j / parts) * warps;
+    const int r = source_of(v, s_prefix, q);
+    int64_t offset;
+    const uint32_t bytes = chunk_of(j, &offset);
+    return BulkJob{disp_payload(v, v.rank, r, q - s_prefix[r]) + offset, bytes};
+  };
+  auto consume = [&](int j, const char* stage) {
+    if (j % parts == 0) {
+      const int q = warp + (j / parts) * warps;
+      const int r = source_of(v, s_prefix, q);
+      count = prepare_packet(v, a, r, q - s_prefix[r], targets, lane);
     }
-  }
-
-  // Zero the padding of each segment, then everything past the last segment up to the budget.
-  for (int e = 0; e < L; ++e) {
-    const int64_t first = a.expert_start[e] + a.real_per_expert[e];
-    const int64_t end = min(static_cast<int64_t>(a.expert_start[e] + a.tokens_per_expert[e]), a.budget);
-    for (int64_t row = first + warp; row < end; row += warps) zero_row(a, row, lane);
-  }
-  for (int64_t row = a.total_rows[0] + warp; row < a.budget; row += warps) zero_row(a, row, lane);
+    if (lane == 0) {
+      int64_t offset;
+      const uint32_t bytes = chunk_of(j, &offset);
+      char* out = static_cast<char*>(a.out) + offset;
+      for (int k = 0; k < count; ++k) bulk_store(out + targets[k] * a.row_bytes, stage, bytes);
+    }
+  };
+  run_bulk_jobs(ring, my_packets * parts, source, consume, lane);
+  zero_padding(v, a, warp, warps, lane);
 }
 
 }  // namespace
 
 void launch_permute(const Buffer& buffer, const PermuteArgs& args, int num_blocks, uintptr_t stream) {
   EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
-  permute_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), args);
-  EP_CUDA_CHECK(cudaGetLastError());
+  const bool bulk = args.bulk_copy && buffer.bulk_capable();
+  launch_copy_kernel(bulk, permute_bulk_kernel, permute_kernel, buffer.view(), args, args.row_bytes, num_blocks,
+                     reinterpret_cast<cudaStream_t>(stream));
 }
 
 }  // namespace ep

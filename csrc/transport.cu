@@ -54,6 +54,9 @@ Buffer::Buffer(int device, int rank, int num_ranks, int max_tokens, int hidden, 
   if (hidden < 8 || hidden % 8) throw std::invalid_argument("ep_plugin: hidden must be a positive multiple of 8");
   if (max_tokens < 1 || max_blocks < 1) throw std::invalid_argument("ep_plugin: max_tokens and max_blocks >= 1");
   EP_CUDA_CHECK(cudaSetDevice(device));
+  int major = 0;
+  EP_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  bulk_capable_ = major >= 9;
   view_.layout = make_layout(num_ranks, max_tokens, hidden, num_local_experts, max_blocks);
   view_.rank = rank;
   try {

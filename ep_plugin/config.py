@@ -42,6 +42,8 @@ class Config:
     blocking: bool = field(default=True, metadata={"help": "exact-size output with one host read"})
     # Keep cross-stream tensors alive by holding them in the event object instead of record_stream.
     avoid_record_stream: bool = field(default=False, metadata={"help": "hold tensors in events, no record_stream"})
+    # GPU copy engine of the hybrid backend: bulk (TMA) copies on sm_90+, else 16-byte register copies.
+    bulk_copy: bool = field(default=True, metadata={"help": "bulk (TMA) copies where the GPU has them"})
     # Force the NVLink-domain size (ranks that share NVLink); 0 = detect.
     nvlink_domain_size: int = field(default=0, metadata={"help": "ranks per NVLink domain (0 = detect)"})
     # Refuse launches whose resident blocks across ranks sharing a GPU would exceed this many SMs (0 = detect).

@@ -2,7 +2,7 @@
 
 Stages (each a kernel in ``csrc/``, run on the caller's current stream; NVTX range per stage):
 
-1. layout (torch ops on the GPU, no host sync): from routing_map or topk_idx, each token's send
+1. layout (``csrc/layout.cu``, one kernel, no host sync): from routing_map or topk_idx, each token's send
    slot at every destination rank (``send_slot [T, R]``: tokens sent to a rank are numbered in
    token order, -1 = none), its index within each chosen expert (``k_index [T, E]``), and the
    counts per expert and per destination rank.
@@ -30,9 +30,9 @@ worst case), counts stay on the device, rows past the budget are dropped and rai
 ``handle.layout.overflow`` (also ``backend.over_budget``); nothing syncs, so dispatch and combine
 can be captured in a CUDA graph (the op number advances on the device at each replay).
 
-Valid output in non-blocking mode: rows ``[0, min(sum(tokens_per_expert), budget))``; rows up to
-the budget past that are zero. ``tokens_per_expert`` is not clipped: when ``overflow`` is set the
-segments that did not fit were dropped.
+Valid output in non-blocking mode: rows ``[0, min(sum(tokens_per_expert), budget))`` (padding rows
+inside a segment are zero); rows past that are left unwritten. ``tokens_per_expert`` is not
+clipped: when ``overflow`` is set the segments that did not fit were dropped.
 
 Timeouts: every device wait gives up after ``config.timeout_s``, writes rank / phase / peer /
 counters to mapped host memory and exits (no trap, so the process stays usable); the host raises
@@ -137,6 +137,7 @@ class HybridBackend(Backend):
                                 hidden_size=hidden_size, num_local_experts=self.num_local_experts,
                                 max_blocks=self.num_blocks, timeout_s=self.config.timeout_s, phase_names=PHASE_NAMES)
         self._C = _cuda.extension()
+        self._bulk = int(self.config.bulk_copy)  # the kernels fall back to register copies below sm_90
         self.over_budget: Optional[torch.Tensor] = None  # overflow flag of the latest dispatch
         # Non-blocking top-k dispatch: ids out of range were dropped, not indexed (device bool).
         self.invalid_expert_ids: Optional[torch.Tensor] = None
@@ -154,7 +155,47 @@ class HybridBackend(Backend):
     # ---- stages -------------------------------------------------------------------------
 
     def _layout(self, routing: Routing, probs: Optional[torch.Tensor]):
-        """Send-side layout with torch ops on the device (no host sync)."""
+        """Send-side layout: one kernel (``csrc/layout.cu``) on the current stream, no host sync.
+
+        Args:
+            routing: ``routing_map`` [T, E] bool or ``topk_idx`` [T, K] int64 (-1 = none), contiguous on
+                this device (``make_routing`` checked dtype, shape and contiguity).
+            probs: [T, E] float32 (routing map: returned as is), [T, K] float32 (top-k), or None.
+        Returns: (send_slot [T, R] int32 (-1 = not sent), k_index [T, E] int32 (-1 = not routed),
+            expert_counts [E] int32, rank_counts [R] int32, dense_probs [T, E] float32 or None,
+            bad_ids [] bool or None). bad_ids (non-blocking top-k only): some id was < -1 or >= E; such
+            ids were dropped, never indexed. A token naming an expert twice (possible only without the
+            blocking mode's host checks) chose it once, with the prob of its last such slot.
+        """
+        T, E, R, L = routing.num_tokens, self.num_experts, self.num_ranks, self.num_local_experts
+        dev = self.device
+        send_slot = torch.empty(T, R, dtype=torch.int32, device=dev)
+        k_index = torch.empty(T, E, dtype=torch.int32, device=dev)
+        expert_counts = torch.empty(E, dtype=torch.int32, device=dev)
+        rank_counts = torch.empty(R, dtype=torch.int32, device=dev)
+        routing_map = topk_idx = probs_in = dense_out = bad_out = topk = 0  # pointer 0 = absent
+        dense_probs = bad_ids = None
+        if routing.form == ROUTING_MAP:
+            routing_map, dense_probs = routing.routing_map.data_ptr(), probs  # probs are dense already
+        else:
+            topk_idx, topk = routing.topk_idx.data_ptr(), routing.topk_idx.shape[1]
+            if probs is not None:
+                dense_probs = torch.empty(T, E, dtype=torch.float32, device=dev)
+                probs_in, dense_out = probs.data_ptr(), dense_probs.data_ptr()
+            if not self.config.blocking:  # never index with a bad id; report it instead
+                bad_ids = torch.empty((), dtype=torch.bool, device=dev)
+                bad_out = bad_ids.data_ptr()
+        self._C.layout(routing_map, topk_idx, probs_in, T, R, L, topk, send_slot.data_ptr(), k_index.data_ptr(),
+                       expert_counts.data_ptr(), rank_counts.data_ptr(), dense_out, bad_out, dev.index,
+                       self._stream(), max_blocks=self.num_blocks)
+        return send_slot, k_index, expert_counts, rank_counts, dense_probs, bad_ids
+
+    def _layout_torch(self, routing: Routing, probs: Optional[torch.Tensor]):
+        """``_layout`` with torch ops (about 15 kernels): the oracle of ``tests/test_layout_gpu.py``.
+
+        Same arguments and results, except that a token naming an expert twice gets a dense prob
+        from ``scatter_`` (unspecified which duplicate).
+        """
         T, E, R, L = routing.num_tokens, self.num_experts, self.num_ranks, self.num_local_experts
         bad_ids = None
         if routing.form == ROUTING_MAP:
@@ -187,6 +228,12 @@ class HybridBackend(Backend):
     def _empty(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
         """Allocate a dispatch output (tests replace this to surround outputs with canaries)."""
         return torch.empty(*shape, dtype=dtype, device=self.device)
+
+    @staticmethod
+    def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+        """Rows are moved in 16-byte words (and bulk copies need 16-byte addresses): copy a view
+        that starts mid-word (rare: an odd storage offset) into fresh storage."""
+        return tensor if tensor.data_ptr() % 16 == 0 else tensor.clone()
 
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
@@ -221,6 +268,7 @@ class HybridBackend(Backend):
         self.buffer.raise_if_timed_out()
         fp8 = isinstance(hidden, (tuple, list))
         data, scales = (hidden[0], hidden[1]) if fp8 else (hidden, None)
+        data = self._aligned(data)
         T, H, R, L = routing.num_tokens, self.hidden_size, self.num_ranks, self.num_local_experts
         dev = self.device
         with nvtx_range("ep.hybrid.dispatch.layout"):
@@ -251,8 +299,8 @@ class HybridBackend(Backend):
             self._keep_on_stream(data, scales, dense_probs)
             self._C.dispatch_send(self.buffer.raw, data.data_ptr(), row_bytes, scales.data_ptr() if fp8 else 0,
                                   scale_bytes, send_slot.data_ptr(), k_index.data_ptr(),
-                                  dense_probs.data_ptr() if dense_probs is not None else 0, T, self.num_blocks,
-                                  self._stream())
+                                  dense_probs.data_ptr() if dense_probs is not None else 0, T, self._bulk,
+                                  self.num_blocks, self._stream())
         with nvtx_range("ep.hybrid.dispatch.permute"):
             out = self._empty(budget, H, dtype=data.dtype)
             out_scales = self._empty(budget, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
@@ -263,7 +311,8 @@ class HybridBackend(Backend):
                             scale_bytes, out_probs.data_ptr() if out_probs is not None else 0, budget,
                             row_base.data_ptr(), expert_start.data_ptr(), tokens_per_expert.data_ptr(),
                             real_per_expert.data_ptr(), num_packets.data_ptr(), total_rows.data_ptr(),
-                            packet_rows.data_ptr(), 0, overflow.data_ptr(), self.num_blocks, self._stream())
+                            packet_rows.data_ptr(), 0, overflow.data_ptr(), self._bulk, self.num_blocks,
+                            self._stream())
         layout = HybridLayout(send_slot=send_slot, k_index=k_index,
                               topk_idx=routing.topk_idx if routing.form != ROUTING_MAP else None, row_base=row_base,
                               expert_start=expert_start, num_packets=num_packets, total_rows=total_rows,
@@ -287,16 +336,17 @@ class HybridBackend(Backend):
         with nvtx_range("ep.hybrid.dispatch_again.notify"):
             self._notify(PHASE_DISPATCH_AGAIN)
         with nvtx_range("ep.hybrid.dispatch_again.send"):
+            hidden = self._aligned(hidden)
             self._keep_on_stream(hidden)
             self._C.dispatch_send(self.buffer.raw, hidden.data_ptr(), 2 * H, 0, 0, layout.send_slot.data_ptr(), 0, 0,
-                                  handle.num_tokens, self.num_blocks, self._stream())
+                                  handle.num_tokens, self._bulk, self.num_blocks, self._stream())
         with nvtx_range("ep.hybrid.dispatch_again.permute"):
             out = self._empty(layout.budget, H, dtype=hidden.dtype)
             self._C.permute(self.buffer.raw, out.data_ptr(), 2 * H, 0, 0, 0, layout.budget,
                             layout.row_base.data_ptr(), layout.expert_start.data_ptr(),
                             handle.tokens_per_expert.data_ptr(), handle.num_real_tokens_per_expert.data_ptr(),
                             layout.num_packets.data_ptr(), layout.total_rows.data_ptr(), layout.packet_rows.data_ptr(),
-                            1, layout.overflow.data_ptr(), self.num_blocks, self._stream())
+                            1, layout.overflow.data_ptr(), self._bulk, self.num_blocks, self._stream())
         return out
 
     def _combine(self, rows, handle: Handle, row_probs) -> CombineOutput:

@@ -36,10 +36,13 @@ class Buffer {
 
   const DeviceView& view() const { return view_; }
   int device() const { return device_; }
+  // Whether the GPU has bulk (TMA) copies (sm_90+; the build then holds sm_90 code for it).
+  bool bulk_capable() const { return bulk_capable_; }
   int64_t total_bytes() const { return view_.layout.total_bytes; }
 
  private:
   int device_;
+  bool bulk_capable_ = false;
   bool destroyed_ = false;
   char* local_ = nullptr;
   char** peer_table_ = nullptr;  // device
@@ -77,6 +80,7 @@ struct SendArgs {
   const int32_t* k_index;    // [T, E]: index of the token within (this rank, expert), -1; null = payload only
   const float* probs;        // [T, E] or null
   int num_tokens;
+  int bulk_copy;             // 1: bulk (TMA) copies where the GPU has them; 0: register copies
 };
 void launch_dispatch_send(const Buffer& buffer, const SendArgs& args, int num_blocks, uintptr_t stream);
 
@@ -97,6 +101,7 @@ struct PermuteArgs {
   int32_t* packet_rows;       // [R * max_tokens, L]: written (first dispatch) or read (dispatch again)
   int use_cached_rows;
   int32_t* overflow;          // [1]: set when a row falls past the budget
+  int bulk_copy;              // as in SendArgs
 };
 void launch_permute(const Buffer& buffer, const PermuteArgs& args, int num_blocks, uintptr_t stream);
 

@@ -1,0 +1,41 @@
+// Host side of the send-side layout kernel (csrc/layout.cu): the first stage of a dispatch, run
+// before the count exchange. It needs no communication buffer: only this rank's routing.
+// Pointers are device addresses (torch data_ptr() ints), the stream a cudaStream_t int.
+#pragma once
+
+#include <cstdint>
+
+#include "ep/buffer.h"  // kMaxRanks, kMaxLocalExperts
+
+namespace ep {
+
+// Routing in one of two forms (E = num_ranks * num_local_experts; expert e lives on rank e / L):
+//   topk == 0: routing_map [T, E] bool (nonzero = chosen); topk_idx and probs unused.
+//   topk >= 1: topk_idx [T, topk] int64 (-1 = none; any other id outside [0, E) is dropped and
+//              flagged in bad_ids) + optional probs [T, topk] fp32, scattered into dense_probs.
+// A token that names an expert twice in its top-k chose it once; its dense prob is the one of the
+// last (highest k) duplicate.
+// Every output element is written (no zero-fill needed); T may be 0.
+struct LayoutArgs {
+  const uint8_t* routing_map;  // [T, E] or null (top-k form)
+  const int64_t* topk_idx;     // [T, K] or null (routing-map form)
+  const float* probs;          // [T, K] or null; read only when dense_probs is set
+  int num_tokens;              // T >= 0
+  int num_ranks;               // R in [1, kMaxRanks]
+  int num_local_experts;       // L in [1, kMaxLocalExperts]
+  int topk;                    // K (0 = routing-map form)
+  int32_t* k_index;            // out [T, E]: tokens t' < t that chose e, when t chose e; else -1
+  int32_t* expert_counts;      // out [E]: tokens that chose each expert
+  int32_t* send_slot;          // out [T, R]: tokens t' < t sent to p, when t goes to p; else -1
+  int32_t* rank_counts;        // out [R]: tokens sent to each rank
+  float* dense_probs;          // out [T, E] or null: top-k probs at their expert's column, else 0
+  bool* bad_ids;               // out [] or null: some top-k id was < -1 or >= E
+  int max_blocks;              // grid cap: the rank's SM budget (num_sms), so that ranks sharing a
+                               // GPU keep the SMs their spin-waiting kernels count on
+};
+
+// One kernel launch on `stream` (no host sync, no allocation: capturable in a CUDA graph).
+// Throws std::invalid_argument on inconsistent arguments (before launching anything).
+void launch_layout(const LayoutArgs& args, int device, uintptr_t stream);
+
+}  // namespace ep

@@ -1,0 +1,580 @@
+// Stage 0 of a dispatch: the send-side layout, in one kernel launch.
+//
+// From this rank's routing (a [T, E] bool map, or [T, K] top-k ids with optional weights) it writes
+// per token its index within each chosen expert (k_index [T, E]) and its packet slot at each
+// destination rank (send_slot [T, R]), both exclusive prefix counts down a column; the column
+// totals (expert_counts [E], rank_counts [R]); for top-k with weights dense_probs [T, E]; and for a
+// non-blocking top-k dispatch the bad-id flag.
+//
+// Data flow: grid (token chunk y, rank p). Block (y, p) owns rank p's L expert columns and its rank
+// column (send_slot: the OR of those L) for the tokens of chunk y. A prefix count needs the totals
+// of every earlier token, and the block recounts chunks 0..y-1 itself (pass A over [0, t0)) instead
+// of waiting for the blocks that own them. (Why chunks: with one block per rank, each SM would
+// write T*L*4 bytes of k_index, plus as much of dense_probs: ~1 MB and ~10 us at T=4096, R=8,
+// E=256.) So blocks never wait on each other: the kernel cannot deadlock beside the spin-waiting
+// kernels of ranks sharing the GPU, needs no zeroed scratch (one launch, replayable in a CUDA
+// graph) and is correct in any scheduling order. The price is that the last chunk's block reads up
+// to T*L bytes of the map (or T*K*8 of ids) from L2; chunks of >= 256 tokens and at most one block
+// per SM bound that. Inside a block the 32 warps split the chunk into contiguous runs; pass A also
+// counts each warp's run per column into shared memory, a scan across warps turns those counts into
+// each warp's starting offsets, and pass B walks the run again in token order writing every output
+// element exactly once (row-contiguous stores). The block of the last chunk writes the totals and
+// the bad-id flag (it is the one block that reads every id).
+//
+// Lanes: "column lanes" (a step of `rows` tokens; lane = (row, vector of V columns)) count the map
+// and write all outputs; "id lanes" (lane = (row, top-k slot)) count top-k ids. Pass B scatters a
+// top-k step into a per-warp shared tile of column-lane shape first. A token naming an expert twice
+// (possible in non-blocking mode, which skips the host check) chose it once: pass A counts only the
+// last such slot (match_any, or a bitmap when K > 32), and in pass B slots land in the tile in
+// increasing k, so the prob of the last one wins. Loads in the counting loops are unrolled so that
+// each lane has ~16 in flight: the loops are latency-bound, not bandwidth.
+//
+// Waits on nothing. Expected cost (H200, not yet measured): T=128 (decode), one block per rank, one
+// L2 round trip in pass A and an L1 round in pass B: ~1.5 us. T=4096, E=256, R=8: 16 chunks x 8
+// ranks = 128 blocks, the last recounting 3840 tokens (120 KB of map / 240 KB of K=8 ids): ~2-3 us.
+// R=1 with large L is the slow corner (the recount is then T*E bytes for one block).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "ep/check.cuh"
+#include "ep/layout.h"
+
+namespace ep {
+namespace {
+
+constexpr int kLayoutThreads = 1024;
+constexpr int kLayoutWarps = kLayoutThreads / 32;
+constexpr int kMinTokensPerBlock = 256;               // smaller chunks only add recounting
+constexpr int kTileEntries = 256;                     // per-warp top-k tile: (rows of a step) x L
+constexpr int kCountStride = kMaxLocalExperts + 1;    // per-warp counts: (L + 1) | 1 entries
+constexpr unsigned kFullMask = 0xffffffffu;
+static_assert(kLayoutWarps == 32, "the scan across warps gives each warp one lane");
+static_assert(kTileEntries >= kMaxLocalExperts && kTileEntries >= 32 * 4, "a step of column lanes must fit the tile");
+
+// ---- small primitives ---------------------------------------------------------------------------
+
+__device__ __forceinline__ int next_pow2(int x) { return 1 << (32 - __clz(x - 1)); }  // 1 <= x <= 32
+__device__ __forceinline__ unsigned lanes_below(int lane) { return (1u << lane) - 1u; }
+__device__ __forceinline__ bool byte_set(uint32_t word, int v) { return ((word >> (8 * v)) & 0xffu) != 0; }
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__device__ __forceinline__ int round_up(int a, int b) { return ceil_div(a, b) * b; }
+
+// V consecutive map bytes (V = 4: one aligned word).
+template <int V>
+__device__ __forceinline__ uint32_t load_map_bytes(const uint8_t* p) {
+  if constexpr (V == 4) {
+    return __ldg(reinterpret_cast<const unsigned int*>(p));
+  } else {
+    return __ldg(p);
+  }
+}
+
+__device__ __forceinline__ int64_t load_id(const int64_t* p) {
+  return __ldg(reinterpret_cast<const long long*>(p));
+}
+
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
+template <int V>
+__device__ __forceinline__ void store_vec(int32_t* p, const int (&v)[V]) {
+  if constexpr (V == 4) {
+    *reinterpret_cast<int4*>(p) = make_int4(v[0], v[1], v[2], v[3]);
+  } else {
+    *p = v[0];
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store_vec(float* p, const float (&v)[V]) {
+  if constexpr (V == 4) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+    *p = v[0];
+  }
+}
+
+// ---- lane shapes --------------------------------------------------------------------------------
+
+// Column lanes: a step covers `rows` consecutive tokens; lane = (row r, column vector qi). Vector
+// q = g * lpr + qi of group g holds the rank's columns [q * V, q * V + V). Masks are over the warp.
+template <int V, int G>
+struct ColumnLanes {
+  int vecs;              // column vectors per token: L / V
+  int lpr;               // lanes per row: next power of two >= vecs, at most 32
+  int rows;              // tokens per step: 32 / lpr
+  int r, qi;             // this lane
+  unsigned same_column;  // lanes holding this lane's column vector (one per row)
+  unsigned same_row;     // lanes of this lane's row
+  unsigned row_leaders;  // lane qi == 0 of every row
+  unsigned rows_before;  // lanes of rows < r
+
+  __device__ ColumnLanes(int L, int lane) {
+    vecs = L / V;
+    lpr = vecs >= 32 ? 32 : next_pow2(vecs);
+    rows = 32 / lpr;
+    r = lane / lpr;
+    qi = lane % lpr;
+    row_leaders = lpr == 32 ? 1u : kFullMask / ((1u << lpr) - 1u);  // bit 0 of every lpr-bit field
+    same_column = row_leaders << qi;
+    same_row = lpr == 32 ? kFullMask : ((1u << lpr) - 1u) << (r * lpr);
+    rows_before = (1u << (r * lpr)) - 1u;  // r * lpr <= 32 - lpr
+  }
+  __device__ int vec(int g) const { return g * lpr + qi; }
+};
+
+// Id lanes: a step covers `rows` tokens; lane = (row r, top-k slot). K > 32: one token per step,
+// its slots in rounds of 32.
+struct IdLanes {
+  int lpr, rows, r, slot;
+  unsigned same_row;
+  __device__ IdLanes(int K, int lane) {
+    lpr = K >= 32 ? 32 : next_pow2(K);
+    rows = 32 / lpr;
+    r = lane / lpr;
+    slot = lane % lpr;
+    same_row = lpr == 32 ? kFullMask : ((1u << lpr) - 1u) << (r * lpr);
+  }
+};
+
+// Running offsets of one warp for the lane's columns and for the rank column.
+template <int V, int G>
+struct Runs {
+  int column[G][V];
+  int rank;
+};
+
+// ---- pass A: counting -----------------------------------------------------------------------------
+
+// Sum per-lane column counts over the rows of a step, then add them (and the rank column's count,
+// held by row leaders) to totals[0..L] in shared memory.
+template <int V, int G>
+__device__ __forceinline__ void add_counts(const ColumnLanes<V, G>& lanes, int (&count)[G][V], int rank_count, int L,
+                                           int* totals) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      int c = count[g][v];
+      for (int offset = lanes.lpr; offset < 32; offset <<= 1) c += __shfl_xor_sync(kFullMask, c, offset);
+      const int q = lanes.vec(g);
+      if (lanes.r == 0 && q < lanes.vecs && c != 0) atomicAdd(&totals[q * V + v], c);
+    }
+  }
+  rank_count = __reduce_add_sync(kFullMask, rank_count);
+  if ((threadIdx.x & 31) == 0 && rank_count != 0) atomicAdd(&totals[L], rank_count);
+}
+
+// Routing map: the map bytes of kUnroll rows of column lanes starting at token s (0 past `end`), all
+// loads issued before any is used.
+template <int kUnroll, int V, int G>
+__device__ __forceinline__ void load_map_step(const uint8_t* columns, int64_t E, const ColumnLanes<V, G>& lanes,
+                                              int s, int end, uint32_t (&word)[kUnroll][G]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int t = s + u * lanes.rows + lanes.r;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int q = lanes.vec(g);
+      word[u][g] = t < end && q < lanes.vecs ? load_map_bytes<V>(columns + t * E + q * V) : 0u;
+    }
+  }
+}
+
+// Routing map: count the columns of rank p (and its rank column) over tokens [begin, end).
+template <int V, int G>
+__device__ void count_map(const LayoutArgs& a, int p, const ColumnLanes<V, G>& lanes, int begin, int end,
+                          int* totals) {
+  constexpr int kUnroll = V == 1 && G > 1 ? 8 / G : 16 / G;  // loads in flight per lane (no spills)
+  const int L = a.num_local_experts;
+  const int64_t E = static_cast<int64_t>(a.num_ranks) * L;
+  const uint8_t* columns = a.routing_map + static_cast<int64_t>(p) * L;
+  int count[G][V] = {};
+  int rank_count = 0;
+  for (int s = begin; s < end; s += lanes.rows * kUnroll) {
+    uint32_t word[kUnroll][G];
+    load_map_step(columns, E, lanes, s, end, word);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      bool any = false;
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          const bool chosen = byte_set(word[u][g], v);
+          count[g][v] += chosen;
+          any |= chosen;
+        }
+      }
+      const bool row_any = (__ballot_sync(kFullMask, any) & lanes.same_row) != 0;
+      rank_count += lanes.qi == 0 && row_any;
+    }
+  }
+  add_counts(lanes, count, rank_count, L, totals);
+}
+
+// Top-k ids: count rank p's experts (and its rank column) over tokens [begin, end). A token naming
+// an expert twice counts it once. Returns whether this lane saw an id outside -1 and [0, E).
+// warm_probs: prefetch the probs of these slots into L1 for pass B.
+__device__ bool count_topk(const LayoutArgs& a, int p, const IdLanes& lanes, int begin, int end, int* totals,
+                           unsigned* bits, bool warm_probs) {
+  const int K = a.topk, L = a.num_local_experts, lane = threadIdx.x & 31;
+  const int64_t E = static_cast<int64_t>(a.num_ranks) * L;
+  const int64_t first = static_cast<int64_t>(p) * L;  // rank p's first expert
+  bool bad = false;
+  int rank_count = 0;
+  if (K <= 32) {
+    constexpr int kUnroll = 8;
+    for (int s = begin; s < end; s += lanes.rows * kUnroll) {
+      int64_t id[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int t = s + u * lanes.rows + lanes.r;
+        const bool valid = t < end && lanes.slot < K;
+        const int64_t at = static_cast<int64_t>(t) * K + lanes.slot;
+        id[u] = valid ? load_id(a.topk_idx + at) : -1;
+        if (warm_probs && valid) prefetch_l1(a.probs + at);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        bad |= id[u] < -1 || id[u] >= E;
+        const int64_t c = id[u] - first;
+        const bool hit = c >= 0 && c < L;
+        // Only the last slot naming an expert counts; keys never match across rows or misses.
+        const unsigned key = hit ? static_cast<unsigned>(lanes.r * kMaxLocalExperts + c) : 0x10000u + lane;
+        const unsigned peers = __match_any_sync(kFullMask, key);
+        if (hit && (peers >> lane) == 1u) atomicAdd(&totals[c], 1);
+        const bool row_any = (__ballot_sync(kFullMask, hit) & lanes.same_row) != 0;
+        rank_count += lanes.slot == 0 && row_any;
+      }
+    }
+  } else {  // K > 32 (rare): one token at a time, duplicates caught in a per-warp bitmap of L bits
+    for (int t = begin; t < end; ++t) {
+      bool any = false;
+      for (int k0 = 0; k0 < K; k0 += 32) {
+        const int k = k0 + lane;
+        const int64_t at = static_cast<int64_t>(t) * K + k;
+        const int64_t id = k < K ? load_id(a.topk_idx + at) : -1;
+        if (warm_probs && k < K) prefetch_l1(a.probs + at);
+        bad |= id < -1 || id >= E;
+        const int64_t c = id - first;
+        const bool hit = c >= 0 && c < L;
+        if (hit) {
+          const unsigned bit = 1u << (c & 31);
+          if ((atomicOr(&bits[c >> 5], bit) & bit) == 0) atomicAdd(&totals[c], 1);
+        }
+        any |= __any_sync(kFullMask, hit);
+      }
+      __syncwarp();
+      if (lane < kTileEntries / 32) bits[lane] = 0u;
+      __syncwarp();
+      rank_count += lane == 0 && any;
+    }
+  }
+  rank_count = __reduce_add_sync(kFullMask, rank_count);
+  if (lane == 0 && rank_count != 0) atomicAdd(&totals[L], rank_count);
+  return bad;
+}
+
+// ---- pass B: writing ------------------------------------------------------------------------------
+
+// One step of column lanes (this lane's token t): write k_index (and dense_probs) for the lane's
+// columns and send_slot for the row, advancing the warp's runs. Every lane of the warp calls it.
+template <int V, int G>
+__device__ __forceinline__ void write_step(const LayoutArgs& a, int p, const ColumnLanes<V, G>& lanes,
+                                           Runs<V, G>& runs, int t, bool valid, const bool (&chosen)[G][V],
+                                           const float (&prob)[G][V]) {
+  const int L = a.num_local_experts;
+  const unsigned below = lanes_below(threadIdx.x & 31);
+  int k[G][V];
+  bool any = false;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+      const unsigned column = __ballot_sync(kFullMask, chosen[g][v]) & lanes.same_column;
+      k[g][v] = chosen[g][v] ? runs.column[g][v] + __popc(column & below) : -1;
+      runs.column[g][v] += __popc(column);
+      any |= chosen[g][v];
+    }
+  }
+  const bool row_any = (__ballot_sync(kFullMask, any) & lanes.same_row) != 0;
+  const unsigned sent = __ballot_sync(kFullMask, row_any) & lanes.row_leaders;
+  const int slot = runs.rank + __popc(sent & lanes.rows_before);
+  runs.rank += __popc(sent);
+  if (!valid) return;
+  const int64_t row = static_cast<int64_t>(t) * a.num_ranks * L + static_cast<int64_t>(p) * L;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const int q = lanes.vec(g);
+    if (q >= lanes.vecs) continue;
+    store_vec<V>(a.k_index + row + q * V, k[g]);
+    if (a.dense_probs != nullptr) {
+      float value[V];
+#pragma unroll
+      for (int v = 0; v < V; ++v) value[v] = chosen[g][v] ? prob[g][v] : 0.0f;
+      store_vec<V>(a.dense_probs + row + q * V, value);
+    }
+  }
+  if (lanes.qi == 0) a.send_slot[static_cast<int64_t>(t) * a.num_ranks + p] = row_any ? slot : -1;
+}
+
+// Routing map: write this warp's run [begin, end) (its map bytes are in L1 since pass A).
+template <int V, int G>
+__device__ void write_map(const LayoutArgs& a, int p, const ColumnLanes<V, G>& lanes, Runs<V, G>& runs, int begin,
+                          int end) {
+  constexpr int kUnroll = G >= 4 ? 1 : 4 / G;
+  const int64_t E = static_cast<int64_t>(a.num_ranks) * a.num_local_experts;
+  const uint8_t* columns = a.routing_map + static_cast<int64_t>(p) * a.num_local_experts;
+  for (int s = begin; s < end; s += lanes.rows * kUnroll) {
+    uint32_t word[kUnroll][G];
+    load_map_step(columns, E, lanes, s, end, word);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int t = s + u * lanes.rows + lanes.r;
+      bool chosen[G][V];
+      float prob[G][V];
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          chosen[g][v] = byte_set(word[u][g], v);
+          prob[g][v] = 0.0f;
+        }
+      }
+      write_step(a, p, lanes, runs, t, t < end, chosen, prob);
+    }
+  }
+}
+
+// Top-k: write this warp's run [begin, end). Each step's ids are scattered into the warp's tile
+// (entry r * L + c: bit = chosen, prob of the last slot naming c), then read in column-lane shape.
+template <int V, int G>
+__device__ void write_topk(const LayoutArgs& a, int p, const ColumnLanes<V, G>& lanes, Runs<V, G>& runs, int begin,
+                           int end, unsigned* bits, float* tile) {
+  constexpr int kUnroll = 4;
+  const int K = a.topk, L = a.num_local_experts, lane = threadIdx.x & 31;
+  const int64_t first = static_cast<int64_t>(p) * L;
+  const bool with_probs = a.dense_probs != nullptr;
+  for (int s = begin; s < end; s += lanes.rows) {
+    const int t = s + lanes.r;
+    const bool valid = t < end;
+    // Slots k = qi + i * lpr of the lane's row, in increasing k: a later round overwrites an
+    // earlier one, and within a round the highest lane naming an entry writes its prob.
+    for (int i0 = 0; i0 * lanes.lpr < K; i0 += kUnroll) {
+      int64_t id[kUnroll];
+      float prob[kUnroll];
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        const int k = lanes.qi + (i0 + j) * lanes.lpr;
+        const bool in = valid && k < K;
+        const int64_t at = static_cast<int64_t>(t) * K + k;
+        id[j] = in ? load_id(a.topk_idx + at) : -1;
+        prob[j] = in && with_probs ? __ldg(a.probs + at) : 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        if ((i0 + j) * lanes.lpr >= K) break;  // warp-uniform
+        const int64_t c = id[j] - first;
+        const bool hit = c >= 0 && c < L;
+        const int entry = lanes.r * L + static_cast<int>(c);
+        const unsigned peers = __match_any_sync(kFullMask, hit ? static_cast<unsigned>(entry) : 0x10000u + lane);
+        if (hit) {
+          atomicOr(&bits[entry >> 5], 1u << (entry & 31));
+          if (with_probs && (peers >> lane) == 1u) tile[entry] = prob[j];
+        }
+        __syncwarp();
+      }
+    }
+    bool chosen[G][V];
+    float prob[G][V];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int q = lanes.vec(g);
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const int entry = lanes.r * L + q * V + v;
+        chosen[g][v] = q < lanes.vecs && ((bits[entry >> 5] >> (entry & 31)) & 1u) != 0;
+        prob[g][v] = chosen[g][v] && with_probs ? tile[entry] : 0.0f;
+      }
+    }
+    write_step(a, p, lanes, runs, t, valid, chosen, prob);
+    __syncwarp();
+    if (lane < kTileEntries / 32) bits[lane] = 0u;
+    __syncwarp();
+  }
+}
+
+// ---- the kernel -------------------------------------------------------------------------------------
+
+union CountsOrTiles {
+  int counts[kLayoutWarps * kCountStride];    // pass A: per (warp, column) counts, then starting offsets
+  float tiles[kLayoutWarps][kTileEntries];    // pass B, top-k: each warp's tile of probs
+};
+
+// Grid (chunks, R); G = column groups of column lanes (L / V > 32 only).
+template <bool kTopk, int V, int G>
+__global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(const LayoutArgs a) {
+  __shared__ int s_prefix[kMaxLocalExperts + 1];  // column totals over tokens [0, t0)
+  __shared__ CountsOrTiles s;
+  __shared__ unsigned s_bits[kLayoutWarps][kTileEntries / 32];  // top-k: per-warp chosen bits
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int T = a.num_tokens, L = a.num_local_experts, p = blockIdx.y;
+  const bool last_chunk = blockIdx.x == gridDim.x - 1;
+  const int stride = (L + 1) | 1;  // odd: the scan's column reads hit distinct banks
+  const int chunk = ceil_div(T, gridDim.x);
+  const int t0 = min(T, static_cast<int>(blockIdx.x) * chunk), t1 = min(T, t0 + chunk);
+
+  for (int i = threadIdx.x; i <= L; i += kLayoutThreads) s_prefix[i] = 0;
+  for (int i = threadIdx.x; i < kLayoutWarps * stride; i += kLayoutThreads) s.counts[i] = 0;
+  if (lane < kTileEntries / 32) s_bits[warp][lane] = 0u;
+  __syncthreads();
+
+  const ColumnLanes<V, G> columns(L, lane);
+  // This warp's run of the chunk (whole steps of column lanes) and its share of the recount.
+  const int run = round_up(ceil_div(t1 - t0, kLayoutWarps), columns.rows);
+  const int begin = min(t1, t0 + warp * run), end = min(t1, begin + run);
+  const int share = round_up(ceil_div(t0, kLayoutWarps), 32);
+  const int prefix_begin = min(t0, warp * share), prefix_end = min(t0, prefix_begin + share);
+  int* const warp_counts = s.counts + warp * stride;
+
+  bool bad = false;
+  if constexpr (kTopk) {
+    const IdLanes ids(a.topk, lane);
+    bad = count_topk(a, p, ids, prefix_begin, prefix_end, s_prefix, s_bits[warp], false);
+    bad |= count_topk(a, p, ids, begin, end, warp_counts, s_bits[warp], a.dense_probs != nullptr);
+  } else {
+    count_map(a, p, columns, prefix_begin, prefix_end, s_prefix);
+    count_map(a, p, columns, begin, end, warp_counts);
+  }
+  __syncthreads();
+
+  // Scan across warps, one column per warp at a time (lane = source warp): counts -> offsets.
+  for (int c = warp; c <= L; c += kLayoutWarps) {
+    const int n = s.counts[lane * stride + c];
+    int inclusive = n;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int below = __shfl_up_sync(kFullMask, inclusive, offset);
+      if (lane >= offset) inclusive += below;
+    }
+    const int base = s_prefix[c];
+    s.counts[lane * stride + c] = base + inclusive - n;
+    if (lane == 31 && last_chunk) {
+      if (c < L) {
+        a.expert_counts[p * L + c] = base + inclusive;
+      } else {
+        a.rank_counts[p] = base + inclusive;
+      }
+    }
+  }
+  __syncthreads();
+
+  Runs<V, G> runs;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const int q = columns.vec(g);
+#pragma unroll
+    for (int v = 0; v < V; ++v) runs.column[g][v] = q < columns.vecs ? warp_counts[q * V + v] : 0;
+  }
+  runs.rank = warp_counts[L];
+  // Also the barrier before the top-k tiles reuse the offsets' shared memory.
+  const int any_bad = __syncthreads_or(bad);
+  if (kTopk && a.bad_ids != nullptr && last_chunk && p == 0 && threadIdx.x == 0) *a.bad_ids = any_bad != 0;
+
+  if constexpr (kTopk) {
+    write_topk(a, p, columns, runs, begin, end, s_bits[warp], s.tiles[warp]);
+  } else {
+    write_map(a, p, columns, runs, begin, end);
+  }
+}
+
+// ---- host -------------------------------------------------------------------------------------------
+
+void require(bool ok, const char* what) {
+  if (!ok) throw std::invalid_argument(std::string("ep_plugin layout: ") + what);
+}
+
+int multiprocessors(int device) {
+  static int cached[64] = {};  // SM count never changes; a racing first call writes the same value
+  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
+  int count = 0;
+  EP_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  if (device >= 0 && device < 64) cached[device] = count;
+  return count;
+}
+
+template <bool kTopk, int V>
+void launch_with_groups(int groups, dim3 grid, const LayoutArgs& a, cudaStream_t stream) {
+  switch (groups) {
+    case 1:
+      layout_kernel<kTopk, V, 1><<<grid, kLayoutThreads, 0, stream>>>(a);
+      break;
+    case 2:
+      layout_kernel<kTopk, V, 2><<<grid, kLayoutThreads, 0, stream>>>(a);
+      break;
+    default:
+      if constexpr (V == 1) {
+        if (groups == 4) {
+          layout_kernel<kTopk, V, 4><<<grid, kLayoutThreads, 0, stream>>>(a);
+        } else {
+          layout_kernel<kTopk, V, 8><<<grid, kLayoutThreads, 0, stream>>>(a);
+        }
+      }
+      break;
+  }
+}
+
+template <bool kTopk>
+void launch_form(bool vectorized, int groups, dim3 grid, const LayoutArgs& a, cudaStream_t stream) {
+  if (vectorized) {
+    launch_with_groups<kTopk, 4>(groups, grid, a, stream);
+  } else {
+    launch_with_groups<kTopk, 1>(groups, grid, a, stream);
+  }
+}
+
+bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+}  // namespace
+
+void launch_layout(const LayoutArgs& a, int device, uintptr_t stream) {
+  const int T = a.num_tokens, R = a.num_ranks, L = a.num_local_experts, K = a.topk;
+  require(T >= 0, "num_tokens must be >= 0");
+  require(R >= 1 && R <= kMaxRanks, "num_ranks must be in [1, 32]");
+  require(L >= 1 && L <= kMaxLocalExperts, "num_local_experts must be in [1, 256]");
+  require(K >= 0, "topk must be >= 0 (0 = routing-map form)");
+  require(a.expert_counts != nullptr && a.rank_counts != nullptr, "expert_counts and rank_counts are required");
+  require(K > 0 || (a.dense_probs == nullptr && a.bad_ids == nullptr),
+          "dense_probs and bad_ids belong to the top-k form");
+  if (T > 0) {
+    require(a.k_index != nullptr && a.send_slot != nullptr, "k_index and send_slot are required");
+    require(K > 0 ? a.topk_idx != nullptr : a.routing_map != nullptr, "the routing input is missing");
+    require(a.dense_probs == nullptr || a.probs != nullptr, "dense_probs needs probs");
+  }
+
+  // Four columns per lane when every row segment is 16-byte aligned (bytes of the map: 4-byte).
+  const bool vectorized = L % 4 == 0 && aligned(a.k_index, 16) && aligned(a.dense_probs, 16) &&
+                          (K > 0 || aligned(a.routing_map, 4));
+  const int vecs = vectorized ? L / 4 : L;
+  int groups = 1;
+  while (groups * 32 < vecs) groups *= 2;  // <= 2 (vectorized) or <= 8
+
+  EP_CUDA_CHECK(cudaSetDevice(device));
+  const int budget = a.max_blocks > 0 ? std::min(a.max_blocks, multiprocessors(device)) : multiprocessors(device);
+  const int per_sm = std::max(1, budget / R);
+  const int chunks = T == 0 ? 1 : std::min((T + kMinTokensPerBlock - 1) / kMinTokensPerBlock, per_sm);
+  const dim3 grid(chunks, R);
+  const auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (K > 0) {
+    launch_form<true>(vectorized, groups, grid, a, s);
+  } else {
+    launch_form<false>(vectorized, groups, grid, a, s);
+  }
+  EP_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace ep
