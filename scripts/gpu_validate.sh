@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# What a session runs on the lent GPU machine, in two stages that each fit one device call:
-#   scripts/gpu_validate.sh tests OUT    build, the whole test suite (GPU tests included), the demo
-#   scripts/gpu_validate.sh bench OUT    the issue-5 benchmark presets and the Megatron loss comparison
-# Megatron-core comes from a carried wheel in .whl/ (the GPU image has none).
+# What a session runs on the lent GPU machine; each stage fits one device call (< 10 min):
+#   scripts/gpu_validate.sh tests OUT [pytest args]   build, then the test suite (GPU tests included)
+#   scripts/gpu_validate.sh bench OUT                 issue 5's presets on one GPU (8 ranks sharing it,
+#                                                     bulk and register copies), and issue 6's nvlink
+#                                                     preset (one rank per GPU) when there are 2+ GPUs
+#   scripts/gpu_validate.sh sweep OUT                 the full sweep (8 ranks sharing GPU 0; SM counts and
+#                                                     shapes that do not fit are skipped with a message)
+#   scripts/gpu_validate.sh megatron OUT              the Megatron GPT-MoE loss comparison (issue 4)
+# Every stage builds first (quick when nothing changed). Megatron-core comes from a carried wheel
+# in .whl/ (the GPU image has none). Logs, JSON and plots end up in OUT/results.tgz (the device
+# returns at most 8 files).
 set -uo pipefail
-STAGE=${1:?stage: tests or bench}
+STAGE=${1:?stage: tests, bench, sweep or megatron}
 OUT=${2:?output folder}
+shift 2
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -13,22 +21,39 @@ if ls .whl/megatron_core-*.whl >/dev/null 2>&1 && ! python3 -c "import megatron.
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
 fi
-if [[ "$STAGE" == tests ]]; then
-  nvidia-smi -L
-  python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-  python3 -m ep_plugin info | head -3
-  timeout 420 python3 -m pytest -q -p no:cacheprovider tests --durations=8 2>&1 | tee "$OUT/pytest.log" | tail -25
-  timeout 120 python3 -m ep_plugin demo --ranks 4 --steps 20 > "$OUT/demo.log" 2>&1
-  echo "demo rc=$?"; grep -E "^step|^loss" "$OUT/demo.log" | tail -4
-elif [[ "$STAGE" == bench ]]; then
-  timeout 200 python3 -m ep_plugin.bench --preset standard --ranks 8 --out "$OUT/standard" 2>&1 \
-    | grep -v "case/s" | tee "$OUT/bench_standard.log" | tail -12
-  timeout 120 python3 -m ep_plugin.bench --preset decode --ranks 8 --backends hybrid --out "$OUT/decode" 2>&1 \
-    | grep -v "case/s" | tee "$OUT/bench_decode.log" | tail -8
-  if [[ -x examples/megatron/run_comparison.sh ]]; then
-    # The device returns at most 8 files: keep the plot and the comparison, leave the rest in /tmp.
-    timeout 240 examples/megatron/run_comparison.sh /tmp/megatron 50 4 ep_hybrid > "$OUT/megatron.log" 2>&1
+python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1 || { tail -30 /tmp/build.log; exit 1; }
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+echo "build ok; $GPUS GPU(s)"
+
+bench() {  # bench NAME ARGS...: one benchmark run, its table into the log, JSON + plots under OUT/NAME
+  local name=$1; shift
+  timeout 300 python3 -m ep_plugin.bench --out "$OUT/$name" "$@" 2>&1 | grep -v "case/s" > "$OUT/$name.log"
+  echo "== $name (rc ${PIPESTATUS[0]}): $*"; sed -n '/^ *backend/,$p' "$OUT/$name.log" | cut -c1-200
+}
+
+case "$STAGE" in
+  tests)
+    nvidia-smi topo -m | head -4
+    python3 -m ep_plugin info | head -3
+    timeout 500 python3 -m pytest -q -p no:cacheprovider tests --durations=6 "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
+    ;;
+  bench)
+    CUDA_VISIBLE_DEVICES=0 bench standard --preset standard --ranks 8
+    CUDA_VISIBLE_DEVICES=0 EP_PLUGIN_BULK_COPY=0 bench standard_register --preset standard --ranks 8 \
+      --backends hybrid --payloads bf16
+    CUDA_VISIBLE_DEVICES=0 bench decode --preset decode --ranks 8 --backends hybrid --graph
+    if [[ "$GPUS" -ge 2 ]]; then
+      bench nvlink --preset nvlink --ranks 2
+    fi
+    ;;
+  sweep)
+    CUDA_VISIBLE_DEVICES=0 bench full --preset full --ranks 8
+    ;;
+  megatron)
+    timeout 300 examples/megatron/run_comparison.sh /tmp/megatron 50 4 ep_hybrid > "$OUT/megatron.log" 2>&1
     echo "megatron rc=$?"; tail -5 "$OUT/megatron.log"
     cp /tmp/megatron/loss.png /tmp/megatron/compare.txt "$OUT/" 2>/dev/null
-  fi
-fi
+    ;;
+  *) echo "unknown stage $STAGE"; exit 2 ;;
+esac
+tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT/"

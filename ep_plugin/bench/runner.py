@@ -206,10 +206,48 @@ def _time_graph_replays(ctx: RankContext, spec: SweepSpec, backend, shape: Shape
                        spec.sync_each_iter), None
 
 
+COPY_CAP_BYTES = 2 << 30  # larger ceilings are timed on 2 GiB and scaled (linear far past the 60 MB L2)
+
+
+def _memory_shortfall(ctx: RankContext, shape: Shape, device: torch.device) -> str:
+    """Why a case would not fit the GPU's free memory ('' when it fits; same answer on every rank).
+
+    The busiest rank (skewed routing at 8192 tokens receives ~5x its share) holds its dispatch
+    output and the combine input of as many bf16 rows; ranks sharing a GPU each need that much.
+    An out-of-memory error on one rank would leave the others waiting in a handshake.
+    """
+    message = ""
+    if device.type == "cuda":
+        maps = [make_routing(shape, r, 0, torch.device("cpu"))[0] for r in range(ctx.world_size)]
+        rows = max(traffic(maps, ctx.world_size, shape)["out_bytes"]) // shape.row_bytes()
+        need = rows * (shape.row_bytes() + 2 * shape.hidden) * max(ctx.plan.ranks_per_gpu, 1)
+        torch.cuda.empty_cache()  # our cached blocks would not count as free
+        free = torch.cuda.mem_get_info(device)[0]
+        if need > 0.8 * free:
+            message = (f"rank {ctx.rank}: ~{need / 2**30:.1f} GiB of outputs for the ranks on its GPU, "
+                       f"{free / 2**30:.1f} GiB free")
+    messages = [None] * ctx.world_size
+    dist.all_gather_object(messages, message)
+    return "; ".join(m for m in messages if m)
+
+
+def _tight_budget(shape: Shape, num_ranks: int, seed: int) -> int:
+    """Non-blocking output rows for a case: the busiest rank's rows rounded up to 4096, as a Megatron
+    user sets num_permuted_tokens from the routing they expect. The worst case (every token at every
+    local expert of every rank) would not fit 8 ranks on one GPU at 8192 tokens."""
+    maps = [make_routing(shape, r, seed, torch.device("cpu"))[0] for r in range(num_ranks)]
+    rows = max(traffic(maps, num_ranks, shape)["out_bytes"]) // shape.row_bytes()
+    return (rows // 4096 + 1) * 4096
+
+
 def _time_copy_us(num_bytes: int, device: torch.device, repeats: int = 5) -> float:
-    """Median time of one device-to-device copy of num_bytes (the shared-GPU ceiling)."""
+    """Median time of one device-to-device copy of num_bytes (the shared-GPU ceiling). Above
+    COPY_CAP_BYTES the copy is timed at the cap and scaled, so that 8 ranks' outputs at 8192
+    tokens (7.5 GB, twice that for source + destination) need not fit beside the ranks' buffers."""
     if num_bytes == 0 or device.type != "cuda":
         return float("nan")
+    if num_bytes > COPY_CAP_BYTES:
+        return _time_copy_us(COPY_CAP_BYTES, device, repeats) * num_bytes / COPY_CAP_BYTES
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
     timer = _Timer(device, 2 * (repeats + 1))
@@ -306,8 +344,21 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
             if not _supported(name, cls, payload, mode) or _reference_skips(spec, name, tokens):
                 continue
             if backend is None:  # built lazily: a backend owns large buffers
-                backend = cls(hidden_size=hidden, num_experts=experts, config=config, device=device)
+                try:
+                    backend = cls(hidden_size=hidden, num_experts=experts, config=config, device=device)
+                except ValueError as error:  # e.g. 8 ranks x 24 SMs do not fit one GPU: same on every rank
+                    if ctx.rank == 0:
+                        print(f"skipped {name} sms={sms} {mode} H={hidden}: {error}", flush=True)
+                    break
             shape = Shape(tokens, hidden, topk, experts, payload, routing)
+            short = _memory_shortfall(ctx, shape, device)
+            if short:
+                if ctx.rank == 0:
+                    print(f"skipped {name} {mode} {shape}: {short}", flush=True)
+                continue
+            if mode == "nonblocking" and name == "hybrid":
+                backend.config = backend.config.replace(num_permuted_tokens=_tight_budget(shape, ctx.world_size,
+                                                                                          spec.seed))
             record = _run_case(ctx, spec, backend, shape, device, shared_gpu, ceiling_cache)
             record.update(backend=name, mode=mode, sms=sms if name != "reference" else None)
             records.append(record)
