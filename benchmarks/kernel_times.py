@@ -1,0 +1,72 @@
+"""Device time of each kernel of a hybrid dispatch + combine, from torch.profiler (CUPTI).
+
+The benchmark times whole ops; this splits them into stages (layout, notify, send, permute,
+combine send / receive, torch's own kernels) to show which one bounds an op. Rank 0's profile
+is printed; spin-waiting kernels include the time they waited for the slowest rank.
+
+  python benchmarks/kernel_times.py --ranks 8 --tokens 4096 --hidden 7168 --sms 16 [--nonblocking]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def profile_rank(ctx, args) -> str | None:
+    import ep_plugin
+    from ep_plugin.bench.workload import Shape, make_hidden, make_routing
+    from ep_plugin.config import Config
+
+    device = torch.device(ctx.device)
+    config = Config.from_env(num_sms=args.sms, blocking=not args.nonblocking, max_tokens_per_rank=args.tokens)
+    backend = ep_plugin.get_backend("hybrid")(hidden_size=args.hidden, num_experts=args.experts, config=config,
+                                              device=device)
+    shape = Shape(args.tokens, args.hidden, args.topk, args.experts, "bf16", "balanced")
+    routing_map, probs = make_routing(shape, ctx.rank, 0, device)
+    hidden = make_hidden(shape, ctx.rank, device, torch.bfloat16)
+
+    def step():
+        out = backend.dispatch(hidden, routing_map=routing_map, probs=probs)
+        backend.combine(out.hidden, out.handle)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(args.iters):
+            step()
+        torch.cuda.synchronize()
+    backend.destroy()
+    if ctx.rank != 0:
+        return None
+    rows = []
+    for event in profiler.key_averages():
+        device_us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+        if device_us > 0:
+            rows.append((device_us / args.iters, event.count // args.iters, event.key))
+    rows.sort(reverse=True)
+    lines = [f"{'us/iter':>9s} {'calls':>5s}  kernel"]
+    lines += [f"{us:9.1f} {calls:5d}  {name[:110]}" for us, calls, name in rows[:25]]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--sms", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--nonblocking", action="store_true")
+    args = parser.parse_args()
+    from ep_plugin.testing import run_ranks
+
+    print(run_ranks(profile_rank, args.ranks, args, device="cuda", timeout_s=300)[0])
+
+
+if __name__ == "__main__":
+    main()
