@@ -32,8 +32,6 @@ class Config:
     max_tokens_per_rank: int = field(default=8192, metadata={"help": "largest T per rank per call"})
     # Thread blocks (one per SM) each rank's communication kernels may use.
     num_sms: int = field(default=16, metadata={"help": "SMs per rank for dispatch/combine kernels"})
-    # Tokens per chunk between a sender's progress flags (GPU backends).
-    chunk_tokens: int = field(default=64, metadata={"help": "tokens per signalled chunk"})
     # Default padding of each expert segment in the dispatch output.
     pad_multiple: int = field(default=1, metadata={"help": "default expert-segment padding"})
     # Non-blocking mode: rows reserved for the permuted dispatch output (0 = worst case).
@@ -44,8 +42,6 @@ class Config:
     avoid_record_stream: bool = field(default=False, metadata={"help": "hold tensors in events, no record_stream"})
     # GPU copy engine of the hybrid backend: bulk (TMA) copies on sm_90+, else 16-byte register copies.
     bulk_copy: bool = field(default=True, metadata={"help": "bulk (TMA) copies where the GPU has them"})
-    # Force the NVLink-domain size (ranks that share NVLink); 0 = detect.
-    nvlink_domain_size: int = field(default=0, metadata={"help": "ranks per NVLink domain (0 = detect)"})
     # Refuse launches whose resident blocks across ranks sharing a GPU would exceed this many SMs (0 = detect).
     max_sms_per_gpu: int = field(default=0, metadata={"help": "SMs a GPU offers to co-resident ranks (0 = detect)"})
 
@@ -53,10 +49,8 @@ class Config:
         _require(self.timeout_s > 0, "timeout_s", "> 0", self.timeout_s)
         _require(self.max_tokens_per_rank >= 1, "max_tokens_per_rank", ">= 1", self.max_tokens_per_rank)
         _require(1 <= self.num_sms <= 1024, "num_sms", "in [1, 1024]", self.num_sms)
-        _require(self.chunk_tokens >= 1, "chunk_tokens", ">= 1", self.chunk_tokens)
         _require(self.pad_multiple >= 1, "pad_multiple", ">= 1", self.pad_multiple)
         _require(self.num_permuted_tokens >= 0, "num_permuted_tokens", ">= 0", self.num_permuted_tokens)
-        _require(self.nvlink_domain_size >= 0, "nvlink_domain_size", ">= 0", self.nvlink_domain_size)
         _require(self.max_sms_per_gpu >= 0, "max_sms_per_gpu", ">= 0", self.max_sms_per_gpu)
 
     @classmethod
