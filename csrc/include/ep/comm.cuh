@@ -237,10 +237,10 @@ struct BulkShape {
 };
 
 // Warps per block of the bulk kernels, and the largest chunk of a row one bulk load moves. More warps
-// hide more of the per-token bookkeeping latency (slots, k indices, probs). 8 warps of 8 KiB chunks:
-// on the H200 bed (8 ranks x 16 SMs, 4096 tokens, H=7168) 4 warps x 16 KiB,
-// 8 x 8 KiB and 16 x 4 KiB dispatched in 3630 / 3606 / 3579 us, so the engine is not what bounds
-// dispatch there (benchmarks/NOTES.md); 8 warps keep room for the per-token bookkeeping.
+// hide more of the per-token bookkeeping latency (slots, k indices, probs); fewer leave bigger stages.
+// On the H200 bed (8 ranks x 16 SMs, 4096 tokens, H=7168) 4 warps x 16 KiB, 8 x 8 KiB and 16 x 4 KiB
+// dispatched in 3630 / 3606 / 3579 us: the engine's geometry is not what bounds dispatch there
+// (benchmarks/NOTES.md), so the middle one stays.
 constexpr int kBulkWarps = 8;
 constexpr int kBulkChunkBytes = 8192;
 
