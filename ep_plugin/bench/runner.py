@@ -21,6 +21,7 @@ GPU). With one GPU per rank the report derives it from ``link_floor_bytes`` and 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import statistics
 import time
@@ -209,7 +210,13 @@ def _time_graph_replays(ctx: RankContext, spec: SweepSpec, backend, shape: Shape
 COPY_CAP_BYTES = 2 << 30  # larger ceilings are timed on 2 GiB and scaled (linear far past the 60 MB L2)
 
 
-def _memory_shortfall(ctx: RankContext, shape: Shape, device: torch.device) -> str:
+@functools.lru_cache(maxsize=2)
+def _routing_maps(shape: Shape, num_ranks: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Every rank's routing map on the host: reproducible from the seed, so no rank gathers them."""
+    return tuple(make_routing(shape, r, seed, torch.device("cpu"))[0] for r in range(num_ranks))
+
+
+def _memory_shortfall(ctx: RankContext, shape: Shape, device: torch.device, seed: int) -> str:
     """Why a case would not fit the GPU's free memory ('' when it fits; same answer on every rank).
 
     The busiest rank (skewed routing at 8192 tokens receives ~5x its share) holds its dispatch
@@ -218,7 +225,7 @@ def _memory_shortfall(ctx: RankContext, shape: Shape, device: torch.device) -> s
     """
     message = ""
     if device.type == "cuda":
-        maps = [make_routing(shape, r, 0, torch.device("cpu"))[0] for r in range(ctx.world_size)]
+        maps = list(_routing_maps(shape, ctx.world_size, seed))
         rows = max(traffic(maps, ctx.world_size, shape)["out_bytes"]) // shape.row_bytes()
         need = rows * (shape.row_bytes() + 2 * shape.hidden) * max(ctx.plan.ranks_per_gpu, 1)
         torch.cuda.empty_cache()  # our cached blocks would not count as free
@@ -235,7 +242,7 @@ def _tight_budget(shape: Shape, num_ranks: int, seed: int) -> int:
     """Non-blocking output rows for a case: the busiest rank's rows rounded up to 4096, as a Megatron
     user sets num_permuted_tokens from the routing they expect. The worst case (every token at every
     local expert of every rank) would not fit 8 ranks on one GPU at 8192 tokens."""
-    maps = [make_routing(shape, r, seed, torch.device("cpu"))[0] for r in range(num_ranks)]
+    maps = list(_routing_maps(shape, num_ranks, seed))
     rows = max(traffic(maps, num_ranks, shape)["out_bytes"]) // shape.row_bytes()
     return (rows // 4096 + 1) * 4096
 
@@ -275,8 +282,7 @@ def _bench_link_bytes(backend_name: str, maps: list[torch.Tensor], num_ranks: in
 
 def _case_bytes(backend_name: str, shape: Shape, num_ranks: int, seed: int) -> dict:
     """Byte counts of one case: algorithm bytes, link bytes of this backend, and the link floor."""
-    # Every rank's routing is reproducible from the seed: no need to gather the maps.
-    maps = [make_routing(shape, r, seed, torch.device("cpu"))[0] for r in range(num_ranks)]
+    maps = list(_routing_maps(shape, num_ranks, seed))
     sent = _bench_link_bytes(backend_name, maps, num_ranks, shape) if backend_name in WIRE_FORMATS else None
     # The floor for every backend: hybrid's wire format sends each token once per remote rank.
     hybrid = sent if backend_name == "hybrid" else _bench_link_bytes("hybrid", maps, num_ranks, shape)
@@ -351,7 +357,7 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                         print(f"skipped {name} sms={sms} {mode} H={hidden}: {error}", flush=True)
                     break
             shape = Shape(tokens, hidden, topk, experts, payload, routing)
-            short = _memory_shortfall(ctx, shape, device)
+            short = _memory_shortfall(ctx, shape, device, spec.seed)
             if short:
                 if ctx.rank == 0:
                     print(f"skipped {name} {mode} {shape}: {short}", flush=True)
