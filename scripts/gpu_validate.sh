@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What a session runs on the lent GPU machine; each stage fits one device call (< 10 min):
-#   scripts/gpu_validate.sh tests OUT [pytest args]   build, then the test suite (GPU tests included)
+#   scripts/gpu_validate.sh tests OUT [pytest args]   build, then the test suite (GPU tests included), or
+#                                                     only the tests named in the pytest args
 #   scripts/gpu_validate.sh bench OUT                 issue 5's presets on one GPU (8 ranks sharing it,
 #                                                     bulk and register copies), and issue 6's nvlink
 #                                                     preset (one rank per GPU) when there are 2+ GPUs
@@ -35,7 +36,7 @@ case "$STAGE" in
   tests)
     nvidia-smi topo -m | head -4
     python3 -m ep_plugin info | head -3
-    timeout 500 python3 -m pytest -q -p no:cacheprovider tests --durations=6 "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
+    timeout 500 python3 -m pytest -q -p no:cacheprovider --durations=6 "${@:-tests}" 2>&1 | tee "$OUT/pytest.log" | tail -25
     ;;
   bench)
     CUDA_VISIBLE_DEVICES=0 bench standard --preset standard --ranks 8
