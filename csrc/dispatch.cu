@@ -92,29 +92,23 @@ __global__ void __launch_bounds__(kBulkWarps * 32) dispatch_send_bulk_kernel(Dev
   char** packets = s_packets[warp_in_block];
   const BulkRing ring = make_bulk_ring(s_stages, s_bars[warp_in_block], shape, warp_in_block, lane);
 
-  // Job j: chunk (j % parts) of this warp's (j / parts)-th token.
-  const int parts = static_cast<int>((a.row_bytes + shape.chunk_bytes - 1) / shape.chunk_bytes);
+  // Job j: a chunk of this warp's chunks.row(j)-th token.
+  const RowChunks chunks(a.row_bytes, shape);
   const int my_tokens = warp < a.num_tokens ? (a.num_tokens - warp + warps - 1) / warps : 0;
   int count = 0;
-  auto chunk_of = [&](int j, int64_t* offset) {
-    *offset = static_cast<int64_t>(j % parts) * shape.chunk_bytes;
-    return static_cast<uint32_t>(min(static_cast<int64_t>(shape.chunk_bytes), a.row_bytes - *offset));
-  };
   auto source = [&](int j) {
-    const int64_t t = warp + static_cast<int64_t>(j / parts) * warps;
-    int64_t offset;
-    const uint32_t bytes = chunk_of(j, &offset);
-    return BulkJob{static_cast<const char*>(a.hidden) + t * a.row_bytes + offset, bytes};
+    const int64_t t = warp + static_cast<int64_t>(chunks.row(j)) * warps;
+    return BulkJob{static_cast<const char*>(a.hidden) + t * a.row_bytes + chunks.offset(j), chunks.bytes(j)};
   };
   auto consume = [&](int j, const char* stage) {
-    if (j % parts == 0) count = prepare_token(v, a, warp + (j / parts) * warps, packets, s_slots[warp_in_block], lane);
+    if (chunks.offset(j) == 0) {
+      count = prepare_token(v, a, warp + chunks.row(j) * warps, packets, s_slots[warp_in_block], lane);
+    }
     if (lane == 0) {
-      int64_t offset;
-      const uint32_t bytes = chunk_of(j, &offset);
-      for (int k = 0; k < count; ++k) bulk_store(packets[k] + offset, stage, bytes);
+      for (int k = 0; k < count; ++k) bulk_store(packets[k] + chunks.offset(j), stage, chunks.bytes(j));
     }
   };
-  run_bulk_jobs(ring, my_tokens * parts, source, consume, lane);
+  run_bulk_jobs(ring, my_tokens * chunks.parts, source, consume, lane);
   signal_block_done(v, v.layout.off_disp_done, seq);
 }
 

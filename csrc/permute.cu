@@ -138,36 +138,28 @@ __global__ void __launch_bounds__(kBulkWarps * 32) permute_bulk_kernel(DeviceVie
   packet_prefix(v, a, s_prefix);
   const BulkRing ring = make_bulk_ring(s_stages, s_bars[warp_in_block], shape, warp_in_block, lane);
 
-  // Job j: chunk (j % parts) of this warp's (j / parts)-th packet.
+  // Job j: a chunk of this warp's chunks.row(j)-th packet.
   const int total = s_prefix[v.layout.num_ranks];
-  const int parts = static_cast<int>((a.row_bytes + shape.chunk_bytes - 1) / shape.chunk_bytes);
+  const RowChunks chunks(a.row_bytes, shape);
   const int my_packets = warp < total ? (total - warp + warps - 1) / warps : 0;
   int count = 0;
-  auto chunk_of = [&](int j, int64_t* offset) {
-    *offset = static_cast<int64_t>(j % parts) * shape.chunk_bytes;
-    return static_cast<uint32_t>(min(static_cast<int64_t>(shape.chunk_bytes), a.row_bytes - *offset));
-  };
   auto source = [&](int j) {
-    const int q = warp + (j / parts) * warps;
+    const int q = warp + chunks.row(j) * warps;
     const int r = source_of(v, s_prefix, q);
-    int64_t offset;
-    const uint32_t bytes = chunk_of(j, &offset);
-    return BulkJob{disp_payload(v, v.rank, r, q - s_prefix[r]) + offset, bytes};
+    return BulkJob{disp_payload(v, v.rank, r, q - s_prefix[r]) + chunks.offset(j), chunks.bytes(j)};
   };
   auto consume = [&](int j, const char* stage) {
-    if (j % parts == 0) {
-      const int q = warp + (j / parts) * warps;
+    if (chunks.offset(j) == 0) {
+      const int q = warp + chunks.row(j) * warps;
       const int r = source_of(v, s_prefix, q);
       count = prepare_packet(v, a, r, q - s_prefix[r], targets, lane);
     }
     if (lane == 0) {
-      int64_t offset;
-      const uint32_t bytes = chunk_of(j, &offset);
-      char* out = static_cast<char*>(a.out) + offset;
-      for (int k = 0; k < count; ++k) bulk_store(out + targets[k] * a.row_bytes, stage, bytes);
+      char* out = static_cast<char*>(a.out) + chunks.offset(j);
+      for (int k = 0; k < count; ++k) bulk_store(out + targets[k] * a.row_bytes, stage, chunks.bytes(j));
     }
   };
-  run_bulk_jobs(ring, my_packets * parts, source, consume, lane);
+  run_bulk_jobs(ring, my_packets * chunks.parts, source, consume, lane);
   zero_padding(v, a, warp, warps, lane);
 }
 

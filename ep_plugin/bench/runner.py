@@ -216,6 +216,12 @@ def _routing_maps(shape: Shape, num_ranks: int, seed: int) -> tuple[torch.Tensor
     return tuple(make_routing(shape, r, seed, torch.device("cpu"))[0] for r in range(num_ranks))
 
 
+def _busiest_rank_rows(shape: Shape, num_ranks: int, seed: int) -> int:
+    """Dispatch output rows of the rank that receives the most."""
+    maps = list(_routing_maps(shape, num_ranks, seed))
+    return max(traffic(maps, num_ranks, shape)["out_bytes"]) // shape.row_bytes()
+
+
 def _memory_shortfall(ctx: RankContext, shape: Shape, device: torch.device, seed: int) -> str:
     """Why a case would not fit the GPU's free memory ('' when it fits; same answer on every rank).
 
@@ -225,8 +231,7 @@ def _memory_shortfall(ctx: RankContext, shape: Shape, device: torch.device, seed
     """
     message = ""
     if device.type == "cuda":
-        maps = list(_routing_maps(shape, ctx.world_size, seed))
-        rows = max(traffic(maps, ctx.world_size, shape)["out_bytes"]) // shape.row_bytes()
+        rows = _busiest_rank_rows(shape, ctx.world_size, seed)
         need = rows * (shape.row_bytes() + 2 * shape.hidden) * max(ctx.plan.ranks_per_gpu, 1)
         torch.cuda.empty_cache()  # our cached blocks would not count as free
         free = torch.cuda.mem_get_info(device)[0]
@@ -242,8 +247,7 @@ def _tight_budget(shape: Shape, num_ranks: int, seed: int) -> int:
     """Non-blocking output rows for a case: the busiest rank's rows rounded up to 4096, as a Megatron
     user sets num_permuted_tokens from the routing they expect. The worst case (every token at every
     local expert of every rank) would not fit 8 ranks on one GPU at 8192 tokens."""
-    maps = list(_routing_maps(shape, num_ranks, seed))
-    rows = max(traffic(maps, num_ranks, shape)["out_bytes"]) // shape.row_bytes()
+    rows = _busiest_rank_rows(shape, num_ranks, seed)
     return (rows // 4096 + 1) * 4096
 
 

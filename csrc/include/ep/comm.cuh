@@ -340,6 +340,20 @@ struct BulkJob {
   uint32_t bytes;
 };
 
+// Rows longer than a chunk go as several jobs: job j is chunk (j % parts) of the (j / parts)-th row.
+struct RowChunks {
+  int64_t row_bytes;
+  int chunk_bytes;
+  int parts;
+  __device__ RowChunks(int64_t row, const BulkShape& shape)
+      : row_bytes(row), chunk_bytes(shape.chunk_bytes), parts(static_cast<int>((row + chunk_bytes - 1) / chunk_bytes)) {}
+  __device__ int row(int j) const { return j / parts; }
+  __device__ int64_t offset(int j) const { return static_cast<int64_t>(j % parts) * chunk_bytes; }
+  __device__ uint32_t bytes(int j) const {
+    return static_cast<uint32_t>(min(static_cast<int64_t>(chunk_bytes), row_bytes - offset(j)));
+  }
+};
+
 // Run `num_jobs` jobs through the warp's ring: source(j) -> BulkJob says what to load (called
 // by lane 0, `lookahead` jobs ahead); consume(j, stage) is called by the whole warp once job j's
 // chunk is in shared memory, and lane 0 issues its bulk stores there. A stage is reloaded only
