@@ -1,17 +1,21 @@
-// Stage 2 of a dispatch: push each token once per destination rank.
+// Stage 2 of a dispatch: stage each token for its destinations to pull, and tell them where.
 //
 // Data flow: warp w of the grid takes tokens t = w, w + warps, ...; lane p (< R) holds the token's
-// send slot at rank p (-1: no expert there). The payload, read once, goes to peer p's
-// disp_data[this rank][slot]; the small parts go beside it with plain stores (fp8 scales; on a
-// first dispatch the token's per-local-expert k index, its position within (this rank, expert),
-// and prob into disp_k / disp_p). Nothing is waited on: the notify kernel before this one
-// established that every peer's regions are free. Each block ends by publishing
-// disp_done[this rank][block] = n at every rank (release), which the permute kernel waits on. A
-// rank with no tokens still publishes.
+// send slot at rank p (-1: no expert there). A token sent anywhere is copied once into this
+// rank's disp_stage[t] (payload, then fp8 scales), where every destination's permute kernel reads
+// it. Each destination p gets, pushed into its buffer at [this rank][slot], the token index
+// (disp_token) and, on a first dispatch, the token's per-local-expert k index (its position within
+// (this rank, expert)) and prob (disp_k / disp_p). Nothing is waited on: the notify kernel before
+// this one established that every peer finished reading this rank's previous stage and that
+// their regions are free. Each block ends by publishing disp_done[this rank][block] = n at every
+// rank (release), which the permute kernel waits on. A rank with no tokens still publishes.
 //
-// Two copy engines move the payload: bulk copies (sm_90+: one lane loads the row into shared
-// memory and issues one bulk store per destination, several rows in flight per warp), or 16-byte
-// register copies (any GPU; EP_PLUGIN_BULK_COPY=0).
+// Why pull: a pushed packet is written at the receiver and read back by its permute; pulled, the
+// payload is read once, straight into the expert rows: a third fewer bytes written per dispatch.
+//
+// Two copy engines stage the payload: bulk copies (sm_90+: one lane moves the row through a
+// shared-memory stage, several rows in flight per warp), or 16-byte register copies (any GPU;
+// EP_PLUGIN_BULK_COPY=0).
 #include <cuda_runtime.h>
 
 #include "ep/check.cuh"
@@ -21,24 +25,22 @@
 namespace ep {
 namespace {
 
-// Warp-cooperative: record the packet address at each destination of token t in `packets`
-// (shared memory, read by every lane after the call), write the packet's small parts, and
-// return the number of destinations. `slots` is the warp's [R] scratch of send slots.
-__device__ __forceinline__ int prepare_token(const DeviceView& v, const SendArgs& a, int t, char** packets,
-                                             int* slots, int lane) {
+// Warp-cooperative: tell each destination of token t where to find it (token index, and on a
+// first dispatch its k indices and probs), stage its fp8 scales, and return the number of
+// destinations. `slots` is the warp's [R] scratch of send slots.
+__device__ __forceinline__ int prepare_token(const DeviceView& v, const SendArgs& a, int t, int* slots, int lane) {
   const int R = v.layout.num_ranks;
   const int L = v.layout.num_local_experts;
   const int E = R * L;
   const int my_slot = lane < R ? a.send_slot[static_cast<int64_t>(t) * R + lane] : -1;
   const unsigned destinations = __ballot_sync(0xffffffffu, my_slot >= 0);
-  if (my_slot >= 0) packets[__popc(destinations & ((1u << lane) - 1))] = disp_payload(v, lane, v.rank, my_slot);
+  if (my_slot >= 0) *disp_token(v, lane, v.rank, my_slot) = t;
   if (lane < R) slots[lane] = my_slot;
   __syncwarp();
+  if (destinations == 0) return 0;
   if (a.scales != nullptr) {
-    for (int n = 0; n < __popc(destinations); ++n) {
-      warp_copy4(packets[n] + a.row_bytes, reinterpret_cast<const char*>(a.scales) + t * a.scale_bytes,
-                 a.scale_bytes, lane);
-    }
+    warp_copy4(staged_token(v, v.rank, t) + a.row_bytes, reinterpret_cast<const char*>(a.scales) + t * a.scale_bytes,
+               a.scale_bytes, lane);
   }
   if (a.k_index != nullptr) {
     // The token's whole [E] row of k indices (and probs) at once, each column to its rank's packet:
@@ -59,20 +61,14 @@ __device__ __forceinline__ int prepare_token(const DeviceView& v, const SendArgs
 }
 
 __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DeviceView v, SendArgs a) {
-  __shared__ char* s_packets[kThreads / 32][kMaxRanks];
   __shared__ int s_slots[kThreads / 32][kMaxRanks];
   if (block_aborted(v)) return;  // a wait of this op already timed out: leave peers untouched
   const unsigned long long seq = current_seq(v);
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * (blockDim.x / 32);
-  char** packets = s_packets[threadIdx.x / 32];
   for (int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; t < a.num_tokens; t += warps) {
-    const int count = prepare_token(v, a, t, packets, s_slots[threadIdx.x / 32], lane);
-    if (count == 0) continue;
-    // Each lane loads the row once and stores it to every destination.
-    warp_copy16_multi([packets](int k) { return packets[k]; }, count,
-                      static_cast<const char*>(a.hidden) + t * a.row_bytes, a.row_bytes, lane);
-    __syncwarp();
+    if (prepare_token(v, a, t, s_slots[threadIdx.x / 32], lane) == 0) continue;
+    warp_copy16(staged_token(v, v.rank, t), static_cast<const char*>(a.hidden) + t * a.row_bytes, a.row_bytes, lane);
   }
   signal_block_done(v, v.layout.off_disp_done, seq);
 }
@@ -80,7 +76,6 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DeviceView v, S
 __global__ void __launch_bounds__(kBulkWarps * 32) dispatch_send_bulk_kernel(DeviceView v, SendArgs a,
                                                                              BulkShape shape) {
   extern __shared__ __align__(128) char s_stages[];
-  __shared__ char* s_packets[kBulkWarps][kMaxRanks];
   __shared__ int s_slots[kBulkWarps][kMaxRanks];
   __shared__ uint64_t s_bars[kBulkWarps][kBulkMaxStages];
   if (block_aborted(v)) return;
@@ -89,24 +84,19 @@ __global__ void __launch_bounds__(kBulkWarps * 32) dispatch_send_bulk_kernel(Dev
   const int warp_in_block = threadIdx.x / 32;
   const int warp = blockIdx.x * kBulkWarps + warp_in_block;
   const int warps = gridDim.x * kBulkWarps;
-  char** packets = s_packets[warp_in_block];
   const BulkRing ring = make_bulk_ring(s_stages, s_bars[warp_in_block], shape, warp_in_block, lane);
 
   // Job j: a chunk of this warp's chunks.row(j)-th token.
   const RowChunks chunks(a.row_bytes, shape);
   const int my_tokens = warp < a.num_tokens ? (a.num_tokens - warp + warps - 1) / warps : 0;
   int count = 0;
+  auto token = [&](int j) { return warp + static_cast<int64_t>(chunks.row(j)) * warps; };
   auto source = [&](int j) {
-    const int64_t t = warp + static_cast<int64_t>(chunks.row(j)) * warps;
-    return BulkJob{static_cast<const char*>(a.hidden) + t * a.row_bytes + chunks.offset(j), chunks.bytes(j)};
+    return BulkJob{static_cast<const char*>(a.hidden) + token(j) * a.row_bytes + chunks.offset(j), chunks.bytes(j)};
   };
   auto consume = [&](int j, const char* stage) {
-    if (chunks.offset(j) == 0) {
-      count = prepare_token(v, a, warp + chunks.row(j) * warps, packets, s_slots[warp_in_block], lane);
-    }
-    if (lane == 0) {
-      for (int k = 0; k < count; ++k) bulk_store(packets[k] + chunks.offset(j), stage, chunks.bytes(j));
-    }
+    if (chunks.offset(j) == 0) count = prepare_token(v, a, static_cast<int>(token(j)), s_slots[warp_in_block], lane);
+    if (lane == 0 && count > 0) bulk_store(staged_token(v, v.rank, token(j)) + chunks.offset(j), stage, chunks.bytes(j));
   };
   run_bulk_jobs(ring, my_tokens * chunks.parts, source, consume, lane);
   signal_block_done(v, v.layout.off_disp_done, seq);

@@ -1,16 +1,18 @@
-// Stage 3 of a dispatch: expand received packets into expert-sorted, padded output rows.
+// Stage 3 of a dispatch: pull received packets into expert-sorted, padded output rows.
 //
 // Data flow: waits for disp_done[r][b] >= n from every block b of every source rank r (acquire);
 // then warp w takes packets q = w, w + warps, ... of the packets received from all sources in
-// rank order (packet q is (r, s): source r's s-th packet). A packet's row for local expert e is
+// rank order (packet q is (r, s): source r's s-th packet, whose payload is the token
+// disp_token[r][s] staged in source r's buffer). A packet's row for local expert e is
 // row_base[r][e] + k, with k the sender's index of the token within (r, e) (first dispatch: read
 // from disp_k and recorded in packet_rows for combine), or comes straight from packet_rows
 // (dispatch again). Rows at or past the budget are dropped and raise the overflow flag. Padding
 // rows of each segment are zero-filled (hidden, scales and probs). Rows past the total (only in
 // non-blocking mode, where the budget is an upper bound) are left as they are.
 //
-// Copy engines as in dispatch.cu: one bulk load of the packet, one bulk store per expert row
-// (sm_90+), or 16-byte register copies.
+// Copy engines as in dispatch.cu: one bulk load of the payload (from the source's buffer: a peer
+// GPU's over NVLink, or this GPU's), one bulk store per expert row (sm_90+), or 16-byte register
+// copies.
 #include <cuda_runtime.h>
 
 #include "ep/check.cuh"
@@ -46,9 +48,10 @@ __device__ __forceinline__ int source_of(const DeviceView& v, const int* prefix,
 }
 
 // Warp-cooperative: the output rows of packet (r, s), compacted in local-expert order into
-// `targets` (shared memory); also writes the rows' probs and fp8 scales. Returns the count.
+// `targets` (shared memory); also writes the rows' probs and fp8 scales (read from `payload`).
+// Returns the count.
 __device__ __forceinline__ int prepare_packet(const DeviceView& v, const PermuteArgs& a, int r, int s,
-                                              int32_t* targets, int lane) {
+                                              const char* payload, int32_t* targets, int lane) {
   const int L = v.layout.num_local_experts;
   int32_t* cached = a.packet_rows + packet_index(v, r, s) * L;
   int count = 0;
@@ -76,10 +79,9 @@ __device__ __forceinline__ int prepare_packet(const DeviceView& v, const Permute
   }
   __syncwarp();
   if (a.out_scales != nullptr) {
-    const char* packet = disp_payload(v, v.rank, r, s);
     for (int n = 0; n < count; ++n) {
       warp_copy4(reinterpret_cast<char*>(a.out_scales) + static_cast<int64_t>(targets[n]) * a.scale_bytes,
-                 packet + a.row_bytes, a.scale_bytes, lane);
+                 payload + a.row_bytes, a.scale_bytes, lane);
     }
   }
   return count;
@@ -110,12 +112,12 @@ __global__ void __launch_bounds__(kThreads) permute_kernel(DeviceView v, Permute
   for (int q = warp; q < s_prefix[v.layout.num_ranks]; q += warps) {
     const int r = source_of(v, s_prefix, q);
     const int s = q - s_prefix[r];
-    const int count = prepare_packet(v, a, r, s, targets, lane);
-    // Read the packet once, store it to each of its rows.
+    const char* payload = packet_payload(v, r, s);
+    const int count = prepare_packet(v, a, r, s, payload, targets, lane);
+    // Read the payload once, store it to each of its rows.
     char* out = static_cast<char*>(a.out);
     const int64_t row_bytes = a.row_bytes;
-    warp_copy16_multi([=](int k) { return out + targets[k] * row_bytes; }, count, disp_payload(v, v.rank, r, s),
-                      row_bytes, lane);
+    warp_copy16_multi([=](int k) { return out + targets[k] * row_bytes; }, count, payload, row_bytes, lane);
     __syncwarp();
   }
   zero_padding(v, a, warp, warps, lane);
@@ -143,16 +145,17 @@ __global__ void __launch_bounds__(kBulkWarps * 32) permute_bulk_kernel(DeviceVie
   const RowChunks chunks(a.row_bytes, shape);
   const int my_packets = warp < total ? (total - warp + warps - 1) / warps : 0;
   int count = 0;
-  auto source = [&](int j) {
+  auto source = [&](int j) {  // lane 0 only
     const int q = warp + chunks.row(j) * warps;
     const int r = source_of(v, s_prefix, q);
-    return BulkJob{disp_payload(v, v.rank, r, q - s_prefix[r]) + chunks.offset(j), chunks.bytes(j)};
+    return BulkJob{packet_payload(v, r, q - s_prefix[r]) + chunks.offset(j), chunks.bytes(j)};
   };
   auto consume = [&](int j, const char* stage) {
     if (chunks.offset(j) == 0) {
       const int q = warp + chunks.row(j) * warps;
       const int r = source_of(v, s_prefix, q);
-      count = prepare_packet(v, a, r, q - s_prefix[r], targets, lane);
+      const int s = q - s_prefix[r];
+      count = prepare_packet(v, a, r, s, a.out_scales != nullptr ? packet_payload(v, r, s) : nullptr, targets, lane);
     }
     if (lane == 0) {
       char* out = static_cast<char*>(a.out) + chunks.offset(j);

@@ -33,7 +33,8 @@ BufferLayout make_layout(int num_ranks, int max_tokens, int hidden, int num_loca
   l.off_counts = take(2 * R * (L + 1) * 4);
   l.off_disp_done = take(R * max_blocks * 8);
   l.off_comb_done = take(R * max_blocks * 8);
-  l.off_disp_data = take(R * T * l.slot_bytes);
+  l.off_disp_stage = take(T * l.slot_bytes);
+  l.off_disp_token = take(R * T * 4);
   l.off_disp_k = take(R * T * L * 4);
   l.off_disp_p = take(R * T * L * 4);
   l.off_comb_data = take(R * T * 2LL * hidden);
@@ -62,7 +63,7 @@ Buffer::Buffer(int device, int rank, int num_ranks, int max_tokens, int hidden, 
   try {
     EP_CUDA_CHECK(cudaMalloc(&local_, view_.layout.total_bytes));
     // Flags start at 0 (no op has sequence 0); data regions need no initialisation.
-    EP_CUDA_CHECK(cudaMemset(local_, 0, view_.layout.off_disp_data));
+    EP_CUDA_CHECK(cudaMemset(local_, 0, view_.layout.off_disp_stage));
     EP_CUDA_CHECK(cudaMalloc(&peer_table_, sizeof(char*) * num_ranks));
     EP_CUDA_CHECK(cudaMalloc(&state_, sizeof(RankState)));
     EP_CUDA_CHECK(cudaMemset(state_, 0, sizeof(RankState)));

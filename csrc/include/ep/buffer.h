@@ -1,15 +1,17 @@
 // The per-rank communication buffer shared over CUDA IPC, and the view of it that kernels get.
 //
-// One cudaMalloc per rank holds every region peers write into (all worst-case sized, so no
-// flow control is needed: data lands in place). Peers write; the owner only reads, except for
-// the flags it polls. Offsets are the same on every rank, so a rank addresses a peer's region
-// as peer_base[p] + offset.
+// One cudaMalloc per rank holds every region peers write into or read from (all worst-case
+// sized, so no flow control is needed: data lands in place). Offsets are the same on every rank,
+// so a rank addresses a peer's region as peer_base[p] + offset. Dispatch payloads are pulled:
+// the owner stages its tokens in disp_stage and every receiver reads them from there; the small
+// per-packet parts (token, k indices, probs) and all combine data are pushed by the sender.
 //
 //   arrive      u64 [R]                 arrive[r] = sequence number of the op rank r entered
 //   counts      i32 [2][R][L+1]         per op parity, from source r: L per-expert counts, packets
 //   disp_done   u64 [R][max_blocks]     dispatch data from (r, block b) complete for op n
 //   comb_done   u64 [R][max_blocks]     combine data from (r, block b) complete for op n
-//   disp_data   [R][max_tokens][slot]   one packet per (source r, send slot): payload (+fp8 scales)
+//   disp_stage  [max_tokens][slot]     the owner's tokens of the op in flight: payload (+fp8 scales)
+//   disp_token  i32 [R][max_tokens]     from source r: the token (its disp_stage row) of send slot s
 //   disp_k      i32 [R][max_tokens][L]  row of the packet within (r, local expert), -1 = not routed
 //   disp_p      f32 [R][max_tokens][L]  prob of (token, local expert)
 //   comb_data   bf16 [R][max_tokens][H] from expert rank r: the sum of its rows for send slot s
@@ -41,7 +43,7 @@ struct BufferLayout {
   int hidden;          // elements per row
   int64_t slot_bytes;  // bytes per dispatch packet payload (2 * hidden: bf16, or fp8 + scales)
   int64_t off_arrive, off_counts, off_disp_done, off_comb_done;
-  int64_t off_disp_data, off_disp_k, off_disp_p, off_comb_data, off_comb_p;
+  int64_t off_disp_stage, off_disp_token, off_disp_k, off_disp_p, off_comb_data, off_comb_p;
   int64_t total_bytes;
 };
 

@@ -101,8 +101,16 @@ __device__ __forceinline__ unsigned long long* done_flag(const DeviceView& v, in
 __device__ __forceinline__ int64_t packet_index(const DeviceView& v, int source, int slot) {
   return static_cast<int64_t>(source) * v.layout.max_tokens + slot;
 }
-__device__ __forceinline__ char* disp_payload(const DeviceView& v, int owner, int source, int slot) {
-  return region(v, owner, v.layout.off_disp_data) + packet_index(v, source, slot) * v.layout.slot_bytes;
+// Token t of rank `owner`, staged for the receivers to pull: payload, then fp8 scales.
+__device__ __forceinline__ char* staged_token(const DeviceView& v, int owner, int64_t t) {
+  return region(v, owner, v.layout.off_disp_stage) + t * v.layout.slot_bytes;
+}
+__device__ __forceinline__ int32_t* disp_token(const DeviceView& v, int owner, int source, int slot) {
+  return reinterpret_cast<int32_t*>(region(v, owner, v.layout.off_disp_token)) + packet_index(v, source, slot);
+}
+// The payload of packet (source, slot) received by this rank: the source's staged token.
+__device__ __forceinline__ const char* packet_payload(const DeviceView& v, int source, int slot) {
+  return staged_token(v, source, *disp_token(v, v.rank, source, slot));
 }
 __device__ __forceinline__ int32_t* disp_k(const DeviceView& v, int owner, int source, int slot) {
   return reinterpret_cast<int32_t*>(region(v, owner, v.layout.off_disp_k)) +
@@ -233,14 +241,13 @@ struct BulkShape {
   int chunk_bytes;  // bytes per job: min(row bytes, max chunk)
   int stage_bytes;  // chunk_bytes rounded up to 128
   int num_stages;   // per warp, >= 3
-  int lookahead;    // loads in flight ahead of the chunk being stored
+  int lookahead;    // loads in flight ahead of the chunk being stored, < num_stages
 };
 
-// Warps per block of the bulk kernels, and the largest chunk of a row one bulk load moves. More warps
-// hide more of the per-token bookkeeping latency (slots, k indices, probs); fewer leave bigger stages.
-// On the H200 bed (8 ranks x 16 SMs, 4096 tokens, H=7168) 4 warps x 16 KiB, 8 x 8 KiB and 16 x 4 KiB
-// dispatched in 3630 / 3606 / 3579 us: the engine's geometry is not what bounds dispatch there
-// (benchmarks/NOTES.md), so the middle one stays.
+// Warps per block of the bulk kernels, and the largest chunk of a row one bulk load moves. On the
+// H200 bed (8 ranks x 16 SMs, 4096 tokens, H=7168) neither the geometry (4 x 16 KiB, 8 x 8 KiB,
+// 16 x 4 KiB) nor the load depth (1 to 7 chunks ahead) moved the push-era dispatch by more than 2%;
+// writing fewer bytes did (pulled payloads, dispatch.cu). See benchmarks/NOTES.md.
 constexpr int kBulkWarps = 8;
 constexpr int kBulkChunkBytes = 8192;
 
@@ -250,7 +257,9 @@ inline BulkShape make_bulk_shape(int64_t row_bytes) {
   s.stage_bytes = (s.chunk_bytes + 127) / 128 * 128;
   const int stages = kBulkSmemBudget / (kBulkWarps * s.stage_bytes);
   s.num_stages = stages < 3 ? 3 : (stages > kBulkMaxStages ? kBulkMaxStages : stages);
-  s.lookahead = s.num_stages / 2;  // the other half holds stores still reading their stage
+  // Loads run as far ahead as the ring allows: a stage is reloaded once the stores of the job before
+  // it have read it. Deep loads matter when the payload is a peer GPU's memory.
+  s.lookahead = s.num_stages - 1;
   return s;
 }
 inline int bulk_smem_bytes(const BulkShape& s) { return kBulkWarps * s.num_stages * s.stage_bytes; }
