@@ -244,12 +244,13 @@ struct BulkShape {
   int lookahead;    // loads in flight ahead of the chunk being stored, < num_stages
 };
 
-// Warps per block of the bulk kernels, and the largest chunk of a row one bulk load moves. On the
-// H200 bed (8 ranks x 16 SMs, 4096 tokens, H=7168) neither the geometry (4 x 16 KiB, 8 x 8 KiB,
-// 16 x 4 KiB) nor the load depth (1 to 7 chunks ahead) moved the push-era dispatch by more than 2%;
-// writing fewer bytes did (pulled payloads, dispatch.cu). See benchmarks/NOTES.md.
-constexpr int kBulkWarps = 8;
-constexpr int kBulkChunkBytes = 8192;
+// Warps per block of the bulk kernels, and the largest chunk of a row one bulk load moves. The
+// permute spends a few dependent memory latencies per packet (its token, rows and probs), so more
+// warps hide more of them: on the H200 bed (8 ranks x 16 SMs, 4096 tokens, H=7168) 16 x 4 KiB
+// dispatched in 2452 us (fp8 2104) against 2567 (2255) for 8 x 8 KiB. The load depth (1 to 7
+// chunks ahead) moved nothing by more than 2%. See benchmarks/NOTES.md.
+constexpr int kBulkWarps = 16;
+constexpr int kBulkChunkBytes = 4096;
 
 inline BulkShape make_bulk_shape(int64_t row_bytes) {
   BulkShape s;
