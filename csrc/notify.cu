@@ -6,7 +6,8 @@
 // rank p's `arrive[this rank]` (release, system scope) and waits for `arrive[p] >= n` in the own
 // buffer (acquire). Having arrived, a rank has finished every earlier kernel on its stream, so
 // its receive regions are free for op n and it no longer reads peers' staged tokens: the data
-// kernels that follow write into peers (and into the own stage) without further checks. With counts, the block then derives this rank's receive layout.
+// kernels that follow write into peers (and into the own stage) without further checks. With
+// counts, the block then derives this rank's receive layout.
 //
 // Waits on: arrive[p] for every rank p (phase given by the caller; timeout -> report + abort).
 #include <cuda_runtime.h>

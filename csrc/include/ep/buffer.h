@@ -10,7 +10,7 @@
 //   counts      i32 [2][R][L+1]         per op parity, from source r: L per-expert counts, packets
 //   disp_done   u64 [R][max_blocks]     dispatch data from (r, block b) complete for op n
 //   comb_done   u64 [R][max_blocks]     combine data from (r, block b) complete for op n
-//   disp_stage  [max_tokens][slot]     the owner's tokens of the op in flight: payload (+fp8 scales)
+//   disp_stage  [max_tokens][slot]      the owner's tokens of the op in flight: payload (+fp8 scales)
 //   disp_token  i32 [R][max_tokens]     from source r: the token (its disp_stage row) of send slot s
 //   disp_k      i32 [R][max_tokens][L]  row of the packet within (r, local expert), -1 = not routed
 //   disp_p      f32 [R][max_tokens][L]  prob of (token, local expert)
@@ -41,7 +41,7 @@ struct BufferLayout {
   int num_local_experts;
   int max_blocks;
   int hidden;          // elements per row
-  int64_t slot_bytes;  // bytes per dispatch packet payload (2 * hidden: bf16, or fp8 + scales)
+  int64_t slot_bytes;  // bytes per staged token (2 * hidden: bf16, or fp8 + scales)
   int64_t off_arrive, off_counts, off_disp_done, off_comb_done;
   int64_t off_disp_stage, off_disp_token, off_disp_k, off_disp_p, off_comb_data, off_comb_p;
   int64_t total_bytes;
