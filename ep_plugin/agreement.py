@@ -1,0 +1,113 @@
+"""What all ranks must agree on, and the words that tell them apart when they do not.
+
+Two checks keep ranks that disagree from crashing inside a collective or returning wrong rows:
+
+- When a backend is built, every rank contributes the fields that shape the wire format
+  (hidden size, expert count, token budget, ...); ``check_construction`` gathers them once and
+  raises ``ValueError`` on every rank naming each field that differs and every rank's value.
+- Every op carries a 64-bit fingerprint (``OpFingerprint.pack``): op kind, payload dtype, probs
+  present, routing form, top-k width and the handle the op uses. The compiled backends publish
+  it with their device handshake; ``reference`` exchanges it with its counts. A rank that sees a
+  different fingerprint from a peer raises ``EPError`` (``mismatch_message`` names the op, the
+  fields, both ranks and their values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+# Op kinds; the code is part of the fingerprint.
+OP_DISPATCH = "dispatch"
+OP_COMBINE = "combine"
+OP_DISPATCH_AGAIN = "dispatch_again"  # cached dispatch along a handle (backward of combine)
+OP_BARRIER = "barrier"
+_OPS = (None, OP_DISPATCH, OP_COMBINE, OP_DISPATCH_AGAIN, OP_BARRIER)
+
+_DTYPES = (None, torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn)
+_FORMS = (None, "routing_map", "topk")
+
+# Bit widths of the packed fields, low bits first. 63 bits in all, so the packed value is a
+# non-negative signed 64-bit integer on every side (Python, torch int64, CUDA u64).
+_LAYOUT = (("op", 3), ("dtype", 3), ("probs", 1), ("form", 2), ("topk", 7), ("handle_id", 47))
+
+
+@dataclass(frozen=True)
+class OpFingerprint:
+    """The per-op facts that every rank must share.
+
+    op: one of dispatch / combine / dispatch_again / barrier.
+    dtype: payload dtype (None when the op carries no payload dtype of its own).
+    probs: whether probs / weights travel with the op.
+    form: routing form of a dispatch ("routing_map" or "topk"), else None.
+    topk: top-k width of a top-k dispatch (0 otherwise), < 128.
+    handle_id: which dispatch's handle a combine / dispatch_again uses (its per-backend dispatch
+        number, counted from 1; 0 for a dispatch). Ranks that use their handles in different
+        orders differ here.
+    """
+
+    op: Optional[str]
+    dtype: Optional[torch.dtype] = None
+    probs: bool = False
+    form: Optional[str] = None
+    topk: int = 0
+    handle_id: int = 0
+
+    def pack(self) -> int:
+        codes = {"op": _OPS.index(self.op), "dtype": _DTYPES.index(self.dtype), "probs": int(self.probs),
+                 "form": _FORMS.index(self.form), "topk": self.topk, "handle_id": self.handle_id}
+        value, shift = 0, 0
+        for name, bits in _LAYOUT:
+            code = codes[name]
+            if not 0 <= code < (1 << bits):
+                raise ValueError(f"op fingerprint field {name}={code} does not fit in {bits} bits")
+            value |= code << shift
+            shift += bits
+        return value
+
+    @classmethod
+    def unpack(cls, value: int) -> "OpFingerprint":
+        codes, shift = {}, 0
+        for name, bits in _LAYOUT:
+            codes[name] = (value >> shift) & ((1 << bits) - 1)
+            shift += bits
+
+        def pick(table, code):  # an unknown code (corrupt value) reads as None, never raises
+            return table[code] if code < len(table) else None
+
+        return cls(op=pick(_OPS, codes["op"]), dtype=pick(_DTYPES, codes["dtype"]), probs=bool(codes["probs"]),
+                   form=pick(_FORMS, codes["form"]), topk=codes["topk"], handle_id=codes["handle_id"])
+
+
+def mismatch_message(backend: str, rank: int, peer: int, mine: int, theirs: int) -> str:
+    """Name the op, every field that differs, both ranks and their values."""
+    a, b = OpFingerprint.unpack(mine), OpFingerprint.unpack(theirs)
+    differing = [f.name for f in fields(OpFingerprint) if getattr(a, f.name) != getattr(b, f.name)]
+    details = "; ".join(f"{name}: {getattr(a, name)!r} on rank {rank}, {getattr(b, name)!r} on rank {peer}"
+                        for name in differing)
+    op = a.op if a.op == b.op else f"{a.op} (rank {rank}) / {b.op} (rank {peer})"
+    return (f"ep_plugin {backend}: ranks disagree on {op}: {details or 'fingerprints differ'}. All ranks must "
+            f"issue the same ops in the same order with the same dtype, probs, routing form and handles.")
+
+
+def check_construction(group: dist.ProcessGroup, backend: str, facts: dict[str, Any]) -> None:
+    """Raise ValueError on every rank unless every rank of ``group`` passed equal ``facts``.
+
+    One all_gather_object of a small dict; call it where the backend is built (a collective).
+    """
+    gathered: list[Optional[dict[str, Any]]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, facts, group=group)
+    problems = []
+    for name in facts:
+        values = [g.get(name) for g in gathered]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            problems.append(f"{name} ({per_rank})")
+    names = set().union(*(g.keys() for g in gathered))
+    if names != set(facts):
+        problems.append(f"the set of checked fields ({sorted(names)} vs {sorted(facts)} here)")
+    if problems:
+        raise ValueError(f"ep_plugin {backend}: ranks were built with different settings: " + "; ".join(problems))
