@@ -47,6 +47,7 @@ class NvccBuildExt(build_ext):
             nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
             "-lineinfo", "--expt-relaxed-constexpr",
             "-I" + os.path.join(ROOT, "csrc", "include"),
+            "-I" + os.path.join(ROOT, "csrc"),
             "-I" + pybind11.get_include(),
             "-I" + sysconfig.get_paths()["include"],
         ]
@@ -57,7 +58,8 @@ class NvccBuildExt(build_ext):
         subprocess.check_call(command, cwd=ROOT)
 
 
-sources = sorted(glob.glob("csrc/*.cu")) + sorted(glob.glob("csrc/*.cpp"))
+# csrc/ holds the shared transport and routing layout; csrc/<backend>/ each backend's kernels.
+sources = sorted(glob.glob("csrc/**/*.cu", recursive=True)) + sorted(glob.glob("csrc/**/*.cpp", recursive=True))
 # Decided up front: an extension listed but not built breaks editable installs.
 ext_modules = [Extension("ep_plugin._C", sources=sources)] if find_nvcc() else []
 if not ext_modules:

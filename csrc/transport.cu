@@ -1,76 +1,68 @@
-// Transport: the per-rank communication buffer (cudaMalloc), its CUDA IPC handle, the peer
-// pointer table on the device, the rank-private device state and the mapped host report.
-// No kernels here; everything is set up once per backend and torn down by destroy().
+// Transport: the per-rank symmetric buffer (cudaMalloc), its CUDA IPC handle, the peer pointer
+// table on the device, the rank-private device state and the mapped host report. No kernels and
+// no backend here: a backend says how many bytes its regions take and how many count words it
+// exchanges; everything is set up once per backend and torn down by destroy().
 #include <cuda_runtime.h>
 
 #include <cstring>
 #include <stdexcept>
+#include <string>
 
 #include "ep/check.cuh"
-#include "ep/hybrid.h"
+#include "ep/transport.h"
 
 namespace ep {
 namespace {
 
 int64_t align_up(int64_t value, int64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
 
-BufferLayout make_layout(int num_ranks, int max_tokens, int hidden, int num_local_experts, int max_blocks) {
-  BufferLayout l{};
-  l.num_ranks = num_ranks;
-  l.max_tokens = max_tokens;
-  l.num_local_experts = num_local_experts;
-  l.max_blocks = max_blocks;
-  l.hidden = hidden;
-  l.slot_bytes = align_up(2LL * hidden, 16);  // bf16 row; an fp8 row + its scales is smaller
-  const int64_t R = num_ranks, T = max_tokens, L = num_local_experts;
+SyncLayout make_sync_layout(int num_ranks, int count_words) {
+  SyncLayout s{};
+  s.num_ranks = num_ranks;
+  s.count_words = count_words;
+  const int64_t R = num_ranks;
   int64_t offset = 0;
   auto take = [&offset](int64_t bytes) {
     const int64_t at = offset;
     offset = align_up(offset + bytes, 256);
     return at;
   };
-  l.off_arrive = take(R * 8);
-  l.off_counts = take(2 * R * (L + 1) * 4);
-  l.off_disp_done = take(R * max_blocks * 8);
-  l.off_comb_done = take(R * max_blocks * 8);
-  l.off_disp_stage = take(T * l.slot_bytes);
-  l.off_disp_token = take(R * T * 4);
-  l.off_disp_k = take(R * T * L * 4);
-  l.off_disp_p = take(R * T * L * 4);
-  l.off_comb_data = take(R * T * 2LL * hidden);
-  l.off_comb_p = take(R * T * L * 4);
-  l.total_bytes = offset;
-  return l;
+  s.off_arrive = take(R * 8);
+  s.off_fingerprint = take(2 * R * 8);
+  s.off_counts = take(2 * R * static_cast<int64_t>(count_words) * 4);
+  s.bytes = offset;
+  return s;
 }
 
 }  // namespace
 
-Buffer::Buffer(int device, int rank, int num_ranks, int max_tokens, int hidden, int num_local_experts,
-               int max_blocks, double timeout_s)
+SymmetricBuffer::SymmetricBuffer(int device, int rank, int num_ranks, int64_t region_bytes, int count_words,
+                                 double timeout_s)
     : device_(device) {
-  if (num_ranks < 1 || num_ranks > kMaxRanks) throw std::invalid_argument("ep_plugin: num_ranks must be in [1, 32]");
+  if (num_ranks < 1 || num_ranks > kMaxRanks)
+    throw std::invalid_argument("ep_plugin: num_ranks must be in [1, " + std::to_string(kMaxRanks) + "]");
   if (rank < 0 || rank >= num_ranks) throw std::invalid_argument("ep_plugin: rank out of range");
-  if (num_local_experts < 1 || num_local_experts > kMaxLocalExperts)
-    throw std::invalid_argument("ep_plugin: num_local_experts must be in [1, 256]");
-  if (hidden < 8 || hidden % 8) throw std::invalid_argument("ep_plugin: hidden must be a positive multiple of 8");
-  if (max_tokens < 1 || max_blocks < 1) throw std::invalid_argument("ep_plugin: max_tokens and max_blocks >= 1");
+  if (region_bytes < 0 || count_words < 0) throw std::invalid_argument("ep_plugin: negative buffer size");
   EP_CUDA_CHECK(cudaSetDevice(device));
   int major = 0;
   EP_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   bulk_capable_ = major >= 9;
-  view_.layout = make_layout(num_ranks, max_tokens, hidden, num_local_experts, max_blocks);
+  view_.sync = make_sync_layout(num_ranks, count_words);
   view_.rank = rank;
+  view_.num_ranks = num_ranks;
+  total_bytes_ = view_.sync.bytes + align_up(region_bytes, 256);
   try {
-    EP_CUDA_CHECK(cudaMalloc(&local_, view_.layout.total_bytes));
-    // Flags start at 0 (no op has sequence 0); data regions need no initialisation.
-    EP_CUDA_CHECK(cudaMemset(local_, 0, view_.layout.off_disp_stage));
+    EP_CUDA_CHECK(cudaMalloc(&local_, total_bytes_));
+    // Flags start at 0 (no op has sequence 0). Backend regions are zeroed too: their flags need
+    // it, and data regions do not mind.
+    EP_CUDA_CHECK(cudaMemset(local_, 0, total_bytes_));
     EP_CUDA_CHECK(cudaMalloc(&peer_table_, sizeof(char*) * num_ranks));
     EP_CUDA_CHECK(cudaMalloc(&state_, sizeof(RankState)));
     EP_CUDA_CHECK(cudaMemset(state_, 0, sizeof(RankState)));
-    EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&report_), sizeof(TimeoutReport),
+    EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&report_), sizeof(DeviceReport),
                                 cudaHostAllocMapped | cudaHostAllocPortable));
-    std::memset(const_cast<TimeoutReport*>(report_), 0, sizeof(TimeoutReport));
-    TimeoutReport* report_device = nullptr;
+    std::memset(const_cast<DeviceReport*>(report_), 0, sizeof(DeviceReport));
+    DeviceReport* report_device = nullptr;
     EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&report_device), report_, 0));
     EP_CUDA_CHECK(cudaDeviceSynchronize());
     view_.local = local_;
@@ -84,7 +76,7 @@ Buffer::Buffer(int device, int rank, int num_ranks, int max_tokens, int hidden, 
   }
 }
 
-Buffer::~Buffer() {
+SymmetricBuffer::~SymmetricBuffer() {
   try {
     destroy();
   } catch (...) {
@@ -92,11 +84,11 @@ Buffer::~Buffer() {
   }
 }
 
-void Buffer::set_timeout(double timeout_s) {
+void SymmetricBuffer::set_timeout(double timeout_s) {
   view_.timeout_ns = static_cast<unsigned long long>(timeout_s * 1e9);
 }
 
-std::string Buffer::ipc_handle() const {
+std::string SymmetricBuffer::export_handle() const {
   if (destroyed_) throw std::runtime_error("ep_plugin: buffer already destroyed");
   EP_CUDA_CHECK(cudaSetDevice(device_));
   cudaIpcMemHandle_t handle;
@@ -104,8 +96,8 @@ std::string Buffer::ipc_handle() const {
   return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
 }
 
-void Buffer::open_peers(const std::vector<std::string>& handles) {
-  const int R = view_.layout.num_ranks;
+void SymmetricBuffer::open_peers(const std::vector<std::string>& handles) {
+  const int R = view_.num_ranks;
   if (static_cast<int>(handles.size()) != R) throw std::invalid_argument("ep_plugin: open_peers needs one handle per rank");
   if (!opened_.empty()) throw std::runtime_error("ep_plugin: peers already opened");
   EP_CUDA_CHECK(cudaSetDevice(device_));
@@ -115,7 +107,8 @@ void Buffer::open_peers(const std::vector<std::string>& handles) {
       table[r] = local_;
       continue;
     }
-    if (handles[r].size() != sizeof(cudaIpcMemHandle_t)) throw std::invalid_argument("ep_plugin: bad IPC handle size");
+    if (handles[r].size() != sizeof(cudaIpcMemHandle_t))
+      throw std::invalid_argument("ep_plugin: bad IPC handle size from rank " + std::to_string(r));
     cudaIpcMemHandle_t handle;
     std::memcpy(&handle, handles[r].data(), sizeof(handle));
     void* pointer = nullptr;
@@ -126,7 +119,7 @@ void Buffer::open_peers(const std::vector<std::string>& handles) {
   EP_CUDA_CHECK(cudaMemcpy(peer_table_, table.data(), sizeof(char*) * R, cudaMemcpyHostToDevice));
 }
 
-void Buffer::destroy() {
+void SymmetricBuffer::destroy() {
   if (destroyed_) return;
   destroyed_ = true;
   cudaSetDevice(device_);
@@ -141,7 +134,7 @@ void Buffer::destroy() {
   if (local_) keep(cudaFree(local_));
   if (peer_table_) keep(cudaFree(peer_table_));
   if (state_) keep(cudaFree(state_));
-  if (report_) keep(cudaFreeHost(const_cast<TimeoutReport*>(report_)));
+  if (report_) keep(cudaFreeHost(const_cast<DeviceReport*>(report_)));
   local_ = nullptr;
   peer_table_ = nullptr;
   state_ = nullptr;
@@ -149,10 +142,16 @@ void Buffer::destroy() {
   EP_CUDA_CHECK(first);
 }
 
-std::vector<long long> Buffer::timeout_report() const {
-  if (report_ == nullptr || report_->flag == 0) return {0};
-  return {1, report_->rank, report_->phase, report_->peer, static_cast<long long>(report_->expected),
+std::vector<long long> SymmetricBuffer::report() const {
+  if (report_ == nullptr || report_->kind == kReportNone) return {kReportNone};
+  return {report_->kind, report_->rank, report_->phase, report_->peer, static_cast<long long>(report_->expected),
           static_cast<long long>(report_->seen), static_cast<long long>(report_->waited_ns)};
+}
+
+long long SymmetricBuffer::mailbox(int index) const {
+  if (index < 0 || index >= kMailboxWords) throw std::out_of_range("ep_plugin: mailbox index out of range");
+  if (report_ == nullptr) throw std::runtime_error("ep_plugin: buffer already destroyed");
+  return report_->mailbox[index];
 }
 
 }  // namespace ep

@@ -1,8 +1,11 @@
 """Autograd Functions: backward of dispatch is combine, backward of combine is dispatch.
 
-Each Function keeps the Handle on its ctx, so the autograd graph owns the Handle (and
-through it every tensor the backward kernels read) until the graph is freed — backward may
-run more than once with retain_graph. The caller may drop its own references at any time.
+Each Function keeps the Handle on its ctx, so the autograd graph owns the Handle (and through it
+every tensor the backward kernels read) until the graph is freed — backward may run more than once
+with retain_graph. The caller may drop its own references at any time.
+
+The backend declares what its dispatch returns (expert rows or compact rows, the shape of the
+per-row probs) on the Handle; this layer assumes neither.
 """
 
 from __future__ import annotations
@@ -17,18 +20,20 @@ from .handle import DispatchOutput, Handle
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, probs, topk_weights, backend: Backend, routing_map, topk_idx, pad_multiple):
+    def forward(ctx, hidden, probs, topk_weights, backend: Backend, routing_map, topk_idx, pad_multiple, options):
         # The backend validates the routing form; probs and topk_weights are inputs here only so
         # that autograd sees whichever one was given.
         result = backend.dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
-                                  topk_weights=topk_weights, pad_multiple=pad_multiple)
+                                  topk_weights=topk_weights, pad_multiple=pad_multiple, **options)
         ctx.handle = result.handle
         ctx.weights_are_probs = routing_map is not None
-        ctx.mark_non_differentiable(result.tokens_per_expert)
-        return result.hidden, result.probs, result.tokens_per_expert, result.handle
+        ctx.mark_non_differentiable(*(t for t in (result.tokens_per_expert, result.topk_idx, result.num_valid_rows)
+                                      if t is not None))
+        return (result.hidden, result.probs, result.tokens_per_expert, result.handle, result.topk_idx,
+                result.num_valid_rows, result.tokens_per_expert_list, result.ready)
 
     @staticmethod
-    def backward(ctx, grad_rows, grad_row_probs, _grad_counts, _grad_handle):
+    def backward(ctx, grad_rows, grad_row_probs, *_grads_of_the_rest):
         # The Handle stays on ctx (not released here): backward may run again with retain_graph.
         handle: Handle = ctx.handle
         if grad_rows is None:
@@ -41,19 +46,19 @@ class _Dispatch(torch.autograd.Function):
                                         row_probs=grad_row_probs.contiguous() if want_probs else None)
         grad_probs = result.probs if ctx.weights_are_probs else None
         grad_topk_weights = None if ctx.weights_are_probs else result.probs
-        return result.hidden, grad_probs, grad_topk_weights, None, None, None, None
+        return result.hidden, grad_probs, grad_topk_weights, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, handle: Handle):
+    def forward(ctx, rows, handle: Handle, options):
         ctx.handle = handle
-        return handle.backend.combine(rows, handle).hidden
+        return handle.backend.combine(rows, handle, **options).hidden
 
     @staticmethod
     def backward(ctx, grad_out):
         handle: Handle = ctx.handle
-        return handle.backend.dispatch_again(grad_out.contiguous(), handle), None
+        return handle.backend.dispatch_again(grad_out.contiguous(), handle), None, None
 
 
 def dispatch(
@@ -65,6 +70,7 @@ def dispatch(
     topk_idx: Optional[torch.Tensor] = None,
     topk_weights: Optional[torch.Tensor] = None,
     pad_multiple: Optional[int] = None,
+    **options,
 ) -> DispatchOutput:
     """Differentiable dispatch: send each token to the ranks that own its experts.
 
@@ -74,24 +80,27 @@ def dispatch(
         routing_map: [T, E] bool with ``probs`` [T, E] float32 — Megatron's router output; or
         topk_idx: [T, k] int64 (-1 = none) with ``topk_weights`` [T, k] float32.
         pad_multiple: pad each local expert's rows to a multiple of this (zeros).
+        options: the backend's own dispatch options (``backend.capabilities.dispatch_options``; for
+            ``elastic``: ``expand``, ``zero_padding``).
     Returns:
-        DispatchOutput(hidden [R, H] sorted by local expert, probs [R] of each row,
-        tokens_per_expert [E/ranks] int64 padded segment lengths, handle for ``combine``).
+        DispatchOutput: hidden rows in the backend's output form (``handle.output_form``: rows sorted
+        by local expert, or compact rows), their probs, tokens_per_expert [E/ranks] int64 (padded
+        segment lengths), the handle for ``combine``, and the optional fields the backend fills.
         Gradients flow to ``hidden`` and to ``probs``/``topk_weights``.
     """
-    rows, row_probs, tokens_per_expert, handle = _Dispatch.apply(hidden, probs, topk_weights, backend, routing_map,
-                                                                 topk_idx, pad_multiple)
-    return DispatchOutput(rows, row_probs, tokens_per_expert, handle)
+    outputs = _Dispatch.apply(hidden, probs, topk_weights, backend, routing_map, topk_idx, pad_multiple, options)
+    return DispatchOutput(*outputs)
 
 
-def combine(rows: torch.Tensor, handle: Handle) -> torch.Tensor:
-    """Differentiable combine: sum each token's expert rows back at its source rank.
+def combine(rows: torch.Tensor, handle: Handle, **options) -> torch.Tensor:
+    """Differentiable combine: sum each token's rows back at its source rank.
 
     Args:
         rows: [R, H] in the layout of ``handle``'s dispatch (padding rows are ignored).
         handle: from ``dispatch``.
+        options: the backend's own combine options (``backend.capabilities.combine_options``).
     Returns: [T, H] in source token order, same dtype as ``rows`` (accumulated in fp32).
     """
     if not isinstance(handle, Handle):
         raise TypeError(f"combine needs the Handle returned by dispatch, got {type(handle).__name__}")
-    return _Combine.apply(rows, handle)
+    return _Combine.apply(rows, handle, options)

@@ -180,11 +180,12 @@ def run_extension(backend, routing: Routing, probs, misalign: int):
     topk = routing.topk_idx.shape[1] if routing.form == TOPK else 0
     dense = output(T * E, torch.float32).view(T, E) if topk and probs is not None else None
     bad = torch.full((2,), True, device="cuda")[1:].view(()) if topk else None
-    backend._C.layout(routing.routing_map.data_ptr() if not topk else 0, routing.topk_idx.data_ptr() if topk else 0,
-                      probs.data_ptr() if topk and probs is not None else 0, T, R, L, topk, send_slot.data_ptr(),
-                      k_index.data_ptr(), expert_counts.data_ptr(), rank_counts.data_ptr(),
-                      dense.data_ptr() if dense is not None else 0, bad.data_ptr() if bad is not None else 0,
-                      backend.device.index, backend._stream())
+    args = backend._C.LayoutArgs(
+        routing_map=None if topk else routing.routing_map, topk_idx=routing.topk_idx if topk else None,
+        probs=probs if topk else None, num_tokens=T, num_ranks=R, num_local_experts=L, topk=topk,
+        send_slot=send_slot, k_index=k_index, expert_counts=expert_counts, rank_counts=rank_counts,
+        dense_probs=dense, bad_ids=bad)
+    backend._C.layout(args, backend.device.index, backend._stream())
     for flat, start, count in buffers:  # canaries before and after each output
         outside = torch.cat([flat[:start], flat[start + count:]])
         untouched = outside.isnan() if flat.dtype == torch.float32 else outside == SENTINEL

@@ -28,6 +28,9 @@ class Capabilities:
     fp8_dispatch: bool = False
     non_blocking: bool = False
     cuda_graphs: bool = False
+    # Backend-specific keyword options of dispatch / combine (validated by name before any launch).
+    dispatch_options: tuple[str, ...] = ()
+    combine_options: tuple[str, ...] = ()
 
 
 class Backend(abc.ABC):
@@ -77,6 +80,7 @@ class Backend(abc.ABC):
         topk_idx: Optional[torch.Tensor] = None,
         topk_weights: Optional[torch.Tensor] = None,
         pad_multiple: Optional[int] = None,
+        **options,
     ) -> DispatchOutput:
         """Send each token to the ranks of its experts (no autograd; see ``ep_plugin.dispatch``).
 
@@ -85,12 +89,14 @@ class Backend(abc.ABC):
             routing_map / probs: [T, E] bool / [T, E] float32, or
             topk_idx / topk_weights: [T, k] int64 (-1 = none) / [T, k] float32.
             pad_multiple: pad each local expert's segment to a multiple of this (default config).
-        Returns: DispatchOutput(hidden [R, H], probs [R] or None, tokens_per_expert [L] int64, handle).
+            options: the backend's own dispatch options (``capabilities.dispatch_options``).
+        Returns: DispatchOutput(hidden [R, H], probs [R] or None, tokens_per_expert [L] int64, handle, ...).
         """
+        self.check_options("dispatch", options, self.capabilities.dispatch_options)
         routing, weights, pad_multiple = self.check_dispatch_input(
             hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx, topk_weights=topk_weights,
             pad_multiple=pad_multiple)
-        return self._dispatch(hidden, routing, weights, pad_multiple)
+        return self._dispatch(hidden, routing, weights, pad_multiple, **options)
 
     def dispatch_again(self, hidden: torch.Tensor, handle: Handle) -> torch.Tensor:
         """Dispatch new tokens along a cached layout (backward of combine). Returns [R, H]."""
@@ -98,22 +104,26 @@ class Backend(abc.ABC):
         self.check_hidden("hidden", hidden, handle.num_tokens)
         return self._dispatch_again(hidden, handle)
 
-    def combine(self, rows: torch.Tensor, handle: Handle, *, row_probs: Optional[torch.Tensor] = None) -> CombineOutput:
-        """Return each token's expert rows summed at its source (unweighted).
+    def combine(self, rows: torch.Tensor, handle: Handle, *, row_probs: Optional[torch.Tensor] = None,
+                **options) -> CombineOutput:
+        """Return each token's rows summed at its source (unweighted).
 
         Args:
             rows: [R, H] in the layout that dispatch produced for ``handle``.
-            row_probs: optional [R] per-row values sent back unsummed (backward of probs).
+            row_probs: optional per-row values sent back unsummed (backward of probs), shaped like the
+                dispatched probs ([R], or [R, k] for a compact dispatch).
+            options: the backend's own combine options (``capabilities.combine_options``).
         Returns: CombineOutput(hidden [T, H], probs shaped like the dispatched probs or None).
         """
+        self.check_options("combine", options, self.capabilities.combine_options)
         self.check_handle(handle)
         self.check_hidden("rows", rows, handle.num_rows)
         if row_probs is not None:
             if handle.probs_shape is None:
                 raise ValueError("row_probs given but this handle's dispatch carried no probs")
-            check_tensor("row_probs", row_probs, dtypes=self.capabilities.probs_dtypes, shape=(handle.num_rows,),
-                         device=self.device)
-        return self._combine(rows, handle, row_probs)
+            check_tensor("row_probs", row_probs, dtypes=self.capabilities.probs_dtypes,
+                         shape=handle.expected_row_probs_shape(), device=self.device)
+        return self._combine(rows, handle, row_probs, **options)
 
     def barrier(self) -> None:
         """Block until every rank of the group reaches this point."""
@@ -172,6 +182,12 @@ class Backend(abc.ABC):
                      shape=(data.shape[0], self.hidden_size // self.FP8_BLOCK), device=self.device)
         return data
 
+    def check_options(self, op: str, options: dict, known: tuple[str, ...]) -> None:
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            takes = f"it takes {', '.join(known)}" if known else "it takes none"
+            raise TypeError(f"backend {self.name!r} has no {op} option(s) {unknown}; {takes}")
+
     def check_handle(self, handle: Handle) -> None:
         if not isinstance(handle, Handle):
             raise TypeError(f"expected an ep_plugin Handle, got {type(handle).__name__}")
@@ -182,10 +198,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def _dispatch(self, hidden: torch.Tensor, routing: Routing, probs: Optional[torch.Tensor],
-                  pad_multiple: int) -> DispatchOutput: ...
+                  pad_multiple: int, **options) -> DispatchOutput: ...
 
     @abc.abstractmethod
     def _dispatch_again(self, hidden: torch.Tensor, handle: Handle) -> torch.Tensor: ...
 
     @abc.abstractmethod
-    def _combine(self, rows: torch.Tensor, handle: Handle, row_probs: Optional[torch.Tensor]) -> CombineOutput: ...
+    def _combine(self, rows: torch.Tensor, handle: Handle, row_probs: Optional[torch.Tensor],
+                 **options) -> CombineOutput: ...

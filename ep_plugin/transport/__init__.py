@@ -1,1 +1,6 @@
-"""Transports: ``ipc`` (CUDA IPC buffers within one NVLink domain / one GPU)."""
+"""Transports the compiled backends stand on.
+
+- ``symmetric``: one symmetric buffer per rank within an NVLink domain (CUDA IPC handles, one
+  host), the op sequence, the abort flag, the device report and the mailbox (csrc/transport.cu).
+- ``placement``: which ranks share a physical GPU (co-residency limits).
+"""

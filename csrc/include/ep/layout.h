@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "ep/buffer.h"  // kMaxRanks, kMaxLocalExperts
+#include "ep/limits.h"  // kMaxRanks, kMaxLocalExperts
 
 namespace ep {
 

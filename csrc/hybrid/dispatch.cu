@@ -19,27 +19,29 @@
 #include <cuda_runtime.h>
 
 #include "ep/check.cuh"
-#include "ep/comm.cuh"
-#include "ep/hybrid.h"
+#include "ep/copy.cuh"
+#include "ep/pipeline.cuh"
+#include "hybrid/regions.cuh"
 
 namespace ep {
+namespace hybrid {
 namespace {
 
 // Warp-cooperative: tell each destination of token t where to find it (token index, and on a
 // first dispatch its k indices and probs), stage its fp8 scales, and return the number of
 // destinations. `slots` is the warp's [R] scratch of send slots.
-__device__ __forceinline__ int prepare_token(const DeviceView& v, const SendArgs& a, int t, int* slots, int lane) {
-  const int R = v.layout.num_ranks;
-  const int L = v.layout.num_local_experts;
+__device__ __forceinline__ int prepare_token(const View& v, const SendArgs& a, int t, int* slots, int lane) {
+  const int R = v.g.num_ranks;
+  const int L = v.g.num_local_experts;
   const int E = R * L;
   const int my_slot = lane < R ? a.send_slot[static_cast<int64_t>(t) * R + lane] : -1;
   const unsigned destinations = __ballot_sync(0xffffffffu, my_slot >= 0);
-  if (my_slot >= 0) *disp_token(v, lane, v.rank, my_slot) = t;
+  if (my_slot >= 0) *disp_token(v, lane, v.t.rank, my_slot) = t;
   if (lane < R) slots[lane] = my_slot;
   __syncwarp();
   if (destinations == 0) return 0;
   if (a.scales != nullptr) {
-    warp_copy4(staged_token(v, v.rank, t) + a.row_bytes, reinterpret_cast<const char*>(a.scales) + t * a.scale_bytes,
+    warp_copy4(staged_token(v, v.t.rank, t) + a.row_bytes, reinterpret_cast<const char*>(a.scales) + t * a.scale_bytes,
                a.scale_bytes, lane);
   }
   if (a.k_index != nullptr) {
@@ -53,62 +55,48 @@ __device__ __forceinline__ int prepare_token(const DeviceView& v, const SendArgs
       if (slot < 0) continue;
       const int32_t k = __ldg(a.k_index + base + j);
       const float prob = a.probs != nullptr ? __ldg(a.probs + base + j) : 0.0f;
-      disp_k(v, p, v.rank, slot)[j - p * L] = k;
-      disp_p(v, p, v.rank, slot)[j - p * L] = prob;
+      disp_k(v, p, v.t.rank, slot)[j - p * L] = k;
+      disp_p(v, p, v.t.rank, slot)[j - p * L] = prob;
     }
   }
   return __popc(destinations);
 }
 
-__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DeviceView v, SendArgs a) {
+__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(TransportView t, Regions g, SendArgs a) {
   __shared__ int s_slots[kThreads / 32][kMaxRanks];
-  if (block_aborted(v)) return;  // a wait of this op already timed out: leave peers untouched
-  const unsigned long long seq = current_seq(v);
-  const int lane = threadIdx.x % 32;
-  const int warps = gridDim.x * (blockDim.x / 32);
-  for (int t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; t < a.num_tokens; t += warps) {
-    if (prepare_token(v, a, t, s_slots[threadIdx.x / 32], lane) == 0) continue;
-    warp_copy16(staged_token(v, v.rank, t), static_cast<const char*>(a.hidden) + t * a.row_bytes, a.row_bytes, lane);
-  }
-  signal_block_done(v, v.layout.off_disp_done, seq);
+  const View v{t, g};
+  if (block_aborted(t)) return;  // a wait of this op already failed: leave peers untouched
+  const unsigned long long seq = current_seq(t);
+  int* slots = s_slots[threadIdx.x / 32];
+  stage_tokens_register(v, a.hidden, a.row_bytes, a.num_tokens,
+                        [&](int token, int lane) { return prepare_token(v, a, token, slots, lane); });
+  signal_block_done(t, dispatch_done(v), seq);
 }
 
-__global__ void __launch_bounds__(kBulkWarps * 32) dispatch_send_bulk_kernel(DeviceView v, SendArgs a,
+__global__ void __launch_bounds__(kBulkWarps * 32) dispatch_send_bulk_kernel(TransportView t, Regions g, SendArgs a,
                                                                              BulkShape shape) {
   extern __shared__ __align__(128) char s_stages[];
   __shared__ int s_slots[kBulkWarps][kMaxRanks];
   __shared__ uint64_t s_bars[kBulkWarps][kBulkMaxStages];
-  if (block_aborted(v)) return;
-  const unsigned long long seq = current_seq(v);
-  const int lane = threadIdx.x % 32;
+  const View v{t, g};
+  if (block_aborted(t)) return;
+  const unsigned long long seq = current_seq(t);
   const int warp_in_block = threadIdx.x / 32;
-  const int warp = blockIdx.x * kBulkWarps + warp_in_block;
-  const int warps = gridDim.x * kBulkWarps;
-  const BulkRing ring = make_bulk_ring(s_stages, s_bars[warp_in_block], shape, warp_in_block, lane);
-
-  // Job j: a chunk of this warp's chunks.row(j)-th token.
-  const RowChunks chunks(a.row_bytes, shape);
-  const int my_tokens = warp < a.num_tokens ? (a.num_tokens - warp + warps - 1) / warps : 0;
-  int count = 0;
-  auto token = [&](int j) { return warp + static_cast<int64_t>(chunks.row(j)) * warps; };
-  auto source = [&](int j) {
-    return BulkJob{static_cast<const char*>(a.hidden) + token(j) * a.row_bytes + chunks.offset(j), chunks.bytes(j)};
-  };
-  auto consume = [&](int j, const char* stage) {
-    if (chunks.offset(j) == 0) count = prepare_token(v, a, static_cast<int>(token(j)), s_slots[warp_in_block], lane);
-    if (lane == 0 && count > 0) bulk_store(staged_token(v, v.rank, token(j)) + chunks.offset(j), stage, chunks.bytes(j));
-  };
-  run_bulk_jobs(ring, my_tokens * chunks.parts, source, consume, lane);
-  signal_block_done(v, v.layout.off_disp_done, seq);
+  const BulkRing ring = make_bulk_ring(s_stages, s_bars[warp_in_block], shape, warp_in_block, threadIdx.x % 32);
+  int* slots = s_slots[warp_in_block];
+  stage_tokens_bulk(v, ring, a.hidden, a.row_bytes, a.num_tokens,
+                    [&](int token, int lane) { return prepare_token(v, a, token, slots, lane); });
+  signal_block_done(t, dispatch_done(v), seq);
 }
 
 }  // namespace
 
-void launch_dispatch_send(const Buffer& buffer, const SendArgs& args, int num_blocks, uintptr_t stream) {
+void launch_dispatch_send(const SymmetricBuffer& buffer, const Regions& regions, const SendArgs& args, int num_blocks, uintptr_t stream) {
   EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
   const bool bulk = args.bulk_copy && buffer.bulk_capable();
-  launch_copy_kernel(bulk, dispatch_send_bulk_kernel, dispatch_send_kernel, buffer.view(), args, args.row_bytes, num_blocks,
+  launch_copy_kernel(bulk, dispatch_send_bulk_kernel, dispatch_send_kernel, buffer.view(), regions, args, args.row_bytes, num_blocks,
                      reinterpret_cast<cudaStream_t>(stream));
 }
 
+}  // namespace hybrid
 }  // namespace ep

@@ -13,80 +13,24 @@
 #include <cuda_runtime.h>
 
 #include "ep/check.cuh"
-#include "ep/comm.cuh"
-#include "ep/hybrid.h"
+#include "ep/copy.cuh"
+#include "ep/reduce.cuh"
+#include "hybrid/regions.cuh"
 
 namespace ep {
+namespace hybrid {
 namespace {
 
 constexpr int kWarps = kThreads / 32;
 
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& word) {
-  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&word);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(pairs[i]);
-    acc[2 * i] += f.x;
-    acc[2 * i + 1] += f.y;
-  }
-}
-
-__device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
-  int4 word;
-  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&word);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-  return word;
-}
-
-// out[i] = bf16(sum over n < count of row(n)[i]) for i < words (16-byte words of 8 bf16), summed in
-// fp32 in n order. Each lane loads kSumUnroll words of kSumRows rows before adding them, so a warp
-// keeps 8 KiB of loads in flight; a single row is a plain copy (bf16 -> fp32 -> bf16 is exact).
-constexpr int kSumUnroll = 4;
-constexpr int kSumRows = 4;
-
-template <typename Row>
-__device__ __forceinline__ void sum_rows(int4* out, int words, int count, Row row, int lane) {
-  if (count == 1) {
-    warp_copy16(out, row(0), static_cast<int64_t>(words) * 16, lane);
-    return;
-  }
-  const int4 zero = make_int4(0, 0, 0, 0);
-  for (int i0 = lane; i0 < words; i0 += 32 * kSumUnroll) {
-    float acc[kSumUnroll][8] = {};
-    for (int n0 = 0; n0 < count; n0 += kSumRows) {
-      int4 w[kSumRows][kSumUnroll];
-#pragma unroll
-      for (int m = 0; m < kSumRows; ++m) {
-        const int4* r = n0 + m < count ? row(n0 + m) : nullptr;
-#pragma unroll
-        for (int u = 0; u < kSumUnroll; ++u) {
-          const int i = i0 + 32 * u;
-          w[m][u] = (r != nullptr && i < words) ? r[i] : zero;
-        }
-      }
-#pragma unroll
-      for (int m = 0; m < kSumRows; ++m) {
-        if (n0 + m < count) {
-#pragma unroll
-          for (int u = 0; u < kSumUnroll; ++u) add_bf16x8(acc[u], w[m][u]);
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kSumUnroll; ++u) {
-      if (i0 + 32 * u < words) out[i0 + 32 * u] = pack_bf16x8(acc[u]);
-    }
-  }
-}
-
-__global__ void __launch_bounds__(kThreads) combine_send_kernel(DeviceView v, CombineSendArgs a) {
+__global__ void __launch_bounds__(kThreads) combine_send_kernel(TransportView t, Regions g, CombineSendArgs a) {
   __shared__ int32_t s_rows[kWarps][kMaxLocalExperts];
-  if (block_aborted(v)) return;
-  const unsigned long long seq = current_seq(v);
-  const int R = v.layout.num_ranks;
-  const int L = v.layout.num_local_experts;
-  const int H = v.layout.hidden;
+  const View v{t, g};
+  if (block_aborted(t)) return;
+  const unsigned long long seq = current_seq(t);
+  const int R = v.g.num_ranks;
+  const int L = v.g.num_local_experts;
+  const int H = v.g.hidden;
   const int lane = threadIdx.x % 32;
   const int warp_in_block = threadIdx.x / 32;
   const int warp = blockIdx.x * kWarps + warp_in_block;
@@ -103,31 +47,32 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(DeviceView v, Co
         const int j = j0 + lane;
         int row = j < L ? packet_rows[j] : -1;
         const bool valid = row >= 0 && row < a.budget;
-        if (j < L && a.row_probs != nullptr) comb_p(v, r, v.rank, s)[j] = valid ? a.row_probs[row] : 0.0f;
+        if (j < L && a.row_probs != nullptr) comb_p(v, r, v.t.rank, s)[j] = valid ? a.row_probs[row] : 0.0f;
         const unsigned ballot = __ballot_sync(0xffffffffu, valid);
         if (valid) rows[count + __popc(ballot & ((1u << lane) - 1))] = row;
         count += __popc(ballot);
       }
       __syncwarp();
       const int4* input = static_cast<const int4*>(a.rows);
-      sum_rows(reinterpret_cast<int4*>(comb_row(v, r, v.rank, s)), H / 8, count,
+      sum_rows(reinterpret_cast<int4*>(comb_row(v, r, v.t.rank, s)), H / 8, count,
                [=](int n) { return input + static_cast<int64_t>(rows[n]) * (H / 8); }, lane);
       __syncwarp();
     }
   }
-  signal_block_done(v, v.layout.off_comb_done, seq);
+  signal_block_done(t, combine_done(v), seq);
 }
 
-__global__ void __launch_bounds__(kThreads) combine_recv_kernel(DeviceView v, CombineRecvArgs a) {
+__global__ void __launch_bounds__(kThreads) combine_recv_kernel(TransportView t, Regions g, CombineRecvArgs a) {
   __shared__ int s_slots[kWarps][kMaxRanks];
   __shared__ int s_ranks[kWarps][kMaxRanks];
-  if (block_aborted(v)) return;
-  const unsigned long long seq = current_seq(v);
-  if (!wait_all_blocks(v, v.layout.off_comb_done, seq, gridDim.x, kPhaseCombineReceive)) return;
-  const int R = v.layout.num_ranks;
-  const int L = v.layout.num_local_experts;
+  const View v{t, g};
+  if (block_aborted(t)) return;
+  const unsigned long long seq = current_seq(t);
+  if (!wait_all_blocks(t, combine_done(v), seq, gridDim.x, kPhaseCombineReceive)) return;
+  const int R = v.g.num_ranks;
+  const int L = v.g.num_local_experts;
   const int E = R * L;
-  const int H = v.layout.hidden;
+  const int H = v.g.hidden;
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * kWarps;
   int* slots = s_slots[threadIdx.x / 32];
@@ -146,7 +91,7 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(DeviceView v, Co
     }
     __syncwarp();
     sum_rows(static_cast<int4*>(a.out) + static_cast<int64_t>(t) * (H / 8), H / 8, __popc(sources),
-             [=](int n) { return reinterpret_cast<const int4*>(comb_row(v, v.rank, ranks[n], slots[ranks[n]])); },
+             [=](int n) { return reinterpret_cast<const int4*>(comb_row(v, v.t.rank, ranks[n], slots[ranks[n]])); },
              lane);
     if (a.out_probs != nullptr) {
       for (unsigned mask = sources; mask; mask &= mask - 1) {
@@ -154,7 +99,7 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(DeviceView v, Co
         const int slot = __shfl_sync(0xffffffffu, my_slot, p);
         const int64_t base = static_cast<int64_t>(t) * E + p * L;
         for (int j = lane; j < L; j += 32) {
-          if (a.k_index[base + j] >= 0) a.out_probs[base + j] = comb_p(v, v.rank, p, slot)[j];
+          if (a.k_index[base + j] >= 0) a.out_probs[base + j] = comb_p(v, v.t.rank, p, slot)[j];
         }
       }
     }
@@ -164,16 +109,17 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(DeviceView v, Co
 
 }  // namespace
 
-void launch_combine_send(const Buffer& buffer, const CombineSendArgs& args, int num_blocks, uintptr_t stream) {
+void launch_combine_send(const SymmetricBuffer& buffer, const Regions& regions, const CombineSendArgs& args, int num_blocks, uintptr_t stream) {
   EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
-  combine_send_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), args);
+  combine_send_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), regions, args);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 
-void launch_combine_recv(const Buffer& buffer, const CombineRecvArgs& args, int num_blocks, uintptr_t stream) {
+void launch_combine_recv(const SymmetricBuffer& buffer, const Regions& regions, const CombineRecvArgs& args, int num_blocks, uintptr_t stream) {
   EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
-  combine_recv_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), args);
+  combine_recv_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), regions, args);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 
+}  // namespace hybrid
 }  // namespace ep

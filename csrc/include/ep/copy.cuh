@@ -1,164 +1,16 @@
-// Device primitives shared by the kernels: system-scope flags, a wait with a timeout that
-// reports instead of hanging, buffer addressing, and warp copies.
+// How kernels move rows: 16-byte register copies (any GPU) and bulk (TMA) copies through a
+// per-warp ring of shared-memory stages (sm_90+), plus the host launcher that picks one.
 #pragma once
 
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
 #include <cstdint>
 
-#include "ep/buffer.h"
 #include "ep/check.cuh"
+#include "ep/limits.h"
+#include "ep/transport.h"
 
 namespace ep {
-
-__device__ __forceinline__ unsigned long long ld_acquire_sys(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_release_sys(unsigned long long* p, unsigned long long v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ unsigned long long global_timer_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ bool aborted(const DeviceView& v) {
-  return *reinterpret_cast<volatile int*>(&v.state->abort) != 0;
-}
-
-// The same answer for every thread of the block (so that none is left at a __syncthreads).
-__device__ __forceinline__ bool block_aborted(const DeviceView& v) {
-  __shared__ int s_aborted;
-  if (threadIdx.x == 0) s_aborted = aborted(v) ? 1 : 0;
-  __syncthreads();
-  return s_aborted != 0;
-}
-
-// The first waiter to time out on this rank sets the sticky abort flag and writes the report;
-// later waits on this rank see the flag and give up at once.
-__device__ __forceinline__ void report_timeout(const DeviceView& v, int phase, int peer, unsigned long long expected,
-                                               unsigned long long seen, unsigned long long waited) {
-  if (atomicCAS(&v.state->abort, 0, 1) == 0) {
-    v.report->rank = v.rank;
-    v.report->phase = phase;
-    v.report->peer = peer;
-    v.report->expected = expected;
-    v.report->seen = seen;
-    v.report->waited_ns = waited;
-    __threadfence_system();
-    v.report->flag = 1;
-    __threadfence_system();
-  }
-}
-
-// Spin until *flag >= expected. Returns false (after reporting) on timeout, or when another
-// wait of this rank already timed out.
-static __device__ __noinline__ bool wait_flag(const DeviceView& v, const unsigned long long* flag, unsigned long long expected,
-                                       int phase, int peer) {
-  unsigned long long start = global_timer_ns();
-  for (unsigned iteration = 1;; ++iteration) {
-    unsigned long long seen = ld_acquire_sys(flag);
-    if (seen >= expected) return true;
-    if ((iteration & 255) == 0) {
-      if (aborted(v)) return false;
-      unsigned long long waited = global_timer_ns() - start;
-      if (waited > v.timeout_ns) {
-        report_timeout(v, phase, peer, expected, seen, waited);
-        return false;
-      }
-    }
-  }
-}
-
-// Sequence number of the op in flight (advanced by the op's first kernel).
-__device__ __forceinline__ unsigned long long current_seq(const DeviceView& v) {
-  return *reinterpret_cast<volatile unsigned long long*>(&v.state->seq);
-}
-
-// ---- buffer addressing ----------------------------------------------------------------
-
-__device__ __forceinline__ char* region(const DeviceView& v, int rank, int64_t offset) {
-  return (rank == v.rank ? v.local : v.peers[rank]) + offset;
-}
-__device__ __forceinline__ unsigned long long* arrive_flags(const DeviceView& v, int owner) {
-  return reinterpret_cast<unsigned long long*>(region(v, owner, v.layout.off_arrive));
-}
-__device__ __forceinline__ int32_t* counts_slot(const DeviceView& v, int owner, unsigned long long seq, int source) {
-  const int width = v.layout.num_local_experts + 1;
-  return reinterpret_cast<int32_t*>(region(v, owner, v.layout.off_counts)) +
-         (static_cast<int64_t>(seq & 1) * v.layout.num_ranks + source) * width;
-}
-__device__ __forceinline__ unsigned long long* done_flag(const DeviceView& v, int owner, int64_t offset, int source,
-                                                         int block) {
-  return reinterpret_cast<unsigned long long*>(region(v, owner, offset)) +
-         static_cast<int64_t>(source) * v.layout.max_blocks + block;
-}
-__device__ __forceinline__ int64_t packet_index(const DeviceView& v, int source, int slot) {
-  return static_cast<int64_t>(source) * v.layout.max_tokens + slot;
-}
-// Token t of rank `owner`, staged for the receivers to pull: payload, then fp8 scales.
-__device__ __forceinline__ char* staged_token(const DeviceView& v, int owner, int64_t t) {
-  return region(v, owner, v.layout.off_disp_stage) + t * v.layout.slot_bytes;
-}
-__device__ __forceinline__ int32_t* disp_token(const DeviceView& v, int owner, int source, int slot) {
-  return reinterpret_cast<int32_t*>(region(v, owner, v.layout.off_disp_token)) + packet_index(v, source, slot);
-}
-// The payload of packet (source, slot) received by this rank: the source's staged token.
-__device__ __forceinline__ const char* packet_payload(const DeviceView& v, int source, int slot) {
-  return staged_token(v, source, *disp_token(v, v.rank, source, slot));
-}
-__device__ __forceinline__ int32_t* disp_k(const DeviceView& v, int owner, int source, int slot) {
-  return reinterpret_cast<int32_t*>(region(v, owner, v.layout.off_disp_k)) +
-         packet_index(v, source, slot) * v.layout.num_local_experts;
-}
-__device__ __forceinline__ float* disp_p(const DeviceView& v, int owner, int source, int slot) {
-  return reinterpret_cast<float*>(region(v, owner, v.layout.off_disp_p)) +
-         packet_index(v, source, slot) * v.layout.num_local_experts;
-}
-__device__ __forceinline__ __nv_bfloat16* comb_row(const DeviceView& v, int owner, int source, int slot) {
-  return reinterpret_cast<__nv_bfloat16*>(region(v, owner, v.layout.off_comb_data)) +
-         packet_index(v, source, slot) * v.layout.hidden;
-}
-__device__ __forceinline__ float* comb_p(const DeviceView& v, int owner, int source, int slot) {
-  return reinterpret_cast<float*>(region(v, owner, v.layout.off_comb_p)) +
-         packet_index(v, source, slot) * v.layout.num_local_experts;
-}
-
-// ---- completion signalling --------------------------------------------------------------
-
-// Called by every thread of a block after its last store of this op's data: each of the first R
-// threads publishes "block b of this rank is done for op seq" to one rank.
-__device__ __forceinline__ void signal_block_done(const DeviceView& v, int64_t flags_offset, unsigned long long seq) {
-  __syncthreads();
-  if (static_cast<int>(threadIdx.x) < v.layout.num_ranks) {
-    __threadfence_system();
-    st_release_sys(done_flag(v, threadIdx.x, flags_offset, v.rank, blockIdx.x), seq);
-  }
-}
-
-// Wait until every block of every rank signalled op seq on flags_offset. Returns false on
-// timeout/abort (then the caller must write nothing).
-__device__ __forceinline__ bool wait_all_blocks(const DeviceView& v, int64_t flags_offset, unsigned long long seq,
-                                                int num_blocks, int phase) {
-  __shared__ int failed;
-  if (threadIdx.x == 0) failed = 0;
-  __syncthreads();
-  const int total = v.layout.num_ranks * num_blocks;
-  for (int i = threadIdx.x; i < total; i += blockDim.x) {
-    const int source = i / num_blocks;
-    const int block = i % num_blocks;
-    if (!wait_flag(v, done_flag(v, v.rank, flags_offset, source, block), seq, phase, source)) failed = 1;
-  }
-  __syncthreads();
-  return failed == 0;
-}
-
-// ---- warp copies ------------------------------------------------------------------------
 
 // Words (16 bytes) each lane keeps in flight in warp_copy16_multi: loads are issued back to back
 // before the stores, so a warp has 32 * kUnroll * 16 = 2 KiB moving instead of 512 bytes.
@@ -228,8 +80,8 @@ __device__ __forceinline__ void warp_zero4(void* dst, int64_t bytes, int lane) {
 // One lane of a warp loads a chunk from global memory into a shared-memory stage with
 // cp.async.bulk (completion counted in bytes on the stage's mbarrier), then issues one bulk
 // store of the stage per destination (local or peer memory) and moves on: the copy engine
-// keeps tens of KB in flight per SM where 16-byte register copies keep ~2 KB per warp
-// (PLAYBOOK (b)). Sizes and addresses must be multiples of 16 bytes.
+// keeps tens of KB in flight per SM where 16-byte register copies keep ~2 KB per warp.
+// Sizes and addresses must be multiples of 16 bytes.
 
 namespace ep {
 
@@ -408,17 +260,18 @@ __device__ __forceinline__ void run_bulk_jobs(const BulkRing& ring, int num_jobs
 
 // Host side: launch the bulk kernel (with its shared-memory stages) when asked and the GPU has
 // bulk copies, else the register-copy kernel. Rows of `row_bytes` set the stage geometry.
-template <typename Args>
-void launch_copy_kernel(bool bulk, void (*bulk_kernel)(DeviceView, Args, BulkShape),
-                        void (*register_kernel)(DeviceView, Args), const DeviceView& view, const Args& args,
-                        int64_t row_bytes, int num_blocks, cudaStream_t stream) {
+template <typename Regions, typename Args>
+void launch_copy_kernel(bool bulk, void (*bulk_kernel)(TransportView, Regions, Args, BulkShape),
+                        void (*register_kernel)(TransportView, Regions, Args), const TransportView& view,
+                        const Regions& regions, const Args& args, int64_t row_bytes, int num_blocks,
+                        cudaStream_t stream) {
   if (bulk) {
     const BulkShape shape = make_bulk_shape(row_bytes);
     const int smem = bulk_smem_bytes(shape);
     EP_CUDA_CHECK(cudaFuncSetAttribute(bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    bulk_kernel<<<num_blocks, kBulkWarps * 32, smem, stream>>>(view, args, shape);
+    bulk_kernel<<<num_blocks, kBulkWarps * 32, smem, stream>>>(view, regions, args, shape);
   } else {
-    register_kernel<<<num_blocks, kThreads, 0, stream>>>(view, args);
+    register_kernel<<<num_blocks, kThreads, 0, stream>>>(view, regions, args);
   }
   EP_CUDA_CHECK(cudaGetLastError());
 }

@@ -1,0 +1,85 @@
+// Binding helpers: argument structs that Python fills by name.
+//
+//   args = _C.hybrid.SendArgs(hidden=tensor, row_bytes=2 * H, send_slot=slots, num_tokens=T)
+//
+// Every field is a keyword; an unknown keyword is a TypeError, a field not given keeps the
+// struct's default (null pointers, zeros). Pointer fields take None (null), an int address, or
+// any object with a data_ptr() method (a torch tensor), so this module never imports torch.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+// pybind11 types have hidden visibility; so must what holds them.
+#pragma GCC visibility push(hidden)
+
+namespace ep {
+namespace bind {
+
+namespace py = pybind11;
+
+inline uintptr_t to_address(py::handle value, const std::string& field) {
+  if (value.is_none()) return 0;
+  if (py::isinstance<py::int_>(value)) return py::cast<uintptr_t>(value);
+  if (py::hasattr(value, "data_ptr")) return py::cast<uintptr_t>(value.attr("data_ptr")());
+  throw py::type_error("field '" + field + "' takes None, an int address or a tensor, got " +
+                       std::string(py::str(py::type::of(value).attr("__name__"))));
+}
+
+template <typename S>
+class ArgStruct {
+ public:
+  ArgStruct(py::module_& m, const char* name, const char* doc)
+      : cls_(m, name, doc), setters_(std::make_shared<Setters>()) {
+    auto setters = setters_;
+    const std::string type_name = name;
+    cls_.def(py::init([setters, type_name](py::kwargs kwargs) {
+      S s{};
+      for (auto item : kwargs) {
+        const std::string key = py::cast<std::string>(item.first);
+        auto it = setters->find(key);
+        if (it == setters->end()) {
+          std::string known;
+          for (const auto& entry : *setters) known += (known.empty() ? "" : ", ") + entry.first;
+          throw py::type_error(type_name + " has no field '" + key + "' (fields: " + known + ")");
+        }
+        it->second(s, item.second);
+      }
+      return s;
+    }));
+  }
+
+  // A device pointer field.
+  template <typename T>
+  ArgStruct& ptr(const char* name, T* S::*member) {
+    const std::string field = name;
+    (*setters_)[field] = [member, field](S& s, py::handle v) { s.*member = reinterpret_cast<T*>(to_address(v, field)); };
+    cls_.def_property(
+        name, [member](const S& s) { return reinterpret_cast<uintptr_t>(s.*member); },
+        [member, field](S& s, py::object v) { s.*member = reinterpret_cast<T*>(to_address(v, field)); });
+    return *this;
+  }
+
+  // A plain value field (int, bool, double, ...).
+  template <typename T>
+  ArgStruct& val(const char* name, T S::*member) {
+    (*setters_)[name] = [member](S& s, py::handle v) { s.*member = py::cast<T>(v); };
+    cls_.def_readwrite(name, member);
+    return *this;
+  }
+
+ private:
+  using Setters = std::map<std::string, std::function<void(S&, py::handle)>>;
+  py::class_<S> cls_;
+  std::shared_ptr<Setters> setters_;
+};
+
+}  // namespace bind
+}  // namespace ep
+
+#pragma GCC visibility pop

@@ -1,0 +1,107 @@
+// The op prologue both backends share: handshake, and for a first dispatch the count exchange.
+//
+// Data flow: one block. Thread 0 advances the rank's op sequence number n (device-resident, so
+// graph replays advance it too). For a dispatch, the block first writes this rank's count words
+// for destination p into p's counts slot [n % 2][this rank]; then the handshake publishes the op
+// fingerprint and arrive = n into every rank p (release, system scope) and waits for every
+// rank's arrival at n in the own buffer (acquire), comparing fingerprints. Having arrived, a rank
+// has finished every earlier kernel on its stream, so its receive regions are free for op n and it
+// no longer reads peers' staged tokens: the data kernels that follow write into peers (and into
+// the own regions) without further checks. With counts, the block then derives this rank's
+// receive layout: per local expert a segment padded to pad_multiple, and within it the rows of
+// source 0, 1, ... in that order; the totals also go to the host mailbox (blocking mode reads them
+// after an event wait).
+//
+// Waits on: arrive[p] for every rank p (timeout or fingerprint mismatch -> report + abort).
+#include <cuda_runtime.h>
+
+#include "ep/check.cuh"
+#include "ep/sync.cuh"
+#include "ep/transport.h"
+
+namespace ep {
+namespace {
+
+constexpr int kExchangeThreads = 256;
+
+__global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(TransportView t, ExchangeArgs a) {
+  __shared__ unsigned long long s_seq;
+  __shared__ int s_failed;
+  const int R = t.num_ranks;
+  const int L = a.num_local_experts;
+  if (threadIdx.x == 0) {
+    s_failed = aborted(t) ? 1 : 0;
+    s_seq = current_seq(t) + 1;
+    t.state->seq = s_seq;
+  }
+  __syncthreads();
+  if (s_failed) return;
+  const unsigned long long seq = s_seq;
+
+  if (a.expert_counts != nullptr) {
+    for (int i = threadIdx.x; i < R * (L + 1); i += blockDim.x) {
+      const int p = i / (L + 1), j = i % (L + 1);
+      counts_slot(t, p, seq, t.rank)[j] = j < L ? a.expert_counts[p * L + j] : a.rank_counts[p];
+    }
+  }
+  __syncthreads();
+  if (!handshake(t, seq, a.fingerprint, a.phase) || a.expert_counts == nullptr) return;
+
+  // Receive layout: segment of local expert e = [expert_start[e], + tokens_per_expert[e]); within
+  // it, sources in rank order, each source's tokens in token order (the sender's k index).
+  __shared__ long long s_padded[kMaxLocalExperts];
+  for (int e = threadIdx.x; e < L; e += blockDim.x) {
+    long long real = 0;
+    for (int r = 0; r < R; ++r) real += counts_slot(t, t.rank, seq, r)[e];
+    const long long padded = (real + a.pad_multiple - 1) / a.pad_multiple * a.pad_multiple;
+    a.real_per_expert[e] = real;
+    a.tokens_per_expert[e] = padded;
+    t.report->mailbox[kMailboxExpertRows + e] = padded;
+    s_padded[e] = padded;
+  }
+  for (int r = threadIdx.x; r < R; r += blockDim.x) a.num_packets[r] = counts_slot(t, t.rank, seq, r)[L];
+  __syncthreads();
+  if (threadIdx.x == 0) {  // L <= 256 and R <= 32: serial scans are cheap next to the handshake
+    long long start = 0;
+    for (int e = 0; e < L; ++e) {
+      const long long length = s_padded[e];
+      s_padded[e] = start;
+      start += length;
+    }
+    long long packets = 0;
+    for (int r = 0; r < R; ++r) packets += counts_slot(t, t.rank, seq, r)[L];
+    a.total_rows[0] = start;
+    if (a.total_packets != nullptr) a.total_packets[0] = packets;
+    t.report->mailbox[kMailboxTotalRows] = start;
+    t.report->mailbox[kMailboxTotalPackets] = packets;
+    __threadfence_system();
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < L; e += blockDim.x) {
+    long long base = s_padded[e];
+    a.expert_start[e] = static_cast<int32_t>(base);
+    for (int r = 0; r < R; ++r) {
+      a.row_base[r * L + e] = static_cast<int32_t>(base);
+      base += counts_slot(t, t.rank, seq, r)[e];
+    }
+  }
+}
+
+}  // namespace
+
+void launch_exchange(const SymmetricBuffer& buffer, const ExchangeArgs& args, uintptr_t stream) {
+  if (args.expert_counts != nullptr) {
+    const int L = args.num_local_experts;
+    if (L < 1 || L > kMaxLocalExperts || L + 1 > buffer.view().sync.count_words)
+      throw std::invalid_argument("ep_plugin: exchange: num_local_experts out of range for this buffer");
+    if (args.pad_multiple < 1) throw std::invalid_argument("ep_plugin: exchange: pad_multiple must be >= 1");
+    if (!args.rank_counts || !args.row_base || !args.expert_start || !args.tokens_per_expert ||
+        !args.real_per_expert || !args.num_packets || !args.total_rows)
+      throw std::invalid_argument("ep_plugin: exchange: a count output is missing");
+  }
+  EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
+  exchange_kernel<<<1, kExchangeThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), args);
+  EP_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace ep

@@ -1,0 +1,153 @@
+// The transport both compiled backends stand on: one symmetric buffer per rank, shared over
+// CUDA IPC within an NVLink domain, and the generic sync state every op uses.
+//
+// A buffer is [sync header | backend regions]. The header is the transport's: the arrival flags
+// of the handshake, the op fingerprints published with them and the count-exchange slots. The
+// regions after it belong to one backend, which lays them out itself (csrc/<backend>/) and
+// addresses them relative to `TransportView::sync.bytes`. The transport knows no backend.
+//
+// Beside the buffer each rank owns device-resident state (the op sequence number, advanced on the
+// device so CUDA-graph replays move forward by themselves, and a sticky abort flag) and a report in
+// mapped pinned host memory: what a failed device wait saw (timeout, or ranks that disagree), and
+// a mailbox of values that kernels publish for the host (blocking mode's exact sizes).
+//
+// Handles: today cudaMalloc + cudaIpcMemHandle (one host, several GPUs or several processes per
+// GPU). `handle_kind()` names the kind so that a fabric handle (cuMem with
+// CU_MEM_HANDLE_TYPE_FABRIC, multi-node NVLink) can be added without changing the backends.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ep/limits.h"
+
+namespace ep {
+
+// Offsets of the sync header (identical on every rank).
+//   arrive       u64 [R]               arrive[r] = sequence number of the op rank r entered
+//   fingerprint  u64 [2][R]            per op parity: the op fingerprint rank r entered it with
+//   counts       i32 [2][R][W]         per op parity, from source r: W count words (count exchange)
+struct SyncLayout {
+  int num_ranks;
+  int count_words;  // W, declared by the backend (0: no count exchange)
+  int64_t off_arrive;
+  int64_t off_fingerprint;
+  int64_t off_counts;
+  int64_t bytes;  // header size (a multiple of 256): backend regions start here
+};
+
+// Rank-private device state.
+struct RankState {
+  unsigned long long seq;  // op sequence number, advanced by each op's first kernel
+  int abort;               // sticky: a wait of this rank failed; kernels leave peers untouched
+};
+
+enum ReportKind : int { kReportNone = 0, kReportTimeout = 1, kReportMismatch = 2 };
+
+// Mailbox words: [0] total expert rows of the last count exchange (segments padded),
+// [1] total packets received, [2 + e] padded rows of local expert e.
+constexpr int kMailboxTotalRows = 0;
+constexpr int kMailboxTotalPackets = 1;
+constexpr int kMailboxExpertRows = 2;
+constexpr int kMailboxWords = 2 + kMaxLocalExperts;
+
+// Mapped pinned host memory owned by the buffer. The first failure on this rank fills the report
+// fields, then sets `kind` (last). Timeout: expected/seen are the flag values. Mismatch: expected
+// is this rank's op fingerprint, seen the peer's.
+struct DeviceReport {
+  volatile int kind;
+  int rank;
+  int phase;
+  int peer;
+  unsigned long long expected;
+  unsigned long long seen;
+  unsigned long long waited_ns;
+  volatile long long mailbox[kMailboxWords];
+};
+
+// What every kernel receives, by value.
+struct TransportView {
+  int rank;
+  int num_ranks;
+  char* local;          // this rank's buffer
+  char* const* peers;   // device array [R]: every rank's buffer (own one included)
+  SyncLayout sync;
+  RankState* state;
+  DeviceReport* report;  // device alias of the mapped host report
+  unsigned long long timeout_ns;
+};
+
+// One rank's symmetric buffer, the opened peer buffers and the sync state. Built once per
+// backend (a collective in Python: handles are exchanged over the process group); never resized.
+class SymmetricBuffer {
+ public:
+  // region_bytes: what the backend lays out after the header; count_words: W of the header.
+  SymmetricBuffer(int device, int rank, int num_ranks, int64_t region_bytes, int count_words, double timeout_s);
+  ~SymmetricBuffer();
+  SymmetricBuffer(const SymmetricBuffer&) = delete;
+  SymmetricBuffer& operator=(const SymmetricBuffer&) = delete;
+
+  // "cuda_ipc" today (64 bytes of cudaIpcMemHandle_t per rank).
+  std::string handle_kind() const { return "cuda_ipc"; }
+  // This rank's handle, to all_gather over the process group.
+  std::string export_handle() const;
+  // Open every peer's handle (handles[rank] is ignored: the own buffer is used directly) and
+  // upload the peer pointer table. Called once, after the exchange.
+  void open_peers(const std::vector<std::string>& handles);
+  // Release everything (idempotent). Peers must not touch this buffer afterwards.
+  void destroy();
+
+  // (kind, rank, phase, peer, expected, seen, waited_ns); kind 0 = nothing failed. Reads mapped
+  // host memory only: no CUDA call, no sync.
+  std::vector<long long> report() const;
+  // A mailbox word (read after an event wait on the kernel that wrote it).
+  long long mailbox(int index) const;
+  void set_timeout(double timeout_s);
+
+  const TransportView& view() const { return view_; }
+  int device() const { return device_; }
+  // Whether the GPU has bulk (TMA) copies (sm_90+; the build then holds sm_90 code for them).
+  bool bulk_capable() const { return bulk_capable_; }
+  int64_t total_bytes() const { return total_bytes_; }
+  int64_t header_bytes() const { return view_.sync.bytes; }
+
+ private:
+  int device_;
+  bool bulk_capable_ = false;
+  bool destroyed_ = false;
+  int64_t total_bytes_ = 0;
+  char* local_ = nullptr;
+  char** peer_table_ = nullptr;  // device
+  std::vector<char*> opened_;    // host copies of opened peer pointers (to close)
+  RankState* state_ = nullptr;
+  DeviceReport* report_ = nullptr;  // host pointer of mapped pinned memory
+  TransportView view_{};
+};
+
+// The op prologue that both backends share: advance the op sequence number, push this rank's
+// count words to every peer (when given), publish arrival + fingerprint, wait for every rank and
+// compare fingerprints. With counts, derive the receive layout of expert-grouped rows: for local
+// expert e, rows of source r start at row_base[r][e]; each expert's segment is padded to
+// pad_multiple. One block; nothing here is backend-specific.
+//
+// Count words from this rank to destination p: expert_counts[p * L + j] for j < L, then
+// rank_counts[p] (packets), so W = L + 1.
+struct ExchangeArgs {
+  int phase;                            // named in a timeout report
+  unsigned long long fingerprint;       // this rank's op fingerprint (equal on every rank)
+  const int32_t* expert_counts;         // [R * L] or null: handshake only
+  const int32_t* rank_counts;           // [R]
+  int num_local_experts;                // L
+  int pad_multiple;                     // >= 1
+  int32_t* row_base;                    // out [R, L]: first row of (source r, local expert e)
+  int32_t* expert_start;                // out [L]: first row of each local expert's segment
+  int64_t* tokens_per_expert;           // out [L]: padded segment lengths
+  int64_t* real_per_expert;             // out [L]: before padding
+  int32_t* num_packets;                 // out [R]: packets (tokens) received from each source
+  int64_t* total_rows;                  // out [1]: sum of padded lengths (also to the mailbox)
+  int64_t* total_packets;               // out [1] or null: sum of num_packets (also to the mailbox)
+};
+void launch_exchange(const SymmetricBuffer& buffer, const ExchangeArgs& args, uintptr_t stream);
+
+}  // namespace ep

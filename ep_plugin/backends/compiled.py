@@ -1,0 +1,209 @@
+"""What the compiled backends (``hybrid``, ``elastic``) share: the GPU checks, the symmetric buffer
+on the transport, the co-residency refusal, the stream policy, op fingerprints, error reports,
+the barrier and teardown. Each backend adds its own regions and stages.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _cuda, streams
+from ..agreement import OP_BARRIER, OpFingerprint
+from ..errors import BackendUnavailableError
+from ..routing import ROUTING_MAP, Routing
+from ..transport.placement import ranks_per_gpu
+from ..transport.symmetric import SymmetricBuffer
+from .base import Backend
+
+try:  # the `nvtx` package when installed, else torch's bindings
+    import nvtx as _nvtx
+
+    def nvtx_range(name: str):
+        return _nvtx.annotate(name, domain="ep_plugin")
+except ImportError:  # pragma: no cover - depends on the environment
+
+    def nvtx_range(name: str):
+        return torch.cuda.nvtx.range(name)
+
+
+class CompiledBackend(Backend):
+    """A backend whose kernels run over a ``SymmetricBuffer`` (ranks may share a GPU or not)."""
+
+    # Phase number -> name in timeout reports; the barrier's phase number.
+    phase_names: dict[int, str] = {}
+    barrier_phase: int = 0
+
+    def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None) -> None:
+        super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device)
+        if not _cuda.available():
+            raise BackendUnavailableError(f"backend {self.name!r} needs the CUDA extension and a GPU: {_cuda.describe()}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._C = _cuda.extension()
+        if self.num_ranks > self._C.MAX_RANKS:
+            raise ValueError(f"backend {self.name!r} supports at most {self._C.MAX_RANKS} ranks per NVLink domain, "
+                             f"got {self.num_ranks}")
+        if self.num_local_experts > self._C.MAX_LOCAL_EXPERTS:
+            raise ValueError(f"backend {self.name!r} supports at most {self._C.MAX_LOCAL_EXPERTS} local experts, "
+                             f"got {self.num_local_experts}")
+        if hidden_size % 8:
+            raise ValueError(f"backend {self.name!r} needs hidden_size divisible by 8 (16-byte rows), got {hidden_size}")
+        self.num_blocks = self.config.num_sms
+        self._check_co_residency()
+        self._bulk = bool(self.config.bulk_copy)  # the kernels fall back to register copies below sm_90
+        self._dispatch_count = 0  # handle ids: the n-th dispatch of this backend makes handle n
+        # Non-blocking top-k dispatch: ids out of range were dropped, not indexed (device bool).
+        self.invalid_expert_ids: Optional[torch.Tensor] = None
+        self.buffer: Optional[SymmetricBuffer] = None
+
+    def _open_buffer(self, region_bytes: int, count_words: int) -> None:
+        """Allocate this rank's symmetric buffer and open every peer's (a collective)."""
+        self.buffer = SymmetricBuffer(self.group, device=self.device, region_bytes=region_bytes,
+                                      count_words=count_words, timeout_s=self.config.timeout_s, backend=self.name,
+                                      phase_names=self.phase_names)
+
+    def _check_co_residency(self) -> None:
+        """Refuse (before any launch) grids that could not all be resident at once: spin-waiting blocks
+        of ranks sharing a GPU deadlock when some of them cannot be scheduled."""
+        sharing = ranks_per_gpu(self.group, self.device)
+        sms = self.config.max_sms_per_gpu or torch.cuda.get_device_properties(self.device).multi_processor_count
+        if sharing * self.num_blocks > sms:
+            raise ValueError(
+                f"backend {self.name!r}: {sharing} ranks share one GPU and each runs {self.num_blocks} spin-waiting "
+                f"blocks (num_sms), {sharing * self.num_blocks} in all, but the GPU offers {sms} SMs; all must be "
+                f"resident at once or the kernels deadlock. Lower EP_PLUGIN_NUM_SMS to <= {sms // sharing}.")
+
+    # ---- the send-side layout (both backends) -----------------------------------------------
+
+    def _layout(self, routing: Routing, probs: Optional[torch.Tensor]):
+        """Send-side layout: one kernel (``csrc/layout.cu``) on the current stream, no host sync.
+
+        Args:
+            routing: ``routing_map`` [T, E] bool or ``topk_idx`` [T, K] int64 (-1 = none), contiguous on
+                this device (``make_routing`` checked dtype, shape and contiguity).
+            probs: [T, E] float32 (routing map: returned as is), [T, K] float32 (top-k), or None.
+        Returns: (send_slot [T, R] int32 (-1 = not sent), k_index [T, E] int32 (-1 = not routed),
+            expert_counts [E] int32, rank_counts [R] int32, dense_probs [T, E] float32 or None,
+            bad_ids [] bool or None). bad_ids (non-blocking top-k only): some id was < -1 or >= E; such
+            ids were dropped, never indexed. A token naming an expert twice (possible only without the
+            blocking mode's host checks) chose it once, with the prob of its last such slot.
+        """
+        T, E, R, L = routing.num_tokens, self.num_experts, self.num_ranks, self.num_local_experts
+        dev = self.device
+        send_slot = torch.empty(T, R, dtype=torch.int32, device=dev)
+        k_index = torch.empty(T, E, dtype=torch.int32, device=dev)
+        expert_counts = torch.empty(E, dtype=torch.int32, device=dev)
+        rank_counts = torch.empty(R, dtype=torch.int32, device=dev)
+        args = self._C.LayoutArgs(num_tokens=T, num_ranks=R, num_local_experts=L, send_slot=send_slot,
+                                  k_index=k_index, expert_counts=expert_counts, rank_counts=rank_counts,
+                                  max_blocks=self.num_blocks)
+        dense_probs = bad_ids = None
+        if routing.form == ROUTING_MAP:
+            args.routing_map, dense_probs = routing.routing_map, probs  # probs are dense already
+        else:
+            args.topk_idx, args.topk = routing.topk_idx, routing.topk_idx.shape[1]
+            if probs is not None:
+                dense_probs = torch.empty(T, E, dtype=torch.float32, device=dev)
+                args.probs, args.dense_probs = probs, dense_probs
+            if not self.config.blocking:  # never index with a bad id; report it instead
+                bad_ids = torch.empty((), dtype=torch.bool, device=dev)
+                args.bad_ids = bad_ids
+        self._C.layout(args, dev.index, self._stream())
+        return send_slot, k_index, expert_counts, rank_counts, dense_probs, bad_ids
+
+    def _layout_torch(self, routing: Routing, probs: Optional[torch.Tensor]):
+        """``_layout`` with torch ops (about 15 kernels): the oracle of ``tests/test_layout_gpu.py``.
+
+        Same arguments and results, except that a token naming an expert twice gets a dense prob
+        from ``scatter_`` (unspecified which duplicate).
+        """
+        T, E, R, L = routing.num_tokens, self.num_experts, self.num_ranks, self.num_local_experts
+        bad_ids = None
+        if routing.form == ROUTING_MAP:
+            mask = routing.routing_map
+            dense_probs = probs
+        else:
+            idx = routing.topk_idx
+            in_range = (idx >= 0) & (idx < E)
+            if not self.config.blocking:  # never index with a bad id; report it instead
+                bad_ids = ((idx < -1) | (idx >= E)).any()
+            column = torch.where(in_range, idx, torch.full_like(idx, E))  # column E collects "none"
+            mask = torch.zeros(T, E + 1, dtype=torch.bool, device=self.device).scatter_(1, column, True)[:, :E]
+            mask = mask.contiguous()
+            dense_probs = None
+            if probs is not None:
+                dense_probs = torch.zeros(T, E + 1, dtype=torch.float32, device=self.device)
+                dense_probs.scatter_(1, column, probs)
+                dense_probs = dense_probs[:, :E].contiguous()
+        chosen = mask.to(torch.int32)
+        k_index = torch.cumsum(chosen, 0, dtype=torch.int32) - chosen
+        k_index.masked_fill_(~mask, -1)
+        expert_counts = chosen.sum(0, dtype=torch.int32)
+        to_rank = mask.reshape(T, R, L).any(2)
+        sent = to_rank.to(torch.int32)
+        send_slot = torch.cumsum(sent, 0, dtype=torch.int32) - sent
+        send_slot.masked_fill_(~to_rank, -1)
+        rank_counts = sent.sum(0, dtype=torch.int32)
+        return send_slot, k_index, expert_counts, rank_counts, dense_probs, bad_ids
+
+    # ---- helpers the stages use -------------------------------------------------------------
+
+    def _stream(self) -> int:
+        return streams.stream_handle(self.device)
+
+    def _keep_on_stream(self, *tensors) -> None:
+        streams.keep_on_stream(self.device, tensors, avoid_record_stream=self.config.avoid_record_stream)
+
+    def _empty(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        """Allocate a dispatch output (tests replace this to surround outputs with canaries)."""
+        return torch.empty(*shape, dtype=dtype, device=self.device)
+
+    @staticmethod
+    def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+        """Rows are moved in 16-byte words (and bulk copies need 16-byte addresses): copy a view
+        that starts mid-word (rare: an odd storage offset) into fresh storage."""
+        return tensor if tensor.data_ptr() % 16 == 0 else tensor.clone()
+
+    def _next_handle_id(self) -> int:
+        self._dispatch_count += 1
+        return self._dispatch_count
+
+    def _exchange(self, phase: int, fingerprint: OpFingerprint, **counts) -> None:
+        """The op prologue on the current stream: handshake with the op fingerprint, plus the count
+        exchange when ``counts`` are given (see ``_C.ExchangeArgs`` for the fields)."""
+        fields = {"num_local_experts": self.num_local_experts, "pad_multiple": 1, **counts}
+        args = self._C.ExchangeArgs(phase=phase, fingerprint=fingerprint.pack(), **fields)
+        self._C.exchange(self.buffer.raw, args, self._stream())
+
+    def _wait_for_host(self, what: str) -> None:
+        """Wait (with the timeout) until the current stream has run what was enqueued so far."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self.buffer.wait_event(event, self.config.timeout_s + 5.0, what)
+
+    # ---- lifecycle / errors -------------------------------------------------------------------
+
+    def check_errors(self, synchronize: bool = True) -> None:
+        """Raise what the device reported: EPTimeoutError (a wait timed out), EPError (ranks disagreed on
+        an op), and, after a sync, ValueError if a non-blocking top-k dispatch held expert ids out of
+        range (they were dropped). ``synchronize`` waits for the device first."""
+        if synchronize:
+            torch.cuda.synchronize(self.device)
+        self.buffer.raise_if_failed()
+        if synchronize and self.invalid_expert_ids is not None and bool(self.invalid_expert_ids):
+            self.invalid_expert_ids = None
+            raise ValueError(f"a non-blocking dispatch got topk_idx values outside -1 or [0, {self.num_experts}); "
+                             "those pairs were dropped")
+
+    def barrier(self) -> None:
+        """Every rank of the domain reaches this point (a device handshake; the host waits for it)."""
+        self.buffer.raise_if_failed()
+        with nvtx_range(f"ep.{self.name}.barrier"):
+            self._exchange(self.barrier_phase, OpFingerprint(OP_BARRIER))
+            self._wait_for_host("the barrier")
+
+    def destroy(self) -> None:
+        if self.buffer is not None:
+            self.buffer.destroy()

@@ -1,0 +1,58 @@
+"""The stream policy both compiled backends follow (one place, so they cannot drift apart).
+
+Ops run on the caller's current stream. Inputs that our kernels read are tied to that stream with
+``record_stream`` (unless ``avoid_record_stream`` is set, or a CUDA graph is being captured), so the
+caching allocator does not hand their memory to another stream while a kernel may still read it.
+
+Outputs are ordinary allocator tensors owned by the caller. A consumer on another stream calls
+``DispatchOutput.use_on(stream)``, which does both halves of the hand-off: the stream waits on the
+output's ready event (readiness), and every output storage is ``record_stream``-ed on it
+(ownership: the allocator will not reuse the memory before that stream's work is done, even after
+the caller dropped its references). A prefix view keeps its whole allocation alive.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+
+def current_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.current_stream(device)
+
+
+def stream_handle(device: torch.device) -> int:
+    """The cudaStream_t of the current stream, as the launchers take it."""
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def keep_on_stream(device: torch.device, tensors: Iterable[Optional[torch.Tensor]], *,
+                   avoid_record_stream: bool) -> None:
+    """Tie caller-owned inputs to the stream our kernels read them on."""
+    if avoid_record_stream or torch.cuda.is_current_stream_capturing():
+        return
+    stream = torch.cuda.current_stream(device)
+    for tensor in tensors:
+        if tensor is not None and tensor.numel():
+            tensor.record_stream(stream)
+
+
+def record_ready(device: torch.device) -> Optional[torch.cuda.Event]:
+    """An event on the current stream, after the last kernel that writes an op's outputs (None while a
+    CUDA graph is captured: such an event could not be waited on outside the graph)."""
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def use_on(stream: torch.cuda.Stream, ready: Optional[torch.cuda.Event],
+           tensors: Iterable[Optional[torch.Tensor]]) -> None:
+    """Make outputs safe to read on ``stream``: wait until they are ready, then tie every storage to it."""
+    if ready is not None:
+        stream.wait_event(ready)
+    for tensor in tensors:
+        if tensor is not None and tensor.is_cuda:
+            tensor.record_stream(stream)

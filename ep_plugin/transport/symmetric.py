@@ -1,0 +1,119 @@
+"""Symmetric buffers within one NVLink domain, and the sync state every op of a backend uses.
+
+Each rank cudaMallocs one buffer: the transport's sync header (arrival flags, op fingerprints,
+count-exchange slots) followed by regions that one backend lays out itself. The constructor
+exchanges the buffer handles once over the process group (as bytes, so gloo groups work), opens
+every peer's buffer and uploads the table of peer pointers to the device. Works with one rank per
+GPU and with several ranks (processes) on one GPU. Kernels then exchange counts and data through
+these buffers with no host collective.
+
+The buffer also owns the device-resident op sequence number, the sticky abort flag and a report
+in mapped pinned memory that a failed device wait fills in (a timeout, or ranks whose op
+fingerprints differ); ``raise_if_failed`` turns it into ``EPTimeoutError`` / ``EPError`` (a host
+read of mapped memory: no CUDA call, no sync). The report's mailbox carries the values blocking
+mode reads on the host (exact output sizes), after an event wait with a timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import _cuda
+from ..agreement import mismatch_message
+from ..errors import EPError, EPTimeoutError
+
+
+class SymmetricBuffer:
+    """One rank's buffer with every peer's buffer opened (a collective constructor).
+
+    Args:
+        group: the ranks of one NVLink domain.
+        device: this rank's GPU.
+        region_bytes: bytes of the backend's regions after the sync header.
+        count_words: int32 words each rank sends every peer in a count exchange (0: none).
+        timeout_s: how long any device wait may spin before it reports.
+        backend: the backend's name, for messages.
+        phase_names: phase number -> text, for timeout messages.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, *, device: torch.device, region_bytes: int, count_words: int,
+                 timeout_s: float, backend: str, phase_names: Optional[dict[int, str]] = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.device = device
+        self.backend = backend
+        self.phase_names = phase_names or {}
+        self._C = _cuda.extension()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self._buffer = self._C.SymmetricBuffer(index, self.rank, self.num_ranks, int(region_bytes), int(count_words),
+                                               float(timeout_s))
+        handles: list[Optional[bytes]] = [None] * self.num_ranks
+        dist.all_gather_object(handles, self._buffer.export_handle(), group=group)
+        self._buffer.open_peers(handles)
+        # No rank may write into a peer before that peer opened everything (its flags start zeroed).
+        dist.barrier(group=group)
+        self._destroyed = False
+
+    @property
+    def raw(self):
+        """The ``ep_plugin._C.SymmetricBuffer`` that the launchers take."""
+        if self._destroyed:
+            raise EPError(f"ep_plugin {self.backend}: this communication buffer was destroyed")
+        return self._buffer
+
+    @property
+    def total_bytes(self) -> int:
+        return self._buffer.total_bytes
+
+    def mailbox(self, index: int) -> int:
+        """A value a kernel published for the host (read after an event wait on that kernel)."""
+        return int(self._buffer.mailbox(index))
+
+    def failure_message(self) -> Optional[tuple[type, str]]:
+        """(exception type, message) of the first device failure on this rank, or None."""
+        report = self._buffer.report()
+        kind = report[0]
+        if kind == 0:
+            return None
+        _, rank, phase, peer, expected, seen, waited_ns = report
+        phase_name = self.phase_names.get(phase, f"phase {phase}")
+        if kind == self._C.REPORT_MISMATCH:
+            return EPError, (f"{mismatch_message(self.backend, rank, peer, expected, seen)} (seen by rank {rank} "
+                             f"in {phase_name}; this backend is unusable now: build a new one)")
+        return EPTimeoutError, (f"ep_plugin {self.backend}: rank {rank} timed out in {phase_name} waiting for peer "
+                                f"rank {peer} (flag expected >= {expected}, saw {seen}, waited {waited_ns / 1e9:.2f} "
+                                f"s); the communication buffer is unusable now")
+
+    def raise_if_failed(self) -> None:
+        failure = self.failure_message()
+        if failure is not None:
+            error_type, message = failure
+            raise error_type(message)
+
+    def wait_event(self, event: torch.cuda.Event, timeout_s: float, what: str) -> None:
+        """Host spin-wait on ``event`` with a timeout; raises the device report if there is one."""
+        deadline = time.monotonic() + timeout_s
+        spins = 0
+        while not event.query():
+            spins += 1
+            if spins > 1000:
+                time.sleep(5e-5)
+            if time.monotonic() > deadline:
+                self.raise_if_failed()
+                raise EPTimeoutError(f"ep_plugin {self.backend}: rank {self.rank}: host wait for {what} ran past "
+                                     f"{timeout_s:.1f} s and the device reported nothing")
+        self.raise_if_failed()
+
+    def destroy(self) -> None:
+        """Collective: wait until no peer can still write here, then free everything."""
+        if self._destroyed:
+            return
+        torch.cuda.synchronize(self.device)  # our writes into peers are complete ...
+        dist.barrier(group=self.group)  # ... and so are everyone's into ours
+        self._buffer.destroy()
+        self._destroyed = True
