@@ -38,7 +38,8 @@ class CompiledBackend(Backend):
     def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None) -> None:
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device)
         if not _cuda.available():
-            raise BackendUnavailableError(f"backend {self.name!r} needs the CUDA extension and a GPU: {_cuda.describe()}")
+            raise BackendUnavailableError(
+                f"backend {self.name!r} needs the CUDA extension and a GPU: {_cuda.describe()}")
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._C = _cuda.extension()
@@ -49,7 +50,8 @@ class CompiledBackend(Backend):
             raise ValueError(f"backend {self.name!r} supports at most {self._C.MAX_LOCAL_EXPERTS} local experts, "
                              f"got {self.num_local_experts}")
         if hidden_size % 8:
-            raise ValueError(f"backend {self.name!r} needs hidden_size divisible by 8 (16-byte rows), got {hidden_size}")
+            raise ValueError(
+                f"backend {self.name!r} needs hidden_size divisible by 8 (16-byte rows), got {hidden_size}")
         self.num_blocks = self.config.num_sms
         self._check_co_residency()
         self._bulk = bool(self.config.bulk_copy)  # the kernels fall back to register copies below sm_90

@@ -212,7 +212,8 @@ class HybridBackend(CompiledBackend):
         layout: HybridLayout = handle.layout
         H = self.hidden_size
         with nvtx_range("ep.hybrid.dispatch_again.notify"):
-            self._exchange(PHASE_DISPATCH_AGAIN, self._fingerprint(OP_DISPATCH_AGAIN, dtype=hidden.dtype, handle=handle))
+            fingerprint = self._fingerprint(OP_DISPATCH_AGAIN, dtype=hidden.dtype, handle=handle)
+            self._exchange(PHASE_DISPATCH_AGAIN, fingerprint)
         with nvtx_range("ep.hybrid.dispatch_again.send"):
             hidden = self._aligned(hidden)
             self._keep_on_stream(hidden)
