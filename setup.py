@@ -11,6 +11,7 @@ Environment:
   CUDA_HOME / nvcc on PATH  which toolkit to use
 """
 
+import concurrent.futures
 import glob
 import os
 import shutil
@@ -34,7 +35,7 @@ def find_nvcc():
 
 
 class NvccBuildExt(build_ext):
-    """Compile ep_plugin._C with one nvcc command (host C++ and CUDA sources together)."""
+    """Compile ep_plugin._C with nvcc: one object per source, in parallel, then one link."""
 
     def build_extension(self, ext):
         nvcc = find_nvcc()
@@ -43,19 +44,25 @@ class NvccBuildExt(build_ext):
         archs = [a.strip() for a in os.environ.get("EP_PLUGIN_CUDA_ARCHS", "90").split(";") if a.strip()]
         output = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(output), exist_ok=True)
-        command = [
-            nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-cudart", "static",
-            "-lineinfo", "--expt-relaxed-constexpr",
+        flags = [
+            "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-lineinfo", "--expt-relaxed-constexpr",
             "-I" + os.path.join(ROOT, "csrc", "include"),
             "-I" + os.path.join(ROOT, "csrc"),
             "-I" + pybind11.get_include(),
             "-I" + sysconfig.get_paths()["include"],
-        ]
-        for arch in archs:
-            command.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
-        command += ["-o", output] + ext.sources
-        print("ep_plugin: " + " ".join(command), file=sys.stderr)
-        subprocess.check_call(command, cwd=ROOT)
+        ] + [f"-gencode=arch=compute_{arch},code=sm_{arch}" for arch in archs]
+        object_dir = os.path.join(self.build_temp, "ep_plugin_objects")
+        os.makedirs(object_dir, exist_ok=True)
+        objects = [os.path.join(object_dir, source.replace("/", "_") + ".o") for source in ext.sources]
+
+        def compile_one(pair):
+            source, obj = pair
+            subprocess.check_call([nvcc, *flags, "-c", source, "-o", obj], cwd=ROOT)
+
+        print(f"ep_plugin: nvcc {' '.join(flags)} ({len(ext.sources)} sources)", file=sys.stderr)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(compile_one, zip(ext.sources, objects)))
+        subprocess.check_call([nvcc, "-shared", "-cudart", "static", *objects, "-o", output], cwd=ROOT)
 
 
 # csrc/ holds the shared transport and routing layout; csrc/<backend>/ each backend's kernels.
