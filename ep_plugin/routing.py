@@ -146,3 +146,16 @@ def same_device(a: torch.device, b: torch.device) -> bool:
         current = torch.cuda.current_device()
         return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
     return True
+
+
+def route_counts(routing_maps: list[torch.Tensor], num_ranks: int) -> tuple[list[list[int]], list[list[int]]]:
+    """From every rank's [T, E] bool routing map (host tensors, indexed by rank): ``packets[s][d]``, the
+    tokens of source s with at least one expert on rank d, and ``rows[s][d]``, its (token, expert) pairs
+    on rank d. Experts are split evenly; rank r owns a contiguous block. (Byte models use these.)"""
+    packets = [[0] * num_ranks for _ in routing_maps]
+    rows = [[0] * num_ranks for _ in routing_maps]
+    for source, routing_map in enumerate(routing_maps):
+        per_rank = routing_map.view(routing_map.shape[0], num_ranks, -1)
+        packets[source] = [int(v) for v in per_rank.any(dim=2).sum(dim=0)]
+        rows[source] = [int(v) for v in per_rank.sum(dim=(0, 2))]
+    return packets, rows

@@ -11,7 +11,7 @@ import ep_plugin
 from ep_plugin.bench.__main__ import main, parse_args, reference_limits
 from ep_plugin.bench.report import _reference_levels, format_table, summarize, write_plots
 from ep_plugin.bench.runner import SweepSpec
-from ep_plugin.bench.workload import Shape, link_bytes, make_routing, traffic
+from ep_plugin.bench.workload import Shape, make_routing, traffic
 from ep_plugin.testing import run_ranks
 from ep_plugin.testing.launcher import plan_launch
 
@@ -94,27 +94,43 @@ def _tiny_maps():
     return [first, second]
 
 
-def test_link_bytes_by_hand():
-    maps, hidden, local = _tiny_maps(), 256, 2
-    bf16 = Shape(tokens=3, hidden=hidden, topk=2, experts=4, payload="bf16", routing="balanced")
+def test_wire_bytes_by_hand():
+    """Each backend's own byte model (what the bench reports), on two tiny routing maps counted by hand."""
+    from ep_plugin.backends.elastic import ElasticBackend
+    from ep_plugin.backends.hybrid import HybridBackend
+    from ep_plugin.backends.reference import ReferenceBackend
+
+    maps, hidden, local, topk = _tiny_maps(), 256, 2, 2
     row = 2 * hidden
+    fp8_row = hidden + hidden // 128 * 4
+
+    def model(cls, row_bytes=row, with_probs=True, **options):
+        return cls.wire_bytes(maps, 2, row_bytes=row_bytes, hidden=hidden, topk=topk, with_probs=with_probs,
+                              **options)
+
     # hybrid: rank 0 sends 2 packets (tokens 0, 1), rank 1 sends 3; each packet carries L x (int32 + fp32).
-    hybrid = link_bytes("hybrid", maps, 2, bf16, with_probs=False)
+    hybrid = model(HybridBackend, with_probs=False)
     assert hybrid["dispatch"] == [2 * (row + local * 8), 3 * (row + local * 8)]
     # combine goes back from the expert rank: rank 0 returns rank 1's 3 packets, rank 1 returns 2.
     assert hybrid["combine"] == [3 * row, 2 * row]
-    assert link_bytes("hybrid", maps, 2, bf16)["combine"] == [3 * (row + local * 4), 2 * (row + local * 4)]
+    assert model(HybridBackend)["combine"] == [3 * (row + local * 4), 2 * (row + local * 4)]
+    assert model(HybridBackend, row_bytes=fp8_row)["dispatch"] == [2 * (fp8_row + 16), 3 * (fp8_row + 16)]
+    # Output rows: one per (token, local expert) at each rank: rank 0 gets 2 + 4, rank 1 gets 3 + 1.
+    assert hybrid["out_rows"] == [6, 4]
     # reference: one row per (token, remote expert): rank 0 sends 3 rows, rank 1 sends 4.
-    reference = link_bytes("reference", maps, 2, bf16)
+    reference = model(ReferenceBackend)
     assert reference["dispatch"] == [3 * (row + 4), 4 * (row + 4)]
     assert reference["combine"] == [4 * (row + 4), 3 * (row + 4)]
-    assert link_bytes("reference", maps, 2, bf16, with_probs=False)["combine"] == [4 * row, 3 * row]
-    fp8 = Shape(tokens=3, hidden=hidden, topk=2, experts=4, payload="fp8", routing="balanced")
-    fp8_row = hidden + hidden // 128 * 4
-    assert link_bytes("hybrid", maps, 2, fp8)["dispatch"] == [2 * (fp8_row + 16), 3 * (fp8_row + 16)]
-    assert link_bytes("hybrid", maps, 2, fp8)["combine"] == [3 * (row + 8), 2 * (row + 8)]  # combine is bf16
-    with pytest.raises(ValueError, match="wire format"):
-        link_bytes("elastic", maps, 2, bf16)
+    assert model(ReferenceBackend, with_probs=False)["combine"] == [4 * row, 3 * row]
+    # elastic: packets as hybrid, with a token index and k ids (+ k weights, + k offsets when expanded).
+    elastic = model(ElasticBackend)
+    assert elastic["dispatch"] == [2 * (row + 4 + 16), 3 * (row + 4 + 16)]
+    assert elastic["combine"] == [3 * (row + 8), 2 * (row + 8)]
+    assert model(ElasticBackend, with_probs=False, expand=True)["dispatch"] == [2 * (row + 4 + 16), 3 * (row + 20)]
+    # Compact output: one row per packet (rank 0: 2 own + 3 from rank 1 ... counted per destination).
+    packets_to = [sum(1 for m in maps for t in range(m.shape[0]) if m[t].view(2, local)[d].any()) for d in (0, 1)]
+    assert elastic["out_rows"] == packets_to
+    assert model(ElasticBackend, expand=True)["out_rows"] == hybrid["out_rows"]
 
 
 def _per_gpu_record(**overrides):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..handle import CombineOutput, DispatchOutput, Handle
-from ..routing import Routing, check_tensor, make_routing
+from ..routing import Routing, check_tensor, make_routing, route_counts
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,8 @@ class Capabilities:
     fp8_dispatch: bool = False
     non_blocking: bool = False
     cuda_graphs: bool = False
+    # Routing forms dispatch takes ("routing_map" with probs, "topk" with topk_weights).
+    routing_forms: tuple[str, ...] = ("routing_map", "topk")
     # Backend-specific keyword options of dispatch / combine (validated by name before any launch).
     dispatch_options: tuple[str, ...] = ()
     combine_options: tuple[str, ...] = ()
@@ -132,6 +134,43 @@ class Backend(abc.ABC):
     def destroy(self) -> None:
         """Release communication resources; the backend is unusable afterwards."""
         return None
+
+    # ---- byte model (for benchmarks) -------------------------------------------------------------
+
+    @classmethod
+    def wire_bytes(cls, routing_maps: list[torch.Tensor], num_ranks: int, *, row_bytes: int, hidden: int, topk: int,
+                   with_probs: bool, **options) -> dict[str, list[int]]:
+        """What this backend moves for these routing maps (host arithmetic, no communication).
+
+        Args:
+            routing_maps: every rank's [T, E] bool routing map (host tensors), indexed by rank.
+            row_bytes: bytes of one dispatched token (bf16: 2H; fp8: H + scales); hidden: H.
+            topk: experts per token; with_probs: probs travel (dispatch: the routing probs; combine:
+                per-row values back, as in the backward); options: the dispatch options.
+        Returns: {"out_rows": rows of each rank's dispatch output, "dispatch": bytes each rank sends to
+            other ranks, "combine": the same for combine (bf16 rows back)}; a rank's bytes to itself are
+            not counted.
+
+        This base model is an all-to-all of expanded rows: one row per (token, remote expert) each way,
+        plus 4 bytes of prob per row where probs travel. Backends with another wire format override it.
+        """
+        packets, rows = route_counts(routing_maps, num_ranks)
+        probs = 4 if with_probs else 0
+        return cls._wire_totals(rows, rows, row_bytes + probs, 2 * hidden + probs)
+
+    @staticmethod
+    def _wire_totals(out_units: list[list[int]], link_units: list[list[int]], dispatch_unit: int,
+                     combine_unit: int) -> dict[str, list[int]]:
+        """Sum per-(source, destination) unit counts into per-rank totals (combine flows back)."""
+        num_ranks = len(out_units)
+        totals = {"out_rows": [0] * num_ranks, "dispatch": [0] * num_ranks, "combine": [0] * num_ranks}
+        for source in range(num_ranks):
+            for dest in range(num_ranks):
+                totals["out_rows"][dest] += out_units[source][dest]
+                if dest != source:
+                    totals["dispatch"][source] += link_units[source][dest] * dispatch_unit
+                    totals["combine"][dest] += link_units[source][dest] * combine_unit
+        return totals
 
     # ---- shared checks ------------------------------------------------------------------
 

@@ -69,7 +69,7 @@ import torch
 from .. import streams
 from ..agreement import OP_COMBINE, OP_DISPATCH, OP_DISPATCH_AGAIN, OpFingerprint
 from ..handle import CombineOutput, DispatchOutput, Handle
-from ..routing import ROUTING_MAP, Routing
+from ..routing import ROUTING_MAP, Routing, route_counts
 from .base import Capabilities
 from .compiled import CompiledBackend, nvtx_range
 
@@ -125,6 +125,15 @@ class HybridBackend(CompiledBackend):
         self._open_buffer(self.regions.total_bytes, self.regions.count_words)
         self.over_budget: Optional[torch.Tensor] = None  # overflow flag of the latest dispatch
 
+    @classmethod
+    def wire_bytes(cls, routing_maps, num_ranks, *, row_bytes, hidden, topk, with_probs, **options):
+        """Each token goes once per remote rank holding any of its experts, with L x (int32 k index + fp32
+        prob) that the kernel always fills; combine returns one bf16 row per such packet, plus L x fp32
+        when probs come back. Output rows: one per (token, local expert). See ``Backend.wire_bytes``."""
+        packets, rows = route_counts(routing_maps, num_ranks)
+        local = routing_maps[0].shape[1] // num_ranks
+        return cls._wire_totals(rows, packets, row_bytes + 8 * local, 2 * hidden + (4 * local if with_probs else 0))
+
     # ---- stages ----------------------------------------------------------------------
 
     def _worst_case_rows(self, routing: Routing, pad_multiple: int) -> int:
@@ -139,7 +148,7 @@ class HybridBackend(CompiledBackend):
                      handle: Optional[Handle] = None) -> OpFingerprint:
         topk = routing.topk_idx.shape[1] if routing is not None and routing.form != ROUTING_MAP else 0
         return OpFingerprint(op, dtype=dtype, probs=probs, form=routing.form if routing is not None else None,
-                             topk=topk, handle_id=handle.handle_id if handle is not None else 0)
+                             topk=min(topk, 127), handle_id=handle.handle_id if handle is not None else 0)
 
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple) -> DispatchOutput:
         self.buffer.raise_if_failed()

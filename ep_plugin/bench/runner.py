@@ -33,9 +33,10 @@ import torch.distributed as dist
 
 import ep_plugin
 from ep_plugin.config import Config
+from ep_plugin.routing import route_counts
 from ep_plugin.testing import RankContext
 
-from .workload import WIRE_FORMATS, Shape, link_bytes, make_hidden, make_routing, traffic
+from .workload import Shape, make_hidden, make_routing, make_topk, traffic
 
 GRAPH_MODE = "nonblocking+graph"
 
@@ -111,13 +112,18 @@ class _Calls:
 
     def __init__(self, backend, shape: Shape, rank: int, seed: int, device: torch.device) -> None:
         self.backend, self.shape, self.device = backend, shape, device
-        self.routing_map, self.probs = make_routing(shape, rank, seed, device)
+        if "routing_map" in backend.capabilities.routing_forms:
+            routing_map, probs = make_routing(shape, rank, seed, device)
+            self.routing = dict(routing_map=routing_map, probs=probs)
+        else:  # the same routing in top-k form
+            topk_idx, topk_weights = make_topk(shape, rank, seed, device)
+            self.routing = dict(topk_idx=topk_idx, topk_weights=topk_weights)
         self.hidden = make_hidden(shape, rank, device, torch.bfloat16)
         self.out = self.combined = self._bf16_rows = None
 
     def dispatch(self) -> None:
         self.out = None  # free the previous output first: non-blocking outputs are worst-case sized
-        self.out = self.backend.dispatch(self.hidden, routing_map=self.routing_map, probs=self.probs)
+        self.out = self.backend.dispatch(self.hidden, **self.routing)
 
     def combine(self) -> None:
         self.combined = None
@@ -277,21 +283,24 @@ def _gather(samples: list, world_size: int) -> list:
     return everyone
 
 
-def _bench_link_bytes(backend_name: str, maps: list[torch.Tensor], num_ranks: int, shape: Shape) -> dict:
-    """link_bytes for the calls the bench makes: dispatch with probs, combine without."""
-    with_probs = link_bytes(backend_name, maps, num_ranks, shape, with_probs=True)
-    without_probs = link_bytes(backend_name, maps, num_ranks, shape, with_probs=False)
-    return {"dispatch": with_probs["dispatch"], "combine": without_probs["combine"]}
-
-
-def _case_bytes(backend_name: str, shape: Shape, num_ranks: int, seed: int) -> dict:
-    """Byte counts of one case: algorithm bytes, link bytes of this backend, and the link floor."""
+def _case_bytes(backend_cls, shape: Shape, num_ranks: int, seed: int) -> dict:
+    """Byte counts of one case: algorithm bytes, this backend's output and link bytes (its own model),
+    and the link floor: the busiest rank's payload bytes to remote ranks, once per (token, remote rank),
+    the least any design moves."""
     maps = list(_routing_maps(shape, num_ranks, seed))
-    sent = _bench_link_bytes(backend_name, maps, num_ranks, shape) if backend_name in WIRE_FORMATS else None
-    # The floor for every backend: hybrid's wire format sends each token once per remote rank.
-    hybrid = sent if backend_name == "hybrid" else _bench_link_bytes("hybrid", maps, num_ranks, shape)
-    floor = {op: max(per_rank) for op, per_rank in hybrid.items()}
-    return dict(bytes=traffic(maps, num_ranks, shape), link_bytes=sent, link_floor_bytes=floor)
+    common = dict(row_bytes=shape.row_bytes(), hidden=shape.hidden, topk=shape.topk)
+    # The bench dispatches with probs and combines without.
+    dispatch = backend_cls.wire_bytes(maps, num_ranks, with_probs=True, **common)
+    combine = backend_cls.wire_bytes(maps, num_ranks, with_probs=False, **common)
+    algorithm = traffic(maps, num_ranks, shape)
+    algorithm["out_bytes"] = [rows * shape.row_bytes() for rows in dispatch["out_rows"]]
+    packets, _ = route_counts(maps, num_ranks)
+    remote_payload = [sum(n for dest, n in enumerate(row) if dest != source) * shape.row_bytes()
+                      for source, row in enumerate(packets)]
+    back = [sum(packets[source][dest] for source in range(num_ranks) if source != dest) * 2 * shape.hidden
+            for dest in range(num_ranks)]
+    return dict(bytes=algorithm, link_bytes={"dispatch": dispatch["dispatch"], "combine": combine["combine"]},
+                link_floor_bytes={"dispatch": max(remote_payload), "combine": max(back)})
 
 
 def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, shared_gpu: bool,
@@ -302,7 +311,7 @@ def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, 
     samples = _time_pairs(calls.dispatch, calls.combine, device, spec.warmup, iters, spec.sync_each_iter)
     del calls  # free the last outputs before the ceiling's copy
     all_samples = _gather(samples, ctx.world_size)
-    case_bytes = _case_bytes(backend.name, shape, ctx.world_size, spec.seed)
+    case_bytes = _case_bytes(type(backend), shape, ctx.world_size, spec.seed)
     out_bytes = case_bytes["bytes"]["out_bytes"]
     combine_bytes = sum(out_bytes) // shape.row_bytes() * 2 * shape.hidden  # bf16 rows back
     ceilings = {}

@@ -24,16 +24,23 @@ class Shape:
         return 2 * self.hidden
 
 
-def make_routing(shape: Shape, rank: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(routing_map [T, E] bool, probs [T, E] fp32); skewed routing favours low expert ids (exp decay)."""
+def make_topk(shape: Shape, rank: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_idx [T, k] int64, topk_weights [T, k] fp32, summing to 1); skewed routing favours low expert ids
+    (exp decay)."""
     generator = torch.Generator().manual_seed(seed * 1009 + rank)
     logits = torch.randn(shape.tokens, shape.experts, generator=generator)
     if shape.routing == "skewed":
         logits = logits + torch.linspace(0, -6, shape.experts)  # expert 0 ~e^6 more likely than the last
     scores = torch.softmax(logits, dim=1)
     weights, experts = scores.topk(shape.topk, dim=1)
+    return experts.to(device), (weights / weights.sum(1, keepdim=True)).to(device)
+
+
+def make_routing(shape: Shape, rank: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same routing as ``make_topk`` as (routing_map [T, E] bool, probs [T, E] fp32)."""
+    experts, weights = make_topk(shape, rank, seed, torch.device("cpu"))
     routing_map = torch.zeros(shape.tokens, shape.experts, dtype=torch.bool).scatter_(1, experts, True)
-    probs = torch.zeros(shape.tokens, shape.experts).scatter_(1, experts, weights / weights.sum(1, keepdim=True))
+    probs = torch.zeros(shape.tokens, shape.experts).scatter_(1, experts, weights)
     return routing_map.to(device), probs.to(device)
 
 
@@ -53,7 +60,8 @@ def traffic(routing_maps: list[torch.Tensor], num_ranks: int, shape: Shape) -> d
     """Per-rank byte counts from every rank's routing map (host tensors).
 
     recv_token_bytes: tokens a rank receives, once per (token, source) — DeepEP's algorithm bytes.
-    out_bytes: the expanded, expert-sorted dispatch output a rank writes (one row per (token, expert)).
+    out_bytes: the expanded, expert-sorted dispatch output a rank writes (one row per (token, expert));
+        a backend with another output form reports its own (``Backend.wire_bytes``).
     remote_bytes_in: recv_token_bytes minus what a rank sends to itself (what crosses a link).
     """
     local = shape.experts // num_ranks
@@ -72,50 +80,3 @@ def traffic(routing_maps: list[torch.Tensor], num_ranks: int, shape: Shape) -> d
         "out_bytes": [r * row_bytes for r in out_rows],
         "remote_bytes_in": [(t - s) * row_bytes for t, s in zip(recv_tokens, self_tokens, strict=True)],
     }
-
-
-WIRE_FORMATS = ("hybrid", "reference")  # backends whose bytes on the wire link_bytes knows
-
-
-def link_bytes(backend_name: str, routing_maps: list[torch.Tensor], num_ranks: int, shape: Shape,
-               with_probs: bool = True) -> dict[str, list[int]]:
-    """Bytes each rank sends to other ranks (what crosses a link with one GPU per rank), per op.
-
-    Args:
-        backend_name: "hybrid" or "reference" (their wire formats differ).
-        routing_maps: every rank's [T, E] bool routing map (host tensors), indexed by rank.
-        num_ranks: ranks of the group; experts are split evenly, rank r owns a contiguous block.
-        shape: payload and hidden size of the rows.
-        with_probs: probs travel with the rows (dispatch: the routing probs; combine: per-row probs
-            sent back, as in the backward). The bench dispatches with probs and combines without.
-    Returns: {"dispatch": [bytes sent by rank r], "combine": [...]}; a rank's bytes to itself excluded.
-
-    Wire formats, L = experts per rank:
-      hybrid: dispatch sends a token once per remote rank holding any of its experts: a packet of
-        shape.row_bytes() plus L x (int32 k index + fp32 prob), a slot the kernel always fills;
-        combine sends one bf16 row (2H) per such packet back from the expert rank, plus L x fp32
-        when probs come back.
-      reference (all_to_all_single of expanded rows): one row per (token, remote expert) each way,
-        shape.row_bytes() out and 2H (bf16) back, plus 4 bytes of prob per row where probs travel.
-        (Its small layout exchange — counts and one local expert id per row — is not counted.)
-    """
-    if backend_name not in WIRE_FORMATS:
-        raise ValueError(f"no wire format for backend {backend_name!r}; known: {WIRE_FORMATS}")
-    local = shape.experts // num_ranks
-    if backend_name == "hybrid":
-        dispatch_unit = shape.row_bytes() + local * 8
-        combine_unit = 2 * shape.hidden + (local * 4 if with_probs else 0)
-    else:
-        dispatch_unit = shape.row_bytes() + (4 if with_probs else 0)
-        combine_unit = 2 * shape.hidden + (4 if with_probs else 0)
-    sent = {"dispatch": [0] * num_ranks, "combine": [0] * num_ranks}
-    for source, routing_map in enumerate(routing_maps):
-        per_rank = routing_map.view(routing_map.shape[0], num_ranks, local)
-        # hybrid: one packet per (token, destination rank); reference: one row per (token, expert).
-        units = per_rank.any(dim=2).sum(dim=0) if backend_name == "hybrid" else per_rank.sum(dim=(0, 2))
-        for dest in range(num_ranks):
-            if dest == source:
-                continue
-            sent["dispatch"][source] += int(units[dest]) * dispatch_unit
-            sent["combine"][dest] += int(units[dest]) * combine_unit  # the expert rank sends it back
-    return sent
