@@ -5,6 +5,7 @@
 //   _C                  device queries, the transport (SymmetricBuffer, exchange) and the
 //                       send-side routing layout, which both backends share
 //   _C.hybrid           the hybrid backend's regions and stages (csrc/hybrid/)
+//   _C.elastic          the elastic backend's regions and stages (csrc/elastic/)
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -19,6 +20,9 @@ namespace py = pybind11;
 
 namespace ep {
 namespace hybrid {
+void bind(py::module_& parent);
+}
+namespace elastic {
 void bind(py::module_& parent);
 }
 }  // namespace ep
@@ -89,4 +93,5 @@ PYBIND11_MODULE(_C, m) {
         "stage 0 of a dispatch: send slots, k indices and counts in one kernel (no host sync)");
 
   ep::hybrid::bind(m);
+  ep::elastic::bind(m);
 }

@@ -28,7 +28,8 @@ OP_BARRIER = "barrier"
 _OPS = (None, OP_DISPATCH, OP_COMBINE, OP_DISPATCH_AGAIN, OP_BARRIER)
 
 _DTYPES = (None, torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn)
-_FORMS = (None, "routing_map", "topk")
+# "topk+expand": a top-k dispatch that delivers expanded (expert-grouped) rows: its wire carries more.
+_FORMS = (None, "routing_map", "topk", "topk+expand")
 
 # Bit widths of the packed fields, low bits first. 63 bits in all, so the packed value is a
 # non-negative signed 64-bit integer on every side (Python, torch int64, CUDA u64).

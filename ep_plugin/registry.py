@@ -21,6 +21,7 @@ _Factory = Union[Callable, str]
 _BUILTIN: dict[str, str] = {
     "reference": "ep_plugin.backends.reference:ReferenceBackend",
     "hybrid": "ep_plugin.backends.hybrid:HybridBackend",
+    "elastic": "ep_plugin.backends.elastic:ElasticBackend",
 }
 _registry: dict[str, _Factory] = dict(_BUILTIN)
 _entry_points_loaded = False

@@ -220,12 +220,16 @@ def test_rejects_inconsistent_arguments():
     device, stream = torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream
     counts = torch.empty(64, dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="num_ranks"):
-        ext.layout(0, 0, 0, 0, 33, 1, 0, 0, 0, counts.data_ptr(), counts.data_ptr(), 0, 0, device, stream)
+        ext.layout(ext.LayoutArgs(num_ranks=33, num_local_experts=1, expert_counts=counts, rank_counts=counts),
+                   device, stream)
     with pytest.raises(ValueError, match="num_local_experts"):
-        ext.layout(0, 0, 0, 0, 1, 257, 0, 0, 0, counts.data_ptr(), counts.data_ptr(), 0, 0, device, stream)
+        ext.layout(ext.LayoutArgs(num_ranks=1, num_local_experts=257, expert_counts=counts, rank_counts=counts),
+                   device, stream)
     with pytest.raises(ValueError, match="routing input"):
-        ext.layout(0, 0, 0, 4, 2, 2, 0, counts.data_ptr(), counts.data_ptr(), counts.data_ptr(), counts.data_ptr(),
-                   0, 0, device, stream)
+        ext.layout(ext.LayoutArgs(num_tokens=4, num_ranks=2, num_local_experts=2, k_index=counts,
+                                  expert_counts=counts, send_slot=counts, rank_counts=counts), device, stream)
+    with pytest.raises(TypeError, match="no field"):
+        ext.LayoutArgs(num_rank=2)
 
 
 # ---- CUDA graphs --------------------------------------------------------------------------------------

@@ -1,0 +1,110 @@
+// Stage 2 of an elastic dispatch: stage each token for its destinations to pull, and push each
+// destination what it needs to place the token.
+//
+// Data flow: warp w takes tokens t = w, w + warps, ...; lane p (< R) holds the token's send slot at
+// rank p (-1: no expert there). A token sent anywhere is copied once into this rank's stage[t]
+// (payload, then fp8 scales), where every destination's receive kernel reads it. Destination p
+// gets, pushed into its buffer at [this rank][slot]: the token index (recv_token) and, on a first
+// dispatch, per top-k slot j (lane j): the expert as p's local id or -1 when it lives elsewhere
+// (recv_idx), its weight (recv_w), and for the expanded form the token's index within (this rank,
+// expert) (recv_k: its row offset inside the expert's rows from this rank). A slot naming an
+// expert that a later slot of the same token names again, or an id outside [0, E), counts as -1
+// (the layout kernel counted such a token once per expert). Nothing is waited on: the exchange
+// kernel before this one established that every peer finished reading this rank's previous stage
+// and that their regions are free. Each block ends by publishing disp_done[this rank][block] = n at
+// every rank (release), which the receive kernel waits on. A rank with no tokens still publishes.
+#include <cuda_runtime.h>
+
+#include "elastic/regions.cuh"
+#include "ep/check.cuh"
+#include "ep/copy.cuh"
+#include "ep/pipeline.cuh"
+
+namespace ep {
+namespace elastic {
+namespace {
+
+// Warp-cooperative: tell each destination of token t where to find it (and on a first dispatch
+// its top-k metadata), stage its fp8 scales, and return the number of destinations. `slots` is the
+// warp's [R] scratch of send slots.
+__device__ __forceinline__ int prepare_token(const View& v, const SendArgs& a, int t, int* slots, int lane) {
+  const int R = v.g.num_ranks;
+  const int L = v.g.num_local_experts;
+  const int me = v.t.rank;
+  const int my_slot = lane < R ? a.send_slot[static_cast<int64_t>(t) * R + lane] : -1;
+  const unsigned destinations = __ballot_sync(0xffffffffu, my_slot >= 0);
+  if (my_slot >= 0) *recv_token(v, lane, me, my_slot) = t;
+  if (lane < R) slots[lane] = my_slot;
+  __syncwarp();
+  if (destinations == 0) return 0;
+  if (a.scales != nullptr) {
+    warp_copy4(staged_token(v, me, t) + a.row_bytes, reinterpret_cast<const char*>(a.scales) + t * a.scale_bytes,
+               a.scale_bytes, lane);
+  }
+  if (a.topk_idx != nullptr) {
+    const int E = R * L;
+    const int64_t base = static_cast<int64_t>(t) * a.topk;
+    const long long id = lane < a.topk ? a.topk_idx[base + lane] : -1;
+    bool valid = id >= 0 && id < E;
+    // Invalid lanes get keys no valid expert has, so that only real duplicates match.
+    const unsigned same = __match_any_sync(0xffffffffu, valid ? static_cast<int>(id) : -1 - lane);
+    if (valid && (same >> lane) > 1u) valid = false;  // a later slot names the same expert
+    const int expert = static_cast<int>(id);
+    const int owner = valid ? expert / L : -1;
+    const float weight = (a.topk_weights != nullptr && lane < a.topk) ? a.topk_weights[base + lane] : 0.0f;
+    const int32_t k = (valid && a.k_index != nullptr) ? a.k_index[static_cast<int64_t>(t) * E + expert] : 0;
+    for (unsigned mask = destinations; mask; mask &= mask - 1) {
+      const int p = __ffs(mask) - 1;
+      const int slot = slots[p];
+      if (lane < a.topk) {
+        const bool here = owner == p;
+        recv_idx(v, p, me, slot)[lane] = here ? expert - p * L : -1;
+        if (a.topk_weights != nullptr) recv_w(v, p, me, slot)[lane] = here ? weight : 0.0f;
+        if (a.k_index != nullptr) recv_k(v, p, me, slot)[lane] = here ? k : 0;
+      }
+    }
+  }
+  return __popc(destinations);
+}
+
+__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(TransportView t, Regions g, SendArgs a) {
+  __shared__ int s_slots[kThreads / 32][kMaxRanks];
+  const View v{t, g};
+  if (block_aborted(t)) return;  // a wait of this op already failed: leave peers untouched
+  const unsigned long long seq = current_seq(t);
+  int* slots = s_slots[threadIdx.x / 32];
+  stage_tokens_register(v, a.hidden, a.row_bytes, a.num_tokens,
+                        [&](int token, int lane) { return prepare_token(v, a, token, slots, lane); });
+  signal_block_done(t, dispatch_done(v), seq);
+}
+
+__global__ void __launch_bounds__(kBulkWarps * 32) dispatch_send_bulk_kernel(TransportView t, Regions g, SendArgs a,
+                                                                             BulkShape shape) {
+  extern __shared__ __align__(128) char s_stages[];
+  __shared__ int s_slots[kBulkWarps][kMaxRanks];
+  __shared__ uint64_t s_bars[kBulkWarps][kBulkMaxStages];
+  const View v{t, g};
+  if (block_aborted(t)) return;
+  const unsigned long long seq = current_seq(t);
+  const int warp_in_block = threadIdx.x / 32;
+  const BulkRing ring = make_bulk_ring(s_stages, s_bars[warp_in_block], shape, warp_in_block, threadIdx.x % 32);
+  int* slots = s_slots[warp_in_block];
+  stage_tokens_bulk(v, ring, a.hidden, a.row_bytes, a.num_tokens,
+                    [&](int token, int lane) { return prepare_token(v, a, token, slots, lane); });
+  signal_block_done(t, dispatch_done(v), seq);
+}
+
+}  // namespace
+
+void launch_dispatch_send(const SymmetricBuffer& buffer, const Regions& regions, const SendArgs& args,
+                          int num_blocks, uintptr_t stream) {
+  if (args.topk_idx != nullptr && (args.topk < 1 || args.topk > regions.max_topk))
+    throw std::invalid_argument("ep_plugin elastic: topk out of range for this buffer");
+  EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
+  const bool bulk = args.bulk_copy && buffer.bulk_capable();
+  launch_copy_kernel(bulk, dispatch_send_bulk_kernel, dispatch_send_kernel, buffer.view(), regions, args,
+                     args.row_bytes, num_blocks, reinterpret_cast<cudaStream_t>(stream));
+}
+
+}  // namespace elastic
+}  // namespace ep

@@ -1,0 +1,355 @@
+"""``elastic``: compiled dispatch/combine with DeepEP V2 (``ElasticBuffer``) semantics, in one NVLink domain.
+
+What a DeepEP user knows, under our names (DeepEP's in parentheses):
+
+- ``dispatch(x | (x_fp8, scales), topk_idx=[T, k] int64 (-1 = none), topk_weights=[T, k] float32 or None,
+  pad_multiple (expert_alignment), expand=False (do_expand), zero_padding=False (do_zero_padding),
+  handle=None (cached dispatch))`` returns a ``DispatchOutput``:
+
+  - compact form (default): ``hidden`` (recv_x) has one row per (token, this rank), ordered by source
+    rank, then source token; ``topk_idx`` (recv_topk_idx) [R, k] holds the token's experts as this
+    rank's local ids, -1 where the expert lives elsewhere; ``probs`` (recv_topk_weights) [R, k], 0
+    where -1.
+  - expanded form (``expand=True``): one row per (token, local expert), grouped by expert, each
+    expert's segment padded to ``pad_multiple``, in (local expert, source rank, source token) order —
+    the row order of ``reference`` and ``hybrid``; ``probs`` [R] is each row's weight; padding rows
+    are zeroed only with ``zero_padding=True`` (else left as they are).
+  - ``tokens_per_expert`` [L] int64 on the device (padded segment lengths, in both forms);
+    ``tokens_per_expert_list`` on the host in blocking mode.
+
+- Blocking mode (``config.blocking``, DeepEP's CPU sync): outputs have exactly the received rows; the
+  host reads the count from memory the buffer owns, after an event wait with a timeout. Non-blocking
+  mode: outputs have the worst-case rows (compact ``R * max_tokens_per_rank``; expanded
+  ``align(R * max_tokens_per_rank * min(k, L) + (align - 1) * L, align)``), ``num_valid_rows`` [1]
+  int64 on the device says how many are valid, rows past it are left unwritten, and nothing syncs:
+  dispatch and combine can be captured in a CUDA graph. A consumer on another stream calls
+  ``out.use_on(stream)`` (wait for the ready event, then ``record_stream`` every output storage).
+- ``combine(rows, handle, row_probs=None, bias=None)`` returns [T, H] bf16: the unweighted fp32 sum of
+  the token's rows over the ranks it went to (plus ``bias`` [T, H]), rounded once per token; with
+  ``row_probs`` (shaped like the dispatched ``probs``) the values are routed back to [T, k]. The
+  expanded form first sums a packet's rows on the expert rank (fp32, rounded to bf16): there a token
+  whose experts live on several ranks can differ from an all-fp32 sum by about one bf16 ulp per rank.
+- Backward of dispatch is combine; backward of combine is a cached dispatch, through
+  ``ep_plugin.dispatch`` / ``ep_plugin.combine``.
+
+Stages (each a kernel on the caller's current stream; NVTX range per stage): the send-side layout
+(``csrc/layout.cu``) and the count exchange with the op handshake (``csrc/exchange.cu``), both shared
+with ``hybrid``; then elastic's own (``csrc/elastic/``): send (stage each token once, push its
+per-destination metadata), receive (pull each packet into its row or rows), and for combine: send
+(each packet's row or row sum back to its source) and receive (sum per token).
+
+Rules and limits: ranks must agree on every op (kind, dtype, probs, top-k, form, handle; the
+handshake checks it and a mismatch raises ``EPError`` on every rank at its next sync point); one op
+in flight per backend; ``max_tokens_per_rank`` (config) and ``max_topk`` (<= 32) are equal on every
+rank; up to 32 ranks and 256 local experts; H % 8 == 0 (FP8: H % 128 == 0). Co-residency as in
+``hybrid``: (ranks sharing a GPU) x num_sms <= SMs. A repeated expert id in a token's top-k counts
+once (its last slot); ids outside [-1, E) raise before any launch in blocking mode and are dropped
+and flagged (``check_errors``) in non-blocking mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import streams
+from ..agreement import OP_COMBINE, OP_DISPATCH, OP_DISPATCH_AGAIN, OpFingerprint
+from ..handle import COMPACT, EXPERT_ROWS, CombineOutput, DispatchOutput, Handle
+from ..routing import ROUTING_MAP, Routing, check_tensor, route_counts
+from .base import Capabilities
+from .compiled import CompiledBackend, nvtx_range
+
+PHASE_NAMES = {
+    1: "dispatch/exchange (handshake + count exchange)",
+    2: "combine/handshake",
+    3: "cached dispatch/handshake (backward of combine)",
+    4: "dispatch/receive (waiting for tokens)",
+    5: "combine/receive (waiting for expert rows)",
+    6: "barrier",
+}
+PHASE_DISPATCH, PHASE_COMBINE, PHASE_CACHED, PHASE_BARRIER = 1, 2, 3, 6
+
+
+@dataclass(eq=False)
+class ElasticLayout:
+    """Device tensors of one dispatch; combine, cached dispatches and both backwards read them."""
+
+    send_slot: torch.Tensor  # [T, R] int32: packet slot at each rank, -1 = not sent
+    topk_idx: torch.Tensor  # [T, k] int64: the source's top-k ids (routing weights back)
+    num_packets: torch.Tensor  # [R] int32: packets received from each source
+    total_packets: torch.Tensor  # [1] int64: compact rows
+    total_rows: torch.Tensor  # [1] int64: expanded rows (segments padded)
+    row_base: torch.Tensor  # [R, L] int32: first expanded row of (source rank, local expert)
+    expert_start: torch.Tensor  # [L] int32
+    packet_rows: Optional[torch.Tensor]  # expanded: [packets, k] int32 row of each (packet, slot), -1
+    bad_expert_ids: Optional[torch.Tensor]  # [] bool: top-k ids out of range were dropped (non-blocking)
+    topk: int
+    expand: bool
+    zero_padding: bool
+    capacity: int  # rows of the dispatch output
+
+
+class ElasticBackend(CompiledBackend):
+    """DeepEP V2 semantics (compact or expanded receive, cached dispatch) over symmetric buffers."""
+
+    name = "elastic"
+    capabilities = Capabilities(
+        devices=("cuda",),
+        hidden_dtypes=(torch.bfloat16,),
+        probs_dtypes=(torch.float32,),
+        fp8_dispatch=True,
+        non_blocking=True,
+        cuda_graphs=True,
+        routing_forms=("topk",),
+        dispatch_options=("expand", "zero_padding"),
+        combine_options=("bias",),
+    )
+    phase_names = PHASE_NAMES
+    barrier_phase = PHASE_BARRIER
+
+    def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None,
+                 max_topk: Optional[int] = None) -> None:
+        """Args as every backend, plus ``max_topk``: the widest top-k any dispatch will use (default and
+        maximum 32; smaller saves buffer memory). Equal on every rank, like ``max_tokens_per_rank``."""
+        # Set before the base constructor: the construction check there includes it.
+        self.max_topk = 32 if max_topk is None else max_topk
+        if not isinstance(self.max_topk, int) or not 1 <= self.max_topk <= 32:
+            raise ValueError(f"max_topk must be an int in [1, 32], got {max_topk!r}")
+        super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device)
+        self.regions = self._C.elastic.Regions(num_ranks=self.num_ranks, max_tokens=self.config.max_tokens_per_rank,
+                                               hidden=hidden_size, num_local_experts=self.num_local_experts,
+                                               max_blocks=self.num_blocks, max_topk=self.max_topk)
+        self._open_buffer(self.regions.total_bytes, self.regions.count_words)
+
+    def _construction_facts(self) -> dict:
+        facts = getattr(super(), "_construction_facts", dict)()
+        return {**facts, "max_topk": self.max_topk}
+
+    @classmethod
+    def wire_bytes(cls, routing_maps, num_ranks, *, row_bytes, hidden, topk, with_probs, expand=False, **options):
+        """Each token goes once per remote rank holding any of its experts (pulled), with its index and k
+        local ids pushed (plus k weights with probs, k row offsets when expanded); combine returns one
+        bf16 row per packet, plus k fp32 values when probs come back. Output rows: one per packet
+        (compact) or per (token, local expert) (expanded). See ``Backend.wire_bytes``."""
+        packets, rows = route_counts(routing_maps, num_ranks)
+        dispatch_unit = row_bytes + 4 + 4 * topk * (1 + int(with_probs) + int(expand))
+        return cls._wire_totals(rows if expand else packets, packets, dispatch_unit,
+                                2 * hidden + (4 * topk if with_probs else 0))
+
+    # ---- public entry points ------------------------------------------------------------------
+
+    def dispatch(self, hidden, *, routing_map=None, probs=None, topk_idx=None, topk_weights=None,
+                 pad_multiple: Optional[int] = None, expand: bool = False, zero_padding: bool = False,
+                 handle: Optional[Handle] = None, expert_alignment: Optional[int] = None) -> DispatchOutput:
+        """See the module docstring. ``expert_alignment`` is DeepEP's name for ``pad_multiple``.
+
+        Args:
+            hidden: [T, H] bf16, or (data [T, H] float8_e4m3fn, scales [T, H/128] float32).
+            topk_idx / topk_weights: [T, k] int64 (-1 = none) / [T, k] float32 or None; k <= max_topk.
+            pad_multiple: each expert's segment (expanded form) and tokens_per_expert are padded to this.
+            expand: deliver expert-grouped rows instead of compact rows.
+            zero_padding: zero the padding rows of the expanded form.
+            handle: a previous dispatch's handle: send ``hidden`` along its layout (cached dispatch; no
+                routing arguments, same T).
+        Returns: DispatchOutput (see ``ep_plugin.DispatchOutput``).
+        """
+        if expert_alignment is not None:
+            if pad_multiple is not None and pad_multiple != expert_alignment:
+                raise ValueError(f"pad_multiple={pad_multiple} and expert_alignment={expert_alignment} disagree; "
+                                 "pass one of them")
+            pad_multiple = expert_alignment
+        if handle is not None:
+            if any(v is not None for v in (routing_map, probs, topk_idx, topk_weights, pad_multiple)):
+                raise ValueError("a cached dispatch (handle=...) takes no routing arguments: the handle has them")
+            return self._cached_dispatch(hidden, handle)
+        if routing_map is not None:
+            raise ValueError("backend 'elastic' takes topk_idx (+ topk_weights), not routing_map; top-k ids come "
+                             "from routing_map.int().topk(k) where every row has k experts")
+        if not isinstance(expand, bool) or not isinstance(zero_padding, bool):
+            raise TypeError(f"expand and zero_padding must be bools, got {expand!r} and {zero_padding!r}")
+        if topk_idx is not None and topk_idx.dim() == 2 and topk_idx.shape[1] > self.max_topk:
+            raise ValueError(f"topk_idx has k={topk_idx.shape[1]} columns; this elastic backend was built with "
+                             f"max_topk={self.max_topk}")
+        return super().dispatch(hidden, probs=probs, topk_idx=topk_idx, topk_weights=topk_weights,
+                                pad_multiple=pad_multiple, expand=expand, zero_padding=zero_padding)
+
+    def combine(self, rows, handle: Handle, *, row_probs=None, bias=None) -> CombineOutput:
+        """Sum each token's rows at its source (see the module docstring).
+
+        Args:
+            rows: [num_rows, H] bf16 in the layout of ``handle``'s dispatch.
+            row_probs: shaped like the dispatched probs ([R, k] compact, [R] expanded) or None.
+            bias: [T, H] bf16 added to the sum (in fp32), or None.
+        Returns: CombineOutput(hidden [T, H] bf16, probs [T, k] float32 or None).
+        """
+        if bias is not None:
+            self.check_handle(handle)
+            check_tensor("bias", bias, dtypes=(torch.bfloat16,), shape=(handle.num_tokens, self.hidden_size),
+                         device=self.device)
+            bias = self._aligned(bias)
+        return super().combine(rows, handle, row_probs=row_probs, bias=bias)
+
+    # ---- stages ---------------------------------------------------------------------------------
+
+    def _fingerprint(self, op: str, *, dtype, probs: bool = False, topk: int = 0, expand: bool = False,
+                     handle: Optional[Handle] = None) -> OpFingerprint:
+        form = None if op != OP_DISPATCH else ("topk+expand" if expand else "topk")
+        return OpFingerprint(op, dtype=dtype, probs=probs, form=form, topk=topk,
+                             handle_id=handle.handle_id if handle is not None else 0)
+
+    def _capacity(self, topk: int, expand: bool, pad_multiple: int) -> int:
+        """Rows of a non-blocking output: the most any rank can receive."""
+        R, T, L = self.num_ranks, self.config.max_tokens_per_rank, self.num_local_experts
+        if not expand:
+            return R * T
+        rows = R * T * min(topk, L) + (pad_multiple - 1) * L
+        return -(-rows // pad_multiple) * pad_multiple
+
+    def _dispatch(self, hidden, routing: Routing, probs, pad_multiple, *, expand: bool = False,
+                  zero_padding: bool = False) -> DispatchOutput:
+        assert routing.form != ROUTING_MAP  # dispatch() rejects the routing map
+        self.buffer.raise_if_failed()
+        fp8 = isinstance(hidden, (tuple, list))
+        data, scales = (hidden[0], hidden[1]) if fp8 else (hidden, None)
+        data = self._aligned(data)
+        T, H, R, L = routing.num_tokens, self.hidden_size, self.num_ranks, self.num_local_experts
+        k = routing.topk_idx.shape[1]
+        dev = self.device
+        with nvtx_range("ep.elastic.dispatch.layout"):
+            send_slot, k_index, expert_counts, rank_counts, _, bad_ids = self._layout(routing, None)
+            row_base = torch.empty(R, L, dtype=torch.int32, device=dev)
+            expert_start = torch.empty(L, dtype=torch.int32, device=dev)
+            tokens_per_expert = torch.empty(L, dtype=torch.int64, device=dev)
+            real_per_expert = torch.empty(L, dtype=torch.int64, device=dev)
+            num_packets = torch.empty(R, dtype=torch.int32, device=dev)
+            totals = torch.empty(2, dtype=torch.int64, device=dev)  # expanded rows, compact rows
+        with nvtx_range("ep.elastic.dispatch.exchange"):
+            fingerprint = self._fingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, topk=k,
+                                            expand=expand)
+            self._exchange(PHASE_DISPATCH, fingerprint, expert_counts=expert_counts, rank_counts=rank_counts,
+                           pad_multiple=pad_multiple, row_base=row_base, expert_start=expert_start,
+                           tokens_per_expert=tokens_per_expert, real_per_expert=real_per_expert,
+                           num_packets=num_packets, total_rows=totals[0:1], total_packets=totals[1:2])
+        tokens_list = None
+        if self.config.blocking:
+            with nvtx_range("ep.elastic.dispatch.wait_count"):
+                self._wait_for_host("the dispatch counts")
+                C = self._C
+                num_packets_total = self.buffer.mailbox(C.MAILBOX_TOTAL_PACKETS)
+                capacity = self.buffer.mailbox(C.MAILBOX_TOTAL_ROWS) if expand else num_packets_total
+                tokens_list = [self.buffer.mailbox(C.MAILBOX_EXPERT_ROWS + e) for e in range(L)]
+                packet_capacity = num_packets_total
+        else:
+            capacity = self._capacity(k, expand, pad_multiple)
+            packet_capacity = R * self.config.max_tokens_per_rank
+
+        with nvtx_range("ep.elastic.dispatch.send"):
+            row_bytes = H if fp8 else 2 * H
+            scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
+            self._keep_on_stream(data, scales, routing.topk_idx, probs)
+            send = self._C.elastic.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
+                                            send_slot=send_slot, topk_idx=routing.topk_idx, topk_weights=probs,
+                                            k_index=k_index if expand else None, topk=k, num_tokens=T,
+                                            bulk_copy=self._bulk)
+            self._C.elastic.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
+        with nvtx_range("ep.elastic.dispatch.receive"):
+            out = self._empty(capacity, H, dtype=data.dtype)
+            out_scales = self._empty(capacity, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
+            out_idx = out_weights = packet_rows = None
+            if expand:
+                out_weights = self._empty(capacity, dtype=torch.float32) if probs is not None else None
+                packet_rows = torch.empty(packet_capacity, k, dtype=torch.int32, device=dev)
+            else:
+                out_idx = self._empty(capacity, k, dtype=torch.int64)
+                out_weights = self._empty(capacity, k, dtype=torch.float32) if probs is not None else None
+            receive = self._C.elastic.ReceiveArgs(
+                out=out, row_bytes=row_bytes, out_scales=out_scales, scale_bytes=scale_bytes, capacity=capacity,
+                num_packets=num_packets, topk=k, expand=expand, out_topk_idx=out_idx,
+                out_topk_weights=None if expand else out_weights, out_row_weights=out_weights if expand else None,
+                row_base=row_base, expert_start=expert_start, tokens_per_expert=tokens_per_expert,
+                real_per_expert=real_per_expert, packet_rows=packet_rows, zero_padding=zero_padding,
+                bulk_copy=self._bulk)
+            self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
+        layout = ElasticLayout(send_slot=send_slot, topk_idx=routing.topk_idx, num_packets=num_packets,
+                               total_packets=totals[1:2], total_rows=totals[0:1], row_base=row_base,
+                               expert_start=expert_start, packet_rows=packet_rows, bad_expert_ids=bad_ids, topk=k,
+                               expand=expand, zero_padding=zero_padding, capacity=capacity)
+        handle = Handle(
+            backend=self, num_tokens=T, hidden_size=H, hidden_dtype=torch.bfloat16,
+            probs_shape=routing.probs_shape if probs is not None else None, num_experts=self.num_experts,
+            num_local_experts=L, pad_multiple=pad_multiple, num_rows=capacity, tokens_per_expert=tokens_per_expert,
+            num_real_tokens_per_expert=real_per_expert, layout=layout, handle_id=self._next_handle_id(),
+            output_form=EXPERT_ROWS if expand else COMPACT, row_probs_shape=(capacity,) if expand else (capacity, k))
+        if bad_ids is not None:
+            self.invalid_expert_ids = bad_ids
+        rows = (out, out_scales) if fp8 else out
+        valid_rows = None if self.config.blocking else layout.total_rows if expand else layout.total_packets
+        return DispatchOutput(rows, out_weights, tokens_per_expert, handle, topk_idx=out_idx,
+                              num_valid_rows=valid_rows, tokens_per_expert_list=tokens_list,
+                              ready=streams.record_ready(dev))
+
+    def _cached_dispatch(self, hidden, handle: Handle) -> DispatchOutput:
+        """Send new rows along a previous dispatch's layout: no layout, no count exchange."""
+        self.check_handle(handle)
+        fp8 = isinstance(hidden, (tuple, list))
+        data = self.check_fp8_hidden(hidden) if fp8 else hidden
+        if not fp8:
+            self.check_hidden("hidden", data, handle.num_tokens)
+        elif data.shape[0] != handle.num_tokens:
+            raise ValueError(f"hidden has {data.shape[0]} rows; the handle expects {handle.num_tokens}")
+        self.buffer.raise_if_failed()
+        layout: ElasticLayout = handle.layout
+        scales = hidden[1] if fp8 else None
+        data = self._aligned(data)
+        H = self.hidden_size
+        with nvtx_range("ep.elastic.cached_dispatch.handshake"):
+            self._exchange(PHASE_CACHED, self._fingerprint(OP_DISPATCH_AGAIN, dtype=data.dtype, handle=handle))
+        with nvtx_range("ep.elastic.cached_dispatch.send"):
+            row_bytes = H if fp8 else 2 * H
+            scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
+            self._keep_on_stream(data, scales)
+            send = self._C.elastic.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
+                                            send_slot=layout.send_slot, num_tokens=handle.num_tokens,
+                                            bulk_copy=self._bulk)
+            self._C.elastic.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
+        with nvtx_range("ep.elastic.cached_dispatch.receive"):
+            out = self._empty(layout.capacity, H, dtype=data.dtype)
+            out_scales = self._empty(layout.capacity, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
+            receive = self._C.elastic.ReceiveArgs(
+                out=out, row_bytes=row_bytes, out_scales=out_scales, scale_bytes=scale_bytes,
+                capacity=layout.capacity, num_packets=layout.num_packets, topk=layout.topk, expand=layout.expand,
+                cached=True, expert_start=layout.expert_start, tokens_per_expert=handle.tokens_per_expert,
+                real_per_expert=handle.num_real_tokens_per_expert, packet_rows=layout.packet_rows,
+                zero_padding=layout.zero_padding, bulk_copy=self._bulk)
+            self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
+        valid_rows = None if self.config.blocking else layout.total_rows if layout.expand else layout.total_packets
+        rows = (out, out_scales) if fp8 else out
+        return DispatchOutput(rows, None, handle.tokens_per_expert, handle, num_valid_rows=valid_rows,
+                              ready=streams.record_ready(self.device))
+
+    def _dispatch_again(self, hidden, handle: Handle) -> torch.Tensor:
+        return self._cached_dispatch(hidden, handle).hidden
+
+    def _combine(self, rows, handle: Handle, row_probs, bias=None) -> CombineOutput:
+        self.buffer.raise_if_failed()
+        layout: ElasticLayout = handle.layout
+        T, k, dev = handle.num_tokens, layout.topk, self.device
+        with nvtx_range("ep.elastic.combine.handshake"):
+            self._exchange(PHASE_COMBINE, self._fingerprint(OP_COMBINE, dtype=rows.dtype, probs=row_probs is not None,
+                                                            handle=handle))
+        with nvtx_range("ep.elastic.combine.send"):
+            rows = self._aligned(rows)
+            self._keep_on_stream(rows, row_probs, bias)
+            send = self._C.elastic.CombineSendArgs(rows=rows, slot_values=row_probs, num_packets=layout.num_packets,
+                                                   packet_rows=layout.packet_rows if layout.expand else None, topk=k)
+            self._C.elastic.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
+        with nvtx_range("ep.elastic.combine.receive"):
+            out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
+            values = torch.empty(T, k, dtype=torch.float32, device=dev) if row_probs is not None else None
+            receive = self._C.elastic.CombineRecvArgs(out=out, bias=bias, out_topk_values=values,
+                                                      send_slot=layout.send_slot, topk_idx=layout.topk_idx, topk=k,
+                                                      num_tokens=T)
+            self._C.elastic.combine_recv(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
+        return CombineOutput(out, values)

@@ -1,0 +1,546 @@
+"""``elastic`` against oracles on 2, 4 and 8 ranks (one GPU per rank where there are enough GPUs, else ranks
+sharing GPUs under MPS, NVLink and same-GPU peers mixed).
+
+Every rank can rebuild every rank's inputs from the seed, so the oracles need no communication:
+- compact form: the expected rows, local top-k ids and weights of this rank, built with torch from all
+  sources' inputs (rows ordered by source rank, then source token), bitwise;
+- expanded form: the ``reference`` backend's dispatch with ``pad_multiple`` = the alignment, bitwise;
+- combine: compact rows summed at the source in fp32 in rank order (bitwise); expanded rows against
+  ``reference``'s combine within the documented bf16 rounding of per-rank partial sums;
+- weights routed back, cached == uncached dispatch, gradients through ``ep_plugin.dispatch/combine``.
+Token counts differ per rank (rank r sends T - r, one rank sends none in some cases), some top-k
+slots are -1, skewed routing leaves the last rank empty; alignment 1 and 128; FP8.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+
+import ep_plugin
+from ep_plugin import _cuda
+from ep_plugin.config import Config
+
+pytestmark = pytest.mark.gpu
+
+if not (torch.cuda.is_available() and _cuda.available()):
+    pytest.skip("needs a CUDA GPU and the compiled ep_plugin._C", allow_module_level=True)
+
+from test_hybrid import assert_combine_close, make_inputs  # noqa: E402
+
+from ep_plugin.testing import run_ranks  # noqa: E402
+
+NUM_EXPERTS = 32
+MAX_TOKENS = 128
+LAUNCH_TIMEOUT_S = 420
+
+
+def make_backends(ctx, hidden: int, **config):
+    config = Config.from_env(**{"max_tokens_per_rank": MAX_TOKENS, "timeout_s": 20.0, "num_sms": 8, **config})
+    reference = ep_plugin.get_backend("reference")(hidden_size=hidden, num_experts=NUM_EXPERTS, device=ctx.device,
+                                                   config=config)
+    elastic = ep_plugin.get_backend("elastic")(hidden_size=hidden, num_experts=NUM_EXPERTS, device=ctx.device,
+                                               config=config, max_topk=8)
+    return reference, elastic
+
+
+def tokens_of(rank: int, case: int) -> int:
+    """Rank r sends T - r tokens; in odd cases rank 1 sends none."""
+    if case % 2 and rank == 1:
+        return 0
+    return 60 - rank + case % 4
+
+
+def all_inputs(seed: int, world: int, case: int, hidden: int, topk: int, **kw):
+    """Every rank's (hidden, topk_idx, topk_weights, routing_map, probs), identical on every rank."""
+    return [make_inputs(seed, r, world, tokens_of(r, case), hidden, NUM_EXPERTS, topk, **kw) for r in range(world)]
+
+
+def kept_slots(topk_idx: torch.Tensor) -> torch.Tensor:
+    """[T, k] bool: ids in range, each expert counted at its last slot only."""
+    valid = (topk_idx >= 0) & (topk_idx < NUM_EXPERTS)
+    k = topk_idx.shape[1]
+    same = topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)  # [T, j, j']
+    later = torch.ones(k, k, dtype=torch.bool, device=topk_idx.device).triu(1)  # j' > j
+    return valid & ~(same & later).any(2)
+
+
+def with_repeated_expert(inputs):
+    """The same inputs with token 0's second slot naming the expert of its first (when it has one)."""
+    x, idx, w, routing_map, probs = inputs
+    if x.shape[0] and idx[0, 0] >= 0:
+        idx = idx.clone()
+        idx[0, 1] = idx[0, 0]
+    return x, idx, w, routing_map, probs
+
+
+def compact_oracle(me: int, world: int, inputs, pad: int):
+    """This rank's compact receive: (rows, local ids, weights, tokens_per_expert padded)."""
+    local = NUM_EXPERTS // world
+    rows, ids, weights = [], [], []
+    counts = torch.zeros(local, dtype=torch.int64, device="cuda")
+    for x, idx, w, _, _ in inputs:
+        here = kept_slots(idx) & (idx.div(local, rounding_mode="floor") == me)
+        chosen = here.any(1)
+        rows.append(x[chosen])
+        ids.append(torch.where(here, idx - me * local, torch.full_like(idx, -1))[chosen])
+        weights.append(torch.where(here, w, torch.zeros_like(w))[chosen])
+        counts += torch.bincount((idx - me * local)[here], minlength=local)
+    padded = (counts + pad - 1) // pad * pad
+    return torch.cat(rows), torch.cat(ids), torch.cat(weights), padded
+
+
+def expert_side_rows(rows: torch.Tensor, rank: int) -> torch.Tensor:
+    """What an expert rank returns for its compact rows (depends on the rank, so a row that comes back
+    from the wrong rank or lands on the wrong token shows)."""
+    return (rows.float() * (0.5 + 0.25 * rank)).to(torch.bfloat16)
+
+
+def compact_combine_oracle(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, world: int, bias=None):
+    """The source's combine of expert_side_rows: fp32 sum in rank order (+ bias last), and the values
+    routed back (each expert rank returns its weights * 3 + rank + 1)."""
+    local = NUM_EXPERTS // world
+    kept = kept_slots(idx)
+    owner = torch.where(kept, idx.div(local, rounding_mode="floor"), torch.full_like(idx, -1))
+    total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for p in range(world):
+        sent = (owner == p).any(1)
+        total[sent] += expert_side_rows(x[sent], p).float()
+    if bias is not None:
+        total += bias.float()
+    values = torch.where(kept, w * 3 + (owner + 1).float(), torch.zeros_like(w))
+    return total.to(torch.bfloat16), values
+
+
+# ---- the scenario sweep -----------------------------------------------------------------------
+
+def sweep(ctx, hidden: int) -> int:
+    reference, elastic = make_backends(ctx, hidden)
+    me, world = ctx.rank, ctx.world_size
+    checked = 0
+    for case, (topk, align, skewed, expand) in enumerate(
+            itertools.product((1, 6, 8), (1, 128), (False, True), (False, True))):
+        name = f"H={hidden} R={world} topk={topk} align={align} skewed={skewed} expand={expand}"
+        inputs = all_inputs(case, world, case, hidden, topk, skewed=skewed, drop_some=case % 3 == 0)
+        x, idx, w, _, _ = inputs[me]
+        zero_padding = expand and case % 4 == 1
+        out = elastic.dispatch(x, topk_idx=idx, topk_weights=w, pad_multiple=align, expand=expand,
+                               zero_padding=zero_padding)
+        if not expand:
+            rows, ids, weights, padded = compact_oracle(me, world, inputs, align)
+            assert out.hidden.shape == rows.shape, f"{name}: rows {tuple(out.hidden.shape)} vs {tuple(rows.shape)}"
+            assert torch.equal(out.hidden, rows), f"{name}: compact rows"
+            assert torch.equal(out.topk_idx, ids), f"{name}: recv_topk_idx"
+            assert torch.equal(out.probs, weights), f"{name}: recv_topk_weights"
+            assert torch.equal(out.tokens_per_expert, padded), f"{name}: tokens_per_expert"
+            assert out.tokens_per_expert_list == padded.tolist(), f"{name}: host tokens_per_expert"
+            # Combine: each expert rank returns rank-dependent rows and values.
+            back = elastic.combine(expert_side_rows(out.hidden, me), out.handle,
+                                   row_probs=out.probs * 3 + (me + 1))
+            want, want_values = compact_combine_oracle(x, idx, w, world)
+            assert torch.equal(back.hidden, want), f"{name}: compact combine"
+            assert torch.equal(back.probs, want_values), f"{name}: weights routed back"
+        else:
+            ref = reference.dispatch(x, topk_idx=idx, topk_weights=w, pad_multiple=align)
+            assert out.hidden.shape == ref.hidden.shape, f"{name}: rows {out.hidden.shape} vs {ref.hidden.shape}"
+            assert torch.equal(out.tokens_per_expert, ref.tokens_per_expert), f"{name}: tokens_per_expert"
+            real = ref.handle.num_real_tokens_per_expert
+            data_row = torch.zeros(ref.hidden.shape[0], dtype=torch.bool, device=x.device)
+            start = 0
+            for length, used in zip(ref.tokens_per_expert.tolist(), real.tolist(), strict=True):
+                data_row[start:start + used] = True
+                start += length
+            if zero_padding:
+                assert torch.equal(out.hidden, ref.hidden), f"{name}: expanded rows (zeroed padding)"
+                assert torch.equal(out.probs, ref.probs), f"{name}: row weights"
+            else:
+                assert torch.equal(out.hidden[data_row], ref.hidden[data_row]), f"{name}: expanded rows"
+                assert torch.equal(out.probs[data_row], ref.probs[data_row]), f"{name}: row weights"
+            rows = (ref.hidden.float() * 0.5 + 1).to(torch.bfloat16)
+            ref_back = reference.combine(rows, ref.handle, row_probs=ref.probs * 3 + 1)
+            back = elastic.combine(rows, out.handle, row_probs=ref.probs * 3 + 1)
+            assert_combine_close(back.hidden, ref_back.hidden, name)
+            if topk == 1:  # one row per token: no partial sums, so exact
+                assert torch.equal(back.hidden, ref_back.hidden), f"{name}: top-1 combine must be exact"
+            assert torch.equal(back.probs, ref_back.probs), f"{name}: weights routed back"
+        # Cached dispatch of new rows along the same layout == a fresh dispatch of them (padding rows,
+        # when not zeroed, are left as they were: compare the data rows then).
+        fresh = torch.randn(x.shape, device=x.device).to(torch.bfloat16)
+        cached = elastic.dispatch(fresh, handle=out.handle)
+        again = elastic.dispatch(fresh, topk_idx=idx, topk_weights=w, pad_multiple=align, expand=expand,
+                                 zero_padding=zero_padding)
+        rows_to_compare = data_row if expand and not zero_padding else slice(None)
+        assert torch.equal(cached.hidden[rows_to_compare], again.hidden[rows_to_compare]), f"{name}: cached dispatch"
+        checked += 1
+    torch.cuda.synchronize()
+    elastic.destroy()
+    return checked
+
+
+def fp8_and_no_weights(ctx, hidden: int) -> int:
+    """FP8 payload (dequantized == the oracle of the dequantized input) and dispatch without weights."""
+    reference, elastic = make_backends(ctx, hidden)
+    me, world = ctx.rank, ctx.world_size
+    checked = 0
+    for case, (topk, align, expand) in enumerate(itertools.product((1, 8), (1, 128), (False, True))):
+        name = f"fp8 H={hidden} topk={topk} align={align} expand={expand}"
+        inputs = all_inputs(100 + case, world, case, hidden, topk, skewed=case % 2 == 1, drop_some=False)
+
+        def quantize(x):
+            blocks = x.float().view(x.shape[0], hidden // 128, 128)
+            scales = (blocks.abs().amax(dim=2) / 448.0).clamp_min(1e-8)
+            data = (blocks / scales.unsqueeze(2)).to(torch.float8_e4m3fn).view(x.shape[0], hidden)
+            dequantized = (data.float().view_as(blocks) * scales.unsqueeze(2)).view_as(x)
+            return data, scales.contiguous(), dequantized
+
+        quantized = [quantize(inp[0]) for inp in inputs]
+        data, scales, _ = quantized[me]
+        x, idx, w, _, _ = inputs[me]
+        out = elastic.dispatch((data, scales), topk_idx=idx, topk_weights=w, pad_multiple=align, expand=expand,
+                               zero_padding=True)
+        rows, row_scales = out.hidden
+        assert rows.dtype == torch.float8_e4m3fn and row_scales.shape == (rows.shape[0], hidden // 128), name
+        got = (rows.float().view(rows.shape[0], hidden // 128, 128) * row_scales.unsqueeze(2)).view(rows.shape[0],
+                                                                                                    hidden)
+        if expand:
+            ref = reference.dispatch(quantized[me][2], topk_idx=idx, topk_weights=w, pad_multiple=align)
+            assert torch.equal(got, ref.hidden), f"{name}: dequantized expanded rows"
+        else:
+            dequantized_inputs = [(q[2],) + tuple(inp[1:]) for q, inp in zip(quantized, inputs, strict=True)]
+            want, ids, _, _ = compact_oracle(me, world, dequantized_inputs, align)
+            assert torch.equal(got, want.float()), f"{name}: dequantized compact rows"
+            assert torch.equal(out.topk_idx, ids), f"{name}: recv_topk_idx"
+        plain = elastic.dispatch(x, topk_idx=idx, pad_multiple=align, expand=expand)
+        assert plain.probs is None, f"{name}: no weights in, no weights out"
+        back = elastic.combine(plain.hidden, plain.handle)
+        assert back.probs is None and back.hidden.shape == x.shape, name
+        checked += 1
+    torch.cuda.synchronize()
+    elastic.destroy()
+    return checked
+
+
+def autograd_end_to_end(ctx) -> int:
+    """dispatch -> experts weighted by the routed weights -> combine -> loss.backward(): gradients of the
+    tokens and of the top-k weights against the reference's, in both forms."""
+    hidden = 256
+    reference, elastic = make_backends(ctx, hidden)
+    me, world = ctx.rank, ctx.world_size
+    local = NUM_EXPERTS // world
+    expert_scale = torch.linspace(0.5, 1.5, local, device=ctx.device)
+    checked = 0
+    for case, expand in enumerate((False, True, False, True)):
+        inputs = make_inputs(200 + case, me, world, tokens_of(me, case), hidden, NUM_EXPERTS, 3 + case,
+                             skewed=case == 2, drop_some=case == 1)
+        target = torch.randn(inputs[0].shape, device=ctx.device).to(torch.bfloat16)
+        results = []
+        for backend in (reference, elastic):
+            x = inputs[0].clone().requires_grad_(True)
+            weights = inputs[2].clone().requires_grad_(True)
+            options = dict(expand=expand, zero_padding=True) if backend is elastic else {}
+            out = ep_plugin.dispatch(backend, x, topk_idx=inputs[1], topk_weights=weights, pad_multiple=4, **options)
+            if backend is elastic and not expand:  # compact rows: weigh by the row's local experts
+                scale = torch.where(out.topk_idx >= 0, expert_scale[out.topk_idx.clamp_min(0)], 0.0)
+                y = out.hidden * (out.probs * scale).sum(1, keepdim=True).to(torch.bfloat16)
+            else:
+                expert_of_row = torch.repeat_interleave(torch.arange(local, device=ctx.device), out.tokens_per_expert,
+                                                        output_size=out.hidden.shape[0])
+                y = out.hidden * (expert_scale[expert_of_row] * out.probs).unsqueeze(1).to(torch.bfloat16)
+            z = ep_plugin.combine(y, out.handle)
+            (z.float() * target.float()).sum().backward()
+            results.append((z.detach(), x.grad, weights.grad))
+        (z_ref, gx_ref, gw_ref), (z, gx, gw) = results
+        label = f"autograd expand={expand}"
+        assert_combine_close(z, z_ref, f"{label}: forward")
+        assert_combine_close(gx, gx_ref, f"{label}: hidden grad")
+        assert torch.allclose(gw, gw_ref, rtol=2e-2, atol=2e-2), f"{label}: weights grad"
+        checked += 1
+    torch.cuda.synchronize()
+    elastic.destroy()
+    return checked
+
+
+def non_blocking_and_graph(ctx) -> int:
+    """Sync-free mode: worst-case outputs, a device count of valid rows, rows past it unwritten; a
+    captured CUDA graph of dispatch + combine replays with new inputs."""
+    hidden = 512
+    me, world = ctx.rank, ctx.world_size
+    reference, elastic = make_backends(ctx, hidden, blocking=False)
+    canary = 12345.0
+    elastic._empty = lambda *shape, dtype: torch.full(shape, canary, dtype=dtype, device=ctx.device)
+    checked = 0
+    for case, expand in enumerate((False, True)):
+        # One token of every rank names an expert twice (the blocking mode would refuse it): it counts once.
+        inputs = [with_repeated_expert(inp) for inp in all_inputs(300 + case, world, case, hidden, 4, skewed=True,
+                                                                      drop_some=True)]
+        x, idx, w, _, _ = inputs[me]
+        out = elastic.dispatch(x, topk_idx=idx, topk_weights=w, pad_multiple=16, expand=expand)
+        capacity = world * MAX_TOKENS if not expand else -(-(world * MAX_TOKENS * 4 + 15 * (NUM_EXPERTS // world))
+                                                           // 16) * 16
+        assert out.hidden.shape[0] == capacity and out.tokens_per_expert_list is None, "worst-case capacity"
+        valid = int(out.num_valid_rows)
+        if not expand:
+            rows, ids, weights, padded = compact_oracle(me, world, inputs, 16)
+            assert valid == rows.shape[0], f"valid rows {valid} vs {rows.shape[0]}"
+            assert torch.equal(out.hidden[:valid], rows) and torch.equal(out.topk_idx[:valid], ids)
+            assert torch.equal(out.probs[:valid], weights) and torch.equal(out.tokens_per_expert, padded)
+        else:  # the reference, given the repeated slot as -1, is what the kept slots mean
+            kept_idx = torch.where(kept_slots(idx), idx, torch.full_like(idx, -1))
+            ref = reference.dispatch(x, topk_idx=kept_idx, topk_weights=w, pad_multiple=16)
+            assert valid == ref.hidden.shape[0], f"valid rows {valid} vs {ref.hidden.shape[0]}"
+            assert torch.equal(out.tokens_per_expert, ref.tokens_per_expert)
+            data = torch.zeros(valid, dtype=torch.bool, device=x.device)
+            start = 0
+            for length, used in zip(ref.tokens_per_expert.tolist(), ref.handle.num_real_tokens_per_expert.tolist(),
+                                    strict=True):
+                data[start:start + used] = True
+                start += length
+            assert torch.equal(out.hidden[:valid][data], ref.hidden[data]), "expanded rows"
+            assert torch.equal(out.probs[:valid][data], ref.probs[data]), "expanded row weights"
+        assert bool((out.hidden[valid:] == canary).all()), "rows past the valid count must stay unwritten"
+        checked += 1
+    elastic.check_errors()
+
+    # CUDA graph: one dispatch + combine captured, replayed with fresh inputs.
+    num_tokens = 40 + me
+    static = [t.clone() for t in make_inputs(400, me, world, num_tokens, hidden, NUM_EXPERTS, 2, skewed=False,
+                                             drop_some=False)]
+    elastic._empty = lambda *shape, dtype: torch.empty(shape, dtype=dtype, device=ctx.device)
+
+    def step():
+        out = elastic.dispatch(static[0], topk_idx=static[1], topk_weights=static[2])
+        back = elastic.combine(expert_side_rows(out.hidden, me), out.handle, row_probs=out.probs * 3 + (me + 1))
+        return out, back
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out, graph_back = step()
+    for replay in range(6):
+        fresh = [make_inputs(500 + replay, r, world, 40 + r, hidden, NUM_EXPERTS, 2, skewed=replay % 2 == 1,
+                             drop_some=replay % 3 == 0) for r in range(world)]
+        for dst, src in zip(static, fresh[me], strict=True):
+            dst.copy_(src)
+        graph.replay()
+        rows, ids, weights, _ = compact_oracle(me, world, fresh, 1)
+        valid = int(graph_out.num_valid_rows)
+        assert valid == rows.shape[0] and torch.equal(graph_out.hidden[:valid], rows), f"replay {replay}: rows"
+        assert torch.equal(graph_out.topk_idx[:valid], ids), f"replay {replay}: ids"
+        want, want_values = compact_combine_oracle(*fresh[me][:3], world)
+        assert torch.equal(graph_back.hidden, want), f"replay {replay}: combine"
+        assert torch.equal(graph_back.probs, want_values), f"replay {replay}: values back"
+        checked += 1
+    torch.cuda.synchronize()
+    elastic.destroy()
+    return checked
+
+
+def bad_input_then_good(ctx) -> int:
+    """A rejected call on rank 0 launches nothing; the next good call completes on every rank."""
+    reference, elastic = make_backends(ctx, 256)
+    x, idx, w, routing_map, probs = make_inputs(600, ctx.rank, ctx.world_size, 30, 256, NUM_EXPERTS, 2, skewed=False,
+                                                drop_some=False)
+    if ctx.rank == 0:
+        bad_calls = [
+            (TypeError, lambda: elastic.dispatch(x.float(), topk_idx=idx, topk_weights=w)),
+            (ValueError, lambda: elastic.dispatch(x, routing_map=routing_map, probs=probs)),
+            (ValueError, lambda: elastic.dispatch(x, topk_idx=torch.cat([idx] * 5, 1), topk_weights=None)),
+            (TypeError, lambda: elastic.dispatch(x, topk_idx=idx, expand="yes")),
+            (TypeError, lambda: elastic.dispatch(x, topk_idx=idx, flavour=1)),
+            (ValueError, lambda: elastic.dispatch(x, topk_idx=idx.masked_fill(idx == idx[0, 0], NUM_EXPERTS + 3))),
+        ]
+        for error_type, call in bad_calls:
+            with pytest.raises(error_type):
+                call()
+    out = elastic.dispatch(x, topk_idx=idx, topk_weights=w)
+    if ctx.rank == 0:
+        with pytest.raises(ValueError):
+            elastic.combine(out.hidden[:-1] if out.hidden.shape[0] else out.hidden.new_zeros(1, 256), out.handle)
+        with pytest.raises(ValueError):
+            elastic.combine(out.hidden, out.handle, bias=torch.zeros(3, 256, dtype=torch.bfloat16, device=x.device))
+        with pytest.raises(ValueError):
+            elastic.dispatch(x[:-1], handle=out.handle)
+    back = elastic.combine(out.hidden, out.handle)
+    ref = reference.dispatch(x, topk_idx=idx, topk_weights=w)
+    assert back.hidden.shape == x.shape and ref.hidden is not None
+    torch.cuda.synchronize()
+    elastic.destroy()
+    return 1
+
+
+def run_suite(ctx, hidden_sizes) -> dict:
+    counts = {}
+    for hidden in hidden_sizes:
+        counts[f"sweep{hidden}"] = sweep(ctx, hidden)
+    counts["fp8"] = fp8_and_no_weights(ctx, hidden_sizes[-1])
+    counts["autograd"] = autograd_end_to_end(ctx)
+    counts["non_blocking"] = non_blocking_and_graph(ctx)
+    counts["bad_input"] = bad_input_then_good(ctx)
+    return counts
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+def test_elastic_matches_oracles(num_ranks):
+    results = run_ranks(run_suite, num_ranks, (2048, 7168), device="cuda", timeout_s=LAUNCH_TIMEOUT_S)
+    assert results[0]["sweep2048"] == 24 and results[0]["sweep7168"] == 24, results[0]
+    assert all(r == results[0] for r in results)
+
+
+def test_elastic_register_copies_match_oracles():
+    """The register copy engine (EP_PLUGIN_BULK_COPY=0, the path below sm_90) passes the same suite, with
+    rows longer than one bulk chunk (H=12288: 24 KiB)."""
+    results = run_ranks(run_suite, 2, (12288,), device="cuda", timeout_s=LAUNCH_TIMEOUT_S,
+                        env={"EP_PLUGIN_BULK_COPY": "0"})
+    assert results[0]["sweep12288"] == 24 and all(r == results[0] for r in results), results
+
+
+# ---- the receive-lifetime contract ------------------------------------------------------------
+
+def delayed_reader(ctx, use_helper: bool) -> dict:
+    """A sync-free output's prefix is read late on a side stream while the caller drops its references,
+    runs more dispatches and fills same-size allocations. Returns whether the reader saw the right rows
+    and whether the output's memory was handed to another tensor before the reader was done.
+
+    With ``out.use_on(side)`` (wait on the ready event + record_stream) the allocator keeps the storage
+    until the side stream is done; the negative control only waits on the event."""
+    hidden = 1024
+    _, elastic = make_backends(ctx, hidden, blocking=False)
+    me, world = ctx.rank, ctx.world_size
+    inputs = all_inputs(900, world, 0, hidden, 4, skewed=False, drop_some=False)
+    x, idx, w, _, _ = inputs[me]
+    expected, _, _, _ = compact_oracle(me, world, inputs, 1)
+    out = elastic.dispatch(x, topk_idx=idx, topk_weights=w)
+    address = out.hidden.data_ptr()
+    side = torch.cuda.Stream()
+    if use_helper:
+        out.use_on(side)
+    else:
+        side.wait_event(out.ready)
+    prefix = out.hidden[:expected.shape[0]]
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000_000)  # the reader comes late (~0.5 s)
+        seen = prefix.clone()
+    del out, prefix  # the caller keeps no reference
+    later = [elastic.dispatch(x + 1, topk_idx=idx, topk_weights=w).hidden for _ in range(3)]
+    # Enough same-size allocations to take every free block of that size the allocator holds.
+    junk = [torch.full((world * MAX_TOKENS, hidden), -7.0, dtype=torch.bfloat16, device=ctx.device)
+            for _ in range(32)]
+    reused = any(t.data_ptr() == address for t in later + junk)
+    torch.cuda.synchronize()
+    correct = torch.equal(seen, expected)
+    del junk, later
+    elastic.destroy()
+    return {"correct": correct, "reused_before_read": reused}
+
+
+def test_sync_free_output_survives_a_delayed_side_stream_reader():
+    results = run_ranks(delayed_reader, 2, True, device="cuda", timeout_s=180)
+    assert results == [{"correct": True, "reused_before_read": False}] * 2, results
+
+
+def test_negative_control_without_record_stream_sees_corruption():
+    """The same test without record_stream must see the memory reused and the rows wrong: proof that the
+    test can fail."""
+    results = run_ranks(delayed_reader, 2, False, device="cuda", timeout_s=180)
+    assert results == [{"correct": False, "reused_before_read": True}] * 2, results
+
+
+# ---- faults: a missing rank, ranks that disagree, oversubscribed SMs ---------------------------
+
+def missing_rank(ctx) -> dict:
+    """Rank 0 never calls dispatch: every other rank must raise EPTimeoutError naming phase and peer."""
+    _, elastic = make_backends(ctx, 256, timeout_s=3.0)
+    x, idx, w, _, _ = make_inputs(800, ctx.rank, ctx.world_size, 20, 256, NUM_EXPERTS, 2, skewed=False,
+                                  drop_some=False)
+    result = {}
+    if ctx.rank != 0:
+        start = time.monotonic()
+        try:
+            elastic.dispatch(x, topk_idx=idx, topk_weights=w)
+            result["error"] = None
+        except ep_plugin.EPTimeoutError as error:
+            result["error"] = str(error)
+        result["seconds"] = time.monotonic() - start
+    torch.distributed.barrier()
+    return result
+
+
+def test_elastic_missing_rank_times_out():
+    results = run_ranks(missing_rank, 4, device="cuda", timeout_s=120)
+    for rank, result in enumerate(results[1:], start=1):
+        assert result["error"] is not None, f"rank {rank} did not raise"
+        assert "dispatch/exchange" in result["error"] and "peer rank 0" in result["error"], result["error"]
+        assert result["seconds"] < 10, result
+
+
+def disagreeing_ranks(ctx, backend_name: str) -> dict:
+    """Two ways ranks disagree, each on a fresh backend: every rank must get EPError naming the op and
+    the field (no hang, no wrong rows). 1) combine on two handles in opposite orders; 2) an FP8
+    dispatch on rank 0 while the others send bf16."""
+    hidden = 256
+    errors = {}
+    config = Config.from_env(max_tokens_per_rank=MAX_TOKENS, timeout_s=10.0, num_sms=8)
+    x, idx, w, routing_map, probs = make_inputs(850, ctx.rank, ctx.world_size, 24, hidden, NUM_EXPERTS, 2,
+                                                skewed=False, drop_some=False)
+    routing = dict(topk_idx=idx, topk_weights=w)
+
+    def build():
+        return ep_plugin.get_backend(backend_name)(hidden_size=hidden, num_experts=NUM_EXPERTS, device=ctx.device,
+                                                   config=config)
+
+    backend = build()
+    first, second = backend.dispatch(x, **routing), backend.dispatch(x * 2, **routing)
+    order = (first, second) if ctx.rank % 2 == 0 else (second, first)
+    try:
+        for out in order:
+            backend.combine(out.hidden, out.handle)
+        backend.check_errors()
+        errors["order"] = None
+    except ep_plugin.EPError as error:
+        errors["order"] = str(error)
+    backend.destroy()
+
+    backend = build()
+    data = x if ctx.rank != 0 else (x.to(torch.float8_e4m3fn), torch.ones(x.shape[0], hidden // 128,
+                                                                           device=x.device))
+    try:
+        backend.dispatch(data, **routing)
+        backend.check_errors()
+        errors["dtype"] = None
+    except ep_plugin.EPError as error:
+        errors["dtype"] = str(error)
+    backend.destroy()
+    return errors
+
+
+@pytest.mark.parametrize("backend_name", ["elastic", "hybrid"])
+def test_ranks_that_disagree_get_an_error_on_every_rank(backend_name):
+    results = run_ranks(disagreeing_ranks, 4, backend_name, device="cuda", timeout_s=180)
+    for rank, errors in enumerate(results):
+        assert errors["order"] is not None and "combine" in errors["order"] and "handle_id" in errors["order"], \
+            (rank, errors)
+        assert errors["dtype"] is not None and "dispatch" in errors["dtype"] and "dtype" in errors["dtype"], \
+            (rank, errors)
+
+
+def co_residency(ctx) -> str:
+    sharing = -(-ctx.world_size // torch.cuda.device_count())
+    too_many = torch.cuda.get_device_properties(ctx.device).multi_processor_count // sharing + 1
+    try:
+        make_backends(ctx, 256, num_sms=too_many)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_elastic_refuses_oversubscribed_sms():
+    results = run_ranks(co_residency, 4, device="cuda", timeout_s=120)
+    assert all("resident" in message for message in results), results
