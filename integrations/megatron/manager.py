@@ -117,7 +117,7 @@ class EPPluginManager:
         """Send tokens to their experts' ranks. Returns rows [R, H] grouped by local expert.
 
         ``async_finish``/``allocate_on_comm_stream`` are accepted for the contract; the call is
-        ordered on the current stream (DESIGN §3.2), so the result is ready for the next kernel.
+        ordered on the current stream, so the result is ready for the next kernel.
         """
         if self.routing_map is None:
             raise RuntimeError("EPPluginManager.dispatch called before setup_metadata")
@@ -125,8 +125,9 @@ class EPPluginManager:
         if probs.dtype != torch.float32:
             probs = probs.float()  # ep_plugin carries fp32 probs, like HybridEP
         backend = self._backend_for(hidden_states)
-        out = ep_plugin.dispatch(backend, hidden_states.contiguous(), routing_map=self.routing_map.contiguous(),
-                                 probs=probs.contiguous(), pad_multiple=self.pad_multiple)
+        routing, options = self._routing_for(backend, probs)
+        out = ep_plugin.dispatch(backend, hidden_states.contiguous(), pad_multiple=self.pad_multiple, **routing,
+                                 **options)
         self.handle = out.handle
         self.dispatched_probs = out.probs
         self.tokens_per_expert = out.tokens_per_expert
@@ -151,6 +152,30 @@ class EPPluginManager:
             raise RuntimeError("EPPluginManager.combine called without a preceding dispatch")
         handle, self.handle = self.handle, None  # autograd keeps the Handle for backward
         return ep_plugin.combine(hidden_states.contiguous(), handle)
+
+    def _routing_for(self, backend: Backend, probs: torch.Tensor) -> tuple[dict, dict]:
+        """The routing arguments and options this backend takes, from Megatron's routing map and probs.
+
+        A backend without the routing-map form (``elastic``) gets top-k ids: each row's chosen experts
+        (at most ``moe_router_topk`` per TP copy of the expert set; fewer become -1), with their probs.
+        A backend that can deliver either compact or expert-grouped rows is asked for expert-grouped
+        rows with zeroed padding, which is what Megatron's experts consume.
+        """
+        capabilities = backend.capabilities
+        if "routing_map" in capabilities.routing_forms:
+            routing = dict(routing_map=self.routing_map.contiguous(), probs=probs.contiguous())
+        else:
+            tp = max(1, self.num_experts // self.config.num_moe_experts)
+            k = min(self.num_experts, self.config.moe_router_topk * tp)
+            chosen, topk_idx = self.routing_map.to(torch.float32).topk(k, dim=1)
+            chosen = chosen > 0
+            topk_idx = torch.where(chosen, topk_idx, torch.full_like(topk_idx, -1))
+            weights = probs.gather(1, topk_idx.clamp_min(0)) * chosen
+            routing = dict(topk_idx=topk_idx.contiguous(), topk_weights=weights.contiguous())
+        options = {}
+        if "expand" in capabilities.dispatch_options:
+            options = dict(expand=True, zero_padding=True)
+        return routing, options
 
     def _backend_for(self, hidden_states: torch.Tensor) -> Backend:
         hidden_size = hidden_states.shape[-1]
