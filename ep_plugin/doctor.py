@@ -137,6 +137,12 @@ def nvlink_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str],
         verdict.status, verdict.summary = UNAVAILABLE, "unavailable: no GPU"
         verdict.passed = False
         return verdict
+    if fabric.driver.error:
+        problems.append(Problem(f"the driver probe stopped early: {fabric.driver.error}",
+                                "check dmesg / the GPU's health; the tables may be incomplete"))
+        verdict.status = _worst(verdict.status, DEGRADED)
+    if fabric.driver.nvml_error:
+        verdict.notes.append(f"NVLink state unknown: {fabric.driver.nvml_error}")
     built, why = extension
     if not built:
         problems.append(Problem(why, "reinstall with nvcc on PATH: pip install --no-build-isolation -e ."))
@@ -184,6 +190,9 @@ def _check_co_residency(fabric: Fabric, options: Options, environ: Mapping[str, 
         verdict.status = UNAVAILABLE
         return
     device_sms = config.max_sms_per_gpu or min(gpu.info.sm_count for gpu in fabric.gpus)
+    if device_sms <= 0:
+        verdict.notes.append("co-residency not checked: the driver did not report the SM count")
+        return
     sharing = max(1, options.ranks_per_gpu)
     percentage = fabric.mps.active_thread_percentage
     limit = co_residency_limit(device_sms, sharing, percentage)

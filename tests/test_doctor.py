@@ -334,3 +334,13 @@ def test_summary_line(tmp_path):
     line = doctor.summary_line(make_fabric(tmp_path, p5en_efa(tmp_path)), {})
     assert line.startswith("8 x NVIDIA H200 (132 SMs, sm_90)") and "16 ACTIVE RDMA NIC(s) (EFA)" in line
     assert nccl_probe.GDR_DMABUF in line
+
+
+def test_partial_driver_report_is_a_problem_not_a_crash(tmp_path):
+    report = driver([gpu(0, "0000:00:05.0", nvlinks=None, sms=0)])
+    report.error, report.nvml_error = "cuDeviceGetPCIBusId(1) failed: CUDA_ERROR_UNKNOWN (999)", "NVML not found"
+    found, code = verdicts(make_fabric(tmp_path, report), backend="hybrid")
+    verdict = found["nvlink"]
+    assert (verdict.status, code) == (DEGRADED, 0) and "stopped early" in verdict.problems[0].text
+    assert "NVLink state unknown: NVML not found" in verdict.notes
+    assert any("SM count" in note for note in verdict.notes)
