@@ -1,0 +1,605 @@
+"""``python -m ep_plugin doctor``: say what will work on this machine before a job hangs or crashes.
+
+Prints the fabric model (``transport.fabric``) as tables, then one verdict per path, each
+problem with its fix on one line:
+
+- NVLink domain (the ``hybrid`` / ``elastic`` kernels): GPUs, driver, extension, peer access,
+  co-residency of spin-waiting kernels;
+- scale-out (NCCL): GPUDirect RDMA via DMA-BUF / via nvidia-peermem / staged through host
+  memory / TCP sockets / unavailable, and why;
+- MPS, for ranks that share a GPU.
+
+``--backend NAME`` and ``--scaleout [gdr|rdma|socket]`` name the paths the job needs: the exit
+code is 1 when one of them cannot work, else 0. ``--json`` prints the same as one JSON object.
+``--nccl-probe`` lets a 2-rank NCCL init decide the scale-out mode from its own log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Optional
+
+from .transport import nccl_probe
+from .transport.fabric import Fabric, probe_fabric
+from .transport.sizing import SmSizing, autosize_sms, co_residency_limit
+
+OK, DEGRADED, UNAVAILABLE, NOT_NEEDED = "ok", "degraded", "unavailable", "not needed"
+KERNEL_BACKENDS = ("hybrid", "elastic")
+GIB = 1 << 30
+
+
+@dataclass
+class Problem:
+    text: str
+    fix: str
+
+
+@dataclass
+class Verdict:
+    """One path's verdict. ``passed`` is what the exit code reads when the user ``asked`` for it."""
+
+    path: str  # "nvlink", "scaleout", "mps", "backend"
+    title: str
+    status: str  # ok / degraded / unavailable / not needed
+    summary: str
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    mode: Optional[str] = None  # scale-out mode
+    asked: bool = False
+    passed: bool = True
+
+
+@dataclass
+class Options:
+    backend: Optional[str] = None
+    scaleout: Optional[str] = None  # "gdr", "rdma", "socket"
+    ranks_per_gpu: int = 1
+    nodes: int = 1
+    num_experts: int = 256
+    topk: int = 8
+    hidden: int = 7168
+    element_bytes: int = 2
+
+
+def _extension_state() -> tuple[bool, str]:
+    from . import _cuda
+
+    if _cuda._module is None:
+        return False, f"ep_plugin._C is not built ({_cuda._import_error})"
+    return True, "ep_plugin._C is built"
+
+
+def _registered_backends() -> list[str]:
+    from .registry import list_backends
+
+    return list(list_backends())
+
+
+def _config(environ: Mapping[str, str]):
+    from .config import Config
+
+    return Config.from_env(dict(environ))
+
+
+# ---- verdicts ---------------------------------------------------------------------------------
+
+def _peer_groups(fabric: Fabric) -> list[list[int]]:
+    """GPUs grouped by mutual peer access (connected components)."""
+    count = len(fabric.gpus)
+    access = fabric.driver.peer_access
+    groups: list[list[int]] = []
+    seen: set[int] = set()
+    for start in range(count):
+        if start in seen:
+            continue
+        group, stack = [], [start]
+        seen.add(start)
+        while stack:
+            i = stack.pop()
+            group.append(i)
+            for j in range(count):
+                if j not in seen and i < len(access) and j < len(access[i]) and access[i][j] and access[j][i]:
+                    seen.add(j)
+                    stack.append(j)
+        groups.append(sorted(group))
+    return groups
+
+
+def _no_gpu_reason(fabric: Fabric) -> Optional[Problem]:
+    if fabric.gpus:
+        return None
+    if not fabric.driver.loaded:
+        if fabric.pci_nvidia_gpus:
+            return Problem(f"NVIDIA GPU(s) on the PCI bus ({', '.join(fabric.pci_nvidia_gpus)}) but no CUDA driver: "
+                           f"{fabric.driver.error}", "install / load the NVIDIA driver (nvidia.ko and libcuda.so.1)")
+        return Problem(f"no GPU: no NVIDIA GPU on the PCI bus, {fabric.driver.error}",
+                       "run on a machine with an NVIDIA GPU; here only the 'reference' backend works (CPU, gloo)")
+    why = fabric.driver.error or "the driver reports 0 devices"
+    return Problem(f"no GPU visible to CUDA: {why}", "check CUDA_VISIBLE_DEVICES and that the GPU is not in a "
+                                                     "failed state (dmesg)")
+
+
+def nvlink_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str], extension: tuple[bool, str],
+                   registered: list[str]) -> Verdict:
+    verdict = Verdict("nvlink", "NVLink domain (hybrid / elastic kernels)", OK, "",
+                      asked=options.backend in KERNEL_BACKENDS)
+    problems = verdict.problems
+    if options.backend in KERNEL_BACKENDS and options.backend not in registered:
+        problems.append(Problem(f"backend {options.backend!r} is not in this build (registered: "
+                                f"{', '.join(registered)})", "upgrade ep_plugin, or use --backend hybrid"))
+        verdict.status = UNAVAILABLE
+    no_gpu = _no_gpu_reason(fabric)
+    if no_gpu is not None:
+        problems.append(no_gpu)
+        verdict.status, verdict.summary = UNAVAILABLE, "unavailable: no GPU"
+        verdict.passed = False
+        return verdict
+    if fabric.driver.error:
+        problems.append(Problem(f"the driver probe stopped early: {fabric.driver.error}",
+                                "check dmesg / the GPU's health; the tables may be incomplete"))
+        verdict.status = _worst(verdict.status, DEGRADED)
+    if fabric.driver.nvml_error:
+        verdict.notes.append(f"NVLink state unknown: {fabric.driver.nvml_error}")
+    built, why = extension
+    if not built:
+        problems.append(Problem(why, "reinstall with nvcc on PATH: pip install --no-build-isolation -e ."))
+        verdict.status = UNAVAILABLE
+    gpus = fabric.gpus
+    groups = _peer_groups(fabric)
+    if len(gpus) == 1:
+        verdict.summary = f"1 GPU ({gpus[0].info.name}): its ranks share memory through CUDA IPC"
+    elif len(groups) == 1:
+        links = [gpu.info.nvlink_active_links for gpu in gpus]
+        if all(links):
+            verdict.summary = (f"{len(gpus)} GPUs, all peer-accessible over NVLink ({min(links)}+ active links, "
+                               f"~{min(g.nvlink_gbytes_per_s for g in gpus):g} GB/s per GPU)")
+        elif any(link == 0 for link in links):
+            verdict.summary = f"{len(gpus)} GPUs, peer-accessible over PCIe (no active NVLink)"
+            problems.append(Problem("peer access without NVLink runs over PCIe: correct, several times slower",
+                                    "use NVLink-connected GPUs for the hybrid / elastic kernels"))
+            verdict.status = _worst(verdict.status, DEGRADED)
+        else:
+            verdict.summary = f"{len(gpus)} GPUs, all peer-accessible (NVLink state unknown: " \
+                              f"{fabric.driver.nvml_error or 'NVML gave no answer'})"
+    else:
+        sizes = [len(group) for group in groups]
+        verdict.summary = f"{len(gpus)} GPUs in {len(groups)} peer-access groups {groups}"
+        problems.append(Problem(f"not every GPU can map every other's memory (groups of {sizes})",
+                                f"EP_PLUGIN_SCALEUP_SIZE={min(sizes) * max(1, options.ranks_per_gpu)} keeps each "
+                                f"NVLink domain inside one group"))
+        verdict.status = _worst(verdict.status, DEGRADED)
+    for gpu in gpus:
+        major, minor = gpu.info.compute_capability
+        if major < 9:
+            problems.append(Problem(f"GPU {gpu.info.index} is sm_{major}{minor}; the extension's default build "
+                                    f"targets sm_90", f"rebuild with EP_PLUGIN_CUDA_ARCHS={major}{minor}"))
+            verdict.status = _worst(verdict.status, DEGRADED)
+    _check_co_residency(fabric, options, environ, verdict)
+    verdict.passed = verdict.status != UNAVAILABLE
+    return verdict
+
+
+def _check_co_residency(fabric: Fabric, options: Options, environ: Mapping[str, str], verdict: Verdict) -> None:
+    try:
+        config = _config(environ)
+    except (ValueError, TypeError) as exc:
+        verdict.problems.append(Problem(str(exc), "fix the EP_PLUGIN_* variable named above"))
+        verdict.status = UNAVAILABLE
+        return
+    device_sms = config.max_sms_per_gpu or min(gpu.info.sm_count for gpu in fabric.gpus)
+    if device_sms <= 0:
+        verdict.notes.append("co-residency not checked: the driver did not report the SM count")
+        return
+    sharing = max(1, options.ranks_per_gpu)
+    percentage = fabric.mps.active_thread_percentage
+    limit = co_residency_limit(device_sms, sharing, percentage)
+    where = f"{sharing} rank(s) x {{}} SMs on a GPU that offers {device_sms} SMs" + \
+        (f" (MPS active threads {percentage:g}%)" if percentage else "")
+    if limit < 1:
+        verdict.problems.append(Problem(f"{sharing} ranks share a GPU with {device_sms} SMs: not one block each "
+                                        f"can be resident", "run fewer ranks per GPU"))
+        verdict.status = UNAVAILABLE
+    elif config.num_sms > limit:
+        verdict.problems.append(Problem(where.format(config.num_sms) + ": the spin-waiting kernels cannot all be "
+                                        "resident and would deadlock",
+                                        f"EP_PLUGIN_NUM_SMS={limit} (or 0 to autosize)"))
+        verdict.status = UNAVAILABLE
+    else:
+        shown = "autosized" if config.num_sms == 0 else str(config.num_sms)
+        verdict.notes.append(f"co-residency: {where.format(shown)}: fits (limit {limit} per rank)")
+
+
+def scaleout_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str],
+                     probe: Optional[nccl_probe.NcclProbeResult] = None) -> Verdict:
+    verdict = Verdict("scaleout", "scale-out (NCCL across nodes)", OK, "", asked=options.scaleout is not None)
+    mode, summary = _static_scaleout(fabric, environ, verdict)
+    if fabric.gpus:
+        widths = ", ".join(f"GPU {g.info.index}: {g.scaleout_gbytes_per_s:g}"
+                           + ("" if g.scaleout_measured else " (default)") for g in fabric.gpus)
+        verdict.notes.append(f"scale-out GB/s per GPU (nearest ACTIVE NICs, shared evenly): {widths}")
+    if fabric.queue_pair_cap is not None:
+        verdict.notes.append(f"EFA ({fabric.efa_reason}): queue pairs capped at {fabric.queue_pair_cap} per peer")
+    if probe is not None:
+        if not probe.ran:
+            verdict.notes.append(f"NCCL probe skipped: {probe.reason}")
+        elif probe.mode is None:
+            verdict.notes.append(f"NCCL probe inconclusive ({probe.reason}): {probe.why}")
+        else:
+            if probe.mode != mode:
+                verdict.notes.append(f"the static checks expected '{mode}'; the NCCL log decides")
+            mode, summary = probe.mode, f"{probe.why} (NCCL probe)"
+        if probe.ran and probe.facts is not None:
+            for line in probe.facts.warnings[:5]:
+                verdict.notes.append(f"NCCL: {line}")
+    verdict.mode = mode
+    verdict.summary = f"{mode}: {summary}"
+    rank = nccl_probe.RANK[mode]
+    verdict.status = OK if rank >= 3 else (DEGRADED if rank >= 1 else UNAVAILABLE)
+    if verdict.status == OK and any(p for p in verdict.problems):
+        verdict.status = DEGRADED
+    required = nccl_probe.REQUIREMENTS.get(options.scaleout or "", 0)
+    verdict.passed = rank >= required and rank > 0
+    return verdict
+
+
+def _kernel_at_least(release: Optional[str], major: int, minor: int) -> Optional[bool]:
+    if not release:
+        return None
+    parts = release.split(".")
+    try:
+        return (int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)) >= (major, minor)
+    except (IndexError, ValueError):
+        return None
+
+
+def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdict) -> tuple[str, str]:
+    """The mode sysfs, the driver and the environment predict, with problems and fixes."""
+    problems = verdict.problems
+    if _no_gpu_reason(fabric) is not None:
+        return nccl_probe.UNAVAILABLE, "no GPU (see the NVLink verdict)"
+    if fabric.nccl.version is None:
+        problems.append(Problem(f"no NCCL: {fabric.nccl.version_error}", "install a CUDA build of torch"))
+        return nccl_probe.UNAVAILABLE, "torch has no NCCL"
+    if not fabric.rdma_devices:
+        problems.append(Problem("no RDMA device in /sys/class/infiniband: NCCL falls back to TCP sockets",
+                                "for multi-node EP use InfiniBand / RoCE / EFA NICs with their kernel drivers"))
+        return nccl_probe.SOCKET, "no RDMA NIC"
+    usable = fabric.usable_nics
+    if not usable:
+        states = ", ".join(f"{nic.name} {'/'.join(p.state for p in nic.ports) or 'no ports'}"
+                           for nic in fabric.rdma_devices)
+        problems.append(Problem(f"no RDMA port is ACTIVE ({states})",
+                                "bring the links up: cable, switch port, subnet manager (ports must read ACTIVE)"))
+        return nccl_probe.SOCKET, "RDMA NICs present, every port down"
+    down = [nic.name for nic in fabric.rdma_devices if not nic.usable]
+    if down:
+        problems.append(Problem(f"NIC(s) {', '.join(down)} have no ACTIVE port; their GPUs use farther NICs",
+                                "bring those links up (ports must read ACTIVE)"))
+    if not fabric.uverbs:
+        problems.append(Problem("no /dev/infiniband/uverbs*: user-space verbs cannot open the NICs",
+                                "load ib_uverbs; in a container pass --device=/dev/infiniband"))
+        return nccl_probe.SOCKET, "RDMA NICs not reachable from user space"
+    if fabric.efa and not (fabric.nccl.net_plugin or fabric.nccl.plugin_libraries):
+        problems.append(Problem("EFA needs the aws-ofi-nccl NCCL net plugin and none was found",
+                                "install aws-ofi-nccl; set NCCL_NET_PLUGIN or put its lib directory on "
+                                "LD_LIBRARY_PATH"))
+        return nccl_probe.SOCKET, "EFA without its NCCL plugin"
+    if fabric.memlock_soft_bytes is not None:
+        problems.append(Problem(f"memlock limit is {fabric.memlock_soft_bytes / (1 << 20):g} MiB: RDMA registration "
+                                f"of NCCL's buffers may fail", "ulimit -l unlimited (docker: --ulimit memlock=-1)"))
+    gpus = fabric.gpus
+    first = gpus[0].info
+    gdr_level = environ.get("NCCL_NET_GDR_LEVEL", "").upper()
+    if gdr_level in ("0", "LOC"):
+        problems.append(Problem(f"NCCL_NET_GDR_LEVEL={gdr_level} disables GPUDirect RDMA",
+                                "unset NCCL_NET_GDR_LEVEL"))
+        return nccl_probe.STAGED, "GPUDirect RDMA disabled by the environment"
+    if any(gpu.info.gpudirect_rdma is False for gpu in gpus):
+        problems.append(Problem("the GPU does not support GPUDirect RDMA (attribute 116 is 0)",
+                                "use a data-center GPU for RDMA scale-out"))
+        return nccl_probe.STAGED, "GPU without GPUDirect RDMA"
+    dmabuf_ok, dmabuf_why = _dmabuf_usable(fabric, environ, first)
+    peermem = bool(fabric.peermem)
+    _note_gdr_distance(fabric, verdict)
+    if dmabuf_ok:
+        also = " (nvidia-peermem is loaded too)" if peermem else ""
+        return nccl_probe.GDR_DMABUF, f"DMA-BUF export works on GPU {first.index}{also}"
+    if peermem:
+        verdict.notes.append(f"DMA-BUF not used: {dmabuf_why}")
+        return nccl_probe.GDR_PEERMEM, f"nvidia-peermem loaded ({fabric.peermem[0]})"
+    problems.append(Problem(f"neither nvidia-peermem nor a working DMA-BUF export ({dmabuf_why}): NCCL stages "
+                            f"every transfer through host memory ('GPU Direct RDMA Disabled')",
+                            "modprobe nvidia_peermem, or use the open GPU kernel modules on Linux >= 5.12 "
+                            "for DMA-BUF"))
+    return nccl_probe.STAGED, "no GPUDirect RDMA mechanism"
+
+
+def _dmabuf_usable(fabric: Fabric, environ: Mapping[str, str], gpu) -> tuple[bool, str]:
+    if environ.get("NCCL_DMABUF_ENABLE") == "0":
+        return False, "NCCL_DMABUF_ENABLE=0"
+    if fabric.efa and environ.get("OFI_NCCL_DISABLE_DMABUF") == "1":
+        return False, "OFI_NCCL_DISABLE_DMABUF=1"
+    if gpu.dmabuf_supported is not True:
+        return False, f"CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is {gpu.dmabuf_supported}"
+    if gpu.dmabuf_export == "not tried":
+        pass  # python -m ep_plugin info skips the export: the attribute stands for it
+    elif gpu.dmabuf_export != "ok":
+        return False, f"live export {gpu.dmabuf_export}"
+    if _kernel_at_least(fabric.kernel_release, 5, 12) is False:
+        return False, f"Linux {fabric.kernel_release} is older than 5.12"
+    return True, "ok"
+
+
+def _note_gdr_distance(fabric: Fabric, verdict: Verdict) -> None:
+    far = [f"GPU {g.info.index} ({g.nic_affinity})" for g in fabric.gpus
+           if g.nearest_nics and g.nic_affinity != "PCIe switch"]
+    if far:
+        verdict.notes.append(f"NCCL uses GPUDirect RDMA only up to NCCL_NET_GDR_LEVEL (by default NIC and GPU behind "
+                             f"one PCIe switch); {', '.join(far)}: expect host staging unless that level allows it")
+
+
+def mps_verdict(fabric: Fabric, options: Options) -> Verdict:
+    mps = fabric.mps
+    verdict = Verdict("mps", "MPS (ranks sharing a GPU)", OK, "")
+    state = (f"control daemon running (pipe dir {mps.pipe_directory}"
+             + (f", pid {mps.pid})" if mps.pid else ")")) if mps.daemon_running \
+        else f"no control daemon (pipe dir {mps.pipe_directory})"
+    if mps.control_pipe and mps.pid_alive is False:
+        verdict.notes.append(f"stale MPS pipe directory {mps.pipe_directory}: pid {mps.pid} is not running")
+    if not fabric.gpus:
+        verdict.status, verdict.summary = NOT_NEEDED, f"no GPU; {state}"
+        return verdict
+    sharing = max(1, options.ranks_per_gpu)
+    percentage = mps.active_thread_percentage
+    if mps.active_thread_percentage_text is not None and percentage is None:
+        verdict.problems.append(Problem(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={mps.active_thread_percentage_text!r} "
+                                        f"is not a number", "set a number in (0, 100] or unset it"))
+        verdict.status = DEGRADED
+    if sharing == 1:
+        verdict.status, verdict.summary = (NOT_NEEDED if verdict.status == OK else verdict.status,
+                                           f"one rank per GPU; {state}")
+        return verdict
+    verdict.summary = f"{sharing} ranks per GPU; {state}"
+    if not mps.daemon_running and not any(gpu.info.mps_enabled for gpu in fabric.gpus):
+        verdict.problems.append(Problem("without MPS, ranks sharing a GPU time-slice: a cross-rank flag round trip "
+                                        "takes ~2 ms instead of ~26 us",
+                                        "nvidia-cuda-mps-control -d (ep_plugin.testing.run_ranks starts a private "
+                                        "daemon itself when ranks outnumber GPUs)"))
+        verdict.status = DEGRADED
+    if percentage is not None and percentage * sharing > 100:
+        verdict.problems.append(Problem(f"{sharing} ranks x CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percentage:g}% = "
+                                        f"{percentage * sharing:g}% > 100%: co-resident ranks compete for SMs and "
+                                        f"spin-waiting kernels can starve each other",
+                                        f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={100 // sharing} (or lower)"))
+        verdict.status = DEGRADED
+    return verdict
+
+
+def backend_verdict(options: Options, registered: list[str], nvlink: Verdict) -> Optional[Verdict]:
+    """The verdict for ``--backend``: reference always works; kernel backends follow the NVLink verdict."""
+    if options.backend is None or options.backend in KERNEL_BACKENDS:
+        return None
+    if options.backend not in registered:
+        return Verdict("backend", f"backend {options.backend!r}", UNAVAILABLE,
+                       f"not registered (known: {', '.join(registered)})",
+                       [Problem(f"no backend named {options.backend!r}", f"use one of {', '.join(registered)}")],
+                       asked=True, passed=False)
+    if options.backend == "reference":
+        return Verdict("backend", "backend 'reference'", OK, "torch.distributed all-to-all: works on CPU (gloo) "
+                       "and GPU (NCCL)", asked=True)
+    return Verdict("backend", f"backend {options.backend!r}", OK, "registered (third-party: not checked here)",
+                   asked=True)
+
+
+_ORDER = {OK: 0, NOT_NEEDED: 0, DEGRADED: 1, UNAVAILABLE: 2}
+
+
+def _worst(a: str, b: str) -> str:
+    return a if _ORDER[a] >= _ORDER[b] else b
+
+
+def sm_sizing(fabric: Fabric, options: Options) -> Optional[SmSizing]:
+    """What ``num_sms=0`` would pick on this machine for the workload in ``options``."""
+    if not fabric.gpus:
+        return None
+    gpu = fabric.gpus[0]
+    per_node = len(fabric.gpus) * max(1, options.ranks_per_gpu)
+    try:
+        return autosize_sms(device_sms=gpu.info.sm_count, ranks_sharing_gpu=options.ranks_per_gpu,
+                            num_ranks=per_node * max(1, options.nodes), num_experts=options.num_experts,
+                            topk=options.topk, hidden_bytes=options.hidden * options.element_bytes,
+                            domain_size=per_node,
+                            nvlink_gbytes_per_s=gpu.nvlink_gbytes_per_s if gpu.nvlink_measured else None,
+                            scaleout_gbytes_per_s=gpu.scaleout_gbytes_per_s if gpu.scaleout_measured else None,
+                            mps_thread_percentage=fabric.mps.active_thread_percentage)
+    except ValueError:
+        return None
+
+
+def assess(fabric: Fabric, options: Options, *, environ: Optional[Mapping[str, str]] = None,
+           extension: Optional[tuple[bool, str]] = None, registered: Optional[list[str]] = None,
+           probe: Optional[nccl_probe.NcclProbeResult] = None) -> list[Verdict]:
+    """Every verdict for this fabric; pure given its inputs (the defaults read this process)."""
+    environ = os.environ if environ is None else environ
+    extension = extension if extension is not None else _extension_state()
+    registered = registered if registered is not None else _registered_backends()
+    nvlink = nvlink_verdict(fabric, options, environ, extension, registered)
+    verdicts = [nvlink, scaleout_verdict(fabric, options, environ, probe), mps_verdict(fabric, options)]
+    extra = backend_verdict(options, registered, nvlink)
+    if extra is not None:
+        verdicts.insert(0, extra)
+    return verdicts
+
+
+def exit_code(verdicts: list[Verdict]) -> int:
+    return 1 if any(v.asked and not v.passed for v in verdicts) else 0
+
+
+# ---- text -------------------------------------------------------------------------------------
+
+def _table(headers: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=True)]
+    lines = [indent + "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += [indent + "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+              for row in rows]
+    return lines
+
+
+def _flag(value: Optional[bool]) -> str:
+    return "?" if value is None else ("yes" if value else "no")
+
+
+def _bytes(value: Optional[int]) -> str:
+    if value is None:
+        return "unlimited"
+    return f"{value / GIB:g} GiB" if value >= GIB else f"{value / (1 << 20):g} MiB"
+
+
+def _uverbs_text(names: list[str]) -> str:
+    if not names:
+        return "none in /dev/infiniband"
+    shown = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+    return f"{len(names)} device(s) in /dev/infiniband ({shown})"
+
+
+def gpu_headline(fabric: Fabric) -> str:
+    if fabric.gpus:
+        names = sorted({g.info.name for g in fabric.gpus})
+        first = fabric.gpus[0].info
+        return (f"{len(fabric.gpus)} x {', '.join(names)} ({first.sm_count} SMs, sm_{first.compute_capability[0]}"
+                f"{first.compute_capability[1]}), driver CUDA {fabric.driver.driver_version_text}")
+    return _no_gpu_reason(fabric).text  # type: ignore[union-attr]
+
+
+def render(fabric: Fabric, verdicts: list[Verdict], sizing: Optional[SmSizing], options: Options) -> str:
+    lines = ["ep_plugin doctor: what will work on this machine", "", "Machine"]
+    facts = [
+        ["GPUs", gpu_headline(fabric)],
+        ["NVIDIA kernel module", fabric.nvidia_module_version or "not loaded"],
+        ["Linux", fabric.kernel_release or "unknown"],
+        ["memlock limit", f"{_bytes(fabric.memlock_soft_bytes)} (hard {_bytes(fabric.memlock_hard_bytes)})"],
+        ["GPUDirect RDMA modules", ", ".join(fabric.peermem) or "none (nvidia_peermem not loaded)"],
+        ["RDMA user verbs", _uverbs_text(fabric.uverbs)],
+        ["EFA", fabric.efa_reason or "no"],
+        ["NCCL", fabric.nccl.version or f"none ({fabric.nccl.version_error})"],
+        ["NCCL net plugin", fabric.nccl.net_plugin or ", ".join(fabric.nccl.plugin_libraries) or "none (built-in IB / "
+                                                                                                  "socket)"],
+        ["MPS", ("running" if fabric.mps.daemon_running else "no control daemon")
+         + f" (pipe dir {fabric.mps.pipe_directory})"],
+    ]
+    lines += _table(["", ""], facts)[1:]
+    if fabric.nccl.env:
+        lines.append("  env: " + " ".join(f"{k}={v}" for k, v in sorted(fabric.nccl.env.items())))
+    if fabric.gpus:
+        lines += ["", "GPUs"]
+        rows = []
+        for g in fabric.gpus:
+            info = g.info
+            links = "?" if info.nvlink_active_links is None else str(info.nvlink_active_links)
+            rows.append([str(info.index), info.name, str(info.sm_count),
+                         f"{info.compute_capability[0]}.{info.compute_capability[1]}", info.pci_bus_id,
+                         "?" if g.numa_node is None else str(g.numa_node), links,
+                         ",".join(map(str, g.peers)) or "-", _flag(info.gpudirect_rdma),
+                         f"{_flag(info.dmabuf_supported)} / {info.dmabuf_export}",
+                         f"{','.join(g.nearest_nics) or '-'} ({g.nic_affinity})",
+                         f"{g.scaleout_gbytes_per_s:g}" + ("" if g.scaleout_measured else "*")])
+        lines += _table(["#", "name", "SMs", "cc", "PCI", "NUMA", "NVLinks", "peers", "GDR", "DMA-BUF attr / export",
+                         "nearest NICs", "scale-out GB/s"], rows)
+        if not all(g.scaleout_measured for g in fabric.gpus):
+            lines.append("  * default: no ACTIVE NIC with a known rate near this GPU")
+    if fabric.rdma_devices:
+        lines += ["", "RDMA devices (/sys/class/infiniband)"]
+        rows = []
+        for nic in fabric.rdma_devices:
+            for port in nic.ports or ():
+                numa = "?" if nic.numa_node is None else str(nic.numa_node)
+                rows.append([nic.name, nic.vendor, nic.model, str(port.number), port.state, port.rate_text or "?",
+                             port.link_layer, numa, nic.pci_path[-1] if nic.pci_path else "?"])
+            if not nic.ports:
+                rows.append([nic.name, nic.vendor, nic.model, "-", "no ports", "", "", "", ""])
+        lines += _table(["device", "vendor", "model", "port", "state", "rate", "link layer", "NUMA", "PCI"], rows)
+    else:
+        lines += ["", "RDMA devices: none in /sys/class/infiniband"]
+    if sizing is not None:
+        per_node = len(fabric.gpus) * max(1, options.ranks_per_gpu)
+        lines += ["", f"SM autosize (EP_PLUGIN_NUM_SMS=0) for {per_node * max(1, options.nodes)} ranks "
+                      f"({per_node} per NVLink domain), top-{options.topk} of {options.num_experts} experts, "
+                      f"hidden {options.hidden} x {options.element_bytes} B: {sizing.num_sms} SMs per rank "
+                      f"(links could use {sizing.demand:.1f}; co-residency limit {sizing.limit})"]
+    lines += ["", "Verdicts"]
+    for verdict in verdicts:
+        tag = {OK: "ok", NOT_NEEDED: "n/a", DEGRADED: "warn", UNAVAILABLE: "FAIL"}[verdict.status]
+        asked = " (asked)" if verdict.asked else ""
+        lines.append(f"  [{tag:4s}] {verdict.title}{asked}: {verdict.summary}")
+        for problem in verdict.problems:
+            lines.append(f"         problem: {problem.text}")
+            lines.append(f"         fix:     {problem.fix}")
+        for note in verdict.notes:
+            lines.append(f"         note:    {note}")
+    warnings = list(fabric.warnings) + (list(sizing.warnings) if sizing else [])
+    if warnings:
+        lines += ["", "Warnings"] + [f"  - {text}" for text in warnings]
+    return "\n".join(lines)
+
+
+def summary_line(fabric: Fabric, environ: Optional[Mapping[str, str]] = None) -> str:
+    """One line for ``python -m ep_plugin info``."""
+    environ = os.environ if environ is None else environ
+    probe_free = Verdict("scaleout", "", OK, "")
+    mode, _ = _static_scaleout(fabric, environ, probe_free)
+    nics = fabric.usable_nics
+    nic_text = (f"{len(nics)} ACTIVE RDMA NIC(s) ({', '.join(sorted({n.model for n in nics}))})" if nics
+                else "no ACTIVE RDMA NIC")
+    mps = "MPS daemon running" if fabric.mps.daemon_running else "no MPS daemon"
+    return f"{gpu_headline(fabric)}; {nic_text}; scale-out: {mode}; {mps} (details: python -m ep_plugin doctor)"
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m ep_plugin doctor",
+        description="Check this machine for the ep_plugin backends: GPUs and NVLink, RDMA NICs and GPUDirect "
+                    "RDMA, NCCL, MPS. Exit code 1 when a path named by --backend / --scaleout cannot work.")
+    parser.add_argument("--backend", help="the backend the job will use (reference, hybrid, elastic)")
+    parser.add_argument("--scaleout", nargs="?", const="rdma", choices=sorted(nccl_probe.REQUIREMENTS),
+                        help="the job crosses nodes; the least acceptable path: gdr (GPUDirect RDMA), rdma "
+                             "(the default: staging through host memory is acceptable), socket (anything)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--nccl-probe", action="store_true",
+                        help="run a 2-rank NCCL init (2 GPUs needed) whose log decides the scale-out verdict")
+    parser.add_argument("--ranks-per-gpu", type=int, default=1, help="ranks that will share each GPU (default 1)")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes of the job, for the SM autosize line")
+    parser.add_argument("--experts", type=int, default=256, help="experts, for the SM autosize line")
+    parser.add_argument("--topk", type=int, default=8, help="top-k, for the SM autosize line")
+    parser.add_argument("--hidden", type=int, default=7168, help="hidden size, for the SM autosize line")
+    parser.add_argument("--element-bytes", type=int, default=2, help="bytes per element on the wire (bf16: 2)")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None, *, fabric: Optional[Fabric] = None,
+         environ: Optional[Mapping[str, str]] = None) -> int:
+    """Run the doctor; ``fabric`` / ``environ`` are injectable for tests. Returns the exit code."""
+    args = build_parser().parse_args(argv)
+    environ = os.environ if environ is None else environ
+    options = Options(backend=args.backend, scaleout=args.scaleout, ranks_per_gpu=max(1, args.ranks_per_gpu),
+                      nodes=max(1, args.nodes), num_experts=args.experts, topk=args.topk, hidden=args.hidden,
+                      element_bytes=args.element_bytes)
+    fabric = fabric if fabric is not None else probe_fabric(environ=environ)
+    probe = nccl_probe.run_nccl_probe(len(fabric.gpus)) if args.nccl_probe else None
+    verdicts = assess(fabric, options, environ=environ, probe=probe)
+    sizing = sm_sizing(fabric, options)
+    code = exit_code(verdicts)
+    if args.json:
+        payload: dict[str, Any] = {
+            "fabric": fabric.to_dict(), "verdicts": [asdict(v) for v in verdicts],
+            "sm_autosize": asdict(sizing) if sizing else None,
+            "nccl_probe": asdict(probe) if probe else None, "exit_code": code,
+        }
+        print(json.dumps(payload, indent=2, default=str))
+    else:
+        print(render(fabric, verdicts, sizing, options))
+    return code

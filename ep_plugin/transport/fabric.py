@@ -1,0 +1,490 @@
+"""A model of this machine's fabric: GPUs and their links, RDMA NICs, GPUDirect RDMA, NCCL, MPS.
+
+Built from sysfs, ``/dev``, ``/proc``, the environment and the CUDA driver (``cuda_driver``),
+never from tools that may be missing (``ibstat``, ``nvidia-smi``). Every source is injectable
+(``probe_fabric(root=..., environ=..., driver=..., memlock=..., nccl_version=...)``) so tests run
+on fake trees; nothing here raises on a missing file or driver: it says what it could not read.
+
+NIC-to-GPU affinity (the rule behind per-GPU scale-out bandwidth):
+
+1. Only NICs with at least one ACTIVE port count (a NIC whose ports are all down carries nothing).
+2. A GPU's nearest NICs are those sharing the longest PCI path prefix with it: behind the same
+   PCIe switch beats the same PCI root complex. If none shares even the root complex, the NICs on
+   the GPU's NUMA node; if its NUMA node is unknown too, none.
+3. A NIC that is nearest to several GPUs is shared evenly among them (a flat VM topology puts
+   every device on one root: each GPU then gets its fair share, not the node's total).
+4. Per-GPU scale-out bandwidth = sum over its nearest NICs of (rates of their ACTIVE ports /
+   the number of GPUs sharing that NIC). Rates come from ``ports/<p>/rate`` ("400 Gb/sec (4X
+   NDR)"); Gb/s / 8 = GB/s. When nothing is known the value is ``DEFAULT_SCALEOUT_GBYTES_PER_S``
+   and the model carries a warning; it is never 0.
+
+NVLink bandwidth per GPU = active NVLinks (NVML) x the per-link rate of its architecture
+(``NVLINK_GBYTES_PER_LINK``); unknown -> ``DEFAULT_NVLINK_GBYTES_PER_S`` with a warning.
+
+EFA (AWS): detected from ``FI_PROVIDER=efa``, Amazon (0x1d0f) RDMA devices or ``rdmap*`` names.
+Its ports report link_layer "Unknown". ``Fabric.queue_pair_cap`` is ``EFA_QUEUE_PAIR_CAP`` there
+(None elsewhere): a backend that opens queue pairs per peer caps its count with ``cap_queue_pairs``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import logging
+import os
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, Optional, Union
+
+from .cuda_driver import DriverReport, GpuInfo, probe_driver
+from .sizing import DEFAULT_NVLINK_GBYTES_PER_S, DEFAULT_SCALEOUT_GBYTES_PER_S
+
+logger = logging.getLogger("ep_plugin")
+
+VENDORS = {"0x15b3": "Mellanox", "0x1d0f": "Amazon"}
+# hca_type (the PCI device id in decimal, as mlx5 prints it) -> product.
+MELLANOX_MODELS = {
+    "MT4115": "ConnectX-4", "MT4117": "ConnectX-4 Lx", "MT4119": "ConnectX-5", "MT4121": "ConnectX-5 Ex",
+    "MT4123": "ConnectX-6", "MT4125": "ConnectX-6 Dx", "MT4127": "ConnectX-6 Lx", "MT4129": "ConnectX-7",
+    "MT4131": "ConnectX-8", "MT41686": "BlueField-2", "MT41692": "BlueField-3",
+}
+# GB/s per NVLink and direction, by compute capability (A100: NVLink 3, H100/H200: 4, B200: 5).
+NVLINK_GBYTES_PER_LINK = {(8, 0): 25.0, (9, 0): 25.0, (10, 0): 50.0, (10, 3): 50.0}
+# aws-ofi-nccl's ring overflowed at DeepEP's automatic 129 queue pairs; 2 per peer suffice on EFA.
+EFA_QUEUE_PAIR_CAP = 2
+# Kernel modules through which an RDMA NIC can register cudaMalloc memory (GPUDirect RDMA).
+PEERMEM_PATHS = (
+    "/sys/module/nvidia_peermem/version",
+    "/sys/kernel/mm/memory_peers/nvidia-peermem/version",
+    "/sys/kernel/mm/memory_peers/nv_mem/version",
+    "/sys/kernel/mm/memory_peers/nv_mem_nc/version",
+)
+MPS_DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
+NCCL_ENV_KEYS = (
+    "NCCL_NET_PLUGIN", "NCCL_NET", "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_DMABUF_ENABLE", "NCCL_NET_GDR_LEVEL",
+    "NCCL_NET_GDR_READ", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_SOCKET_IFNAME", "NCCL_CUMEM_ENABLE",
+    "NCCL_DEBUG", "FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA", "OFI_NCCL_DISABLE_DMABUF", "CUDA_VISIBLE_DEVICES",
+    "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "EP_PLUGIN_SCALEUP_SIZE",
+)
+# Where NCCL net plugins (aws-ofi-nccl: libnccl-net-ofi.so / libnccl-net.so) are usually installed.
+NCCL_PLUGIN_DIRS = ("/opt/amazon/ofi-nccl/lib", "/opt/amazon/ofi-nccl/lib64", "/opt/aws-ofi-nccl/lib",
+                    "/usr/local/lib", "/usr/lib/x86_64-linux-gnu", "/usr/lib64")
+
+_BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+_HOST_BRIDGE = re.compile(r"^pci[0-9a-f]{4}:[0-9a-f]{2}$")
+
+
+@dataclass(frozen=True)
+class RdmaPort:
+    number: int
+    state: str  # "ACTIVE", "DOWN", "INIT", ... (sysfs prints "4: ACTIVE")
+    rate_gbit_per_s: Optional[float]  # None: unreadable or 0
+    rate_text: str
+    link_layer: str  # "InfiniBand", "Ethernet" (RoCE), "Unknown" (EFA)
+
+    @property
+    def active(self) -> bool:
+        return self.state == "ACTIVE"
+
+
+@dataclass(frozen=True)
+class RdmaDevice:
+    name: str
+    vendor_id: Optional[str]
+    vendor: str
+    hca_type: Optional[str]
+    model: str
+    numa_node: Optional[int]
+    pci_path: tuple[str, ...]  # host bridge first, the NIC's own address last
+    ports: tuple[RdmaPort, ...]
+    efa: bool
+
+    @property
+    def usable(self) -> bool:
+        """At least one ACTIVE port."""
+        return any(port.active for port in self.ports)
+
+    @property
+    def active_gbit_per_s(self) -> float:
+        """Sum of the known rates of ACTIVE ports."""
+        return sum(port.rate_gbit_per_s or 0.0 for port in self.ports if port.active)
+
+    @property
+    def rate_known(self) -> bool:
+        return any(port.active and port.rate_gbit_per_s for port in self.ports)
+
+
+@dataclass
+class GpuLinks:
+    """One GPU: what the driver says plus where it sits and what it can reach."""
+
+    info: GpuInfo
+    numa_node: Optional[int]
+    pci_path: tuple[str, ...]
+    peers: tuple[int, ...]  # GPUs whose memory this one can map (CUDA peer access)
+    nearest_nics: tuple[str, ...]
+    nic_affinity: str  # "PCIe switch", "PCI root", "NUMA node" or "none"
+    scaleout_gbytes_per_s: float  # never 0: the default when unknown
+    scaleout_measured: bool
+    nvlink_gbytes_per_s: float  # never 0: the default when unknown
+    nvlink_measured: bool
+
+
+@dataclass
+class NcclInfo:
+    version: Optional[str]
+    version_error: Optional[str]
+    net_plugin: Optional[str]  # NCCL_NET_PLUGIN
+    plugin_libraries: list[str]  # libnccl-net*.so found on LD_LIBRARY_PATH and the usual places
+    env: dict[str, str]  # the relevant variables that are set
+
+
+@dataclass
+class MpsInfo:
+    pipe_directory: str
+    control_pipe: bool  # <pipe dir>/control exists
+    pid: Optional[int]  # from nvidia-cuda-mps-control.pid
+    pid_alive: Optional[bool]
+    active_thread_percentage: Optional[float]
+    active_thread_percentage_text: Optional[str]  # as set, also when unparsable
+
+    @property
+    def daemon_running(self) -> bool:
+        return self.control_pipe and self.pid_alive is not False
+
+
+@dataclass
+class Fabric:
+    """Everything ``doctor`` reports and the backends size from. ``warnings`` lists every default used."""
+
+    root: str
+    driver: DriverReport
+    gpus: list[GpuLinks]
+    pci_nvidia_gpus: list[str]  # NVIDIA display/3D controllers in sysfs, seen even without a driver
+    nvidia_module_version: Optional[str]
+    kernel_release: Optional[str]
+    rdma_devices: list[RdmaDevice]
+    uverbs: list[str]
+    efa: bool
+    efa_reason: str
+    queue_pair_cap: Optional[int]
+    memlock_soft_bytes: Optional[int]  # None = unlimited
+    memlock_hard_bytes: Optional[int]
+    peermem: list[str]  # which PEERMEM_PATHS exist
+    nccl: NcclInfo
+    mps: MpsInfo
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def usable_nics(self) -> list[RdmaDevice]:
+        return [nic for nic in self.rdma_devices if nic.usable]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _Tree:
+    """Reads absolute paths (``/sys/...``) below ``root``; every read may come back None."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+
+    def path(self, absolute: str) -> str:
+        return os.path.join(self.root, absolute.lstrip("/"))
+
+    def read(self, absolute: str) -> Optional[str]:
+        try:
+            with open(self.path(absolute), encoding="utf-8", errors="replace") as handle:
+                return handle.read().strip()
+        except OSError:
+            return None
+
+    def listdir(self, absolute: str) -> list[str]:
+        try:
+            return sorted(os.listdir(self.path(absolute)))
+        except OSError:
+            return []
+
+    def exists(self, absolute: str) -> bool:
+        return os.path.lexists(self.path(absolute))
+
+    def inside(self, host_path: str) -> str:
+        """The absolute path as seen from the machine, for a path under root."""
+        relative = os.path.relpath(host_path, self.root)
+        return "/" + relative if not relative.startswith("..") else host_path
+
+
+def pci_path_of(real_path: str) -> tuple[str, ...]:
+    """The PCI chain in a resolved sysfs device path: host bridge, bridges, the device itself."""
+    parts = real_path.split(os.sep)
+    for start, part in enumerate(parts):
+        if _HOST_BRIDGE.match(part):
+            return tuple(p for p in parts[start:] if _HOST_BRIDGE.match(p) or _BDF.match(p))
+    return ()
+
+
+def _common_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> int:
+    shared = 0
+    for x, y in zip(a, b, strict=False):  # paths differ in length
+        if x != y:
+            break
+        shared += 1
+    return shared
+
+
+def parse_rate(text: Optional[str]) -> Optional[float]:
+    """``"400 Gb/sec (4X NDR)"`` -> 400.0; unreadable or 0 -> None."""
+    if not text:
+        return None
+    match = re.match(r"\s*([0-9]+(?:\.[0-9]+)?)\s*Gb/sec", text)
+    if not match:
+        return None
+    value = float(match.group(1))
+    return value if value > 0 else None
+
+
+def parse_port_state(text: Optional[str]) -> str:
+    """``"4: ACTIVE"`` -> ``"ACTIVE"``; missing -> ``"UNKNOWN"``."""
+    if not text:
+        return "UNKNOWN"
+    return text.split(":", 1)[-1].strip().upper() or "UNKNOWN"
+
+
+def _numa(text: Optional[str]) -> Optional[int]:
+    try:
+        value = int(text) if text is not None else -1
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+def _read_rdma_devices(tree: _Tree, warnings: list[str]) -> list[RdmaDevice]:
+    devices = []
+    for name in tree.listdir("/sys/class/infiniband"):
+        base = f"/sys/class/infiniband/{name}"
+        device_link = tree.path(f"{base}/device")
+        pci_path = pci_path_of(os.path.realpath(device_link)) if os.path.lexists(device_link) else ()
+        vendor_id = (tree.read(f"{base}/device/vendor") or "").lower() or None
+        hca_type = tree.read(f"{base}/hca_type") or None
+        efa = vendor_id == "0x1d0f" or bool(re.match(r"^(rdmap\d+s\d+|efa_?\d*)$", name))
+        ports = []
+        for port in tree.listdir(f"{base}/ports"):
+            if not port.isdigit():
+                continue
+            rate_text = tree.read(f"{base}/ports/{port}/rate") or ""
+            entry = RdmaPort(number=int(port), state=parse_port_state(tree.read(f"{base}/ports/{port}/state")),
+                             rate_gbit_per_s=parse_rate(rate_text), rate_text=rate_text,
+                             link_layer=tree.read(f"{base}/ports/{port}/link_layer") or "unknown")
+            if entry.active and entry.rate_gbit_per_s is None:
+                warnings.append(f"{name} port {port} is ACTIVE but its rate is unreadable ({rate_text!r})")
+            ports.append(entry)
+        vendor = VENDORS.get(vendor_id or "", "Amazon" if efa else (vendor_id or "unknown"))
+        model = "EFA" if efa else MELLANOX_MODELS.get(hca_type or "", hca_type or "unknown")
+        devices.append(RdmaDevice(name=name, vendor_id=vendor_id, vendor=vendor, hca_type=hca_type, model=model,
+                                  numa_node=_numa(tree.read(f"{base}/device/numa_node")), pci_path=pci_path,
+                                  ports=tuple(sorted(ports, key=lambda p: p.number)), efa=efa))
+    return devices
+
+
+def nearest_nics(gpu_path: tuple[str, ...], gpu_numa: Optional[int],
+                 nics: list[RdmaDevice]) -> tuple[tuple[str, ...], str]:
+    """The usable NICs nearest a GPU and how they are near (see the module docstring's rule)."""
+    usable = [nic for nic in nics if nic.usable]
+    best = max((_common_prefix(gpu_path, nic.pci_path) for nic in usable), default=0)
+    if best >= 1:
+        names = tuple(nic.name for nic in usable if _common_prefix(gpu_path, nic.pci_path) == best)
+        return names, ("PCIe switch" if best >= 2 else "PCI root")
+    if gpu_numa is not None:
+        names = tuple(nic.name for nic in usable if nic.numa_node == gpu_numa)
+        if names:
+            return names, "NUMA node"
+    return (), "none"
+
+
+def _gpu_links(tree: _Tree, driver: DriverReport, nics: list[RdmaDevice], warnings: list[str]) -> list[GpuLinks]:
+    placed = []
+    for gpu in driver.gpus:
+        device_dir = tree.path(f"/sys/bus/pci/devices/{gpu.pci_bus_id}")
+        pci_path = pci_path_of(os.path.realpath(device_dir)) if os.path.lexists(device_dir) else ()
+        numa = _numa(tree.read(f"/sys/bus/pci/devices/{gpu.pci_bus_id}/numa_node"))
+        names, affinity = nearest_nics(pci_path, numa, nics)
+        placed.append((gpu, pci_path, numa, names, affinity))
+    sharing = Counter(name for *_, names, _ in placed for name in names)
+    by_name = {nic.name: nic for nic in nics}
+    links = []
+    for gpu, pci_path, numa, names, affinity in placed:
+        measured = sum(by_name[name].active_gbit_per_s / 8.0 / sharing[name] for name in names)
+        scaleout_known = measured > 0
+        if not scaleout_known and any(nic.usable for nic in nics):
+            why = (f"its nearest NIC(s) {', '.join(names)} report no rate" if names
+                   else "no ACTIVE NIC shares its PCI root or NUMA node")
+            warnings.append(f"GPU {gpu.index}: {why}; scale-out bandwidth taken as the default "
+                            f"{DEFAULT_SCALEOUT_GBYTES_PER_S:g} GB/s")
+        if names:
+            all_nearest, _ = nearest_nics(pci_path, numa, [_assume_up(nic) for nic in nics])
+            down = [name for name in all_nearest if not by_name[name].usable]
+            if down:
+                warnings.append(f"GPU {gpu.index}: its nearest NIC(s) {', '.join(down)} have no ACTIVE port; "
+                                f"counting {', '.join(names)} ({affinity}) instead")
+        per_link = NVLINK_GBYTES_PER_LINK.get(tuple(gpu.compute_capability))
+        nvlink_known = bool(gpu.nvlink_active_links) and per_link is not None
+        nvlink = gpu.nvlink_active_links * per_link if nvlink_known else DEFAULT_NVLINK_GBYTES_PER_S
+        peers = tuple(j for j, ok in enumerate(driver.peer_access[gpu.index]) if ok and j != gpu.index) \
+            if gpu.index < len(driver.peer_access) else ()
+        links.append(GpuLinks(info=gpu, numa_node=numa, pci_path=pci_path, peers=peers, nearest_nics=names,
+                              nic_affinity=affinity,
+                              scaleout_gbytes_per_s=measured if scaleout_known else DEFAULT_SCALEOUT_GBYTES_PER_S,
+                              scaleout_measured=scaleout_known, nvlink_gbytes_per_s=nvlink,
+                              nvlink_measured=nvlink_known))
+    if driver.gpus and not any(nic.usable for nic in nics):
+        warnings.append(f"no RDMA NIC with an ACTIVE port: scale-out bandwidth taken as the default "
+                        f"{DEFAULT_SCALEOUT_GBYTES_PER_S:g} GB/s per GPU")
+    return links
+
+
+def _assume_up(nic: RdmaDevice) -> RdmaDevice:
+    """The NIC as if its ports were ACTIVE: to find which NIC *would* be nearest."""
+    ports = nic.ports or (RdmaPort(1, "ACTIVE", None, "", "unknown"),)
+    return dataclasses.replace(nic, ports=tuple(dataclasses.replace(port, state="ACTIVE") for port in ports))
+
+
+def _pci_nvidia_gpus(tree: _Tree) -> list[str]:
+    found = []
+    for bdf in tree.listdir("/sys/bus/pci/devices"):
+        vendor = (tree.read(f"/sys/bus/pci/devices/{bdf}/vendor") or "").lower()
+        pci_class = (tree.read(f"/sys/bus/pci/devices/{bdf}/class") or "").lower()
+        if vendor == "0x10de" and (pci_class.startswith("0x0300") or pci_class.startswith("0x0302")):
+            found.append(bdf)
+    return found
+
+
+def _memlock() -> tuple[int, int]:
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_MEMLOCK)
+
+
+def torch_nccl_version() -> tuple[Optional[str], Optional[str]]:
+    """NCCL's version as torch was built with it: (version, None) or (None, why not)."""
+    try:
+        import torch
+
+        if torch.version.cuda is None:
+            return None, f"torch {torch.__version__} is a CPU build (no NCCL)"
+        version = torch.cuda.nccl.version()
+    except Exception as exc:  # noqa: BLE001 - any failure is a fact to report, not a crash
+        return None, f"{type(exc).__name__}: {exc}"
+    if isinstance(version, tuple):
+        return ".".join(str(part) for part in version), None
+    code = int(version)  # NCCL_VERSION_CODE: major*10000 + minor*100 + patch since 2.9
+    if code >= 10000:
+        return f"{code // 10000}.{(code // 100) % 100}.{code % 100}", None
+    return f"{code // 1000}.{(code // 100) % 10}.{code % 100}", None
+
+
+def _nccl_info(tree: _Tree, environ: Mapping[str, str], version: Callable[[], tuple[Optional[str], Optional[str]]]
+               ) -> NcclInfo:
+    text, error = version()
+    directories = [d for d in environ.get("LD_LIBRARY_PATH", "").split(":") if d] + list(NCCL_PLUGIN_DIRS)
+    libraries: list[str] = []
+    for directory in directories:
+        for found in sorted(glob.glob(os.path.join(tree.path(directory), "libnccl-net*.so*"))):
+            shown = tree.inside(found)
+            if shown not in libraries:
+                libraries.append(shown)
+    return NcclInfo(version=text, version_error=error, net_plugin=environ.get("NCCL_NET_PLUGIN"),
+                    plugin_libraries=libraries, env={key: environ[key] for key in NCCL_ENV_KEYS if key in environ})
+
+
+def _mps_info(tree: _Tree, environ: Mapping[str, str], warnings: list[str]) -> MpsInfo:
+    pipe_directory = environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_DEFAULT_PIPE_DIRECTORY
+    pid_text = tree.read(os.path.join(pipe_directory, "nvidia-cuda-mps-control.pid"))
+    pid = int(pid_text) if pid_text and pid_text.isdigit() else None
+    percentage_text = environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    percentage = None
+    if percentage_text is not None:
+        try:
+            percentage = float(percentage_text)
+        except ValueError:
+            warnings.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percentage_text!r} is not a number")
+    return MpsInfo(pipe_directory=pipe_directory, control_pipe=tree.exists(os.path.join(pipe_directory, "control")),
+                   pid=pid, pid_alive=None if pid is None else tree.exists(f"/proc/{pid}"),
+                   active_thread_percentage=percentage, active_thread_percentage_text=percentage_text)
+
+
+def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mapping[str, str]] = None,
+                 driver: Union[DriverReport, Callable[[], DriverReport], None] = None,
+                 memlock: Optional[Callable[[], tuple[int, int]]] = None,
+                 nccl_version: Optional[Callable[[], tuple[Optional[str], Optional[str]]]] = None,
+                 dmabuf_export: bool = True) -> Fabric:
+    """Build the fabric model; never raises for a missing file, library or driver.
+
+    Args:
+        root: where ``/sys``, ``/dev``, ``/proc`` and the MPS pipe directory are read from.
+        environ: the environment (default ``os.environ``).
+        driver: a DriverReport, or a callable returning one (default: ``probe_driver``).
+        memlock: returns (soft, hard) RLIMIT_MEMLOCK in bytes, -1 = unlimited.
+        nccl_version: returns (version, error) (default: torch's NCCL).
+        dmabuf_export: passed to ``probe_driver`` when ``driver`` is not given.
+    """
+    tree = _Tree(os.fspath(root))
+    environ = os.environ if environ is None else environ
+    warnings: list[str] = []
+    if driver is None:
+        report = probe_driver(dmabuf_export=dmabuf_export)
+    elif isinstance(driver, DriverReport):
+        report = driver
+    else:
+        report = driver()
+    nics = _read_rdma_devices(tree, warnings)
+    gpus = _gpu_links(tree, report, nics, warnings)
+    efa_nics = [nic.name for nic in nics if nic.efa]
+    reasons = []
+    if environ.get("FI_PROVIDER", "").lower() == "efa":
+        reasons.append("FI_PROVIDER=efa")
+    if efa_nics:
+        shown = ", ".join(efa_nics[:3]) + (", ..." if len(efa_nics) > 3 else "")
+        reasons.append(f"{len(efa_nics)} EFA device(s): {shown}")
+    soft, hard = (memlock or _memlock)()
+    fabric = Fabric(
+        root=tree.root, driver=report, gpus=gpus, pci_nvidia_gpus=_pci_nvidia_gpus(tree),
+        nvidia_module_version=tree.read("/sys/module/nvidia/version"),
+        kernel_release=tree.read("/proc/sys/kernel/osrelease"),
+        rdma_devices=nics,
+        uverbs=sorted((name for name in tree.listdir("/dev/infiniband") if re.fullmatch(r"uverbs\d+", name)),
+                      key=lambda name: int(name[len("uverbs"):])),
+        efa=bool(reasons), efa_reason="; ".join(reasons), queue_pair_cap=EFA_QUEUE_PAIR_CAP if reasons else None,
+        memlock_soft_bytes=None if soft < 0 else soft, memlock_hard_bytes=None if hard < 0 else hard,
+        peermem=[path for path in PEERMEM_PATHS if tree.exists(path)],
+        nccl=_nccl_info(tree, environ, nccl_version or torch_nccl_version),
+        mps=_mps_info(tree, environ, warnings), warnings=warnings)
+    return fabric
+
+
+def cap_queue_pairs(requested: int, fabric: Fabric) -> int:
+    """Queue pairs per peer a backend should open: ``requested``, capped on EFA (at least 1)."""
+    if fabric.queue_pair_cap is None:
+        return max(1, requested)
+    return max(1, min(requested, fabric.queue_pair_cap))
+
+
+@functools.lru_cache(maxsize=1)
+def local_fabric() -> Fabric:
+    """This machine's fabric, probed once per process (without the live DMA-BUF export)."""
+    return probe_fabric(dmabuf_export=False)
+
+
+def gpu_link_bandwidths(device_index: int, fabric: Optional[Fabric] = None) -> tuple[Optional[float], Optional[float]]:
+    """(NVLink, scale-out) GB/s of one GPU for ``resolve_num_sms``; None where only a default is known.
+
+    ``device_index`` is the CUDA ordinal in this process (``CUDA_VISIBLE_DEVICES`` applies). The
+    defaults are left to ``resolve_num_sms`` so that the warning is logged where the value is used.
+    """
+    fabric = fabric or local_fabric()
+    for gpu in fabric.gpus:
+        if gpu.info.index == device_index:
+            return (gpu.nvlink_gbytes_per_s if gpu.nvlink_measured else None,
+                    gpu.scaleout_gbytes_per_s if gpu.scaleout_measured else None)
+    return None, None

@@ -1,0 +1,346 @@
+"""doctor's verdicts on fake machines, its exit codes and JSON, and a run on this machine."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from fake_fabric import (
+    add_gpu_pci,
+    add_peermem,
+    add_rdma,
+    add_uverbs,
+    dgx_chains,
+    dgx_cx7,
+    driver,
+    gpu,
+    make_fabric,
+    p5en_efa,
+    write,
+)
+
+from ep_plugin import doctor
+from ep_plugin.doctor import DEGRADED, NOT_NEEDED, OK, UNAVAILABLE, Options, assess, exit_code
+from ep_plugin.transport import nccl_probe
+from ep_plugin.transport.cuda_driver import DriverReport
+from ep_plugin.transport.nccl_probe import NcclProbeResult
+
+BUILT = (True, "ep_plugin._C is built")
+REGISTERED = ["hybrid", "reference"]
+
+
+def verdicts(fabric, environ=None, probe=None, extension=BUILT, registered=REGISTERED, **options):
+    found = assess(fabric, Options(**options), environ=environ or {}, extension=extension, registered=registered,
+                   probe=probe)
+    return {v.path: v for v in found}, exit_code(found)
+
+
+def scaleout(tmp_path, report, environ=None, **kwargs):
+    fabric = make_fabric(tmp_path, report, environ, **kwargs)
+    return verdicts(fabric, environ, scaleout="gdr")
+
+
+def fixes(verdict):
+    return " | ".join(p.fix for p in verdict.problems)
+
+
+# ---- scale-out: peermem vs DMA-BUF vs neither ---------------------------------------------------
+
+def test_cx7_with_peermem_and_dmabuf_prefers_dmabuf(tmp_path):
+    found, code = scaleout(tmp_path, dgx_cx7(tmp_path))
+    verdict = found["scaleout"]
+    assert (verdict.mode, verdict.status, verdict.passed, code) == (nccl_probe.GDR_DMABUF, OK, True, 0)
+    assert "nvidia-peermem is loaded too" in verdict.summary
+    assert any("GPU 0: 50, GPU 1: 50" in note for note in verdict.notes)
+
+
+def test_peermem_only(tmp_path):
+    found, code = scaleout(tmp_path, dgx_cx7(tmp_path, dmabuf=False))
+    verdict = found["scaleout"]
+    assert (verdict.mode, verdict.status, code) == (nccl_probe.GDR_PEERMEM, OK, 0)
+    assert any("DMA-BUF not used: CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is False" in n for n in verdict.notes)
+
+
+def test_dmabuf_only(tmp_path):
+    found, code = scaleout(tmp_path, dgx_cx7(tmp_path, peermem=False))
+    assert (found["scaleout"].mode, code) == (nccl_probe.GDR_DMABUF, 0)
+    assert "peermem" not in found["scaleout"].summary
+
+
+def test_neither_stages_through_host_memory(tmp_path):
+    report = dgx_cx7(tmp_path, peermem=False, dmabuf=False)
+    found, code = scaleout(tmp_path, report)
+    verdict = found["scaleout"]
+    assert (verdict.mode, verdict.status, verdict.passed, code) == (nccl_probe.STAGED, DEGRADED, False, 1)
+    assert "modprobe nvidia_peermem" in fixes(verdict)
+    # Staging is acceptable to --scaleout (= rdma), not to --scaleout gdr.
+    fabric = make_fabric(tmp_path, report)
+    assert verdicts(fabric, scaleout="rdma")[1] == 0 and verdicts(fabric, scaleout="gdr")[1] == 1
+
+
+def test_dmabuf_attribute_without_a_working_export(tmp_path):
+    found, _ = scaleout(tmp_path, dgx_cx7(tmp_path, peermem=False, export="failed: CUDA_ERROR_NOT_SUPPORTED (801)"))
+    assert found["scaleout"].mode == nccl_probe.STAGED
+    assert "live export failed: CUDA_ERROR_NOT_SUPPORTED" in found["scaleout"].problems[0].text
+
+
+def test_environment_can_turn_gdr_off(tmp_path):
+    report = dgx_cx7(tmp_path)
+    found, _ = scaleout(tmp_path, report, {"NCCL_DMABUF_ENABLE": "0"})
+    assert found["scaleout"].mode == nccl_probe.GDR_PEERMEM
+    found, _ = scaleout(tmp_path, report, {"NCCL_NET_GDR_LEVEL": "LOC"})
+    assert found["scaleout"].mode == nccl_probe.STAGED and "unset NCCL_NET_GDR_LEVEL" in fixes(found["scaleout"])
+
+
+def test_old_kernel_cannot_import_dmabuf(tmp_path):
+    report = dgx_cx7(tmp_path, peermem=False)
+    write(tmp_path / "proc/sys/kernel/osrelease", "5.4.0-150-generic")
+    found, _ = scaleout(tmp_path, report)
+    assert found["scaleout"].mode == nccl_probe.STAGED and "older than 5.12" in found["scaleout"].problems[0].text
+
+
+def test_gpu_without_gpudirect_support(tmp_path):
+    gpu_chain, nic_chain = dgx_chains(0)
+    add_gpu_pci(tmp_path, gpu_chain)
+    add_rdma(tmp_path, "mlx5_0", nic_chain)
+    add_uverbs(tmp_path, 1)
+    add_peermem(tmp_path)
+    found, code = scaleout(tmp_path, driver([gpu(0, gpu_chain[-1], gdr=False)]))
+    assert (found["scaleout"].mode, code) == (nccl_probe.STAGED, 1)
+
+
+def test_memlock_limit_is_a_problem_with_a_fix(tmp_path):
+    found, code = scaleout(tmp_path, dgx_cx7(tmp_path), memlock=(64 << 10, 64 << 10))
+    verdict = found["scaleout"]
+    assert verdict.mode == nccl_probe.GDR_DMABUF and verdict.status == DEGRADED and code == 0
+    assert "ulimit -l unlimited" in fixes(verdict) and "0.0625 MiB" in verdict.problems[0].text
+
+
+# ---- scale-out: NICs ------------------------------------------------------------------------------
+
+def test_no_nics_means_sockets(tmp_path):
+    gpu_chain, _ = dgx_chains(0)
+    add_gpu_pci(tmp_path, gpu_chain)
+    fabric = make_fabric(tmp_path, driver([gpu(0, gpu_chain[-1])]))
+    found, code = verdicts(fabric, scaleout="rdma")
+    assert (found["scaleout"].mode, found["scaleout"].status, code) == (nccl_probe.SOCKET, DEGRADED, 1)
+    assert verdicts(fabric, scaleout="socket")[1] == 0
+    assert verdicts(fabric)[1] == 0  # nobody asked about scale-out
+    assert any("GPU 0: 50 (default)" in note for note in found["scaleout"].notes)
+
+
+def test_all_ports_down(tmp_path):
+    found, code = scaleout(tmp_path, dgx_cx7(tmp_path, down=tuple(range(8))))
+    verdict = found["scaleout"]
+    assert (verdict.mode, code) == (nccl_probe.SOCKET, 1)
+    assert "no RDMA port is ACTIVE (mlx5_0 DOWN" in verdict.problems[0].text and "ACTIVE" in verdict.problems[0].fix
+
+
+def test_one_port_down_is_reported_but_gdr_still_works(tmp_path):
+    found, code = scaleout(tmp_path, dgx_cx7(tmp_path, down=(0,)))
+    verdict = found["scaleout"]
+    assert (verdict.mode, verdict.status, code) == (nccl_probe.GDR_DMABUF, DEGRADED, 0)
+    assert "mlx5_0" in verdict.problems[0].text
+    assert any("GPU 0: 25, GPU 1: 25, GPU 2: 50" in note for note in verdict.notes)
+    assert any("GPU 0 (PCI root)" in note for note in verdict.notes)  # GDR distance warning
+
+
+def test_missing_uverbs_devices(tmp_path):
+    found, code = scaleout(tmp_path, dgx_cx7(tmp_path, uverbs=False))
+    assert (found["scaleout"].mode, code) == (nccl_probe.SOCKET, 1)
+    assert "--device=/dev/infiniband" in fixes(found["scaleout"])
+
+
+def test_efa_with_plugin_and_queue_pair_cap(tmp_path):
+    found, code = scaleout(tmp_path, p5en_efa(tmp_path), {"FI_PROVIDER": "efa"})
+    verdict = found["scaleout"]
+    assert (verdict.mode, code) == (nccl_probe.GDR_DMABUF, 0)
+    assert any("queue pairs capped at 2 per peer" in note for note in verdict.notes)
+    assert any("GPU 7: 50" in note for note in verdict.notes)
+
+
+def test_efa_without_plugin(tmp_path):
+    found, code = scaleout(tmp_path, p5en_efa(tmp_path, plugin=False), {"FI_PROVIDER": "efa"})
+    assert (found["scaleout"].mode, code) == (nccl_probe.SOCKET, 1)
+    assert "aws-ofi-nccl" in fixes(found["scaleout"])
+
+
+def test_nccl_probe_log_overrides_the_static_guess(tmp_path):
+    fabric = make_fabric(tmp_path, dgx_cx7(tmp_path))
+    probe = NcclProbeResult(ran=True, reason="ran", facts=nccl_probe.NcclLogFacts(net_channels=2),
+                            mode=nccl_probe.STAGED, why="2 IB connections, none with GPUDirect RDMA")
+    found, code = verdicts(fabric, probe=probe, scaleout="gdr")
+    verdict = found["scaleout"]
+    assert (verdict.mode, code) == (nccl_probe.STAGED, 1) and "(NCCL probe)" in verdict.summary
+    assert any("the NCCL log decides" in note for note in verdict.notes)
+    skipped = NcclProbeResult(ran=False, reason="needs 2 GPUs")
+    found, _ = verdicts(fabric, probe=skipped)
+    assert found["scaleout"].mode == nccl_probe.GDR_DMABUF
+    assert any("NCCL probe skipped: needs 2 GPUs" in note for note in found["scaleout"].notes)
+
+
+def test_no_nccl_in_torch(tmp_path):
+    fabric = make_fabric(tmp_path, dgx_cx7(tmp_path), nccl=(None, "torch 2.13.0+cpu is a CPU build (no NCCL)"))
+    found, code = verdicts(fabric, scaleout="socket")
+    assert (found["scaleout"].mode, found["scaleout"].status, code) == (nccl_probe.UNAVAILABLE, UNAVAILABLE, 1)
+
+
+# ---- NVLink domain ---------------------------------------------------------------------------------
+
+def test_nvlink_domain_of_eight_peer_gpus(tmp_path):
+    found, code = verdicts(make_fabric(tmp_path, dgx_cx7(tmp_path)), backend="hybrid")
+    verdict = found["nvlink"]
+    assert (verdict.status, verdict.asked, code) == (OK, True, 0)
+    assert "8 GPUs, all peer-accessible over NVLink (18+ active links, ~450 GB/s per GPU)" == verdict.summary
+
+
+def test_gpus_without_peer_access_split_the_domain(tmp_path):
+    report = dgx_cx7(tmp_path)
+    report.peer_access = [[i // 4 == j // 4 for j in range(8)] for i in range(8)]
+    found, code = verdicts(make_fabric(tmp_path, report), backend="hybrid", ranks_per_gpu=2)
+    verdict = found["nvlink"]
+    assert (verdict.status, code) == (DEGRADED, 0)
+    assert "EP_PLUGIN_SCALEUP_SIZE=8" in fixes(verdict) and "[[0, 1, 2, 3], [4, 5, 6, 7]]" in verdict.summary
+
+
+def test_pcie_peer_access_without_nvlink(tmp_path):
+    report = driver([gpu(0, "0000:00:05.0", nvlinks=0), gpu(1, "0000:00:06.0", nvlinks=0)])
+    found, _ = verdicts(make_fabric(tmp_path, report))
+    assert found["nvlink"].status == DEGRADED and "PCIe" in found["nvlink"].summary
+
+
+def test_no_driver_says_no_gpu(tmp_path):
+    fabric = make_fabric(tmp_path, DriverReport(loaded=False, error="no CUDA driver (libcuda.so.1 missing)"))
+    found, code = verdicts(fabric, backend="hybrid")
+    assert (found["nvlink"].status, code) == (UNAVAILABLE, 1)
+    assert found["nvlink"].problems[0].text.startswith("no GPU: no NVIDIA GPU on the PCI bus")
+    assert "'reference' backend" in found["nvlink"].problems[0].fix
+    assert found["mps"].status == NOT_NEEDED
+    assert verdicts(fabric, backend="reference")[1] == 0
+
+
+def test_gpu_on_the_bus_without_driver(tmp_path):
+    add_gpu_pci(tmp_path, ["pci0000:00", "0000:00:05.0"])
+    found, _ = verdicts(make_fabric(tmp_path, DriverReport(loaded=False, error="no CUDA driver (x)")))
+    assert "0000:00:05.0" in found["nvlink"].problems[0].text and "install" in found["nvlink"].problems[0].fix
+
+
+def test_extension_missing_and_unregistered_backend(tmp_path):
+    fabric = make_fabric(tmp_path, dgx_cx7(tmp_path))
+    found, code = verdicts(fabric, backend="hybrid", extension=(False, "ep_plugin._C is not built (no nvcc)"))
+    assert (found["nvlink"].status, code) == (UNAVAILABLE, 1) and "nvcc" in fixes(found["nvlink"])
+    found, code = verdicts(fabric, backend="elastic")
+    assert code == 1 and "'elastic' is not in this build" in found["nvlink"].problems[0].text
+    found, code = verdicts(fabric, backend="magic")
+    assert code == 1 and found["backend"].status == UNAVAILABLE
+
+
+def test_co_residency_refuses_too_many_sms(tmp_path):
+    fabric = make_fabric(tmp_path, driver([gpu(0, "0000:00:05.0", nvlinks=0)]))
+    found, code = verdicts(fabric, {"EP_PLUGIN_NUM_SMS": "40"}, backend="hybrid", ranks_per_gpu=4)
+    verdict = found["nvlink"]
+    assert (verdict.status, code) == (UNAVAILABLE, 1)
+    assert "would deadlock" in verdict.problems[0].text and "EP_PLUGIN_NUM_SMS=33" in verdict.problems[0].fix
+    found, code = verdicts(fabric, {"EP_PLUGIN_NUM_SMS": "0"}, backend="hybrid", ranks_per_gpu=4)
+    assert code == 0 and any("autosized" in note and "fits" in note for note in found["nvlink"].notes)
+    # MPS caps a rank at its share of the SMs: 10% of 132 -> 13 < 16.
+    found, code = verdicts(make_fabric(tmp_path, fabric.driver, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10"}),
+                           {}, backend="hybrid")
+    assert code == 1 and "EP_PLUGIN_NUM_SMS=13" in fixes(found["nvlink"])
+
+
+def test_older_architecture_is_flagged(tmp_path):
+    found, _ = verdicts(make_fabric(tmp_path, driver([gpu(0, "0000:00:05.0", cc=(8, 0), nvlinks=0)])))
+    assert "EP_PLUGIN_CUDA_ARCHS=80" in fixes(found["nvlink"])
+
+
+# ---- MPS ---------------------------------------------------------------------------------------------
+
+def test_mps_verdicts(tmp_path):
+    report = driver([gpu(0, "0000:00:05.0", nvlinks=0)])
+    found, _ = verdicts(make_fabric(tmp_path, report))
+    assert found["mps"].status == NOT_NEEDED
+    found, code = verdicts(make_fabric(tmp_path, report), ranks_per_gpu=4)
+    assert (found["mps"].status, code) == (DEGRADED, 0) and "nvidia-cuda-mps-control -d" in fixes(found["mps"])
+    write(tmp_path / "tmp/nvidia-mps/control", "")
+    found, _ = verdicts(make_fabric(tmp_path, report), ranks_per_gpu=4)
+    assert found["mps"].status == OK and "control daemon running" in found["mps"].summary
+    greedy = make_fabric(tmp_path, report, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"})
+    found, _ = verdicts(greedy, ranks_per_gpu=4)
+    assert found["mps"].status == DEGRADED and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in fixes(found["mps"])
+
+
+# ---- command line ------------------------------------------------------------------------------------
+
+def test_json_output_parses_and_carries_the_exit_code(tmp_path, capsys):
+    fabric = make_fabric(tmp_path, dgx_cx7(tmp_path, peermem=False, dmabuf=False))
+    code = doctor.main(["--json", "--scaleout", "gdr"], fabric=fabric, environ={})
+    payload = json.loads(capsys.readouterr().out)
+    assert code == 1 and payload["exit_code"] == 1
+    modes = {v["path"]: v["mode"] for v in payload["verdicts"]}
+    assert modes["scaleout"] == nccl_probe.STAGED
+    assert payload["fabric"]["gpus"][0]["scaleout_gbytes_per_s"] == 50.0
+    assert payload["fabric"]["rdma_devices"][0]["hca_type"] == "MT4129"
+    assert payload["sm_autosize"]["num_sms"] >= 4
+
+
+def test_text_output_has_tables_verdicts_and_fixes(tmp_path, capsys):
+    fabric = make_fabric(tmp_path, dgx_cx7(tmp_path, down=(3,), peermem=False, dmabuf=False))
+    assert doctor.main(["--ranks-per-gpu", "2"], fabric=fabric, environ={}) == 0
+    text = capsys.readouterr().out
+    for expected in ("Machine", "GPUs", "RDMA devices (/sys/class/infiniband)", "ConnectX-7", "400 Gb/sec (4X NDR)",
+                     "SM autosize (EP_PLUGIN_NUM_SMS=0) for 16 ranks", "Verdicts", "[warn] scale-out",
+                     "fix:     modprobe nvidia_peermem", "Warnings", "mlx5_3 have no ACTIVE port"):
+        assert expected in text, expected
+    nic_row = next(line for line in text.splitlines() if line.strip().startswith("mlx5_3"))
+    assert nic_row.split()[4] == "DOWN"
+
+
+def test_cli_on_this_machine(capsys):
+    code = doctor.main(["--json"])
+    payload = json.loads(capsys.readouterr().out)
+    assert code == 0 and payload["exit_code"] == 0
+    nvlink = next(v for v in payload["verdicts"] if v["path"] == "nvlink")
+    if payload["fabric"]["gpus"]:
+        assert nvlink["summary"]
+    else:  # the CPU build machine: said plainly
+        assert nvlink["status"] == UNAVAILABLE and nvlink["problems"][0]["text"].startswith("no GPU")
+        assert doctor.main(["--backend", "hybrid"]) == 1 and doctor.main(["--backend", "reference"]) == 0
+        assert "no GPU" in capsys.readouterr().out
+
+
+def test_module_and_console_script_entry_points():
+    result = subprocess.run([sys.executable, "-m", "ep_plugin", "doctor"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Verdicts" in result.stdout and "NVLink domain" in result.stdout
+    script = os.path.join(os.path.dirname(sys.executable), "ep-plugin")
+    if not os.path.exists(script):
+        pytest.skip("ep-plugin console script not installed next to this python")
+    result = subprocess.run([script, "doctor", "--json"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and json.loads(result.stdout)["verdicts"]
+
+
+def test_info_prints_the_fabric_line(capsys):
+    from ep_plugin.__main__ import main
+
+    assert main(["info"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("fabric: "))
+    assert "scale-out:" in line and "python -m ep_plugin doctor" in line
+
+
+def test_summary_line(tmp_path):
+    line = doctor.summary_line(make_fabric(tmp_path, p5en_efa(tmp_path)), {})
+    assert line.startswith("8 x NVIDIA H200 (132 SMs, sm_90)") and "16 ACTIVE RDMA NIC(s) (EFA)" in line
+    assert nccl_probe.GDR_DMABUF in line
+
+
+def test_partial_driver_report_is_a_problem_not_a_crash(tmp_path):
+    report = driver([gpu(0, "0000:00:05.0", nvlinks=None, sms=0)])
+    report.error, report.nvml_error = "cuDeviceGetPCIBusId(1) failed: CUDA_ERROR_UNKNOWN (999)", "NVML not found"
+    found, code = verdicts(make_fabric(tmp_path, report), backend="hybrid")
+    verdict = found["nvlink"]
+    assert (verdict.status, code) == (DEGRADED, 0) and "stopped early" in verdict.problems[0].text
+    assert "NVLink state unknown: NVML not found" in verdict.notes
+    assert any("SM count" in note for note in verdict.notes)
