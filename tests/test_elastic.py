@@ -544,3 +544,26 @@ def co_residency(ctx) -> str:
 def test_elastic_refuses_oversubscribed_sms():
     results = run_ranks(co_residency, 4, device="cuda", timeout_s=120)
     assert all("resident" in message for message in results), results
+
+
+def autosized(ctx) -> dict:
+    """num_sms=0: every rank runs the same autosized grid, within the co-residency limit, and it works."""
+    _, elastic = make_backends(ctx, 512, num_sms=0)
+    x, idx, w, _, _ = make_inputs(950, ctx.rank, ctx.world_size, 30, 512, NUM_EXPERTS, 2, skewed=False,
+                                  drop_some=False)
+    out = elastic.dispatch(x, topk_idx=idx, topk_weights=w)
+    back = elastic.combine(out.hidden, out.handle)
+    sharing = -(-ctx.world_size // torch.cuda.device_count())
+    limit = torch.cuda.get_device_properties(ctx.device).multi_processor_count // sharing
+    result = {"blocks": elastic.num_blocks, "limit": limit, "shape": tuple(back.hidden.shape)}
+    elastic.destroy()
+    return result
+
+
+def test_elastic_autosizes_sms_when_num_sms_is_zero():
+    results = run_ranks(autosized, 4, device="cuda", timeout_s=120)
+    blocks = {r["blocks"] for r in results}
+    assert len(blocks) == 1, results  # one grid size on every rank
+    (count,) = blocks
+    assert 1 <= count <= results[0]["limit"] and (count % 2 == 0 or count < 4), results
+    assert all(r["shape"] == (30, 512) for r in results), results

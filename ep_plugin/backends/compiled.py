@@ -8,12 +8,15 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from .. import _cuda, streams
 from ..agreement import OP_BARRIER, OpFingerprint
 from ..errors import BackendUnavailableError
 from ..routing import ROUTING_MAP, Routing
+from ..transport.fabric import gpu_link_bandwidths
 from ..transport.placement import ranks_per_gpu
+from ..transport.sizing import resolve_num_sms
 from ..transport.symmetric import SymmetricBuffer
 from .base import Backend
 
@@ -34,6 +37,8 @@ class CompiledBackend(Backend):
     # Phase number -> name in timeout reports; the barrier's phase number.
     phase_names: dict[int, str] = {}
     barrier_phase: int = 0
+    # Experts per token assumed when num_sms = 0 sizes the grid before any dispatch is seen.
+    autosize_topk: int = 8
 
     def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None) -> None:
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device)
@@ -52,8 +57,9 @@ class CompiledBackend(Backend):
         if hidden_size % 8:
             raise ValueError(
                 f"backend {self.name!r} needs hidden_size divisible by 8 (16-byte rows), got {hidden_size}")
-        self.num_blocks = self.config.num_sms
-        self._check_co_residency()
+        sharing = ranks_per_gpu(self.group, self.device)
+        self.num_blocks = self._resolve_num_blocks(sharing)
+        self._check_co_residency(sharing)
         self._bulk = bool(self.config.bulk_copy)  # the kernels fall back to register copies below sm_90
         self._dispatch_count = 0  # handle ids: the n-th dispatch of this backend makes handle n
         # Non-blocking top-k dispatch: ids out of range were dropped, not indexed (device bool).
@@ -66,11 +72,28 @@ class CompiledBackend(Backend):
                                       count_words=count_words, timeout_s=self.config.timeout_s, backend=self.name,
                                       phase_names=self.phase_names)
 
-    def _check_co_residency(self) -> None:
+    def _device_sms(self) -> int:
+        return torch.cuda.get_device_properties(self.device).multi_processor_count
+
+    def _resolve_num_blocks(self, sharing: int) -> int:
+        """Blocks per rank: ``config.num_sms``, or with 0 the autosized count (the fabric model's link
+        bandwidths; defaults with a warning where unknown). Every rank uses the smallest rank's count:
+        the kernels wait for as many blocks of every peer as they run themselves."""
+        if self.config.num_sms > 0:
+            return self.config.num_sms
+        nvlink, scaleout = gpu_link_bandwidths(self.device.index)
+        mine = resolve_num_sms(self.config, device_sms=self._device_sms(), ranks_sharing_gpu=sharing,
+                               num_ranks=self.num_ranks, num_experts=self.num_experts, topk=self.autosize_topk,
+                               hidden_bytes=2 * self.hidden_size, nvlink_gbytes_per_s=nvlink,
+                               scaleout_gbytes_per_s=scaleout)
+        everyone: list[Optional[int]] = [None] * self.num_ranks
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return min(everyone)
+
+    def _check_co_residency(self, sharing: int) -> None:
         """Refuse (before any launch) grids that could not all be resident at once: spin-waiting blocks
         of ranks sharing a GPU deadlock when some of them cannot be scheduled."""
-        sharing = ranks_per_gpu(self.group, self.device)
-        sms = self.config.max_sms_per_gpu or torch.cuda.get_device_properties(self.device).multi_processor_count
+        sms = self.config.max_sms_per_gpu or self._device_sms()
         if sharing * self.num_blocks > sms:
             raise ValueError(
                 f"backend {self.name!r}: {sharing} ranks share one GPU and each runs {self.num_blocks} spin-waiting "

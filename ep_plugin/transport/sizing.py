@@ -207,7 +207,7 @@ def resolve_num_sms(config: Any, *, device_sms: int, ranks_sharing_gpu: int, num
     Args:
         config: an ``ep_plugin.Config`` (``num_sms``, ``max_sms_per_gpu`` are read).
         device_sms: multiprocessor count of the rank's GPU.
-        ranks_sharing_gpu: ranks of the group on that GPU (``transport.ipc.ranks_per_gpu``).
+        ranks_sharing_gpu: ranks of the group on that GPU (``transport.placement.ranks_per_gpu``).
         num_ranks: ranks in the EP group.
         num_experts, topk: routing shape.
         hidden_bytes: bytes of one token row as sent (hidden x element size; FP8 rows are smaller).
