@@ -1,10 +1,10 @@
-"""Device time of each kernel of a hybrid dispatch + combine, from torch.profiler (CUPTI).
+"""Device time of each kernel of a dispatch + combine (hybrid or elastic), from torch.profiler (CUPTI).
 
 The benchmark times whole ops; this splits them into stages (layout, notify, send, permute,
 combine send / receive, torch's own kernels) to show which one bounds an op. Rank 0's profile
 is printed; spin-waiting kernels include the time they waited for the slowest rank.
 
-  python benchmarks/kernel_times.py --ranks 8 --tokens 4096 --hidden 7168 --sms 16 [--nonblocking]
+  python benchmarks/kernel_times.py --backend elastic --ranks 8 --tokens 4096 --hidden 7168 --sms 16 [--nonblocking]
 """
 
 from __future__ import annotations
@@ -16,19 +16,24 @@ import torch
 
 def profile_rank(ctx, args) -> str | None:
     import ep_plugin
-    from ep_plugin.bench.workload import Shape, make_hidden, make_routing
+    from ep_plugin.bench.workload import Shape, make_hidden, make_routing, make_topk
     from ep_plugin.config import Config
 
     device = torch.device(ctx.device)
     config = Config.from_env(num_sms=args.sms, blocking=not args.nonblocking, max_tokens_per_rank=args.tokens)
-    backend = ep_plugin.get_backend("hybrid")(hidden_size=args.hidden, num_experts=args.experts, config=config,
-                                              device=device)
+    backend = ep_plugin.get_backend(args.backend)(hidden_size=args.hidden, num_experts=args.experts, config=config,
+                                                  device=device)
     shape = Shape(args.tokens, args.hidden, args.topk, args.experts, "bf16", "balanced")
-    routing_map, probs = make_routing(shape, ctx.rank, 0, device)
+    if "routing_map" in backend.capabilities.routing_forms:
+        routing_map, probs = make_routing(shape, ctx.rank, 0, device)
+        routing = dict(routing_map=routing_map, probs=probs)
+    else:
+        topk_idx, topk_weights = make_topk(shape, ctx.rank, 0, device)
+        routing = dict(topk_idx=topk_idx, topk_weights=topk_weights)
     hidden = make_hidden(shape, ctx.rank, device, torch.bfloat16)
 
     def step():
-        out = backend.dispatch(hidden, routing_map=routing_map, probs=probs)
+        out = backend.dispatch(hidden, **routing)
         backend.combine(out.hidden, out.handle)
 
     for _ in range(3):
@@ -54,6 +59,7 @@ def profile_rank(ctx, args) -> str | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="hybrid", help="hybrid or elastic")
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)

@@ -404,13 +404,41 @@ def test_elastic_register_copies_match_oracles():
 
 # ---- the receive-lifetime contract ------------------------------------------------------------
 
+class HostGate:
+    """Holds a stream at a point until the host opens the gate (a host function enqueued with the
+    driver's cuLaunchHostFunc). The test decides the order of the two streams' work this way instead
+    of relying on a sleep kernel running concurrently with the other stream."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        import ctypes
+        import threading
+
+        self.opened = threading.Event()
+        host_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+        def hold(_user_data) -> None:
+            self.opened.wait(30.0)  # bounded: never hang the test
+
+        self._callback = host_fn(hold)
+        driver = ctypes.CDLL("libcuda.so.1")
+        driver.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, host_fn, ctypes.c_void_p]
+        driver.cuLaunchHostFunc.restype = ctypes.c_int
+        status = driver.cuLaunchHostFunc(ctypes.c_void_p(stream.cuda_stream), self._callback, None)
+        assert status == 0, f"cuLaunchHostFunc failed with CUresult {status}"
+
+    def open(self) -> None:
+        self.opened.set()
+
+
 def delayed_reader(ctx, use_helper: bool) -> dict:
     """A sync-free output's prefix is read late on a side stream while the caller drops its references,
     runs more dispatches and fills same-size allocations. Returns whether the reader saw the right rows
     and whether the output's memory was handed to another tensor before the reader was done.
 
-    With ``out.use_on(side)`` (wait on the ready event + record_stream) the allocator keeps the storage
-    until the side stream is done; the negative control only waits on the event."""
+    The side stream's read is enqueued before the references are dropped but held (HostGate) until the
+    main stream's later work has run. With ``out.use_on(side)`` (wait on the ready event +
+    record_stream) the allocator keeps the storage for the side stream; the negative control only
+    waits on the event, so the storage is reused and the late read sees other data."""
     hidden = 1024
     _, elastic = make_backends(ctx, hidden, blocking=False)
     me, world = ctx.rank, ctx.world_size
@@ -425,8 +453,8 @@ def delayed_reader(ctx, use_helper: bool) -> dict:
     else:
         side.wait_event(out.ready)
     prefix = out.hidden[:expected.shape[0]]
+    gate = HostGate(side)  # the reader comes late
     with torch.cuda.stream(side):
-        torch.cuda._sleep(1_000_000_000)  # the reader comes late (~0.5 s)
         seen = prefix.clone()
     del out, prefix  # the caller keeps no reference
     later = [elastic.dispatch(x + 1, topk_idx=idx, topk_weights=w).hidden for _ in range(3)]
@@ -434,6 +462,10 @@ def delayed_reader(ctx, use_helper: bool) -> dict:
     junk = [torch.full((world * MAX_TOKENS, hidden), -7.0, dtype=torch.bfloat16, device=ctx.device)
             for _ in range(32)]
     reused = any(t.data_ptr() == address for t in later + junk)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()  # the main stream's writes have landed ...
+    gate.open()  # ... before the reader runs
     torch.cuda.synchronize()
     correct = torch.equal(seen, expected)
     del junk, later
