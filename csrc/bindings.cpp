@@ -51,7 +51,7 @@ PYBIND11_MODULE(_C, m) {
       .def("open_peers", &ep::SymmetricBuffer::open_peers, py::arg("handles"))
       .def("destroy", &ep::SymmetricBuffer::destroy)
       .def("report", &ep::SymmetricBuffer::report)
-      .def("mailbox", &ep::SymmetricBuffer::mailbox, py::arg("index"))
+      .def("mailbox", &ep::SymmetricBuffer::mailbox, py::arg("first"), py::arg("count"))
       .def("set_timeout", &ep::SymmetricBuffer::set_timeout, py::arg("timeout_s"))
       .def_property_readonly("total_bytes", &ep::SymmetricBuffer::total_bytes)
       .def_property_readonly("header_bytes", &ep::SymmetricBuffer::header_bytes)

@@ -148,10 +148,13 @@ std::vector<long long> SymmetricBuffer::report() const {
           static_cast<long long>(report_->seen), static_cast<long long>(report_->waited_ns)};
 }
 
-long long SymmetricBuffer::mailbox(int index) const {
-  if (index < 0 || index >= kMailboxWords) throw std::out_of_range("ep_plugin: mailbox index out of range");
+std::vector<long long> SymmetricBuffer::mailbox(int first, int count) const {
+  if (first < 0 || count < 0 || first + count > kMailboxWords)
+    throw std::out_of_range("ep_plugin: mailbox range out of bounds");
   if (report_ == nullptr) throw std::runtime_error("ep_plugin: buffer already destroyed");
-  return report_->mailbox[index];
+  std::vector<long long> words(count);
+  for (int i = 0; i < count; ++i) words[i] = report_->mailbox[first + i];
+  return words;
 }
 
 }  // namespace ep

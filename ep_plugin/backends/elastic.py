@@ -236,11 +236,10 @@ class ElasticBackend(CompiledBackend):
         if self.config.blocking:
             with nvtx_range("ep.elastic.dispatch.wait_count"):
                 self._wait_for_host("the dispatch counts")
-                C = self._C
-                num_packets_total = self.buffer.mailbox(C.MAILBOX_TOTAL_PACKETS)
-                capacity = self.buffer.mailbox(C.MAILBOX_TOTAL_ROWS) if expand else num_packets_total
-                tokens_list = [self.buffer.mailbox(C.MAILBOX_EXPERT_ROWS + e) for e in range(L)]
-                packet_capacity = num_packets_total
+                words = self.buffer.mailbox(0, self._C.MAILBOX_EXPERT_ROWS + L)  # one read of the mapped words
+                total_rows, packet_capacity = words[self._C.MAILBOX_TOTAL_ROWS], words[self._C.MAILBOX_TOTAL_PACKETS]
+                capacity = total_rows if expand else packet_capacity
+                tokens_list = words[self._C.MAILBOX_EXPERT_ROWS:]
         else:
             capacity = self._capacity(k, expand, pad_multiple)
             packet_capacity = R * self.config.max_tokens_per_rank

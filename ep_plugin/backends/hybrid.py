@@ -174,7 +174,7 @@ class HybridBackend(CompiledBackend):
         if self.config.blocking:
             with nvtx_range("ep.hybrid.dispatch.wait_count"):
                 self._wait_for_host("the dispatch counts")
-                budget = self.buffer.mailbox(self._C.MAILBOX_TOTAL_ROWS)
+                (budget,) = self.buffer.mailbox(self._C.MAILBOX_TOTAL_ROWS)
         else:
             budget = self.config.num_permuted_tokens or self._worst_case_rows(routing, pad_multiple)
 

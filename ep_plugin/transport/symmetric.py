@@ -70,9 +70,9 @@ class SymmetricBuffer:
     def total_bytes(self) -> int:
         return self._buffer.total_bytes
 
-    def mailbox(self, index: int) -> int:
-        """A value a kernel published for the host (read after an event wait on that kernel)."""
-        return int(self._buffer.mailbox(index))
+    def mailbox(self, first: int, count: int = 1) -> list[int]:
+        """Values a kernel published for the host (read after an event wait on that kernel)."""
+        return self._buffer.mailbox(first, count)
 
     def failure_message(self) -> Optional[tuple[type, str]]:
         """(exception type, message) of the first device failure on this rank, or None."""

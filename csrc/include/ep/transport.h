@@ -101,8 +101,8 @@ class SymmetricBuffer {
   // (kind, rank, phase, peer, expected, seen, waited_ns); kind 0 = nothing failed. Reads mapped
   // host memory only: no CUDA call, no sync.
   std::vector<long long> report() const;
-  // A mailbox word (read after an event wait on the kernel that wrote it).
-  long long mailbox(int index) const;
+  // Mailbox words [first, first + count) (read after an event wait on the kernel that wrote them).
+  std::vector<long long> mailbox(int first, int count) const;
   void set_timeout(double timeout_s);
 
   const TransportView& view() const { return view_; }
