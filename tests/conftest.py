@@ -5,12 +5,11 @@ A GPU test module declares itself with one line and no import-time checks:
     pytestmark = pytest.mark.gpu
 
 (or ``@pytest.mark.gpu`` on single tests). Such tests need a CUDA device and the compiled
-extension ``ep_plugin._C`` (``pytest.mark.gpu(extension=False)``: a CUDA device only). Where
-one is missing they skip, with the reason, by default;
-with ``--require-gpu`` (or ``EP_PLUGIN_REQUIRE_GPU=1``) they fail with the same reason, so a
-run on the GPU machine cannot come out green having tested no kernel. The module must import
-without CUDA and without the extension (collection happens before the check): keep CUDA work
-inside test and rank functions, never at module level.
+extension ``ep_plugin._C`` (``pytest.mark.gpu(extension=False)``: a CUDA device only). Where one
+is missing they skip with the reason by default, and fail with it under ``--require-gpu`` (or
+``EP_PLUGIN_REQUIRE_GPU=1``), so that a run on the GPU machine cannot come out green having run no
+kernel. The module must import without CUDA and without the extension (collection comes before
+the check): keep CUDA work inside test and rank functions, never at module level.
 """
 
 import functools
