@@ -49,16 +49,25 @@ class MoELayer(torch.nn.Module):
         self.w_in = torch.nn.Parameter(torch.randn(local, spec.hidden_size, spec.ffn_size, device=device) * 0.1)
         self.w_out = torch.nn.Parameter(torch.randn(local, spec.ffn_size, spec.hidden_size, device=device) * 0.1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routing_map [T, E] bool, probs [T, E] float32): each token's top-k experts, weights renormalised."""
         scores = torch.softmax(self.router(x), dim=-1)
         top_scores, top_experts = scores.topk(self.spec.topk, dim=-1)
         top_scores = top_scores / top_scores.sum(dim=-1, keepdim=True)
         routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top_experts, True)
         probs = torch.zeros_like(scores).scatter(1, top_experts, top_scores)
+        return routing_map, probs
+
+    def expert(self, local_expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's expert ``local_expert`` (a two-layer MLP) on rows [N, H] float32."""
+        return F.gelu(rows @ self.w_in[local_expert]) @ self.w_out[local_expert]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routing_map, probs = self.route(x)
         out = ep_plugin.dispatch(self.backend, x.to(self.payload_dtype).contiguous(), routing_map=routing_map,
                                  probs=probs)
         segments = torch.split(out.hidden.float(), out.tokens_per_expert.tolist())
-        expert_rows = [F.gelu(seg @ self.w_in[e]) @ self.w_out[e] for e, seg in enumerate(segments)]
+        expert_rows = [self.expert(e, seg) for e, seg in enumerate(segments)]
         rows = torch.cat(expert_rows) * out.probs.unsqueeze(1)
         return x + ep_plugin.combine(rows.to(self.payload_dtype), out.handle).float()
 
@@ -69,6 +78,12 @@ def teacher(x: torch.Tensor, seed: int) -> torch.Tensor:
     w1 = (torch.randn(hidden, hidden, generator=generator) / hidden**0.5).to(x.device)
     w2 = (torch.randn(hidden, hidden, generator=generator) / hidden**0.5).to(x.device)
     return x + torch.tanh(x @ w1) @ w2
+
+
+def synthetic_tokens(spec: DemoSpec, step: int, rank: int, world_size: int) -> torch.Tensor:
+    """[tokens_per_rank, hidden_size] float32 (CPU): the inputs ``rank`` draws at ``step``."""
+    generator = torch.Generator().manual_seed(spec.seed * 7919 + step * world_size + rank)
+    return torch.randn(spec.tokens_per_rank, spec.hidden_size, generator=generator)
 
 
 def train(ctx: RankContext, spec: DemoSpec) -> list[float]:
@@ -83,8 +98,7 @@ def train(ctx: RankContext, spec: DemoSpec) -> list[float]:
     progress = _progress(ctx, spec)
     losses, start = [], time.perf_counter()
     for step in range(spec.steps):
-        generator = torch.Generator().manual_seed(spec.seed * 7919 + step * ctx.world_size + ctx.rank)
-        x = torch.randn(spec.tokens_per_rank, spec.hidden_size, generator=generator).to(device)
+        x = synthetic_tokens(spec, step, ctx.rank, ctx.world_size).to(device)
         loss = F.mse_loss(model(x), teacher(x, spec.seed)) / ctx.world_size
         optimizer.zero_grad()
         loss.backward()

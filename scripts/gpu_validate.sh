@@ -8,10 +8,13 @@
 #   scripts/gpu_validate.sh sweep OUT                 the full sweep (8 ranks sharing GPU 0; SM counts and
 #                                                     shapes that do not fit are skipped with a message)
 #   scripts/gpu_validate.sh megatron OUT              the Megatron GPT-MoE loss comparison (issue 4)
-# Every stage builds first (quick when nothing changed). Megatron-core comes from a carried wheel
+# Every stage builds first (quick when nothing changed) and stops, with the build log's tail, unless
+# ep_plugin._C imports and sees a GPU; GPU tests then fail instead of skipping (EP_PLUGIN_REQUIRE_GPU=1).
+# Megatron-core comes from a carried wheel
 # in .whl/ (the GPU image has none). Logs, JSON and plots end up in OUT/results.tgz (the device
 # returns at most 8 files).
 set -uo pipefail
+RC=0  # the exit status: pytest's in the tests stage
 STAGE=${1:?stage: tests, bench, sweep or megatron}
 OUT=${2:?output folder}
 shift 2
@@ -22,9 +25,28 @@ if ls .whl/megatron_core-*.whl >/dev/null 2>&1 && ! python3 -c "import megatron.
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
 fi
-python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1 || { tail -30 /tmp/build.log; exit 1; }
+# GPU tests fail, never skip, when CUDA or ep_plugin._C is missing (tests/conftest.py).
+export EP_PLUGIN_REQUIRE_GPU=1
+stop() {  # stop REASON: say why, with setup.py's and the compiler's lines and the build log's tail; exit 1
+  echo "STOPPED: $1"
+  echo "--- setup.py and compiler lines of /tmp/build.log ---"
+  grep -E "^ *ep_plugin: |\): error|: error:|error detected|fatal error|undefined reference" /tmp/build.log \
+    | cut -c1-300 | awk '!seen[$0]++' | head -30
+  echo "--- tail of /tmp/build.log ---"
+  tail -20 /tmp/build.log | cut -c1-300
+  exit 1
+}
+touch /tmp/build.stamp
+python3 -m pip install -v --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1 || stop "pip install failed"
+# pip also succeeds when setup.py found no nvcc (or EP_PLUGIN_NO_CUDA is set) and skipped the extension;
+# an ep_plugin/_C*.so left by an earlier build would then still import, built from other sources.
+[[ -n "$(find ep_plugin -maxdepth 1 -name '_C*.so' -newer /tmp/build.stamp)" ]] \
+  || stop "this build produced no ep_plugin/_C*.so (nvcc not found, or EP_PLUGIN_NO_CUDA set)"
+python3 -c "import ep_plugin._C" >> /tmp/build.log 2>&1 || stop "ep_plugin._C does not import"
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
-echo "build ok; $GPUS GPU(s)"
+python3 -c "from ep_plugin import _cuda; print(_cuda.describe()); raise SystemExit(not _cuda.available())" \
+  >> /tmp/build.log 2>&1 && [[ "$GPUS" -ge 1 ]] || stop "no usable CUDA device (torch sees $GPUS)"
+echo "build ok: ep_plugin._C imports; $GPUS GPU(s)"
 
 bench() {  # bench NAME ARGS...: one benchmark run, its table into the log, JSON + plots under OUT/NAME
   local name=$1; shift
@@ -36,7 +58,9 @@ case "$STAGE" in
   tests)
     nvidia-smi topo -m | head -4
     python3 -m ep_plugin info | head -3
-    timeout 500 python3 -m pytest -q -p no:cacheprovider --durations=6 "${@:-tests}" 2>&1 | tee "$OUT/pytest.log" | tail -25
+    timeout 500 python3 -m pytest -q -p no:cacheprovider --require-gpu --durations=6 "${@:-tests}" 2>&1 | tee "$OUT/pytest.log" | tail -25
+    RC=${PIPESTATUS[0]}
+    echo "pytest rc=$RC"
     ;;
   bench)
     CUDA_VISIBLE_DEVICES=0 bench standard --preset standard --ranks 8
@@ -58,3 +82,4 @@ case "$STAGE" in
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
 tar czf /tmp/results.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tgz "$OUT/"
+exit "$RC"

@@ -1,5 +1,21 @@
+"""Shared pytest setup: the ``gpu`` marker and the ``--require-gpu`` switch.
+
+A GPU test module declares itself with one line and no import-time checks:
+
+    pytestmark = pytest.mark.gpu
+
+(or ``@pytest.mark.gpu`` on single tests). Such tests need a CUDA device and the compiled
+extension ``ep_plugin._C`` (``pytest.mark.gpu(extension=False)``: a CUDA device only). Where one
+is missing they skip with the reason by default, and fail with it under ``--require-gpu`` (or
+``EP_PLUGIN_REQUIRE_GPU=1``), so that a run on the GPU machine cannot come out green having run no
+kernel. The module must import without CUDA and without the extension (collection comes before
+the check): keep CUDA work inside test and rank functions, never at module level.
+"""
+
+import functools
 import os
 import sys
+from typing import Optional
 
 import pytest
 import torch
@@ -7,12 +23,54 @@ import torch
 # Rank processes are spawned: they import worker functions from this folder by module name.
 sys.path.insert(0, os.path.dirname(__file__))
 
+REQUIRE_GPU_ENV = "EP_PLUGIN_REQUIRE_GPU"
 
-def pytest_collection_modifyitems(config, items):
-    # GPU tests skip cleanly (and visibly) on machines without a CUDA device.
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+
+def pytest_addoption(parser):
+    parser.addoption("--require-gpu", action="store_true", default=False,
+                     help="tests marked gpu fail instead of skipping when CUDA or the compiled ep_plugin._C is "
+                          f"missing (also {REQUIRE_GPU_ENV}=1)")
+
+
+def require_gpu(config) -> bool:
+    return bool(config.getoption("--require-gpu")) or os.environ.get(REQUIRE_GPU_ENV, "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_missing_reason(extension: bool = True) -> Optional[str]:
+    """Why GPU tests cannot run here, or None when a CUDA device (and the extension) are usable."""
+    from ep_plugin import _cuda
+
+    reasons = []
+    if not torch.cuda.is_available():
+        reasons.append(f"torch sees no CUDA device (torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+    if extension and _cuda._module is None:
+        reasons.append(f"ep_plugin._C is not built or does not import ({_cuda._import_error})")
+    elif extension and torch.cuda.is_available() and not _cuda.available():
+        reasons.append(f"ep_plugin._C sees no CUDA device ({_cuda.describe()})")
+    return "; ".join(reasons) or None
+
+
+def pytest_report_header(config):
+    reason = gpu_missing_reason()
+    mode = "fail" if require_gpu(config) else "skip"
+    return f"ep_plugin GPU tests: {'run' if reason is None else f'{mode} ({reason})'}"
+
+
+def _gpu_missing_for(item) -> Optional[str]:
+    marker = item.get_closest_marker("gpu")
+    return None if marker is None else gpu_missing_reason(bool(marker.kwargs.get("extension", True)))
+
+
+def pytest_runtest_setup(item):
+    reason = _gpu_missing_for(item)
+    if reason is not None and not require_gpu(item.config):
+        pytest.skip(f"needs a CUDA GPU: {reason}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    # Under --require-gpu the test fails (reported FAILED, not skipped) before its body runs.
+    reason = _gpu_missing_for(item)
+    if reason is not None:
+        pytest.fail(f"GPU required (--require-gpu / {REQUIRE_GPU_ENV}=1) but {reason}", pytrace=False)

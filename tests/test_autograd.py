@@ -1,6 +1,8 @@
 """Gradients through dispatch -> per-expert linear -> combine on real gloo ranks.
 
 - Against dense autograd in one process: hidden states, expert weights and router probs.
+- Two backward passes over one graph (retain_graph=True), on ``reference`` (CPU) and ``hybrid``
+  (GPU): both Functions' backward run twice on the Handle the graph owns.
 - torch.autograd.gradcheck in float64 on 2 ranks. gradcheck perturbs one input element at
   a time, so every rank checks the same global function: inputs are all ranks' tensors
   (identical on every rank), each rank slices its own part (``_TakeLocal``, whose backward
@@ -13,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import ep_plugin
+from ep_plugin.config import Config
 from ep_plugin.testing import run_ranks
 from ep_plugin.testing.dense import dense_moe, make_problem, run_local_experts
 
@@ -44,25 +47,35 @@ def check_gradients_against_dense(ctx, form: str, topk: int) -> None:
     y = ep_plugin.combine(expert_out, out.handle)
     (y * grad_outputs[rank]).sum().backward()
 
-    # Dense: every rank's tokens in one process, same loss summed over ranks.
-    dense_hidden = [h.clone().requires_grad_() for h in problem.hidden]
-    dense_weights = weights.clone().requires_grad_()
-    if form == "routing_map":
-        dense_probs = [p.clone().requires_grad_() for p in problem.probs]
-        dense_probs_full = dense_probs
-    else:  # scatter topk weights into [T, E] differentiably
-        dense_probs = [w.clone().requires_grad_() for w in problem.topk_weights]
-        dense_probs_full = []
-        for idx, w in zip(problem.topk_idx, dense_probs, strict=False):
-            full = torch.zeros(idx.shape[0], num_experts, dtype=torch.float64)
-            dense_probs_full.append(full.scatter(1, idx.clamp(min=0), w * (idx >= 0)))
-    dense_out = dense_moe(problem, lambda e, x: x @ dense_weights[e], dense_hidden, dense_probs_full)
-    sum((o * g).sum() for o, g in zip(dense_out, grad_outputs, strict=False)).backward()
+    dense_out, dense_hidden, dense_weights, dense_probs = _dense_gradients(problem, weights, grad_outputs, form)
 
     torch.testing.assert_close(y, dense_out[rank].detach())
     torch.testing.assert_close(hidden.grad, _grad_or_zeros(dense_hidden[rank]))
     torch.testing.assert_close(local_weights.grad, dense_weights.grad[rank * local:(rank + 1) * local])
     torch.testing.assert_close(probs.grad, _grad_or_zeros(dense_probs[rank]))
+
+
+def _dense_gradients(problem, weights: torch.Tensor, grad_outputs: list[torch.Tensor], form: str):
+    """Every rank's tokens in one process in float64, loss summed over ranks.
+
+    Returns (outputs, hidden leaves, weights leaf, probs leaves: [T, E] or [T, k] as ``form``), backward done.
+    """
+    num_experts = problem.num_experts
+    dense_hidden = [h.detach().to(torch.float64, copy=True).requires_grad_() for h in problem.hidden]
+    dense_weights = weights.detach().to(torch.float64, copy=True).requires_grad_()
+    if form == "routing_map":
+        dense_probs = [p.detach().to(torch.float64, copy=True).requires_grad_() for p in problem.probs]
+        dense_probs_full = dense_probs
+    else:  # scatter topk weights into [T, E] differentiably
+        dense_probs = [w.detach().to(torch.float64, copy=True).requires_grad_() for w in problem.topk_weights]
+        dense_probs_full = []
+        for idx, w in zip(problem.topk_idx, dense_probs, strict=False):
+            full = torch.zeros(idx.shape[0], num_experts, dtype=torch.float64)
+            # scatter_add: a dropped slot (-1, weight 0) adds nothing to expert 0
+            dense_probs_full.append(full.scatter_add(1, idx.clamp(min=0), w * (idx >= 0)))
+    dense_out = dense_moe(problem, lambda e, x: x @ dense_weights[e], dense_hidden, dense_probs_full)
+    sum((o * g.double()).sum() for o, g in zip(dense_out, grad_outputs, strict=False)).backward()
+    return dense_out, dense_hidden, dense_weights, dense_probs
 
 
 def _grad_or_zeros(leaf: torch.Tensor) -> torch.Tensor:
@@ -74,6 +87,83 @@ def _grad_or_zeros(leaf: torch.Tensor) -> torch.Tensor:
                                                  (4, "routing_map", 4)])
 def test_gradients_equal_dense_reference(num_ranks, form, topk):
     run_ranks(check_gradients_against_dense, num_ranks, form, topk, timeout_s=120)
+
+
+def check_backward_twice_with_retain_graph(ctx, backend_name: str) -> None:
+    """Two backward passes over one graph (retain_graph=True): equal gradients, both the dense ones.
+
+    Each pass runs combine's backward (``dispatch_again``) and dispatch's backward (``combine``) on
+    the Handle that only the graph holds: one that a backward released, or a layout it freed or
+    recycled, breaks the second pass. ``reference`` in float64 (CPU); ``hybrid`` with bf16 payloads
+    (GPU), against the float64 dense gradients within bf16 rounding.
+    """
+    backend = ep_plugin.get_backend(backend_name)(
+        hidden_size=16, num_experts=2 * ctx.world_size, device=torch.device(ctx.device),
+        config=Config.from_env(max_tokens_per_rank=64, timeout_s=60.0))
+    for case, form in enumerate(("routing_map", "topk")):
+        _backward_twice(ctx, backend, form, seed=40 + case, topk=2 + case)
+    backend.destroy()
+
+
+def _backward_twice(ctx, backend, form: str, seed: int, topk: int) -> None:
+    device, exact = backend.device, backend.name == "reference"
+    dtype, weight_dtype = (torch.float64, torch.float64) if exact else (torch.bfloat16, torch.float32)
+    hidden_size, num_experts = backend.hidden_size, backend.num_experts
+    rank, local = ctx.rank, backend.num_local_experts
+    tokens = [6 + 3 * r for r in range(ctx.world_size)]
+    problem = make_problem(seed, tokens, hidden_size, num_experts, topk, dtype=dtype, probs_dtype=weight_dtype,
+                           drop_some=True)
+    weights = torch.randn(num_experts, hidden_size, hidden_size, generator=torch.Generator().manual_seed(seed),
+                          dtype=torch.float64)
+    grad_outputs = [torch.randn(t, hidden_size, generator=torch.Generator().manual_seed(seed + 1 + r)).to(dtype)
+                    for r, t in enumerate(tokens)]
+
+    hidden = problem.hidden[rank].to(device, copy=True).requires_grad_()
+    local_weights = weights[rank * local:(rank + 1) * local].to(device, weight_dtype).requires_grad_()
+    if form == "routing_map":
+        probs = problem.probs[rank].to(device, copy=True).requires_grad_()
+        out = ep_plugin.dispatch(backend, hidden, routing_map=problem.routing_map[rank].to(device), probs=probs,
+                                 pad_multiple=4)
+    else:
+        probs = problem.topk_weights[rank].to(device, copy=True).requires_grad_()
+        out = ep_plugin.dispatch(backend, hidden, topk_idx=problem.topk_idx[rank].to(device), topk_weights=probs)
+    expert_out = run_local_experts(out.hidden, out.probs, out.tokens_per_expert, rank * local,
+                                   lambda e, x: (x.to(weight_dtype) @ local_weights[e - rank * local]).to(dtype))
+    y = ep_plugin.combine(expert_out, out.handle)
+    loss = (y.double() * grad_outputs[rank].to(device).double()).sum()
+    del out, expert_out, y  # from here only the graph holds the Handle
+
+    leaves = {"hidden": hidden, "probs": probs, "weights": local_weights}
+    passes = []
+    for _ in range(2):
+        loss.backward(retain_graph=True)
+        passes.append({name: leaf.grad.cpu().double() for name, leaf in leaves.items()})
+        for leaf in leaves.values():
+            leaf.grad = None
+    del loss
+
+    _, dense_hidden, dense_weights, dense_probs = _dense_gradients(problem, weights, grad_outputs, form)
+    expected = {"hidden": dense_hidden[rank].grad, "probs": dense_probs[rank].grad,
+                "weights": dense_weights.grad[rank * local:(rank + 1) * local]}
+    for name in leaves:
+        label = f"{backend.name} {form}: {name} gradient"
+        first, second = passes[0][name], passes[1][name]
+        assert torch.equal(first, second), f"{label}: the second backward gave other values than the first"
+        if exact:
+            torch.testing.assert_close(first, expected[name], msg=lambda m, label=label: f"{label}: {m}")
+        else:  # bf16 payloads: a few roundings of 2**-8 relative each
+            scale = max(1.0, float(expected[name].abs().max()))
+            torch.testing.assert_close(first, expected[name], rtol=3e-2, atol=3e-2 * scale,
+                                       msg=lambda m, label=label: f"{label}: {m}")
+
+
+def test_backward_twice_with_retain_graph():
+    run_ranks(check_backward_twice_with_retain_graph, 2, "reference", timeout_s=120)
+
+
+@pytest.mark.gpu
+def test_backward_twice_with_retain_graph_hybrid():
+    run_ranks(check_backward_twice_with_retain_graph, 2, "hybrid", device="cuda", timeout_s=300)
 
 
 class _TakeLocal(torch.autograd.Function):

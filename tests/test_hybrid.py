@@ -5,7 +5,7 @@ Each launch runs many scenarios inside the rank processes (starting ranks is the
 backends run in the same processes on the same inputs, and dispatch payloads, probs,
 tokens_per_expert and row order must be bitwise equal. Combine may differ from the reference by the
 documented bf16 rounding of per-rank partial sums (see ``ep_plugin/backends/hybrid.py``).
-All tests need a GPU and the compiled extension; without them they skip.
+All tests need a GPU and the compiled extension; without them they skip (fail under --require-gpu).
 """
 
 from __future__ import annotations
@@ -18,15 +18,10 @@ import pytest
 import torch
 
 import ep_plugin
-from ep_plugin import _cuda
 from ep_plugin.config import Config
+from ep_plugin.testing import run_ranks
 
 pytestmark = pytest.mark.gpu
-
-if not (torch.cuda.is_available() and _cuda.available()):
-    pytest.skip("needs a CUDA GPU and the compiled ep_plugin._C", allow_module_level=True)
-
-from ep_plugin.testing import run_ranks  # noqa: E402
 
 NUM_EXPERTS = 32
 MAX_TOKENS = 128

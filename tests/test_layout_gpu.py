@@ -4,7 +4,7 @@
 stand-in object with the few attributes they read, so no process group or peer is needed. A second
 helper calls the extension directly with sentinel-filled, canary-guarded and optionally misaligned
 outputs: every element must be written, nothing past the end, by the vector and the scalar paths.
-All tests need a GPU and the compiled extension; without them they skip.
+All tests need a GPU and the compiled extension; without them they skip (fail under --require-gpu).
 """
 
 from __future__ import annotations
@@ -16,14 +16,10 @@ import pytest
 import torch
 
 from ep_plugin import _cuda
+from ep_plugin.backends.hybrid import HybridBackend
 from ep_plugin.routing import ROUTING_MAP, TOPK, Routing
 
 pytestmark = pytest.mark.gpu
-
-if not (torch.cuda.is_available() and _cuda.available()):
-    pytest.skip("needs a CUDA GPU and the compiled ep_plugin._C", allow_module_level=True)
-
-from ep_plugin.backends.hybrid import HybridBackend  # noqa: E402
 
 OUTPUTS = ("send_slot", "k_index", "expert_counts", "rank_counts", "dense_probs", "bad_ids")
 RANKS_AND_LOCAL = list(itertools.product((1, 2, 8, 32), (1, 3, 32))) + [(1, 256), (2, 256)]

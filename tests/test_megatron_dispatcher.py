@@ -20,6 +20,10 @@ The same launches also run the layer with expert tensor parallelism (TP=2 with s
 parallelism, EP = ranks/2): the routing map reaches the manager as [T, TP*E] and combine
 sums the TP ranks' partial outputs.
 
+With FP8 or FP4 configured, each local expert's rows must be padded to Megatron's own alignment
+for the quantized expert GEMMs (what its HybridEP manager passes as ``pad_multiple``); padding
+rows are zero and the layer still matches the dense one.
+
 One process launch per rank count (2 and 4) runs all cases; a 1-rank launch covers the
 plugin path Megatron's own code refuses (TP x EP == 1), that builtin names still reach
 Megatron's code, replace_builtin=True, and torch.compile traceability of setup_metadata.
@@ -27,6 +31,7 @@ Megatron's code, replace_builtin=True, and torch.compile traceability of setup_m
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
@@ -42,6 +47,13 @@ HIDDEN = 16
 FFN = 24
 NUM_EXPERTS = 8
 TOKENS_PER_RANK = 12
+
+# (name, TransformerConfig fields): FP8 as Megatron's delayed and MXFP8 recipes, FP4 as NVFP4.
+QUANTIZATION_CASES = (
+    ("fp8_delayed", {"fp8": "e4m3", "fp8_recipe": "delayed"}),
+    ("fp8_mxfp8", {"fp8": "hybrid", "fp8_recipe": "mxfp8"}),
+    ("fp4_nvfp4", {"fp4": "e2m1", "fp4_recipe": "nvfp4"}),
+)
 
 # (name, top-k, router probs dtype)
 CASES = (
@@ -70,16 +82,36 @@ def _global_inputs(world_size: int, topk: int, seed: int):
     return hidden, routing_map, probs, grad_out, fc1, fc2
 
 
-def _make_config(topk: int, backend: str = "ep_reference", tensor_parallel: int = 1):
+def _make_config(topk: int, backend: str = "ep_reference", tensor_parallel: int = 1, quantization=None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    quantization = quantization or {}
+    fp8_fields = {name: value for name, value in quantization.items() if name.startswith("fp8")}
     # Megatron requires sequence parallelism for MoE with TP: each TP rank holds its own tokens.
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=2,
         num_moe_experts=NUM_EXPERTS, moe_router_topk=topk, moe_token_dispatcher_type="flex",
         moe_flex_dispatcher_backend=backend, moe_router_dtype="fp32", add_bias_linear=False,
         moe_router_pre_softmax=topk == 1, use_cpu_initialization=True,
-        tensor_model_parallel_size=tensor_parallel, sequence_parallel=tensor_parallel > 1)
+        tensor_model_parallel_size=tensor_parallel, sequence_parallel=tensor_parallel > 1,
+        **{name: value for name, value in quantization.items() if name not in fp8_fields})
+    # TransformerConfig refuses MoE with FP8 unless TransformerEngine (absent on CPU) is installed;
+    # the dispatcher, its manager and SequentialMLP only read these fields, so set them afterwards.
+    for name, value in fp8_fields.items():
+        setattr(config, name, value)
+    return config
+
+
+def _megatron_pad_multiple(config) -> int:
+    """Megatron's own row alignment for FP8/FP4 expert GEMMs (1 without them).
+
+    Megatron's HybridEP manager pads each expert's rows to ``get_align_size_for_quantization(config)``
+    when ``config.fp8 or config.fp4`` (``token_dispatcher._HybridEPManager.dispatch``): that is
+    ``fp8_utils.get_fp8_align_size`` (16; 32 for MXFP8) or ``fp4_utils.get_fp4_align_size`` (128).
+    """
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+    return int(get_align_size_for_quantization(config)) if (config.fp8 or config.fp4) else 1
 
 
 def _make_layer(config, fc1, fc2):
@@ -115,14 +147,17 @@ def _make_layer(config, fc1, fc2):
 
 
 def _moe_forward(dispatcher, experts, hidden, routing_map, probs):
-    """The MoE layer's dispatcher/expert sequence (MoELayer.forward without router)."""
+    """The MoE layer's dispatcher/expert sequence (MoELayer.forward without router).
+
+    Returns (output, tokens_per_expert, dispatched row probs, dispatched rows).
+    """
     hidden_2d, token_probs = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
     dispatched, dispatched_probs = dispatcher.token_dispatch(hidden_2d, token_probs)
     rows, tokens_per_expert, row_probs = dispatcher.dispatch_postprocess(dispatched, dispatched_probs)
     expert_out, _ = experts(rows, tokens_per_expert, row_probs)
     combined = dispatcher.combine_preprocess(expert_out)
     combined = dispatcher.token_combine(combined)
-    return dispatcher.combine_postprocess(combined), tokens_per_expert, row_probs
+    return dispatcher.combine_postprocess(combined), tokens_per_expert, row_probs, rows
 
 
 def _dense_moe(hidden, routing_map, probs, fc1, fc2, activation):
@@ -148,18 +183,18 @@ def _max_error(actual, expected) -> float:
     return float((actual.double() - expected.double()).abs().max()) / scale
 
 
-def _layer_case(ctx, topk: int, probs_dtype: str, seed: int, tensor_parallel: int = 1) -> dict:
+def _layer_case(ctx, topk: int, probs_dtype: str, seed: int, tensor_parallel: int = 1, quantization=None) -> dict:
     """Our dispatcher + SequentialMLP vs the dense float64 layer; returns max errors."""
     import torch
 
     rank, world = ctx.rank, ctx.world_size
     hidden_all, routing_all, probs_all, grad_all, fc1, fc2 = _global_inputs(world, topk, seed)
-    config = _make_config(topk, tensor_parallel=tensor_parallel)
+    config = _make_config(topk, tensor_parallel=tensor_parallel, quantization=quantization)
     dispatcher, experts, local_indices, ffn_slice = _make_layer(config, fc1, fc2)
 
     hidden = hidden_all[rank].clone().requires_grad_()
     probs = probs_all[rank].to(getattr(torch, probs_dtype)).requires_grad_()
-    out, tokens_per_expert, row_probs = _moe_forward(dispatcher, experts, hidden, routing_all[rank], probs)
+    out, tokens_per_expert, row_probs, rows = _moe_forward(dispatcher, experts, hidden, routing_all[rank], probs)
     (out * grad_all[rank]).sum().backward()
 
     # Dense float64 layer over the tokens of all ranks.
@@ -173,6 +208,12 @@ def _layer_case(ctx, topk: int, probs_dtype: str, seed: int, tensor_parallel: in
     mine = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
 
     routed_here = routing_all.reshape(-1, NUM_EXPERTS)[:, local_indices].sum(0)
+    # Megatron's padding rule: each count up to the next multiple (moe_utils.pad_routing_map pads
+    # (-count) % pad_multiple rows; the DeepEP manager's _pad_routing_map: ceil(count / m) * m).
+    pad_multiple = _megatron_pad_multiple(config)
+    padded_here = routed_here + (-routed_here) % pad_multiple
+    segments = torch.split(torch.arange(int(tokens_per_expert.sum())), tokens_per_expert.tolist())
+    padding = torch.cat([segment[int(real):] for segment, real in zip(segments, routed_here, strict=True)])
     return {
         "out": _max_error(out, dense_out[mine]),
         "grad_hidden": _max_error(hidden.grad, dense_hidden.grad[mine]),
@@ -183,7 +224,9 @@ def _layer_case(ctx, topk: int, probs_dtype: str, seed: int, tensor_parallel: in
                         for e, i in zip(experts.local_experts, local_indices, strict=True)),
         "out_dtype": str(out.dtype), "out_shape": tuple(out.shape),
         "row_probs_dtype": str(row_probs.dtype),
-        "tokens_per_expert": tokens_per_expert.tolist(), "expected_tokens_per_expert": routed_here.tolist(),
+        "tokens_per_expert": tokens_per_expert.tolist(), "expected_tokens_per_expert": padded_here.tolist(),
+        "real_tokens_per_expert": routed_here.tolist(), "pad_multiple": pad_multiple,
+        "padding_rows_zero": bool((rows[padding] == 0).all()) and bool((row_probs[padding] == 0).all()),
         "manager": type(dispatcher._comm_manager).__name__,
         "probs_grad_dtype": str(probs.grad.dtype),
     }
@@ -245,6 +288,8 @@ def _rank_all_cases(ctx) -> dict:
             results[name] = _layer_case(ctx, topk, probs_dtype, seed=100 + index)
         for topk in (1, 4):
             results[f"restore_top{topk}"] = _restore_identity_case(ctx, topk, seed=200 + topk)
+        for index, (name, quantization) in enumerate(QUANTIZATION_CASES):
+            results[name] = _layer_case(ctx, 2, "float32", seed=500 + index, quantization=quantization)
     finally:
         _finish_megatron()
     # Expert tensor parallelism: the dispatcher expands the routing map over TP ranks
@@ -313,20 +358,27 @@ def _rank_single(ctx) -> dict:
 def _check_layer(name: str, result: dict, tolerance: float) -> None:
     for key in ("out", "grad_hidden", "grad_probs", "grad_fc1", "grad_fc2"):
         assert result[key] < tolerance, f"{name}: {key} differs from the dense layer by {result[key]:.3g}"
-    assert result["tokens_per_expert"] == result["expected_tokens_per_expert"], name
+    assert result["tokens_per_expert"] == result["expected_tokens_per_expert"], (
+        f"{name}: tokens_per_expert {result['tokens_per_expert']}, expected {result['expected_tokens_per_expert']}")
     assert result["out_dtype"] == "torch.float32" and result["out_shape"] == (TOKENS_PER_RANK, HIDDEN), name
     assert result["row_probs_dtype"] == "torch.float32", f"{name}: probs must travel in fp32"
     assert result["manager"] == "EPPluginManager", name
 
 
-@pytest.mark.parametrize("num_ranks", [2, 4])
-def test_flex_dispatcher_matches_dense_layer(num_ranks):
+@functools.lru_cache(maxsize=None)
+def _all_cases_on(num_ranks: int) -> list:
+    """One launch per rank count runs every case; the tests below share its results."""
     from ep_plugin.testing.launcher import run_ranks
 
     # torch.compile (Megatron's jit_fuser around dispatch_preprocess) stays on at 2 ranks; the
     # 4-rank launch skips compiling, which costs several seconds per process on a small CPU.
     env = {"TORCHDYNAMO_DISABLE": "1"} if num_ranks == 4 else {}
-    results = run_ranks(_rank_all_cases, num_ranks, timeout_s=600, env=env)
+    return run_ranks(_rank_all_cases, num_ranks, timeout_s=600, env=env)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_flex_dispatcher_matches_dense_layer(num_ranks):
+    results = _all_cases_on(num_ranks)
     for rank, per_rank in enumerate(results):
         for name, _topk, probs_dtype in CASES:
             result = per_rank[name]
@@ -342,6 +394,23 @@ def test_flex_dispatcher_matches_dense_layer(num_ranks):
             assert result["rows_match_counts"], label
             for key in ("restore", "grad_hidden", "grad_probs"):
                 assert result[key] < 1e-5, f"{label}: {key} off by {result[key]:.3g}"
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_fp8_fp4_rows_padded_to_megatrons_alignment(num_ranks):
+    results = _all_cases_on(num_ranks)
+    for name, _quantization in QUANTIZATION_CASES:
+        per_rank = [per_rank[name] for per_rank in results]
+        pad_multiple = per_rank[0]["pad_multiple"]
+        assert pad_multiple > 1, f"{name}: Megatron asks no padding here; the case tests nothing"
+        # Some expert must receive a count that is not already a multiple, or padding is invisible.
+        assert any(count % pad_multiple for result in per_rank for count in result["real_tokens_per_expert"]), name
+        for rank, result in enumerate(per_rank):
+            label = f"rank {rank}/{num_ranks} {name} (pad to {pad_multiple})"
+            # tokens_per_expert == each routed count padded by Megatron's rule; output and gradients
+            # still equal the dense layer's.
+            _check_layer(label, result, 1e-5)
+            assert result["padding_rows_zero"], f"{label}: padding rows or their probs are not zero"
 
 
 def test_single_rank_plugin_path_and_traceable_metadata():

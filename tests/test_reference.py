@@ -93,3 +93,47 @@ def check_bf16_and_empty_world(ctx) -> None:
 
 def test_bf16_and_no_tokens_anywhere():
     run_ranks(check_bf16_and_empty_world, 2, timeout_s=120)
+
+
+def check_bf16_combine_rounds_once_from_fp32(ctx) -> None:
+    """Combine of bf16 rows must sum in fp32 and round once: the oracle of every backend's combine.
+
+    Each expert scales each column by 1 or 256, so a token's expert rows mix small and large
+    integers. Every term is exact in bf16 and every sum exact in fp32, but many sums are not
+    representable in bf16, and a running bf16 sum depends on the order of its terms.
+    """
+    num_experts, topk = 16, 8
+    device = torch.device(ctx.device)
+    backend = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=num_experts, device=device)
+    problem = make_problem(21, [12 + r for r in range(ctx.world_size)], HIDDEN, num_experts, topk,
+                           dtype=torch.bfloat16, integer_valued=True)
+    big = torch.rand(num_experts, HIDDEN, generator=torch.Generator().manual_seed(22)) < 0.3
+    scale = torch.where(big, 256.0, 1.0).to(torch.bfloat16)
+    rank, first_expert = ctx.rank, ctx.rank * backend.num_local_experts
+
+    out = ep_plugin.dispatch(backend, problem.hidden[rank].to(device), routing_map=problem.routing_map[rank].to(device))
+    segments = torch.split(out.hidden, out.tokens_per_expert.tolist())
+    rows = torch.cat([segment * scale[first_expert + i].to(device) for i, segment in enumerate(segments)])
+    combined = ep_plugin.combine(rows, out.handle).cpu()
+
+    chosen = [routing_map.to(torch.float64) for routing_map in problem.routing_map]
+    exact = dense_moe(problem, lambda e, x: x * scale[e].double(), [h.double() for h in problem.hidden], chosen)
+    expected = exact[rank].to(torch.bfloat16)  # the fp64 sum is exact here, so it equals the fp32 sum
+    # The check means something only if a running bf16 sum (here in expert order) gives other
+    # values than rounding the exact sum once.
+    running_bf16 = dense_moe(problem, lambda e, x: x * scale[e],
+                             probs=[c.to(torch.bfloat16) for c in chosen])[rank]
+    assert not torch.equal(running_bf16, expected), "test data do not separate bf16 from fp32 accumulation"
+    assert combined.dtype == torch.bfloat16
+    assert torch.equal(combined, expected), (
+        f"combine differs from the fp32 sum rounded once in {int((combined != expected).sum())} elements")
+
+
+def test_bf16_combine_accumulates_in_fp32():
+    run_ranks(check_bf16_combine_rounds_once_from_fp32, 2, timeout_s=120)
+
+
+@pytest.mark.gpu(extension=False)
+def test_bf16_combine_accumulates_in_fp32_on_cuda():
+    # On the GPU a bf16 index_add_ rounds at every (atomic) add; on the CPU torch's kernel hides that.
+    run_ranks(check_bf16_combine_rounds_once_from_fp32, 2, device="cuda", timeout_s=180)

@@ -9,7 +9,7 @@ import ep_plugin
 from ep_plugin.testing import run_ranks
 from ep_plugin.testing.dense import expected_dispatch, make_problem
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.gpu(extension=False)  # NCCL / gloo + MPS only: no kernel of ours
 
 
 def check_reference_on_cuda(ctx):
