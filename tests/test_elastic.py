@@ -19,19 +19,13 @@ import time
 
 import pytest
 import torch
+from test_hybrid import assert_combine_close, make_inputs
 
 import ep_plugin
-from ep_plugin import _cuda
 from ep_plugin.config import Config
+from ep_plugin.testing import run_ranks
 
 pytestmark = pytest.mark.gpu
-
-if not (torch.cuda.is_available() and _cuda.available()):
-    pytest.skip("needs a CUDA GPU and the compiled ep_plugin._C", allow_module_level=True)
-
-from test_hybrid import assert_combine_close, make_inputs  # noqa: E402
-
-from ep_plugin.testing import run_ranks  # noqa: E402
 
 NUM_EXPERTS = 32
 MAX_TOKENS = 128
