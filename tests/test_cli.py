@@ -1,5 +1,7 @@
 """The command lines a newcomer meets: one-line errors, defaults that fit the machine, clean logs."""
 
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -127,3 +129,24 @@ def test_demo_log_is_clean_when_not_a_terminal():
     assert any(line.startswith("tokens/s: median") and "steps 2-3" in line for line in lines), lines
     # No progress bar (or its carriage returns) in either stream when neither is a terminal.
     assert "\r" not in result.stdout + result.stderr and "%|" not in result.stderr, result.stderr[-2000:]
+
+
+def test_the_readme_api_example_runs_under_torchrun():
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             str(ROOT / "examples" / "api.py")], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "rank 0/2 (cpu, reference)" in result.stdout and "rank 1/2" in result.stdout, result.stdout
+
+
+def test_product_text_speaks_for_itself():
+    """No tracker numbers and no paths outside the repository in what users read."""
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "ep_plugin").rglob("*.py")),
+             *sorted((ROOT / "examples").rglob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))]
+    found = []
+    for path in files:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\bissues?[ -]#?\d", line, re.IGNORECASE) or "../shared" in line or "/work/" in line:
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
+    assert "docs/design.md" in (ROOT / "README.md").read_text()
