@@ -4,7 +4,8 @@ A rank whose peer stopped calling must get an error that names the rank, the pha
 peer, never wait forever; an engine failure (a peer exited, a collective out of step) must
 come back as ``EPError`` carrying the engine's message, never as a raw engine exception.
 
-How the wait is bounded (checked on torch 2.11 and 2.13):
+How the wait is bounded (gloo's behaviour measured on torch 2.13; ``Work.wait(timeout)`` and
+``Work.is_completed()`` are the same public API on 2.11):
 
 - gloo: every op is issued with ``async_op=True`` and waited with ``Work.wait(timeout)``. On
   expiry gloo raises "Operation timed out!" but does not cancel the op: it stays queued in
