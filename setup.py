@@ -78,9 +78,10 @@ setup(
     version="0.1.0",
     description="Expert-parallel dispatch/combine for MoE training: a Megatron-Core / NeMo plugin",
     python_requires=">=3.10",
-    packages=find_packages(include=["ep_plugin", "ep_plugin.*"]) + ["ep_plugin.integrations"]
-    + ["ep_plugin.integrations." + p for p in find_packages(where="integrations")],
-    package_dir={"ep_plugin.integrations": "integrations"},
+    packages=find_packages(include=["ep_plugin", "ep_plugin.*"]),
+    # The flat layout, said out loud: an editable install is then a plain .pth entry for the
+    # checkout (setuptools otherwise installs an import hook and prints a warning box each build).
+    package_dir={"": "."},
     ext_modules=ext_modules,
     cmdclass={"build_ext": NvccBuildExt},
     install_requires=["torch>=2.1", "numpy", "tqdm"],

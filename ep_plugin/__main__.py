@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -10,10 +11,13 @@ def info() -> int:
 
     import ep_plugin
     from ep_plugin import _cuda
+    from ep_plugin.cli import available_backends, default_device, describe_gpus
     from ep_plugin.config import describe
 
     print(f"ep_plugin {ep_plugin.__version__}, torch {torch.__version__}")
-    print(f"backends: {', '.join(ep_plugin.list_backends())}")
+    print(f"GPU: {describe_gpus()}")
+    print(f"backends: {', '.join(ep_plugin.list_backends())} (usable here: "
+          f"{', '.join(available_backends(default_device())) or 'none'})")
     print(f"CUDA extension: {_cuda.describe()}")
     print(f"fabric: {_fabric_summary()}")
     print("knobs:")
@@ -37,10 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"demo": "train a small MoE across ranks (the main job)", "info": "versions, backends and knobs",
                 "doctor": "what will work on this machine: GPUs, NVLink, RDMA, GPUDirect, NCCL, MPS"}
     if not argv or argv[0] not in commands:
-        print("usage: python -m ep_plugin {demo,info,doctor} [options]")
+        asked = bool(argv) and argv[0] in ("-h", "--help", "help")
+        out = sys.stdout if asked else sys.stderr
+        if argv and not asked:
+            print(f"python -m ep_plugin: unknown command {argv[0]!r}", file=out)
+        print("usage: python -m ep_plugin {demo,info,doctor} [options]", file=out)
         for name, text in commands.items():
-            print(f"  {name:6s} {text}")
-        return 2
+            print(f"  {name:6s} {text}", file=out)
+        print("python -m ep_plugin demo --help lists the demo's options; python -m ep_plugin.bench --help the "
+              "benchmark's.", file=out)
+        return 0 if asked else 2
     if argv[0] == "demo":
         from ep_plugin.demo import main as demo_main
 
@@ -53,4 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `python -m ep_plugin info | head`: the reader left; nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)

@@ -20,6 +20,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .config import Config
+from .host_collectives import HostCollectives
+
 # Op kinds; the code is part of the fingerprint.
 OP_DISPATCH = "dispatch"
 OP_COMBINE = "combine"
@@ -94,13 +97,21 @@ def mismatch_message(backend: str, rank: int, peer: int, mine: int, theirs: int)
             f"issue the same ops in the same order with the same dtype, probs, routing form and handles.")
 
 
-def check_construction(group: dist.ProcessGroup, backend: str, facts: dict[str, Any]) -> None:
+def check_construction(group: Optional[dist.ProcessGroup], backend: str, facts: dict[str, Any], *,
+                       timeout_s: Optional[float] = None) -> None:
     """Raise ValueError on every rank unless every rank of ``group`` passed equal ``facts``.
 
-    One all_gather_object of a small dict; call it where the backend is built (a collective).
+    One gather of a small dict (two small all-to-alls); call it where the backend is built (a
+    collective). A rank that does not arrive within ``timeout_s`` (default: the config's) makes
+    the others raise ``EPTimeoutError`` naming it; an engine failure raises ``EPError``.
     """
-    gathered: list[Optional[dict[str, Any]]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, facts, group=group)
+    if timeout_s is None:
+        timeout_s = Config.from_env().timeout_s
+    collectives = HostCollectives(group, owner=f"ep_plugin {backend}", timeout_s=timeout_s, label="construction")
+    # Small host objects: NCCL moves CUDA tensors only, every other engine takes CPU tensors.
+    device = torch.device("cuda", torch.cuda.current_device()) if collectives.engine == "nccl" else torch.device("cpu")
+    gathered = collectives.all_gather_object(facts, where=f"building the {backend} backend (agreement check)",
+                                             device=device)
     problems = []
     for name in facts:
         values = [g.get(name) for g in gathered]

@@ -12,15 +12,19 @@ backend when it is built (else reference), ranks sharing the GPU under MPS.
 from __future__ import annotations
 
 import argparse
+import statistics
+import sys
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import ep_plugin
-from ep_plugin.testing import RankContext, run_ranks
+from ep_plugin.cli import OneLineParser, backend_problem, default_device, device_problem, gpu_count
+from ep_plugin.testing import RankContext, plan_launch, run_ranks
 
 
 @dataclass(frozen=True)
@@ -96,8 +100,9 @@ def train(ctx: RankContext, spec: DemoSpec) -> list[float]:
     model = MoELayer(spec, backend, payload_dtype, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=spec.lr)
     progress = _progress(ctx, spec)
-    losses, start = [], time.perf_counter()
+    losses, step_rates = [], []
     for step in range(spec.steps):
+        step_start = time.perf_counter()
         x = synthetic_tokens(spec, step, ctx.rank, ctx.world_size).to(device)
         loss = F.mse_loss(model(x), teacher(x, spec.seed)) / ctx.world_size
         optimizer.zero_grad()
@@ -107,20 +112,25 @@ def train(ctx: RankContext, spec: DemoSpec) -> list[float]:
         optimizer.step()
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
-        losses.append(float(global_loss))
-        tokens_per_s = spec.tokens_per_rank * ctx.world_size * (step + 1) / (time.perf_counter() - start)
-        if progress is not None:
-            progress.set_postfix(loss=f"{losses[-1]:.4f}", tokens_per_s=f"{tokens_per_s:,.0f}")
-            progress.update()
-            progress.write(f"step {step + 1:3d}  loss {losses[-1]:.5f}  tokens/s {tokens_per_s:,.0f}")
+        losses.append(float(global_loss))  # a host read: the step is complete
+        # This step's rate (all ranks' tokens), not a running average that keeps the warm-up in.
+        step_rates.append(spec.tokens_per_rank * ctx.world_size / (time.perf_counter() - step_start))
+        if ctx.rank == 0:
+            _log_step(progress, f"step {step + 1:3d}  loss {losses[-1]:.5f}  tokens/s {step_rates[-1]:,.0f}",
+                      losses[-1], step_rates[-1])
     if progress is not None:
         progress.close()
+    if ctx.rank == 0 and step_rates:
+        after_warmup = step_rates[1:] or step_rates
+        which = f"steps 2-{spec.steps}" if spec.steps > 1 else "step 1 (includes the warm-up)"
+        print(f"tokens/s: median {statistics.median(after_warmup):,.0f} over {which}", flush=True)
     backend.destroy()
     return losses
 
 
 def _progress(ctx: RankContext, spec: DemoSpec):
-    if ctx.rank != 0:
+    """A progress bar on rank 0 when stderr is a terminal; None elsewhere (plain step lines)."""
+    if ctx.rank != 0 or not sys.stderr.isatty():
         return None
     from tqdm import tqdm
 
@@ -128,33 +138,79 @@ def _progress(ctx: RankContext, spec: DemoSpec):
                 unit="step")
 
 
-def default_device_and_backend() -> tuple[str, str]:
-    if torch.cuda.is_available():
-        from . import _cuda
+def _log_step(progress, line: str, loss: float, tokens_per_s: float) -> None:
+    """One step line on stdout: through the bar on a terminal, else a plain line."""
+    if progress is None:
+        print(line, flush=True)
+        return
+    progress.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_s:,.0f}")
+    progress.update()
+    progress.write(line)
 
-        return "cuda", ("hybrid" if _cuda.available() else "reference")
-    return "cpu", "reference"
+
+def default_device_and_backend() -> tuple[str, str]:
+    device = default_device()
+    if device == "cuda" and backend_problem("hybrid", "cuda") is None:
+        return device, "hybrid"
+    return device, "reference"
+
+
+def _argument_problem(args: argparse.Namespace) -> Optional[str]:
+    """The first thing wrong with the options, in one line, or None."""
+    problem = device_problem(args.device) or backend_problem(args.backend, args.device)
+    if problem:
+        return problem
+    for flag, value in (("--ranks", args.ranks), ("--steps", args.steps), ("--tokens", args.tokens),
+                        ("--hidden", args.hidden), ("--experts", args.experts), ("--topk", args.topk)):
+        if value < 1:
+            return f"{flag} must be at least 1, got {value}"
+    if args.topk > args.experts:
+        return f"--topk {args.topk} is more than the {args.experts} experts (--experts)"
+    if args.experts % args.ranks:
+        return f"--experts {args.experts} must be divisible by --ranks {args.ranks}"
+    if not args.lr > 0:
+        return f"--lr must be positive, got {args.lr}"
+    return None
+
+
+def _describe_launch(args: argparse.Namespace) -> str:
+    plan = plan_launch(args.ranks, args.device, gpu_count() if args.device == "cuda" else 0)
+    if plan.device_type == "cpu":
+        placement = "CPU processes over gloo"
+    elif plan.use_mps:
+        placement = f"sharing {len(set(plan.gpu_of_rank))} GPU(s) over gloo under a private MPS daemon"
+    else:
+        placement = "one GPU each over NCCL"
+    return (f"ep_plugin demo: backend {args.backend}, device {args.device}, {args.ranks} ranks ({placement}); "
+            f"{args.steps} steps of {args.tokens} tokens per rank, hidden {args.hidden}, {args.experts} experts, "
+            f"top-{args.topk}")
 
 
 def main(argv: list[str] | None = None) -> int:
     device, backend = default_device_and_backend()
-    parser = argparse.ArgumentParser(prog="python -m ep_plugin demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m ep_plugin demo", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4, help="number of rank processes (default 4)")
-    parser.add_argument("--steps", type=int, default=DemoSpec.steps)
-    parser.add_argument("--backend", default=backend, help=f"one of {ep_plugin.list_backends()} (default {backend})")
-    parser.add_argument("--device", default=device, choices=["cpu", "cuda"], help=f"default {device}")
-    parser.add_argument("--tokens", type=int, default=DemoSpec.tokens_per_rank, help="tokens per rank per step")
-    parser.add_argument("--hidden", type=int, default=DemoSpec.hidden_size)
-    parser.add_argument("--experts", type=int, default=DemoSpec.num_experts)
-    parser.add_argument("--topk", type=int, default=DemoSpec.topk)
-    parser.add_argument("--lr", type=float, default=DemoSpec.lr)
+    parser.add_argument("--steps", type=int, default=DemoSpec.steps, help=f"training steps (default {DemoSpec.steps})")
+    parser.add_argument("--backend", default=backend,
+                        help=f"one of {', '.join(ep_plugin.list_backends())} (default here: {backend})")
+    parser.add_argument("--device", default=device, choices=["cpu", "cuda"], help=f"default here: {device}")
+    parser.add_argument("--tokens", type=int, default=DemoSpec.tokens_per_rank,
+                        help=f"tokens per rank per step (default {DemoSpec.tokens_per_rank})")
+    parser.add_argument("--hidden", type=int, default=DemoSpec.hidden_size,
+                        help=f"hidden size (default {DemoSpec.hidden_size})")
+    parser.add_argument("--experts", type=int, default=DemoSpec.num_experts,
+                        help=f"experts in all, divisible by --ranks (default {DemoSpec.num_experts})")
+    parser.add_argument("--topk", type=int, default=DemoSpec.topk,
+                        help=f"experts per token, at most --experts (default {DemoSpec.topk})")
+    parser.add_argument("--lr", type=float, default=DemoSpec.lr, help=f"Adam learning rate (default {DemoSpec.lr})")
     args = parser.parse_args(argv)
+    problem = _argument_problem(args)
+    if problem:
+        parser.error(problem)  # one line, exit status 2, before any process starts
     spec = DemoSpec(steps=args.steps, tokens_per_rank=args.tokens, hidden_size=args.hidden,
                     num_experts=args.experts, topk=args.topk, lr=args.lr, backend=args.backend)
-    ep_plugin.get_backend(spec.backend)  # unknown names fail here, before any process starts
-    if args.ranks < 1 or args.experts % args.ranks:
-        parser.error(f"--experts {args.experts} must be divisible by --ranks {args.ranks} (>= 1)")
+    print(_describe_launch(args), flush=True)
     losses = run_ranks(train, args.ranks, spec, device=args.device, timeout_s=max(600.0, 10.0 * args.steps))[0]
     print(f"loss: first {losses[0]:.5f} -> last {losses[-1]:.5f} over {len(losses)} steps "
           f"({'decreased' if losses[-1] < losses[0] else 'DID NOT DECREASE'})")

@@ -225,7 +225,8 @@ def test_nvlink_preset_and_reference_defaults():
     assert args.ranks == 2 and args.tokens == "128,1024,4096,8192" and args.hidden == "7168"
     assert args.sms == "8,16,24" and args.payloads == "bf16,fp8" and args.modes == "blocking"
     assert reference_limits(args, plan_launch(2, "cuda", 2)) == (0, args.iters)  # never skipped
-    assert parse_args(["--device", "cpu"]).ranks == 8
+    assert parse_args(["--device", "cpu", "--preset", "full"]).ranks == 8
+    assert parse_args(["--device", "cpu"]).ranks == 4  # the cpu preset, the default without a GPU
     default = parse_args(["--device", "cpu", "--iters", "7"])
     assert reference_limits(default, plan_launch(2, "cuda", 2)) == (0, 7)  # NCCL: a real baseline
     assert reference_limits(default, plan_launch(8, "cuda", 1)) == (4096, 3)  # gloo + MPS: through the host

@@ -264,8 +264,9 @@ def _restore_identity_case(ctx, topk: int, seed: int) -> dict:
 
 
 def _init_megatron(ctx, tensor_parallel: int = 1) -> None:
-    import ep_plugin.integrations.megatron as ep_megatron
     from megatron.core import parallel_state
+
+    import ep_plugin.integrations.megatron as ep_megatron
 
     ep_megatron.install()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
@@ -273,8 +274,9 @@ def _init_megatron(ctx, tensor_parallel: int = 1) -> None:
 
 
 def _finish_megatron() -> None:
-    from ep_plugin.integrations.megatron.manager import clear_backend_cache
     from megatron.core import parallel_state
+
+    from ep_plugin.integrations.megatron.manager import clear_backend_cache
 
     clear_backend_cache()
     parallel_state.destroy_model_parallel()
@@ -318,8 +320,9 @@ def _construct_outcome(config) -> str:
 
 def _rank_single(ctx) -> dict:
     """World of one: Megatron's own flex path asserts TP x EP > 1; the plugin path must not."""
-    import ep_plugin.integrations.megatron as ep_megatron
     import torch
+
+    import ep_plugin.integrations.megatron as ep_megatron
 
     _init_megatron(ctx)
     try:

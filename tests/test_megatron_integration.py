@@ -293,6 +293,7 @@ def test_apply_ep_plugin_backend_sets_bridge_fields(ep_megatron):
 @needs_megatron
 def test_apply_ep_plugin_backend_gpu_check_falls_back(ep_megatron):
     import torch
+
     from ep_plugin.integrations.nemo import apply_ep_plugin_backend, gpu_problem, validate_ep_plugin_backend
 
     if torch.cuda.is_available() and gpu_problem("ep_hybrid") is None:

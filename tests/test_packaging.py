@@ -1,4 +1,4 @@
-"""The package builds and installs on a machine without nvcc, with integrations/ as ep_plugin.integrations."""
+"""The package builds and installs on a machine without nvcc, with its Megatron / NeMo adapters."""
 
 import os
 import shutil
@@ -23,5 +23,8 @@ def test_wheel_without_nvcc_has_the_package_and_no_extension(tmp_path):
     (wheel,) = (tmp_path / "wheels").glob("ep_plugin-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "ep_plugin/integrations/__init__.py" in names
+    assert "ep_plugin/integrations/megatron/manager.py" in names
+    # One import identity: a top-level `integrations` package would hold its own install state.
+    assert not [n for n in names if n.startswith("integrations/")]
     assert "ep_plugin/backends/reference.py" in names
     assert not [n for n in names if n.startswith("ep_plugin/_C")]

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..agreement import check_construction
 from ..config import Config
 from ..handle import CombineOutput, DispatchOutput, Handle
 from ..routing import Routing, check_tensor, make_routing, route_counts
@@ -70,6 +71,35 @@ class Backend(abc.ABC):
         self.device = torch.device(device)
         if self.device.type not in self.capabilities.devices:
             raise ValueError(f"backend {self.name!r} runs on {self.capabilities.devices}, not on {self.device}")
+        # Last, and before any subclass setup exchanges buffers: ranks built differently raise
+        # ValueError here, on every rank, instead of crashing inside a later collective.
+        check_construction(self.group, self.name, self._construction_facts(), timeout_s=self.config.timeout_s)
+
+    def _construction_facts(self) -> dict[str, Any]:
+        """What every rank of the group must have built this backend with (compared by value).
+
+        Runs at the end of ``Backend.__init__``, before a subclass's own setup: return only what
+        the arguments, the config and the group decide. A subclass adds its own facts with
+        ``{**super()._construction_facts(), "num_sms": self.config.num_sms, ...}``.
+
+        Left out on purpose: knobs that only shape this rank's own work, which ranks may set
+        differently without harm: ``timeout_s``; ``pad_multiple`` (a per-call default that pads the
+        receiver's own output); ``num_permuted_tokens`` (the receiver's output budget);
+        ``avoid_record_stream``, ``bulk_copy`` (local stream policy, local copy engine);
+        ``max_sms_per_gpu`` (a local co-residency check); and the device (gloo stages CUDA
+        tensors through the host). Topology and kernel-grid facts (``num_sms`` sizes the
+        compiled backends' per-block regions) belong to the backends that have them.
+        """
+        return {
+            "backend": self.name,
+            "hidden_size": self.hidden_size,
+            "num_experts": self.num_experts,
+            # Buffers and worst-case outputs are sized from it on every rank.
+            "max_tokens_per_rank": self.config.max_tokens_per_rank,
+            # Blocking mode rejects bad expert ids on the host (the rank leaves the op) while
+            # non-blocking mode drops them on the device (the rank goes on): ranks must choose alike.
+            "blocking": self.config.blocking,
+        }
 
     # ---- public, validated entry points -------------------------------------------------
 

@@ -66,6 +66,12 @@ class CompiledBackend(Backend):
         self.invalid_expert_ids: Optional[torch.Tensor] = None
         self.buffer: Optional[SymmetricBuffer] = None
 
+    def _construction_facts(self) -> dict:
+        # Kernels wait for as many blocks of every peer as they run themselves, and the regions hold
+        # one completion flag per (peer, block): ranks must run the same grid (0 = autosize, which
+        # then takes the smallest rank's size).
+        return {**super()._construction_facts(), "num_sms": self.config.num_sms}
+
     def _open_buffer(self, region_bytes: int, count_words: int) -> None:
         """Allocate this rank's symmetric buffer and open every peer's (a collective)."""
         self.buffer = SymmetricBuffer(self.group, device=self.device, region_bytes=region_bytes,

@@ -124,8 +124,7 @@ class ElasticBackend(CompiledBackend):
         self._open_buffer(self.regions.total_bytes, self.regions.count_words)
 
     def _construction_facts(self) -> dict:
-        facts = getattr(super(), "_construction_facts", dict)()
-        return {**facts, "max_topk": self.max_topk}
+        return {**super()._construction_facts(), "max_topk": self.max_topk}  # sizes the per-packet slots
 
     @classmethod
     def wire_bytes(cls, routing_maps, num_ranks, *, row_bytes, hidden, topk, with_probs, expand=False, **options):

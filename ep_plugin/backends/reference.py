@@ -8,24 +8,52 @@ on NCCL.
 Row order of the dispatch output (the contract all backends share): local expert
 ascending; within an expert, source rank ascending, then source token ascending; each
 expert segment zero-padded to a multiple of ``pad_multiple``.
+
+Agreement: every op (dispatch, dispatch_again, combine, barrier) opens with one small
+all-to-all of four int64 per pair of ranks: the rows the sender will send to that peer, the
+op's ``OpFingerprint``, the number of this backend among the reference backends built on the
+group (ranks must use their backends in the same order), and the probs dtype. For dispatch
+this is the count exchange it needs anyway; dispatch_again, combine and barrier have no count
+exchange of their own, so for them it is one extra small collective and one host read. Every
+rank compares what each peer sent with its own before any payload moves; a difference raises
+``EPError`` on every rank (each receives every peer's fingerprint, so if any two ranks differ,
+every rank sees a peer that differs from itself). No payload collective ran, so the backend
+stays usable. The ops of a reference backend are sequential on the host: a fingerprint names
+the handle a combine uses by its dispatch number, so two ranks combining two handles in
+opposite orders disagree there.
+
+Timeouts: every collective is waited with ``config.timeout_s`` (``HostCollectives``); a late
+or missing peer raises ``EPTimeoutError`` naming this rank, the op and phase, and the peer. An
+engine failure raises ``EPError`` with the engine's message. After either the backend refuses
+further ops: the group's collectives are out of step among its ranks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from ..agreement import OP_BARRIER, OP_COMBINE, OP_DISPATCH, OP_DISPATCH_AGAIN, OpFingerprint, mismatch_message
+from ..errors import EPError
 from ..handle import CombineOutput, DispatchOutput, Handle
-from ..routing import Routing
+from ..host_collectives import HostCollectives
+from ..routing import TOPK, Routing
 from .base import Backend, Capabilities
+
+# Codes of the probs dtype in the opening exchange (0 = the op carries no probs).
+_PROBS_DTYPES = (None, torch.float32, torch.float64)
+_OPEN_WORDS = 4  # per pair of ranks: rows sent, fingerprint, backend number, probs dtype
+_TOPK_FIELD_MAX = 127  # OpFingerprint.topk has 7 bits; wider top-k (reference only) compares as 127
 
 
 @dataclass(eq=False)
 class ReferenceLayout:
     """Index tensors of one dispatch. Send side is ordered (dest rank, token, expert)."""
 
+    dispatch_id: int  # this dispatch's number on its backend (from 1): the handle_id of its combine
     send_token: torch.Tensor  # [P] int64: source token of each sent pair
     send_slot: torch.Tensor  # [P] int64: index of the pair's prob in the flattened probs
     send_splits: list[int]  # pairs sent to each rank
@@ -45,55 +73,120 @@ class ReferenceBackend(Backend):
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device)
         # gloo moves CPU tensors only: stage CUDA tensors through the host there.
         self._stage_on_host = self.device.type == "cuda" and dist.get_backend(self.group) != "nccl"
+        self._exchange_device = self.device if self.device.type == "cuda" and not self._stage_on_host else "cpu"
+        self._comm = HostCollectives(self.group, owner="ep_plugin reference", timeout_s=self.config.timeout_s,
+                                     label="reference")
+        self._num_dispatches = 0  # counts only dispatches that all ranks agreed on
 
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple) -> DispatchOutput:
-        layout, real_counts, padded_counts = self._make_layout(routing, pad_multiple)
+        number = self._num_dispatches + 1
+        where = f"dispatch #{number}"
+        topk = min(routing.topk_idx.shape[1], _TOPK_FIELD_MAX) if routing.form == TOPK else 0
+        fingerprint = OpFingerprint(OP_DISPATCH, dtype=hidden.dtype, probs=probs is not None, form=routing.form,
+                                    topk=topk)
+        token, expert, slot = routing.pairs()
+        dest_rank = torch.div(expert, self.num_local_experts, rounding_mode="floor")
+        send_splits = torch.bincount(dest_rank, minlength=self.num_ranks).tolist()
+        recv_splits = self._open(fingerprint, where, send_splits, None if probs is None else probs.dtype)
+        self._num_dispatches = number
+
+        layout, real_counts, padded_counts = self._make_layout(number, token, expert, slot, dest_rank, send_splits,
+                                                               recv_splits, pad_multiple, where)
         num_rows = int(padded_counts.sum())
         handle = Handle(
             backend=self, num_tokens=routing.num_tokens, hidden_size=self.hidden_size, hidden_dtype=hidden.dtype,
             probs_shape=routing.probs_shape if probs is not None else None, num_experts=self.num_experts,
             num_local_experts=self.num_local_experts, pad_multiple=pad_multiple, num_rows=num_rows,
             tokens_per_expert=padded_counts, num_real_tokens_per_expert=real_counts, layout=layout)
-        rows = self._dispatch_again(hidden, handle)
+        rows = self._send_rows(hidden, handle, f"{where} (rows)")
         row_probs = None
         if probs is not None:
             sent = probs.reshape(-1)[layout.send_slot]
             row_probs = probs.new_zeros(num_rows)
-            row_probs[layout.recv_row] = self._all_to_all(sent, layout.recv_splits, layout.send_splits)
+            row_probs[layout.recv_row] = self._all_to_all(sent, layout.recv_splits, layout.send_splits,
+                                                          f"{where} (probs)")
         return DispatchOutput(rows, row_probs, padded_counts, handle)
 
     def _dispatch_again(self, hidden, handle: Handle) -> torch.Tensor:
-        layout = handle.layout
-        received = self._all_to_all(hidden[layout.send_token], layout.recv_splits, layout.send_splits)
-        rows = hidden.new_zeros(handle.num_rows, self.hidden_size)
-        rows[layout.recv_row] = received
-        return rows
+        layout: ReferenceLayout = handle.layout
+        where = f"dispatch_again along dispatch #{layout.dispatch_id}"
+        fingerprint = OpFingerprint(OP_DISPATCH_AGAIN, dtype=hidden.dtype, handle_id=layout.dispatch_id)
+        self._open(fingerprint, where, layout.send_splits, None, expected=layout.recv_splits)
+        return self._send_rows(hidden, handle, f"{where} (rows)")
 
     def _combine(self, rows, handle: Handle, row_probs) -> CombineOutput:
-        layout = handle.layout
-        returned = self._all_to_all(rows[layout.recv_row], layout.send_splits, layout.recv_splits)
+        layout: ReferenceLayout = handle.layout
+        where = f"combine of dispatch #{layout.dispatch_id}"
+        fingerprint = OpFingerprint(OP_COMBINE, dtype=rows.dtype, probs=row_probs is not None,
+                                    handle_id=layout.dispatch_id)
+        self._open(fingerprint, where, layout.recv_splits, None if row_probs is None else row_probs.dtype,
+                   expected=layout.send_splits)
+        returned = self._all_to_all(rows[layout.recv_row], layout.send_splits, layout.recv_splits, f"{where} (rows)")
         # Accumulate in fp32 (or fp64) whatever the payload dtype; pairs of a token add in expert order.
         accumulate_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
         summed = torch.zeros(handle.num_tokens, self.hidden_size, dtype=accumulate_dtype, device=rows.device)
         summed.index_add_(0, layout.send_token, returned.to(accumulate_dtype))
         probs = None
         if row_probs is not None:
-            returned_probs = self._all_to_all(row_probs[layout.recv_row], layout.send_splits, layout.recv_splits)
+            returned_probs = self._all_to_all(row_probs[layout.recv_row], layout.send_splits, layout.recv_splits,
+                                              f"{where} (probs)")
             probs = row_probs.new_zeros(handle.probs_shape)
             probs.view(-1)[layout.send_slot] = returned_probs
         return CombineOutput(summed.to(rows.dtype), probs)
 
+    def barrier(self) -> None:
+        """Block until every rank of the group reaches this point (timed, and checked like an op)."""
+        nothing = [0] * self.num_ranks
+        self._open(OpFingerprint(OP_BARRIER), "barrier", nothing, None, expected=nothing)
+
     # ---- helpers ------------------------------------------------------------------------
 
-    def _make_layout(self, routing: Routing, pad_multiple: int):
-        token, expert, slot = routing.pairs()
-        dest_rank = torch.div(expert, self.num_local_experts, rounding_mode="floor")
+    def _open(self, fingerprint: OpFingerprint, where: str, send_splits: list[int],
+              probs_dtype: Optional[torch.dtype], *, expected: Optional[list[int]] = None) -> list[int]:
+        """The exchange every op starts with (see the module docstring); returns each peer's row count.
+
+        Raises EPError on every rank when the ranks disagree, before any payload moves.
+        ``expected``: the rows each peer should announce (known from the handle), checked too.
+        """
+        fingerprint_word, instance, probs_code = mine = (fingerprint.pack(), self._comm.instance,
+                                                         _PROBS_DTYPES.index(probs_dtype))
+        sent = torch.tensor([(count,) + mine for count in send_splits], dtype=torch.int64,
+                            device=self._exchange_device)
+        words = [_OPEN_WORDS] * self.num_ranks
+        received = self._comm.all_to_all(sent.view(-1), words, words, where=f"{where} (opening exchange)")
+        rows = received.view(self.num_ranks, _OPEN_WORDS).tolist()
+        counts = [row[0] for row in rows]
+        theirs = [tuple(row[1:]) for row in rows]
+
+        def differing(field: int) -> list[int]:
+            return [q for q in range(self.num_ranks) if theirs[q][field] != mine[field]]
+
+        if differing(1):  # first: other fields mean nothing when the ops ran on different backends
+            q = differing(1)[0]
+            raise EPError(
+                f"ep_plugin reference: ranks disagree on {where}: {self._comm.peer_name(self.rank)} ran it on the "
+                f"reference backend built {_ordinal(instance)} on this process group, {self._comm.peer_name(q)} on "
+                f"the one built {_ordinal(theirs[q][1])}. Ranks must use their backends in the same order.")
+        if differing(0):
+            bad = differing(0)
+            raise EPError(mismatch_message(self.name, self.rank, bad[0], fingerprint_word, theirs[bad[0]][0])
+                          + f" Rank {self.rank} was in {where}; ranks whose op differs from its: {bad}.")
+        if differing(2):
+            q = differing(2)[0]
+            raise EPError(
+                f"ep_plugin reference: ranks disagree on {where}: probs dtype: {_PROBS_DTYPES[probs_code]} on rank "
+                f"{self.rank}, {_PROBS_DTYPES[theirs[q][2]]} on rank {q}. All ranks must pass probs of one dtype.")
+        if expected is not None and counts != expected:
+            raise EPError(f"ep_plugin reference: rank {self.rank}: in {where} the peers announce {counts} rows, the "
+                          f"handle expects {expected}; the ranks' handles come from different dispatches.")
+        return counts
+
+    def _make_layout(self, number: int, token, expert, slot, dest_rank, send_splits: list[int],
+                     recv_splits: list[int], pad_multiple: int, where: str):
         order = torch.argsort(dest_rank, stable=True)  # (dest rank, token, expert)
         send_local_expert = (expert % self.num_local_experts)[order]
-        send_counts = torch.bincount(dest_rank, minlength=self.num_ranks)
-        recv_counts = self._all_to_all(send_counts, [1] * self.num_ranks, [1] * self.num_ranks)
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-        recv_local_expert = self._all_to_all(send_local_expert, recv_splits, send_splits)
+        recv_local_expert = self._all_to_all(send_local_expert, recv_splits, send_splits, f"{where} (expert ids)",
+                                             read_on_host=True)
 
         # Received pairs arrive as (source rank, token, expert); a stable sort by local expert
         # gives the contract order (local expert, source rank, token).
@@ -107,15 +200,27 @@ class ReferenceBackend(Backend):
         recv_row = torch.empty_like(by_expert)
         recv_row[by_expert] = padded_starts[sorted_expert] + rank_in_expert
 
-        layout = ReferenceLayout(send_token=token[order], send_slot=slot[order], send_splits=send_splits,
-                                 recv_splits=recv_splits, recv_row=recv_row)
+        layout = ReferenceLayout(dispatch_id=number, send_token=token[order], send_slot=slot[order],
+                                 send_splits=send_splits, recv_splits=recv_splits, recv_row=recv_row)
         return layout, real_counts, padded_counts
 
-    def _all_to_all(self, tensor: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-        """all_to_all_single along dim 0 with exact split sizes."""
+    def _send_rows(self, hidden: torch.Tensor, handle: Handle, where: str) -> torch.Tensor:
+        layout: ReferenceLayout = handle.layout
+        received = self._all_to_all(hidden[layout.send_token], layout.recv_splits, layout.send_splits, where)
+        rows = hidden.new_zeros(handle.num_rows, self.hidden_size)
+        rows[layout.recv_row] = received
+        return rows
+
+    def _all_to_all(self, tensor: torch.Tensor, out_splits: list[int], in_splits: list[int], where: str, *,
+                    read_on_host: bool = False) -> torch.Tensor:
+        """all_to_all_single along dim 0 with exact split sizes, waited with the timeout."""
         device = tensor.device
         if self._stage_on_host:
             tensor = tensor.cpu()
-        out = tensor.new_empty((sum(out_splits),) + tuple(tensor.shape[1:]))
-        dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=self.group)
+        out = self._comm.all_to_all(tensor, out_splits, in_splits, where=where, read_on_host=read_on_host)
         return out.to(device)
+
+
+def _ordinal(number: int) -> str:
+    suffix = "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+    return f"{number}{suffix}"

@@ -24,15 +24,23 @@ barrier before every iteration instead (the old method: it adds the barrier's ex
 every rank's time). --graph also times CUDA-graph replays of one captured non-blocking
 dispatch and one combine (rows with mode nonblocking+graph; CUDA and graph-capable backends).
 
-Writes a table to stdout (last), and under --out: bench.json (every sample + environment) and
-PNG plots (GB/s vs tokens; GB/s vs SMs with the reference as dashed levels).
+Defaults follow the machine: --device cuda with a GPU, else cpu (with the small cpu preset);
+--backends every backend that can run there.
+
+Writes a table to stdout (last), and under --out (default ./bench_out, which the repository's
+.gitignore covers): bench.json (every sample + environment) and PNG plots (GB/s vs tokens; GB/s
+vs SMs with the reference as dashed levels); when no plot is written the output says why.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
+from typing import Optional
+
+from ep_plugin.cli import OneLineParser, available_backends, backend_problem, default_device, device_problem
 
 from .report import attach_reference_ratio, format_table, summarize, write_json, write_plots
 from .runner import SweepSpec, bench_rank, environment
@@ -47,33 +55,40 @@ def _words(text: str) -> tuple[str, ...]:
 
 
 PRESETS = {
-    # The shape of issue 5's first bar: 8 ranks sharing a GPU, 16 SMs, 4096 tokens, H=7168, top-8, 256 experts.
+    # The standard shape: 8 ranks sharing a GPU, 16 SMs, 4096 tokens, H=7168, top-8, 256 experts.
     "standard": dict(tokens="4096", hidden="7168", sms="16", payloads="bf16,fp8", routings="balanced",
                      modes="blocking"),
     "decode": dict(tokens="128", hidden="7168", sms="16", payloads="bf16", routings="balanced",
                    modes="nonblocking,blocking"),
     "full": dict(tokens="128,1024,4096,8192", hidden="4096,7168", sms="8,16,24,32", payloads="bf16,fp8",
                  routings="balanced,skewed", modes="blocking,nonblocking"),
-    # Issue 6: two ranks with a GPU each over real NVLink; NCCL's all_to_all is fast, so the
-    # reference runs at every token count.
+    # Two ranks with a GPU each over real NVLink; NCCL's all_to_all is fast, so the reference
+    # runs at every token count.
     "nvlink": dict(ranks=2, tokens="128,1024,4096,8192", hidden="7168", sms="8,16,24", payloads="bf16,fp8",
                    routings="balanced", modes="blocking", reference_max_tokens=0),
+    # Without a GPU: a quick look at the reference on CPU ranks (the GPU shapes would take hours there).
+    "cpu": dict(ranks=4, tokens="64,256", hidden="256", sms="16", payloads="bf16", routings="balanced,skewed",
+                modes="blocking"),
 }
+DEFAULT_OUT = "bench_out"  # relative to the current folder; the repository's .gitignore covers it
 DEFAULT_RANKS = 8
 # The reference over gloo (CPU, or ranks sharing a GPU) goes through host memory: keep it short there.
 GLOO_REFERENCE_MAX_TOKENS, GLOO_REFERENCE_ITERS = 4096, 3
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ep_plugin.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="full",
+    device = default_device()
+    parser = OneLineParser(prog="python -m ep_plugin.bench", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS),
                         help="default values for the sweep axes (explicit options override them): standard "
-                             "(issue 5, ranks sharing a GPU), decode (128 tokens), full, nvlink (issue 6: 2 ranks, "
-                             "one GPU each; the reference at every token count)")
-    parser.add_argument("--ranks", type=int, help=f"rank processes (default {DEFAULT_RANKS}; 2 with --preset nvlink)")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--backends", default="hybrid,reference", help="comma list (default hybrid,reference)")
+                             "(ranks sharing a GPU), decode (128 tokens), full, nvlink (2 ranks, one GPU each; the "
+                             "reference at every token count), cpu (small shapes on CPU ranks). Default: full "
+                             "with --device cuda, cpu with --device cpu")
+    parser.add_argument("--ranks", type=int, help=f"rank processes (default {DEFAULT_RANKS}; 2 with --preset nvlink, "
+                                                  f"4 with --preset cpu)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=device, help=f"default here: {device}")
+    parser.add_argument("--backends", help="comma list (default: every backend that can run on --device here)")
     parser.add_argument("--tokens", help="tokens per rank, comma list")
     parser.add_argument("--hidden", help="hidden sizes, comma list")
     parser.add_argument("--topk", default="8", help="experts per token (default 8)")
@@ -98,28 +113,59 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "captured combine (mode nonblocking+graph); ignored on CPU")
     parser.add_argument("--link-gbps", type=float, default=478.0,
                         help="per-direction link rate for the one-GPU-per-rank ceiling (default 478: 2 x H200 NV18)")
-    parser.add_argument("--out", default="bench_out", help="folder for bench.json and the plots")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"folder for bench.json and the plots (default ./{DEFAULT_OUT}, which .gitignore covers)")
     parser.add_argument("--timeout", type=float, default=580.0, help="seconds before the launcher gives up")
     args = parser.parse_args(argv)
+    if args.preset is None:
+        args.preset = "full" if args.device == "cuda" else "cpu"
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.ranks is None:
         args.ranks = DEFAULT_RANKS
+    if args.backends is None:
+        args.backends = ",".join(available_backends(args.device))
+    problem = _argument_problem(args)
+    if problem:
+        parser.error(problem)  # one line, exit status 2, before any process starts
+    return args
+
+
+def _argument_problem(args: argparse.Namespace) -> Optional[str]:
+    """The first thing wrong with the options, in one line, or None."""
+    problem = device_problem(args.device)
+    if problem:
+        return problem
+    backends = _words(args.backends)
+    if not backends:
+        return f"no backend can run on {args.device} here"
+    for name in backends:
+        problem = backend_problem(name, args.device)
+        if problem:
+            return f"--backends: {problem}"
     allowed = {"payloads": {"bf16", "fp8"}, "routings": {"balanced", "skewed"}, "modes": {"blocking", "nonblocking"}}
     for key, choices in allowed.items():
         unknown = set(_words(getattr(args, key))) - choices
         if unknown:
-            parser.error(f"--{key}: unknown value(s) {sorted(unknown)}; choose from {sorted(choices)}")
-    import ep_plugin
-
-    unknown = set(_words(args.backends)) - set(ep_plugin.list_backends())
-    if unknown:
-        parser.error(f"--backends: unknown {sorted(unknown)}; known: {ep_plugin.list_backends()}")
-    for experts in _ints(args.experts):
+            return f"--{key}: unknown value(s) {sorted(unknown)}; choose from {sorted(choices)}"
+    axes = {}
+    for key in ("tokens", "hidden", "topk", "experts", "sms"):
+        try:
+            axes[key] = _ints(getattr(args, key))
+        except ValueError:
+            return f"--{key} takes a comma list of integers, got {getattr(args, key)!r}"
+        if not axes[key] or min(axes[key]) < 1:
+            return f"--{key} values must be at least 1, got {getattr(args, key)!r}"
+    for flag, value, least in (("--ranks", args.ranks, 1), ("--iters", args.iters, 1), ("--warmup", args.warmup, 0)):
+        if value < least:
+            return f"{flag} must be at least {least}, got {value}"
+    if max(axes["topk"]) > min(axes["experts"]):
+        return f"--topk {max(axes['topk'])} is more than the {min(axes['experts'])} experts (--experts)"
+    for experts in axes["experts"]:
         if experts % args.ranks:
-            parser.error(f"--experts {experts} is not divisible by --ranks {args.ranks}")
-    return args
+            return f"--experts {experts} is not divisible by --ranks {args.ranks}"
+    return None
 
 
 def reference_limits(args: argparse.Namespace, plan) -> tuple[int, int]:
@@ -141,6 +187,12 @@ def _graph_note(args: argparse.Namespace) -> str:
     if not args.graph:
         return "off"
     return "not applied (CPU)" if args.device == "cpu" else "non-blocking mode, graph-capable backends"
+
+
+def _why_no_plots() -> str:
+    if importlib.util.find_spec("matplotlib") is None:
+        return "matplotlib is not installed: pip install matplotlib, or the ep_plugin[plots] extra"
+    return "a plot draws a line over at least two token counts (--tokens) or SM counts (--sms); this sweep has one"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     write_json(os.path.join(args.out, "bench.json"), env, records, rows, argv)
     plots = write_plots(args.out, rows)
     print(f"environment: {env}")
+    if not plots:
+        print(f"plots: none written ({_why_no_plots()})")
     for record in records:
         if record.get("graph_error"):
             print(f"graph capture failed ({record['backend']} {record['payload']} tokens={record['tokens']} "

@@ -151,12 +151,13 @@ def is_expert_parameter(name: str) -> bool:
 
 
 def train_rank(ctx, args) -> dict:
-    import ep_plugin.integrations.megatron as ep_megatron
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    import ep_plugin.integrations.megatron as ep_megatron
 
     ep_megatron.install()
     device = torch.device(ctx.device)

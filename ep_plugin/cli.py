@@ -1,0 +1,79 @@
+"""What the command lines share: one-line errors, and what can run on this machine.
+
+``python -m ep_plugin demo``, ``python -m ep_plugin.bench`` and ``python -m ep_plugin info``
+default to the devices and backends that are here, and refuse what is not with one line
+(``prog: error: ...``, exit status 2) before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+import torch
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (no usage block), exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def describe_gpus() -> str:
+    """'no GPU (...)' or 'N GPU(s): cuda:0 NAME sm_XY, ...', for people."""
+    count = gpu_count()
+    if count == 0:
+        return "no GPU (torch sees no CUDA device): CPU only, where the reference backend runs"
+    names = []
+    for index in range(count):
+        properties = torch.cuda.get_device_properties(index)
+        names.append(f"cuda:{index} {properties.name} sm_{properties.major}{properties.minor}")
+    return f"{count} GPU(s): " + ", ".join(names)
+
+
+def default_device() -> str:
+    return "cuda" if gpu_count() else "cpu"
+
+
+def device_problem(device: str) -> Optional[str]:
+    """Why ``device`` ("cpu" or "cuda") cannot be used here, or None."""
+    if device == "cuda" and not gpu_count():
+        return "--device cuda: there is no GPU here (torch sees no CUDA device); use --device cpu"
+    return None
+
+
+def backend_problem(name: str, device: str) -> Optional[str]:
+    """Why backend ``name`` cannot run on ``device`` here, or None."""
+    from . import _cuda
+    from .registry import get_backend
+
+    try:
+        backend_cls = get_backend(name)
+    except ValueError as exc:
+        return str(exc)
+    devices = backend_cls.capabilities.devices
+    if device not in devices:
+        no_gpu = " (and there is no GPU here)" if "cuda" in devices and not gpu_count() else ""
+        return f"backend {name!r} runs on {' and '.join(devices)} only, not on {device}{no_gpu}"
+    if device == "cuda" and "cpu" not in devices and not _cuda.available():
+        return f"backend {name!r} needs the compiled extension: {_cuda.describe()}"
+    return None
+
+
+def available_backends(device: str) -> list[str]:
+    """The registered backends that can run on ``device`` here, sorted."""
+    from .registry import list_backends
+
+    usable = []
+    for name in list_backends():
+        try:
+            if backend_problem(name, device) is None:
+                usable.append(name)
+        except Exception:  # noqa: BLE001 - a third-party backend that fails to import is not usable
+            continue
+    return usable

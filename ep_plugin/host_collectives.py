@@ -1,0 +1,216 @@
+"""Host collectives on an existing engine (gloo, NCCL) that honour ``Config.timeout_s``.
+
+A rank whose peer stopped calling must get an error that names the rank, the phase and the
+peer, never wait forever; an engine failure (a peer exited, a collective out of step) must
+come back as ``EPError`` carrying the engine's message, never as a raw engine exception.
+
+How the wait is bounded (gloo's behaviour measured on torch 2.13; ``Work.wait(timeout)`` and
+``Work.is_completed()`` are the same public API on 2.11):
+
+- gloo: every op is issued with ``async_op=True`` and waited with ``Work.wait(timeout)``. On
+  expiry gloo raises "Operation timed out!" but does not cancel the op: it stays queued in
+  gloo's worker thread until the peer arrives (it then completes against that peer) or goes
+  away. So a timeout leaves the group's collectives out of step among its ranks: the owner is
+  marked failed, every later call raises at once, and the message says to end the job or build
+  a new process group. The group's own timeout (30 min by default for gloo) is the engine's
+  backstop; ``destroy_process_group`` waits for the stranded op, which ends when the late peer
+  calls or exits.
+- NCCL: a collective whose result the host reads next is polled with ``Work.is_completed()``
+  (never blocks, never throws) until the deadline. Payload collectives are left on the stream
+  as before (no host sync added); a peer that dies in the middle of an op is then NCCL's
+  watchdog's to report, at the group's own timeout. Set that timeout above
+  ``EP_PLUGIN_TIMEOUT_S`` so that ep_plugin's report comes first.
+
+Which peer is late: neither engine says. On a timeout each rank posts where it gave up to
+the store of the default process group, then reads the posts of its peers for a short grace
+period. A peer that posted the same place waits too; one that posted another place gave up
+there earlier; one that posted nothing never reached this op (stopped calling ep_plugin, busy
+elsewhere, or dead). The store is reached through ``torch.distributed``'s private
+``_get_default_store``; where that is missing the report lists every peer that could be late.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections import Counter
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .errors import EPError, EPTimeoutError
+
+_sites: Counter = Counter()  # (group name, label) -> how many were opened in this process
+
+
+_OUT_OF_STEP = ("The process group's collectives are now out of step among its ranks (an engine cannot take back a "
+                "collective that one rank gave up on or that failed): end the job, or build a new process group and "
+                "a new backend on it.")
+
+
+def _grace_s(timeout_s: float) -> float:
+    """How long a rank that timed out waits for its peers' posts before it reports."""
+    return min(2.0, max(0.2, 0.1 * timeout_s))
+
+
+class HostCollectives:
+    """The collectives one owner (a backend, a construction check) runs on one process group.
+
+    Args:
+        group: the process group.
+        owner: name used in messages ("ep_plugin reference").
+        timeout_s: seconds one collective may wait for its peers.
+        label: what the owner is; together with the group name and a per-process count it
+            names this instance's posts in the store, so it must be opened in the same order on
+            every rank (backends are built collectively, so they are).
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], *, owner: str, timeout_s: float, label: str) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.owner = owner
+        self.timeout_s = float(timeout_s)
+        self.rank = dist.get_rank(self.group)
+        self.num_ranks = dist.get_world_size(self.group)
+        self.engine = dist.get_backend(self.group)
+        group_name = getattr(self.group, "group_name", "group")
+        _sites[(group_name, label)] += 1
+        # This owner's number among the owners of its kind opened on this group by this process,
+        # from 1 (equal on every rank when ranks build their backends in the same order).
+        self.instance = _sites[(group_name, label)]
+        self.site = f"{group_name}/{label}#{self.instance}"
+        self.failed: Optional[str] = None  # set once a wait timed out or the engine failed
+
+    # ---- the collectives -------------------------------------------------------------
+
+    def all_to_all(self, tensor: torch.Tensor, out_splits: list[int], in_splits: list[int], *, where: str,
+                   read_on_host: bool = True) -> torch.Tensor:
+        """``all_to_all_single`` along dim 0 with exact splits; returns the received tensor.
+
+        Args:
+            tensor: [sum(in_splits), ...] rows to send, on a device the engine moves.
+            out_splits / in_splits: rows received from / sent to each rank.
+            where: the op and phase, for messages ("dispatch #3 (payload)").
+            read_on_host: the caller reads the result on the host next. Over NCCL only such
+                collectives are waited here (with the timeout); others stay stream-ordered.
+        """
+        self.check_usable()
+        out = tensor.new_empty((sum(out_splits),) + tuple(tensor.shape[1:]))
+        try:
+            work = dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=self.group,
+                                          async_op=True)
+        except RuntimeError as exc:  # an engine that fails at issue time
+            raise self._engine_error(where, exc) from None
+        self._wait(work, where, nccl=tensor.is_cuda and "nccl" in self.engine, read_on_host=read_on_host)
+        return out
+
+    def all_gather_object(self, obj: Any, *, where: str, device: torch.device) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order: two timed all-to-alls of bytes."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        ones = [1] * self.num_ranks
+        my_size = torch.full((self.num_ranks,), payload.numel(), dtype=torch.int64, device=device)
+        sizes = self.all_to_all(my_size, ones, ones, where=f"{where} (sizes)").tolist()
+        received = self.all_to_all(payload.repeat(self.num_ranks), sizes, [payload.numel()] * self.num_ranks,
+                                   where=where).cpu()
+        objects, start = [], 0
+        for size in sizes:
+            objects.append(pickle.loads(received[start:start + size].numpy().tobytes()))
+            start += size
+        return objects
+
+    def check_usable(self) -> None:
+        if self.failed is not None:
+            raise EPError(f"{self.owner}: rank {self.rank} cannot run more ops after an earlier failure "
+                          f"({self.failed}). {_OUT_OF_STEP}")
+
+    def peer_name(self, peer: int) -> str:
+        """'rank 3', or 'rank 3 (global rank 7)' in a subgroup."""
+        try:
+            global_rank = dist.get_global_rank(self.group, peer)
+        except (RuntimeError, ValueError):
+            return f"rank {peer}"
+        return f"rank {peer}" if global_rank == peer else f"rank {peer} (global rank {global_rank})"
+
+    # ---- waits and reports -----------------------------------------------------------
+
+    def _wait(self, work: dist.Work, where: str, *, nccl: bool, read_on_host: bool) -> None:
+        if nccl and not read_on_host:
+            try:
+                work.wait()  # stream-ordered: the current stream waits for the op, the host does not
+            except RuntimeError as exc:
+                raise self._engine_error(where, exc) from None
+            return
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        if not nccl:  # gloo (CPU tensors, or CUDA tensors staged through the host)
+            try:
+                work.wait(timeout=timedelta(seconds=self.timeout_s))
+                return
+            except RuntimeError as exc:
+                if work.is_completed():  # finished, with the engine's own error
+                    raise self._engine_error(where, exc) from None
+                # else gloo's "Operation timed out!": the op is still queued; report below
+        else:
+            pause = 20e-6
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(pause)
+                pause = min(2 * pause, 1e-3)
+            else:
+                try:
+                    work.wait()
+                    return
+                except RuntimeError as exc:
+                    raise self._engine_error(where, exc) from None
+        raise self._timeout_error(where, time.monotonic() - start)
+
+    def _engine_error(self, where: str, exc: BaseException) -> EPError:
+        self.failed = f"{self.engine} failed in {where}"
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return EPError(f"{self.owner}: rank {self.rank}: {where} failed in {self.engine}: {message}. A peer probably "
+                       f"exited or ran a different collective on this process group. {_OUT_OF_STEP}")
+
+    def _timeout_error(self, where: str, waited_s: float) -> EPTimeoutError:
+        self.failed = f"timed out in {where}"
+        peers = [q for q in range(self.num_ranks) if q != self.rank]
+        report = self._report_peers(where, peers)
+        return EPTimeoutError(
+            f"{self.owner}: rank {self.rank} timed out after {waited_s:.1f} s (timeout_s={self.timeout_s:g}, "
+            f"EP_PLUGIN_TIMEOUT_S) in {where} over {self.engine}. {report} Raise EP_PLUGIN_TIMEOUT_S if the peers are "
+            f"only slow. {_OUT_OF_STEP}")
+
+    def _report_peers(self, where: str, peers: list[int]) -> str:
+        """Which peers are late, from the posts of the ranks that timed out (see the module docstring)."""
+        if not peers:
+            return ""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            key = f"ep_plugin/timeouts/{self.site}/"
+            store.set(key + str(self.rank), where)
+            grace = _grace_s(self.timeout_s)
+            deadline = time.monotonic() + grace
+            while True:
+                posted = [q for q in peers if store.check([key + str(q)])]
+                if len(posted) == len(peers) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+            places = {q: store.get(key + str(q)).decode() for q in posted}
+        except Exception as exc:  # noqa: BLE001 - no store, or it is gone with a dead rank 0: say so
+            names = ", ".join(self.peer_name(q) for q in peers)
+            return (f"{self.engine} does not say which peer is missing, and the store could not be asked "
+                    f"({type(exc).__name__}); any of {names} may be late.")
+        late = [q for q in peers if q not in places]
+        waiting = [q for q in peers if places.get(q) == where]
+        elsewhere = [q for q in peers if q in places and places[q] != where]
+        parts = []
+        if late:
+            parts.append(f"Late peer(s): {', '.join(self.peer_name(q) for q in late)} (never reached {where}: "
+                         f"stopped calling ep_plugin, busy elsewhere, or dead; none of them reported a wait within "
+                         f"{grace:.1f} s).")
+        for q in elsewhere:
+            parts.append(f"{self.peer_name(q)} gave up earlier, in {places[q]}.")
+        if waiting:
+            parts.append(f"Waiting here too: {', '.join(self.peer_name(q) for q in waiting)}.")
+        return " ".join(parts)

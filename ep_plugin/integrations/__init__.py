@@ -1,0 +1,1 @@
+"""Adapters for Megatron-Core and NeMo / Megatron-Bridge."""

@@ -1,1 +1,0 @@
-"""Adapters for Megatron-Core and NeMo / Megatron-Bridge (installed as ep_plugin.integrations)."""

@@ -1,0 +1,151 @@
+"""Ranks that disagree get a named error on every rank: never a crash, a hang or wrong rows.
+
+Each launch runs several scenarios inside the rank processes (launches are the slow part);
+every scenario records, per rank, the exception type, its message and how long it took, so
+a test can check that *every* rank got the error and that no process died (``run_ranks``
+raises if one does).
+"""
+
+import time
+
+import pytest
+import torch
+
+import ep_plugin
+from ep_plugin.agreement import OP_COMBINE, OP_DISPATCH, OpFingerprint, mismatch_message
+from ep_plugin.config import Config
+from ep_plugin.testing import run_ranks
+
+HIDDEN = 8
+TIMEOUT_S = 20.0  # nothing here waits for it: a mismatch must be reported at once
+NUM_RANKS = 3  # the odd rank out is the last: the two that agree with each other must raise too
+ODD = NUM_RANKS - 1
+
+
+def _outcome(action) -> tuple[str, str, float]:
+    start = time.monotonic()
+    try:
+        action()
+        return "ok", "", time.monotonic() - start
+    except Exception as exc:  # noqa: BLE001 - the test inspects the type
+        return type(exc).__name__, str(exc), time.monotonic() - start
+
+
+def _reference(**kwargs):
+    config = Config.from_env(timeout_s=TIMEOUT_S, **kwargs.pop("config", {}))
+    return ep_plugin.get_backend("reference")(config=config, device="cpu", **kwargs)
+
+
+def construction_scenarios(ctx) -> dict:
+    odd = ctx.rank == ODD
+    experts = 2 * NUM_RANKS
+    outcomes = {
+        "hidden_size": _outcome(lambda: _reference(hidden_size=2 * HIDDEN if odd else HIDDEN, num_experts=experts)),
+        "num_experts": _outcome(lambda: _reference(hidden_size=HIDDEN, num_experts=2 * experts if odd else experts)),
+        "max_tokens_per_rank": _outcome(lambda: _reference(hidden_size=HIDDEN, num_experts=experts,
+                                                           config=dict(max_tokens_per_rank=64 if odd else 128))),
+    }
+
+    def agreed_build_still_works():
+        backend = _reference(hidden_size=HIDDEN, num_experts=experts)
+        out = backend.dispatch(torch.ones(4, HIDDEN), topk_idx=torch.tensor([[0], [1], [2], [3]]))
+        # Every rank sends one token to each of experts 0-3: ranks 0 and 1 own them.
+        assert out.tokens_per_expert.tolist() == ([NUM_RANKS] * 2 if ctx.rank < 2 else [0, 0])
+
+    outcomes["agreed"] = _outcome(agreed_build_still_works)
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def construction_outcomes():
+    return run_ranks(construction_scenarios, NUM_RANKS, timeout_s=120)
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_experts", "max_tokens_per_rank"])
+def test_construction_mismatch_raises_on_every_rank(construction_outcomes, field):
+    for rank, outcomes in enumerate(construction_outcomes):
+        kind, message, seconds = outcomes[field]
+        assert kind == "ValueError", (rank, kind, message)
+        assert field in message and "rank 0:" in message and f"rank {ODD}:" in message, message
+        assert seconds < TIMEOUT_S
+    assert all(outcomes["agreed"][0] == "ok" for outcomes in construction_outcomes), construction_outcomes
+
+
+def op_scenarios(ctx) -> dict:
+    odd = ctx.rank == ODD
+    experts = 2 * NUM_RANKS
+    backend = _reference(hidden_size=HIDDEN, num_experts=experts)
+    generator = torch.Generator().manual_seed(ctx.rank)
+    hidden = torch.randn(5, HIDDEN, generator=generator)
+    routing_map = torch.zeros(5, experts, dtype=torch.bool)
+    routing_map[torch.arange(5), torch.arange(5) % experts] = True
+    routing_map[torch.arange(5), (torch.arange(5) + 3) % experts] = True
+    probs = routing_map.float() / 2
+    topk_idx = routing_map.float().topk(2, dim=1).indices.sort(dim=1).values
+    outcomes = {
+        "dtype": _outcome(lambda: backend.dispatch(hidden.bfloat16() if odd else hidden, routing_map=routing_map,
+                                                   probs=probs)),
+        "probs_on_some_ranks": _outcome(lambda: backend.dispatch(hidden, routing_map=routing_map,
+                                                                 probs=None if odd else probs)),
+        "probs_dtype": _outcome(lambda: backend.dispatch(hidden, routing_map=routing_map,
+                                                         probs=probs.double() if odd else probs)),
+        "routing_form": _outcome(lambda: backend.dispatch(hidden, topk_idx=topk_idx) if odd
+                                 else backend.dispatch(hidden, routing_map=routing_map)),
+        "op_kind": _outcome(lambda: backend.barrier() if odd else backend.dispatch(hidden, routing_map=routing_map)),
+    }
+    first = backend.dispatch(hidden, routing_map=routing_map, probs=probs)
+    second = backend.dispatch(2 * hidden, routing_map=routing_map, probs=probs)
+    handles = (second.handle, first.handle) if odd else (first.handle, second.handle)
+    rows = {id(first.handle): first.hidden, id(second.handle): second.hidden}
+    outcomes["combine_order"] = _outcome(lambda: backend.combine(rows[id(handles[0])], handles[0]))
+
+    def agreed_ops_still_work():  # nothing moved in the rejected ops: the backend is still in step
+        chosen = routing_map.sum(dim=1, keepdim=True).float()
+        assert torch.allclose(backend.combine(first.hidden, first.handle).hidden, hidden * chosen)
+        assert torch.allclose(backend.combine(second.hidden, second.handle).hidden, 2 * hidden * chosen)
+        backend.barrier()
+
+    outcomes["agreed"] = _outcome(agreed_ops_still_work)
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def op_outcomes():
+    return run_ranks(op_scenarios, NUM_RANKS, timeout_s=120)
+
+
+# scenario -> words every rank's message must hold
+EXPECTED = {
+    "dtype": ["dispatch", "dtype", "torch.float32", "torch.bfloat16"],
+    "probs_on_some_ranks": ["dispatch", "probs:", "True", "False"],
+    "probs_dtype": ["dispatch", "probs dtype", "torch.float32", "torch.float64"],
+    "routing_form": ["dispatch", "form", "'routing_map'", "'topk'"],
+    "op_kind": ["dispatch", "barrier"],
+    "combine_order": ["combine", "handle_id:", "1 on rank", "2 on rank"],
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(EXPECTED))
+def test_op_mismatch_raises_on_every_rank(op_outcomes, scenario):
+    for rank, outcomes in enumerate(op_outcomes):
+        kind, message, seconds = outcomes[scenario]
+        assert kind == "EPError", (rank, kind, message)
+        assert "disagree" in message, message
+        for word in EXPECTED[scenario]:
+            assert word in message, (rank, word, message)
+        peers = [ODD] if rank != ODD else [q for q in range(NUM_RANKS) if q != ODD]
+        assert any(f"rank {q}" in message for q in peers), (rank, message)
+        assert seconds < TIMEOUT_S
+
+
+def test_backend_stays_usable_after_a_rejected_op(op_outcomes):
+    assert all(outcomes["agreed"][0] == "ok" for outcomes in op_outcomes), [o["agreed"] for o in op_outcomes]
+
+
+def test_mismatch_message_names_fields_and_ranks():
+    mine = OpFingerprint(OP_COMBINE, dtype=torch.bfloat16, handle_id=1).pack()
+    theirs = OpFingerprint(OP_COMBINE, dtype=torch.bfloat16, handle_id=2).pack()
+    message = mismatch_message("reference", 0, 1, mine, theirs)
+    assert "handle_id: 1 on rank 0, 2 on rank 1" in message and "dtype" not in message.split(".")[0]
+    dispatch = OpFingerprint(OP_DISPATCH, dtype=torch.float32, probs=True, form="topk", topk=8)
+    assert OpFingerprint.unpack(dispatch.pack()) == dispatch

@@ -1,0 +1,152 @@
+"""The command lines a newcomer meets: one-line errors, defaults that fit the machine, clean logs."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ep_plugin import _cuda
+from ep_plugin.__main__ import main as ep_main
+from ep_plugin.bench.__main__ import DEFAULT_OUT
+from ep_plugin.bench.__main__ import main as bench_main
+from ep_plugin.bench.__main__ import parse_args as bench_args
+from ep_plugin.demo import main as demo_main
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_GPU = not torch.cuda.is_available()
+needs_no_gpu = pytest.mark.skipif(not NO_GPU, reason="checks the refusal on a machine without a GPU")
+
+# (flag list, words the error must hold); each must be refused before any process starts.
+BAD_DEMO_FLAGS = [
+    pytest.param(["--backend", "hybrid"], "hybrid", marks=pytest.mark.skipif(
+        _cuda.available(), reason="hybrid runs here")),
+    pytest.param(["--device", "cuda"], "no GPU", marks=needs_no_gpu),
+    (["--steps", "0"], "--steps"),
+    (["--tokens", "0"], "--tokens"),
+    (["--topk", "9", "--experts", "8"], "--topk 9"),
+    (["--ranks", "3", "--experts", "8"], "divisible"),
+    (["--backend", "no_such_backend"], "no_such_backend"),
+    (["--steps", "many"], "--steps"),
+]
+
+
+def _one_line_error(run, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        run()
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "error:" in lines[0] and "Traceback" not in captured.err, captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags, words", BAD_DEMO_FLAGS)
+def test_demo_refuses_bad_flags_in_one_line(flags, words, capsys):
+    line = _one_line_error(lambda: demo_main(flags + ["--device", "cpu"] * ("--device" not in flags)), capsys)
+    assert words in line, line
+
+
+BAD_BENCH_FLAGS = [
+    pytest.param(["--backends", "hybrid"], "hybrid", marks=pytest.mark.skipif(
+        _cuda.available(), reason="hybrid runs here")),
+    pytest.param(["--device", "cuda"], "no GPU", marks=needs_no_gpu),
+    (["--iters", "0"], "--iters"),
+    (["--tokens", "0"], "--tokens"),
+    (["--tokens", "64,lots"], "--tokens"),
+    (["--topk", "9", "--experts", "8", "--ranks", "2"], "--topk 9"),
+    (["--experts", "10", "--ranks", "4"], "divisible"),
+    (["--payloads", "fp16"], "fp16"),
+]
+
+
+@pytest.mark.parametrize("flags, words", BAD_BENCH_FLAGS)
+def test_bench_refuses_bad_flags_in_one_line(flags, words, capsys):
+    line = _one_line_error(lambda: bench_args(flags + ["--device", "cpu"] * ("--device" not in flags)), capsys)
+    assert words in line, line
+
+
+def test_a_bad_flag_gives_no_traceback_from_the_command_line():
+    result = subprocess.run([sys.executable, "-m", "ep_plugin", "demo", "--steps", "0"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == "", result
+    assert result.stderr.strip() == ("python -m ep_plugin demo: error: --steps must be at least 1, got 0 "
+                                     "(--help lists the options)")
+
+
+@needs_no_gpu
+def test_bench_defaults_to_what_runs_here():
+    args = bench_args([])
+    assert args.device == "cpu" and args.backends == "reference" and args.preset == "cpu"
+    assert args.out == DEFAULT_OUT == "bench_out"
+    assert "/bench_out/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_bench_says_why_it_wrote_no_plot(tmp_path, capsys):
+    argv = ["--device", "cpu", "--ranks", "2", "--backends", "reference", "--tokens", "16", "--hidden", "64",
+            "--experts", "8", "--topk", "2", "--iters", "1", "--warmup", "0", "--routings", "balanced",
+            "--out", str(tmp_path)]
+    assert bench_main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "plots: none written (" in stdout and "--tokens" in stdout, stdout[-2000:]
+
+
+def test_help_exits_0_with_usage(capsys):
+    assert ep_main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: python -m ep_plugin {demo,info}")
+    assert ep_main(["nonsense"]) == 2
+    assert "unknown command 'nonsense'" in capsys.readouterr().err
+
+
+@needs_no_gpu
+def test_info_says_no_gpu_plainly(capsys):
+    assert ep_main(["info"]) == 0
+    assert "GPU: no GPU" in capsys.readouterr().out
+
+
+def test_dev_prints_usage_before_building_anything(tmp_path):
+    shutil.copy(ROOT / "dev", tmp_path / "dev")  # alone: anything past the usage check would fail here
+    for argv, status in (([], 2), (["--help"], 0), (["tset"], 2)):
+        result = subprocess.run(["bash", str(tmp_path / "dev"), *argv], capture_output=True, text=True, timeout=30)
+        assert result.returncode == status, result
+        assert "usage: ./dev demo" in result.stdout + result.stderr
+    assert not (tmp_path / ".venv").exists() and not (tmp_path / "build").exists()
+
+
+def test_demo_log_is_clean_when_not_a_terminal():
+    result = subprocess.run([sys.executable, "-m", "ep_plugin", "demo", "--device", "cpu", "--backend", "reference",
+                             "--ranks", "2", "--steps", "3", "--tokens", "32", "--hidden", "16", "--experts", "4"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("ep_plugin demo: backend reference, device cpu, 2 ranks"), lines[0]
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == 3 and all("tokens/s" in line for line in steps), lines
+    assert any(line.startswith("tokens/s: median") and "steps 2-3" in line for line in lines), lines
+    # No progress bar (or its carriage returns) in either stream when neither is a terminal.
+    assert "\r" not in result.stdout + result.stderr and "%|" not in result.stderr, result.stderr[-2000:]
+
+
+def test_the_readme_api_example_runs_under_torchrun():
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             str(ROOT / "examples" / "api.py")], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "rank 0/2 (cpu, reference)" in result.stdout and "rank 1/2" in result.stdout, result.stdout
+
+
+def test_product_text_speaks_for_itself():
+    """No tracker numbers and no paths outside the repository in what users read."""
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "ep_plugin").rglob("*.py")),
+             *sorted((ROOT / "examples").rglob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))]
+    found = []
+    for path in files:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\bissues?[ -]#?\d", line, re.IGNORECASE) or "../shared" in line or "/work/" in line:
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
+    assert "docs/design.md" in (ROOT / "README.md").read_text()

@@ -1,0 +1,116 @@
+"""A late, missing or departed peer: every waiting rank gets a named error within the timeout.
+
+Never a hang, never a raw engine exception: ``EPTimeoutError`` naming this rank, the op and
+phase, and the late peer; ``EPError`` carrying the engine's message when a peer went away.
+"""
+
+import time
+
+import pytest
+import torch
+
+import ep_plugin
+from ep_plugin.config import Config
+from ep_plugin.host_collectives import _grace_s
+from ep_plugin.testing import run_ranks
+
+TIMEOUT_S = 2.0
+SLACK_S = 3.0  # process scheduling on a busy 2-core machine
+HIDDEN, EXPERTS = 8, 6
+
+
+def _reference():
+    return ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=EXPERTS, device="cpu",
+                                              config=Config.from_env(timeout_s=TIMEOUT_S))
+
+
+def _dispatch(backend):
+    topk_idx = torch.arange(4).remainder(EXPERTS).unsqueeze(1)
+    return backend.dispatch(torch.ones(4, HIDDEN), topk_idx=topk_idx)
+
+
+def _outcome(action) -> tuple[str, str, float]:
+    start = time.monotonic()
+    try:
+        action()
+        return "ok", "", time.monotonic() - start
+    except Exception as exc:  # noqa: BLE001 - the test inspects the type
+        return type(exc).__name__, str(exc), time.monotonic() - start
+
+
+def late_peer(ctx):
+    """Rank 2 builds the backend, then arrives at dispatch only after the others gave up."""
+    backend = _reference()
+    if ctx.rank == 2:
+        time.sleep(TIMEOUT_S + _grace_s(TIMEOUT_S) + 1.5)
+    outcomes = _outcome(lambda: _dispatch(backend)), _outcome(lambda: _dispatch(backend))
+    if ctx.rank != 2:  # stay until rank 2 timed out too (leaving would close the connection it waits on)
+        time.sleep(TIMEOUT_S + 2 * _grace_s(TIMEOUT_S) + 2.5)
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def late_outcomes():
+    return run_ranks(late_peer, 3, timeout_s=120)
+
+
+def test_ranks_waiting_for_a_missing_peer_name_it(late_outcomes):
+    for rank in (0, 1):
+        kind, message, seconds = late_outcomes[rank][0]
+        assert kind == "EPTimeoutError", (rank, kind, message)
+        assert f"rank {rank} timed out" in message and "dispatch #1 (opening exchange)" in message, message
+        assert "Late peer(s): rank 2" in message and f"Waiting here too: rank {1 - rank}" in message, message
+        assert TIMEOUT_S <= seconds < TIMEOUT_S + _grace_s(TIMEOUT_S) + SLACK_S, seconds
+
+
+def test_the_late_peer_times_out_too_and_learns_who_gave_up(late_outcomes):
+    kind, message, seconds = late_outcomes[2][0]
+    assert kind == "EPTimeoutError", (kind, message)
+    assert "rank 2 timed out" in message and "dispatch #1" in message, message
+    assert "rank 0 gave up earlier, in dispatch #1 (opening exchange)" in message, message
+    assert seconds < TIMEOUT_S + _grace_s(TIMEOUT_S) + SLACK_S, seconds
+
+
+def test_after_a_timeout_the_backend_refuses_at_once(late_outcomes):
+    for rank in range(3):
+        kind, message, seconds = late_outcomes[rank][1]
+        assert kind == "EPError" and "after an earlier failure" in message and "timed out" in message, message
+        assert seconds < 1.0
+
+
+def departed_peer(ctx):
+    """Rank 1 builds the backend and leaves; rank 0 dispatches."""
+    backend = _reference()
+    if ctx.rank == 1:
+        return None
+    return _outcome(lambda: _dispatch(backend))
+
+
+def test_a_departed_peer_gives_an_ep_error_with_the_engine_message():
+    kind, message, seconds = run_ranks(departed_peer, 2, timeout_s=120)[0]
+    assert kind in ("EPError", "EPTimeoutError"), (kind, message)
+    if kind == "EPError":  # gloo noticed the closed connection: its message, wrapped
+        assert "rank 0: dispatch #1 (opening exchange) failed in gloo:" in message, message
+    else:  # it did not: the peer is named as late
+        assert "Late peer(s): rank 1" in message, message
+    assert seconds < TIMEOUT_S + _grace_s(TIMEOUT_S) + SLACK_S, seconds
+
+
+def late_construction(ctx):
+    """Rank 1 builds its backend only after rank 0 gave up waiting for it."""
+    if ctx.rank == 1:
+        time.sleep(TIMEOUT_S + _grace_s(TIMEOUT_S) + 1.5)
+    outcome = _outcome(_reference)
+    if ctx.rank == 0:  # stay until rank 1 timed out too
+        time.sleep(TIMEOUT_S + 2 * _grace_s(TIMEOUT_S) + 2.5)
+    return outcome
+
+
+def test_construction_waits_with_the_timeout_too():
+    outcomes = run_ranks(late_construction, 2, timeout_s=120)
+    kind, message, seconds = outcomes[0]
+    assert kind == "EPTimeoutError", (kind, message)
+    assert "building the reference backend" in message and "Late peer(s): rank 1" in message, message
+    assert seconds < TIMEOUT_S + _grace_s(TIMEOUT_S) + SLACK_S, seconds
+    kind, message, _ = outcomes[1]
+    assert kind == "EPTimeoutError" and "rank 0 gave up earlier" in message, (kind, message)
