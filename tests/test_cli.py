@@ -97,7 +97,7 @@ def test_bench_says_why_it_wrote_no_plot(tmp_path, capsys):
 
 def test_help_exits_0_with_usage(capsys):
     assert ep_main(["--help"]) == 0
-    assert capsys.readouterr().out.startswith("usage: python -m ep_plugin {demo,info}")
+    assert capsys.readouterr().out.startswith("usage: python -m ep_plugin {demo,info,doctor}")
     assert ep_main(["nonsense"]) == 2
     assert "unknown command 'nonsense'" in capsys.readouterr().err
 
