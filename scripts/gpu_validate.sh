@@ -2,12 +2,12 @@
 # What a session runs on the lent GPU machine; each stage fits one device call (< 10 min):
 #   scripts/gpu_validate.sh tests OUT [pytest args]   build, then the test suite (GPU tests included), or
 #                                                     only the tests named in the pytest args
-#   scripts/gpu_validate.sh bench OUT                 issue 5's presets on one GPU (8 ranks sharing it,
-#                                                     bulk and register copies), and issue 6's nvlink
+#   scripts/gpu_validate.sh bench OUT                 the standard and decode presets on one GPU (8 ranks sharing it,
+#                                                     bulk and register copies), and the nvlink
 #                                                     preset (one rank per GPU) when there are 2+ GPUs
 #   scripts/gpu_validate.sh sweep OUT                 the full sweep (8 ranks sharing GPU 0; SM counts and
 #                                                     shapes that do not fit are skipped with a message)
-#   scripts/gpu_validate.sh megatron OUT              the Megatron GPT-MoE loss comparison (issue 4)
+#   scripts/gpu_validate.sh megatron OUT              the Megatron GPT-MoE loss comparison
 # Every stage builds first (quick when nothing changed) and stops, with the build log's tail, unless
 # ep_plugin._C imports and sees a GPU; GPU tests then fail instead of skipping (EP_PLUGIN_REQUIRE_GPU=1).
 # Megatron-core comes from a carried wheel

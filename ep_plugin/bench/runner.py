@@ -1,6 +1,6 @@
 """What every rank runs: build backends, time dispatch/combine, time the ceiling, gather samples.
 
-Timing (DESIGN §8). Per case: one barrier (host + device) so ranks start together, then the
+Timing (docs/design.md, performance method). Per case: one barrier (host + device) so ranks start together, then the
 warm-up and timed iterations back to back — dispatch, combine, dispatch, combine, ... — with a
 CUDA event recorded before dispatch, between dispatch and combine, and after combine of every
 iteration. All events are allocated up front and read after one synchronize at the end, so
