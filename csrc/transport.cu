@@ -9,28 +9,22 @@
 #include <string>
 
 #include "ep/check.cuh"
+#include "ep/region_builder.h"
 #include "ep/transport.h"
 
 namespace ep {
 namespace {
-
-int64_t align_up(int64_t value, int64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
 
 SyncLayout make_sync_layout(int num_ranks, int count_words) {
   SyncLayout s{};
   s.num_ranks = num_ranks;
   s.count_words = count_words;
   const int64_t R = num_ranks;
-  int64_t offset = 0;
-  auto take = [&offset](int64_t bytes) {
-    const int64_t at = offset;
-    offset = align_up(offset + bytes, 256);
-    return at;
-  };
-  s.off_arrive = take(R * 8);
-  s.off_fingerprint = take(2 * R * 8);
-  s.off_counts = take(2 * R * static_cast<int64_t>(count_words) * 4);
-  s.bytes = offset;
+  RegionBuilder regions;
+  s.off_arrive = regions.take(R * 8);
+  s.off_fingerprint = regions.take(2 * R * 8);
+  s.off_counts = regions.take(2 * R * static_cast<int64_t>(count_words) * 4);
+  s.bytes = regions.size();
   return s;
 }
 

@@ -30,3 +30,26 @@ def test_missing_extension_explains_itself(monkeypatch):
     assert "nvcc" in _cuda.describe()
     with pytest.raises(Exception, match="nvcc"):
         _cuda.extension()
+
+
+def test_region_layouts_and_argument_structs_need_no_gpu():
+    """The backends' region layouts (host code) and the keyword-filled argument structs: shapes the
+    kernels cannot take are refused by name, regions are 256-byte aligned and do not overlap."""
+    if _cuda._module is None:
+        pytest.skip(f"extension not built here: {_cuda._import_error}")
+    C = _cuda._module
+    shape = dict(num_ranks=8, max_tokens=4096, hidden=7168, num_local_experts=32, max_blocks=16)
+    layouts = {"hybrid": C.hybrid.Regions(**shape), "elastic": C.elastic.Regions(**shape, max_topk=8)}
+    for name, regions in layouts.items():
+        # Every rank's data alone (the combine rows, R x T x H bf16) bounds the total from below.
+        assert regions.total_bytes >= 8 * 4096 * 7168 * 2 and regions.total_bytes % 256 == 0, name
+        assert regions.count_words == 33, name
+    for field, bad in (("num_ranks", 33), ("hidden", 12), ("num_local_experts", 257), ("max_blocks", 0)):
+        with pytest.raises(ValueError, match=field if field != "max_blocks" else "max_blocks"):
+            C.hybrid.Regions(**{**shape, field: bad})
+    with pytest.raises(ValueError, match="max_topk"):
+        C.elastic.Regions(**shape, max_topk=33)
+    with pytest.raises(TypeError, match="no field 'hiden'"):
+        C.elastic.SendArgs(hiden=0)
+    args = C.elastic.ReceiveArgs(capacity=5, expand=True, out=None)
+    assert (args.capacity, args.expand, args.out) == (5, True, 0)

@@ -3,25 +3,14 @@
 #include <stdexcept>
 #include <string>
 
-#include "ep/limits.h"
+#include "ep/region_builder.h"
 #include "hybrid/hybrid.h"
 
 namespace ep {
 namespace hybrid {
-namespace {
-
-int64_t align_up(int64_t value, int64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
-
-}  // namespace
 
 Regions make_regions(int num_ranks, int max_tokens, int hidden, int num_local_experts, int max_blocks) {
-  if (num_ranks < 1 || num_ranks > kMaxRanks)
-    throw std::invalid_argument("ep_plugin hybrid: num_ranks must be in [1, " + std::to_string(kMaxRanks) + "]");
-  if (num_local_experts < 1 || num_local_experts > kMaxLocalExperts)
-    throw std::invalid_argument("ep_plugin hybrid: num_local_experts must be in [1, " +
-                                std::to_string(kMaxLocalExperts) + "]");
-  if (hidden < 8 || hidden % 8) throw std::invalid_argument("ep_plugin hybrid: hidden must be a positive multiple of 8");
-  if (max_tokens < 1 || max_blocks < 1) throw std::invalid_argument("ep_plugin hybrid: max_tokens and max_blocks >= 1");
+  check_backend_shape("hybrid", num_ranks, max_tokens, hidden, num_local_experts, max_blocks);
   Regions g{};
   g.num_ranks = num_ranks;
   g.max_tokens = max_tokens;
@@ -30,21 +19,16 @@ Regions make_regions(int num_ranks, int max_tokens, int hidden, int num_local_ex
   g.hidden = hidden;
   g.slot_bytes = align_up(2LL * hidden, 16);  // bf16 row; an fp8 row + its scales is smaller
   const int64_t R = num_ranks, T = max_tokens, L = num_local_experts;
-  int64_t offset = 0;
-  auto take = [&offset](int64_t bytes) {
-    const int64_t at = offset;
-    offset = align_up(offset + bytes, 256);
-    return at;
-  };
-  g.off_disp_done = take(R * max_blocks * 8);
-  g.off_comb_done = take(R * max_blocks * 8);
-  g.off_disp_stage = take(T * g.slot_bytes);
-  g.off_disp_token = take(R * T * 4);
-  g.off_disp_k = take(R * T * L * 4);
-  g.off_disp_p = take(R * T * L * 4);
-  g.off_comb_data = take(R * T * 2LL * hidden);
-  g.off_comb_p = take(R * T * L * 4);
-  g.total_bytes = offset;
+  RegionBuilder regions;
+  g.off_disp_done = regions.take(R * max_blocks * 8);
+  g.off_comb_done = regions.take(R * max_blocks * 8);
+  g.off_disp_stage = regions.take(T * g.slot_bytes);
+  g.off_disp_token = regions.take(R * T * 4);
+  g.off_disp_k = regions.take(R * T * L * 4);
+  g.off_disp_p = regions.take(R * T * L * 4);
+  g.off_comb_data = regions.take(R * T * 2LL * hidden);
+  g.off_comb_p = regions.take(R * T * L * 4);
+  g.total_bytes = regions.size();
   return g;
 }
 

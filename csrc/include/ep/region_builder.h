@@ -1,0 +1,41 @@
+// Host helpers for laying out regions in a symmetric buffer: offsets equal on every rank, each
+// region 256-byte aligned, and the shape checks every backend's layout starts with.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "ep/limits.h"
+
+namespace ep {
+
+inline int64_t align_up(int64_t value, int64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
+
+// Hands out consecutive 256-byte-aligned regions; `size()` is the bytes taken so far.
+class RegionBuilder {
+ public:
+  int64_t take(int64_t bytes) {
+    const int64_t at = offset_;
+    offset_ = align_up(offset_ + bytes, 256);
+    return at;
+  }
+  int64_t size() const { return offset_; }
+
+ private:
+  int64_t offset_ = 0;
+};
+
+// Throws std::invalid_argument naming `backend` on a shape its kernels do not support.
+inline void check_backend_shape(const char* backend, int num_ranks, int max_tokens, int hidden, int num_local_experts,
+                                int max_blocks) {
+  const std::string who = std::string("ep_plugin ") + backend + ": ";
+  if (num_ranks < 1 || num_ranks > kMaxRanks)
+    throw std::invalid_argument(who + "num_ranks must be in [1, " + std::to_string(kMaxRanks) + "]");
+  if (num_local_experts < 1 || num_local_experts > kMaxLocalExperts)
+    throw std::invalid_argument(who + "num_local_experts must be in [1, " + std::to_string(kMaxLocalExperts) + "]");
+  if (hidden < 8 || hidden % 8) throw std::invalid_argument(who + "hidden must be a positive multiple of 8");
+  if (max_tokens < 1 || max_blocks < 1) throw std::invalid_argument(who + "max_tokens and max_blocks >= 1");
+}
+
+}  // namespace ep
