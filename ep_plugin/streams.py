@@ -13,6 +13,7 @@ the caller dropped its references). A prefix view keeps its whole allocation ali
 
 from __future__ import annotations
 
+import time
 from typing import Iterable, Optional
 
 import torch
@@ -56,3 +57,19 @@ def use_on(stream: torch.cuda.Stream, ready: Optional[torch.cuda.Event],
     for tensor in tensors:
         if tensor is not None and tensor.is_cuda:
             tensor.record_stream(stream)
+
+
+def wait_for_stream(device: torch.device, timeout_s: float, what: str) -> None:
+    """Host wait, with a timeout, until the current stream has run what was queued so far.
+
+    Raises EPTimeoutError naming ``what`` when it runs past ``timeout_s``.
+    """
+    from .errors import EPTimeoutError
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise EPTimeoutError(f"{what}: the stream did not finish its queued work within {timeout_s:.1f} s")
+        time.sleep(5e-5)

@@ -19,6 +19,7 @@ from ..agreement import check_construction
 from ..config import Config
 from ..handle import CombineOutput, DispatchOutput, Handle
 from ..routing import Routing, check_tensor, make_routing, route_counts
+from ..topology import Topology, resolve_topology
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,44 @@ class Capabilities:
     combine_options: tuple[str, ...] = ()
 
 
+def _default_device(device: Optional[torch.device | str]) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
+
+
 class Backend(abc.ABC):
-    """Dispatch/combine over one expert-parallel process group."""
+    """Dispatch/combine over one expert-parallel process group.
+
+    Building a backend first settles the group's topology (``topology=``, else detected; a collective,
+    see ``ep_plugin.topology``). Where it has more than one NVLink domain, and the backend needs one
+    domain (``needs_shared_memory``) or the domain size was forced (``EP_PLUGIN_SCALEUP_SIZE`` or an
+    explicit ``topology``), the constructor returns a ``HierarchicalBackend`` that runs this backend
+    inside each domain and joins the domains over the rails, with the same API and the same results.
+    """
 
     name: str = "base"
     capabilities: Capabilities
+    # The backend maps its peers' memory, so it can only span one NVLink domain.
+    needs_shared_memory: bool = False
+
+    def __new__(cls, group: Optional[dist.ProcessGroup] = None, *, topology: Optional[Topology] = None,
+                **kwargs: Any) -> "Backend":
+        if getattr(cls, "_spans_domains", False):  # the hierarchical wrapper itself
+            return super().__new__(cls)
+        if not dist.is_initialized():
+            raise RuntimeError(f"ep_plugin backend {cls.name!r} needs torch.distributed to be initialized first")
+        config = kwargs.get("config")
+        config = config if config is not None else Config.from_env()
+        resolved = resolve_topology(topology, group, _default_device(kwargs.get("device")), config,
+                                    purpose=f"building the {cls.name} backend")
+        if resolved.is_hierarchical and (resolved.forced or cls.needs_shared_memory):
+            from .hierarchical import HierarchicalBackend
+
+            return HierarchicalBackend(group, domain_backend=cls, topology=resolved, **kwargs)
+        instance = super().__new__(cls)
+        instance._topology = resolved
+        return instance
 
     def __init__(
         self,
@@ -50,7 +84,15 @@ class Backend(abc.ABC):
         num_experts: int,
         config: Optional[Config] = None,
         device: Optional[torch.device | str] = None,
+        topology: Optional[Topology] = None,
     ) -> None:
+        """Args:
+            group: the expert-parallel process group (default: the world).
+            hidden_size / num_experts: H and E over the whole group (E divisible by its ranks).
+            config: knobs (default ``Config.from_env()``).
+            device: this rank's device (default: the current CUDA device, else CPU).
+            topology: domains and rails (``ep_plugin.topology.Topology``; default: detected).
+        """
         if not dist.is_initialized():
             raise RuntimeError(f"ep_plugin backend {self.name!r} needs torch.distributed to be initialized first")
         self.group = group if group is not None else dist.group.WORLD
@@ -66,9 +108,10 @@ class Backend(abc.ABC):
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.num_ranks
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.device = _default_device(device)
+        # Settled in __new__ (a flat backend: one domain, or one that does not need it).
+        self.topology: Topology = getattr(self, "_topology", None) or topology or Topology.flat(self.num_ranks,
+                                                                                               self.rank)
         if self.device.type not in self.capabilities.devices:
             raise ValueError(f"backend {self.name!r} runs on {self.capabilities.devices}, not on {self.device}")
         # Last, and before any subclass setup exchanges buffers: ranks built differently raise

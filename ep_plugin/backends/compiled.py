@@ -39,9 +39,12 @@ class CompiledBackend(Backend):
     barrier_phase: int = 0
     # Experts per token assumed when num_sms = 0 sizes the grid before any dispatch is seen.
     autosize_topk: int = 8
+    # Peers' buffers are opened with CUDA IPC: one NVLink domain at most (more go hierarchical).
+    needs_shared_memory = True
 
-    def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None) -> None:
-        super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device)
+    def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None) -> None:
+        super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
+                         topology=topology)
         if not _cuda.available():
             raise BackendUnavailableError(
                 f"backend {self.name!r} needs the CUDA extension and a GPU: {_cuda.describe()}")

@@ -109,7 +109,7 @@ class ElasticBackend(CompiledBackend):
     phase_names = PHASE_NAMES
     barrier_phase = PHASE_BARRIER
 
-    def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None,
+    def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None,
                  max_topk: Optional[int] = None) -> None:
         """Args as every backend, plus ``max_topk``: the widest top-k any dispatch will use (default and
         maximum 32; smaller saves buffer memory). Equal on every rank, like ``max_tokens_per_rank``."""
@@ -117,7 +117,8 @@ class ElasticBackend(CompiledBackend):
         self.max_topk = 32 if max_topk is None else max_topk
         if not isinstance(self.max_topk, int) or not 1 <= self.max_topk <= 32:
             raise ValueError(f"max_topk must be an int in [1, 32], got {max_topk!r}")
-        super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device)
+        super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
+                         topology=topology)
         self.regions = self._C.elastic.Regions(num_ranks=self.num_ranks, max_tokens=self.config.max_tokens_per_rank,
                                                hidden=hidden_size, num_local_experts=self.num_local_experts,
                                                max_blocks=self.num_blocks, max_topk=self.max_topk)

@@ -117,8 +117,9 @@ class HybridBackend(CompiledBackend):
     phase_names = PHASE_NAMES
     barrier_phase = PHASE_BARRIER
 
-    def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None) -> None:
-        super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device)
+    def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None) -> None:
+        super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
+                         topology=topology)
         self.regions = self._C.hybrid.Regions(num_ranks=self.num_ranks, max_tokens=self.config.max_tokens_per_rank,
                                               hidden=hidden_size, num_local_experts=self.num_local_experts,
                                               max_blocks=self.num_blocks)

@@ -69,8 +69,9 @@ class ReferenceBackend(Backend):
         probs_dtypes=(torch.float32, torch.float64),
     )
 
-    def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None) -> None:
-        super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device)
+    def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None) -> None:
+        super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
+                         topology=topology)
         # gloo moves CPU tensors only: stage CUDA tensors through the host there.
         self._stage_on_host = self.device.type == "cuda" and dist.get_backend(self.group) != "nccl"
         self._exchange_device = self.device if self.device.type == "cuda" and not self._stage_on_host else "cpu"

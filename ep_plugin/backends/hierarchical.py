@@ -1,0 +1,508 @@
+"""Dispatch/combine across NVLink domains: any backend inside each domain, the rails between them.
+
+``HierarchicalBackend`` is what a backend's constructor returns when the group's topology has more
+than one domain (see ``Backend``): it builds the requested backend (the *domain backend*) on each
+domain's process group and joins the domains over the rails (``transport.scaleout``). Same API,
+capabilities, handle semantics and results as the flat backend on the whole group.
+
+Data path, for a rank in domain d at local index l (S ranks per domain, D domains, G = S * L experts
+per domain):
+
+1. dispatch, rail stage: each token goes once to every domain that holds any of its experts, to the
+   rail peer (that domain's rank at local index l), with its routing restricted to that domain (the
+   routing map's G columns; top-k ids made domain-local, -1 elsewhere) and its probs, packed as bytes
+   in one rail collective. Blocking mode exchanges exact counts first (with the op fingerprint, so
+   ranks that disagree raise ``EPError`` before any payload moves); sync-free mode sends
+   ``max_tokens_per_rank`` rows to every rail peer, the unused ones routed nowhere (no count is read).
+2. dispatch, domain stage: the domain backend dispatches the received rows (source domain order, then
+   source token) inside the domain, with G experts, the same pad_multiple and options.
+3. reorder: within each expert segment (or the one compact segment) the domain backend's rows come
+   by forwarding peer, then source domain; the flat order is by source rank = (source domain, peer).
+   The rows (and probs, top-k ids) are moved with one index (``flat_order_index``, device ops only),
+   from per-(peer, source domain, segment) counts exchanged once in the domain. The result equals the
+   flat backend's bitwise: payloads, row order, probs, ``tokens_per_expert``, ``num_valid_rows``.
+4. combine: rows go back to the domain-level order, the domain backend combines them (one partial sum
+   per received row, rounded to the payload dtype), the partials go back over the rail (one row per
+   (token, destination domain)), and the source adds them in fp32 in domain order, rounds once.
+   Tolerance against the flat backend: payloads that sum exactly (as in the tests) are bitwise equal;
+   otherwise each domain's partial is rounded once, so a token whose experts span several domains can
+   differ by about one ulp of the payload dtype per domain (bf16: |err| <= D * 2**-8 * max|partial|).
+   Probs sent back are not summed: equal bitwise.
+5. dispatch_again (backward of combine) and a cached dispatch (``handle=``) follow the same rail and
+   domain layout; backward of dispatch is combine. Gradients flow through ``ep_plugin.dispatch`` /
+   ``ep_plugin.combine`` as for any backend (the outer Handle belongs to this backend).
+
+``barrier()`` is global by construction: the rail barrier, then the domain barrier, one after the
+other (a rank leaves only after every rank of its domain finished its rail barrier, so after every
+rank of every domain entered). On a GPU the host first waits for this rank's stream (with the
+timeout): every kernel that stored into NVLink peers has completed, which orders those stores before
+the scale-out traffic of the barrier (the system-scope fence of a device-side barrier).
+
+Errors: a rail wait that runs past ``timeout_s`` raises ``EPTimeoutError`` naming the rail, the op and
+phase (``rail/counts``, ``rail/tokens``, ``rail/rows``, ``rail barrier``) and the late peer; an engine
+failure raises ``EPError`` with the engine's message; a domain-level failure is re-raised with the
+domain named. After any of them the backend is unusable (build a new one on a new process group).
+
+Where the domain backend's host work runs (the rail stages, the reorder, the sums) this adds copies:
+on a gloo rail CUDA tensors are staged through host memory, which waits for the stream, also in
+sync-free mode (``transport.scaleout``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from .. import streams
+from ..agreement import OP_COMBINE, OP_DISPATCH, OP_DISPATCH_AGAIN, OpFingerprint, mismatch_message
+from ..errors import EPError
+from ..handle import COMPACT, CombineOutput, DispatchOutput, Handle
+from ..host_collectives import HostCollectives
+from ..routing import ROUTING_MAP, TOPK, Routing, check_tensor
+from ..topology import Topology
+from ..transport.scaleout import RailSplits, RowPacker, ScaleOut, flat_order_index
+from .base import Backend
+
+_TOPK_FIELD_MAX = 127  # OpFingerprint.topk has 7 bits
+
+
+@dataclass(eq=False)
+class HierarchicalLayout:
+    """What combine, dispatch_again and a cached dispatch need of one hierarchical dispatch."""
+
+    dispatch_id: int  # this dispatch's number on its backend (from 1)
+    domain_handle: Handle  # the domain backend's handle of the forwarded rows
+    to_domain: torch.Tensor  # [T, D] bool: the token went to that domain
+    send_tokens: Optional[list[torch.Tensor]]  # blocking: tokens sent to each domain, in token order
+    send_slot: Optional[torch.Tensor]  # sync-free: [T, D] int64 row of the token in the domain's block
+    splits: RailSplits  # rows sent to / received from each rail peer
+    slot_domain: Optional[torch.Tensor]  # top-k: [T, k] domain of each slot's expert (D = none)
+    dest: torch.Tensor  # [num_rows] int64: flat row of each domain-level row
+
+
+class HierarchicalBackend(Backend):
+    """A domain backend in every NVLink domain, joined over the rails (see the module docstring).
+
+    Args (beyond every backend's): domain_backend: the backend class to run inside each domain;
+    topology: the group's topology (more than one domain); domain_options: extra constructor
+    arguments of the domain backend (``max_topk`` for elastic).
+    """
+
+    _spans_domains = True
+
+    def __init__(self, group=None, *, domain_backend: type, topology: Topology, hidden_size: int, num_experts: int,
+                 config=None, device=None, **domain_options: Any) -> None:
+        self.name = domain_backend.name
+        self.capabilities = domain_backend.capabilities
+        self.domain_backend_class = domain_backend
+        self._domain_options = domain_options
+        self._topology = topology
+        super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
+                         topology=topology)
+        S, D = topology.domain_size, topology.num_domains
+        self.domain_size, self.num_domains = S, D
+        self.experts_per_domain = S * self.num_local_experts
+        self.scaleout = ScaleOut(self.group, topology, self.device, timeout_s=self.config.timeout_s,
+                                 chunk_rows=self.config.scaleout_chunk_tokens, owner=f"ep_plugin {self.name}")
+        domain_global = [torch.distributed.get_global_rank(self.group, r) for r in topology.domain_ranks()]
+        self.domain_level = f"domain {topology.domain_index} (global ranks {domain_global})"
+        # A rank forwards up to D * max_tokens_per_rank rows into its domain; the domain backend's outputs
+        # then have the flat backend's worst case (S * D * T = world * T rows), and so does its buffer.
+        changes: dict[str, Any] = {"max_tokens_per_rank": D * self.config.max_tokens_per_rank}
+        if self.config.forward_sms and domain_backend.needs_shared_memory:
+            changes["num_sms"] = self.config.forward_sms  # the domain kernels are the forwarding
+        self.domain = self._at_domain_level(lambda: domain_backend(
+            self.scaleout.domain_group, hidden_size=hidden_size, num_experts=self.experts_per_domain,
+            config=self.config.replace(**changes), device=self.device,
+            topology=Topology.flat(S, topology.local_index), **domain_options))
+        self._domain_counts = HostCollectives(self.scaleout.domain_group, owner=f"ep_plugin {self.name} "
+                                              f"{self.domain_level}", timeout_s=self.config.timeout_s,
+                                              label="domain counts")
+        self._num_dispatches = 0
+
+    def _construction_facts(self) -> dict[str, Any]:
+        return {**super()._construction_facts(), "domain_size": self._topology.domain_size,
+                "scaleout_chunk_tokens": self.config.scaleout_chunk_tokens,
+                "domain_options": sorted(self._domain_options.items())}
+
+    # ---- public entry points ------------------------------------------------------------------
+
+    def dispatch(self, hidden, *, routing_map=None, probs=None, topk_idx=None, topk_weights=None,
+                 pad_multiple: Optional[int] = None, handle: Optional[Handle] = None,
+                 expert_alignment: Optional[int] = None, **options) -> DispatchOutput:
+        """As the domain backend's dispatch (``Backend.dispatch``); ``handle=`` sends ``hidden`` along a
+        previous dispatch's layout (cached dispatch), ``expert_alignment`` is DeepEP's ``pad_multiple``."""
+        if expert_alignment is not None:
+            if pad_multiple is not None and pad_multiple != expert_alignment:
+                raise ValueError(f"pad_multiple={pad_multiple} and expert_alignment={expert_alignment} disagree; "
+                                 "pass one of them")
+            pad_multiple = expert_alignment
+        if handle is not None:
+            if any(v is not None for v in (routing_map, probs, topk_idx, topk_weights, pad_multiple)) or options:
+                raise ValueError("a cached dispatch (handle=...) takes no routing arguments: the handle has them")
+            return self._cached_dispatch(hidden, handle)
+        if routing_map is not None and ROUTING_MAP not in self.capabilities.routing_forms:
+            raise ValueError(f"backend {self.name!r} takes topk_idx (+ topk_weights), not routing_map")
+        max_topk = getattr(self.domain, "max_topk", None)
+        if max_topk is not None and topk_idx is not None and topk_idx.dim() == 2 and topk_idx.shape[1] > max_topk:
+            raise ValueError(f"topk_idx has k={topk_idx.shape[1]} columns; this {self.name} backend was built with "
+                             f"max_topk={max_topk}")
+        return super().dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
+                                topk_weights=topk_weights, pad_multiple=pad_multiple, **options)
+
+    def combine(self, rows, handle: Handle, *, row_probs=None, **options) -> CombineOutput:
+        """As the domain backend's combine; elastic's ``bias`` [T, H] is added once, at the source."""
+        if options.get("bias") is not None:
+            self.check_handle(handle)
+            check_tensor("bias", options["bias"], dtypes=self.capabilities.hidden_dtypes,
+                         shape=(handle.num_tokens, self.hidden_size), device=self.device)
+        return super().combine(rows, handle, row_probs=row_probs, **options)
+
+    def barrier(self) -> None:
+        """Every rank of every domain reached this point: the rail barrier, then the domain barrier."""
+        self.scaleout.check_usable()
+        if self.device.type == "cuda":  # this rank's NVLink stores are complete before the rail traffic
+            streams.wait_for_stream(self.device, self.config.timeout_s, f"ep_plugin {self.name}: rank {self.rank}: "
+                                    f"barrier (this rank's queued work)")
+        self.scaleout.barrier(where="barrier: rail barrier")
+        self._at_domain_level(self.domain.barrier)
+
+    def destroy(self) -> None:
+        self.domain.destroy()
+
+    def check_errors(self, synchronize: bool = True) -> None:
+        """The domain backend's pending device errors (compiled backends), raised with the domain named."""
+        check = getattr(self.domain, "check_errors", None)
+        if check is not None:
+            self._at_domain_level(lambda: check(synchronize))
+
+    @property
+    def over_budget(self) -> Optional[torch.Tensor]:
+        """hybrid: the overflow flag of the latest dispatch (see ``HybridBackend``)."""
+        return getattr(self.domain, "over_budget", None)
+
+    # ---- Backend protocol ---------------------------------------------------------------------
+
+    def _dispatch(self, hidden, routing: Routing, probs, pad_multiple, **options) -> DispatchOutput:
+        self.scaleout.check_usable()
+        number = self._num_dispatches + 1
+        where = f"dispatch #{number}"
+        fp8 = isinstance(hidden, (tuple, list))
+        data, scales = (hidden[0], hidden[1]) if fp8 else (hidden, None)
+        T, D, G, E, L = routing.num_tokens, self.num_domains, self.experts_per_domain, self.num_experts, \
+            self.num_local_experts
+        dev = data.device
+        slot_domain = None
+        if routing.form == ROUTING_MAP:
+            to_domain = routing.routing_map.view(T, D, G).any(2)
+        else:
+            idx = routing.topk_idx
+            slot_domain = torch.where((idx >= 0) & (idx < E), torch.div(idx, G, rounding_mode="floor"),
+                                      torch.full_like(idx, D))
+            to_domain = torch.zeros(T, D + 1, dtype=torch.bool, device=dev).scatter_(1, slot_domain, True)[:, :D]
+            to_domain = to_domain.contiguous()
+        send_tokens, send_slot = self._rail_layout(to_domain)
+
+        k = routing.topk_idx.shape[1] if routing.form == TOPK else 0
+        fields = [("hidden", data.dtype, (self.hidden_size,))]
+        if fp8:
+            fields.append(("scales", torch.float32, (self.hidden_size // self.FP8_BLOCK,)))
+        fields.append(("route", torch.bool, (G,)) if routing.form == ROUTING_MAP else ("route", torch.int64, (k,)))
+        if probs is not None:
+            fields.append(("probs", probs.dtype, (G,) if routing.form == ROUTING_MAP else (k,)))
+        packer = RowPacker(fields)
+
+        payload_rows = data.view(torch.uint8) if fp8 else data  # indexed as bytes: not every device indexes fp8
+
+        def token_fields(d: int, tokens) -> dict[str, torch.Tensor]:
+            values = {"hidden": payload_rows[tokens]}
+            if fp8:
+                values["scales"] = scales[tokens]
+            if routing.form == ROUTING_MAP:
+                values["route"] = routing.routing_map[tokens, d * G:(d + 1) * G]
+                if probs is not None:
+                    values["probs"] = probs[tokens, d * G:(d + 1) * G]
+            else:  # domain-local ids + 1 on the wire, so that the zeros of unused rows mean "none"
+                ids = routing.topk_idx[tokens]
+                values["route"] = torch.where(slot_domain[tokens] == d, ids - d * G + 1, torch.zeros_like(ids))
+                if probs is not None:
+                    values["probs"] = probs[tokens]
+            return values
+
+        fingerprint = OpFingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, form=routing.form,
+                                    topk=min(k, _TOPK_FIELD_MAX))
+        if self.config.blocking:
+            splits = self._rail_open(fingerprint, packer.row_bytes, [len(tokens) for tokens in send_tokens], where)
+        else:
+            capacity = self.config.max_tokens_per_rank
+            splits = RailSplits([capacity] * D, [capacity] * D, capacity)
+        payload = self._pack_for_rail(packer, token_fields, to_domain, send_tokens, send_slot, T)
+        received = packer.unpack(self.scaleout.exchange_rows(payload, splits, where=f"{where}: rail/tokens"))
+        self._num_dispatches = number
+
+        # The domain stage: the received rows, in (source domain, source token) order.
+        num_received = sum(splits.recv)
+        hidden_in = (received["hidden"], received["scales"]) if fp8 else received["hidden"]
+        if routing.form == ROUTING_MAP:
+            mask = received["route"]
+            routing_in = {"routing_map": mask, "probs": received.get("probs")}
+        else:
+            ids = received["route"] - 1
+            mask = torch.zeros(num_received, G + 1, dtype=torch.bool, device=dev).scatter_(
+                1, torch.where(ids >= 0, ids, torch.full_like(ids, G)), True)[:, :G]
+            routing_in = {"topk_idx": ids, "topk_weights": received.get("probs")}
+        counts = self._segment_counts(mask, splits, where)
+        out = self._at_domain_level(lambda: self.domain.dispatch(hidden_in, pad_multiple=pad_multiple, **routing_in,
+                                                                 **options))
+        inner: Handle = out.handle
+        if inner.output_form == COMPACT:
+            dest = flat_order_index(counts[:, :, L:], 1, inner.num_rows)
+        else:
+            dest = flat_order_index(counts[:, :, :L], pad_multiple, inner.num_rows)
+
+        layout = HierarchicalLayout(dispatch_id=number, domain_handle=inner, to_domain=to_domain,
+                                    send_tokens=send_tokens, send_slot=send_slot, splits=splits,
+                                    slot_domain=slot_domain, dest=dest)
+        handle = Handle(
+            backend=self, num_tokens=T, hidden_size=self.hidden_size, hidden_dtype=inner.hidden_dtype,
+            probs_shape=routing.probs_shape if probs is not None else None, num_experts=E, num_local_experts=L,
+            pad_multiple=pad_multiple, num_rows=inner.num_rows, tokens_per_expert=inner.tokens_per_expert,
+            num_real_tokens_per_expert=inner.num_real_tokens_per_expert, layout=layout, handle_id=number,
+            output_form=inner.output_form, row_probs_shape=inner.row_probs_shape)
+        rows = tuple(_to_flat(t, dest) for t in out.hidden) if fp8 else _to_flat(out.hidden, dest)
+        return DispatchOutput(rows, _to_flat(out.probs, dest), out.tokens_per_expert, handle,
+                              topk_idx=_to_flat(out.topk_idx, dest), num_valid_rows=out.num_valid_rows,
+                              tokens_per_expert_list=out.tokens_per_expert_list, ready=self._ready())
+
+    def _dispatch_again(self, hidden, handle: Handle) -> torch.Tensor:
+        layout: HierarchicalLayout = handle.layout
+        where = f"dispatch_again along dispatch #{layout.dispatch_id}"
+        rows = self._send_along(hidden, None, handle, where,
+                                lambda received: self.domain.dispatch_again(received, layout.domain_handle))
+        return _to_flat(rows, layout.dest)
+
+    def _cached_dispatch(self, hidden, handle: Handle) -> DispatchOutput:
+        """``dispatch(hidden, handle=...)``: no layout, no count exchange; FP8 where the domain backend takes it."""
+        self.check_handle(handle)
+        fp8 = isinstance(hidden, (tuple, list))
+        data = self.check_fp8_hidden(hidden) if fp8 else hidden
+        if not fp8:
+            self.check_hidden("hidden", data, handle.num_tokens)
+        elif data.shape[0] != handle.num_tokens:
+            raise ValueError(f"hidden has {data.shape[0]} rows; the handle expects {handle.num_tokens}")
+        layout: HierarchicalLayout = handle.layout
+        where = f"cached dispatch along dispatch #{layout.dispatch_id}"
+
+        def forward(received):
+            if getattr(self.domain, "_cached_dispatch", None) is not None:
+                return self.domain.dispatch(received, handle=layout.domain_handle)
+            return DispatchOutput(self.domain.dispatch_again(received, layout.domain_handle), None,
+                                  layout.domain_handle.tokens_per_expert, layout.domain_handle)
+
+        out = self._send_along(data, hidden[1] if fp8 else None, handle, where, forward)
+        rows = tuple(_to_flat(t, layout.dest) for t in out.hidden) if fp8 else _to_flat(out.hidden, layout.dest)
+        return DispatchOutput(rows, None, handle.tokens_per_expert, handle, num_valid_rows=out.num_valid_rows,
+                              ready=self._ready())
+
+    def _combine(self, rows, handle: Handle, row_probs, bias=None) -> CombineOutput:
+        self.scaleout.check_usable()
+        layout: HierarchicalLayout = handle.layout
+        where = f"combine of dispatch #{layout.dispatch_id}"
+        T, D, G, H = handle.num_tokens, self.num_domains, self.experts_per_domain, self.hidden_size
+        if self.config.blocking:
+            fingerprint = OpFingerprint(OP_COMBINE, dtype=rows.dtype, probs=row_probs is not None,
+                                        handle_id=layout.dispatch_id)
+            self._rail_open(fingerprint, 0, layout.splits.recv, where, expected=layout.splits.send)
+        inner_probs = row_probs[layout.dest] if row_probs is not None else None
+        partial = self._at_domain_level(lambda: self.domain.combine(rows[layout.dest], layout.domain_handle,
+                                                                    row_probs=inner_probs))
+        fields = [("hidden", partial.hidden.dtype, (H,))]
+        if partial.probs is not None:
+            fields.append(("probs", partial.probs.dtype, tuple(partial.probs.shape[1:])))
+        packer = RowPacker(fields)
+        payload = packer.pack(partial.hidden.shape[0], {"hidden": partial.hidden, "probs": partial.probs},
+                              partial.hidden.device)
+        back = packer.unpack(self.scaleout.exchange_rows(payload, layout.splits.reversed(),
+                                                         where=f"{where}: rail/rows"))
+
+        accumulate = torch.float64 if rows.dtype == torch.float64 else torch.float32
+        summed = torch.zeros(T, H, dtype=accumulate, device=rows.device)
+        probs = None
+        if partial.probs is not None:
+            probs = partial.probs.new_zeros(handle.probs_shape)
+        for d, tokens, source_rows, valid in self._returned_rows(layout, T):
+            part = back["hidden"][source_rows].to(accumulate)
+            if valid is not None:
+                part = torch.where(valid.unsqueeze(1), part, torch.zeros_like(part))
+            summed.index_add_(0, tokens, part)
+            if probs is None:
+                continue
+            values = back["probs"][source_rows]
+            if layout.slot_domain is None:  # routing map: this domain's G columns
+                mine = probs[tokens, d * G:(d + 1) * G]
+                keep = valid.unsqueeze(1) if valid is not None else torch.ones_like(mine, dtype=torch.bool)
+                probs[tokens, d * G:(d + 1) * G] = torch.where(keep, values, mine)
+            else:  # top-k: the slots whose expert lives in this domain
+                keep = layout.slot_domain[tokens] == d
+                if valid is not None:
+                    keep &= valid.unsqueeze(1)
+                probs[tokens] = torch.where(keep, values, probs[tokens])
+        if bias is not None:
+            summed += bias.to(accumulate)
+        return CombineOutput(summed.to(rows.dtype), probs)
+
+    # ---- stages -------------------------------------------------------------------------------
+
+    def _rail_layout(self, to_domain: torch.Tensor):
+        """Blocking: the tokens each domain gets (host-sized index lists). Sync-free: each (token, domain)'s
+        row in that domain's fixed block (device only)."""
+        if self.config.blocking:
+            return [to_domain[:, d].nonzero().view(-1) for d in range(self.num_domains)], None
+        return None, torch.cumsum(to_domain.to(torch.int64), 0) - 1
+
+    def _pack_for_rail(self, packer: RowPacker, token_fields: Callable, to_domain: torch.Tensor,
+                       send_tokens: Optional[list], send_slot: Optional[torch.Tensor], T: int) -> torch.Tensor:
+        """The rail payload: per domain, the rows of the tokens it gets (blocking: exactly those; sync-free:
+        a block of max_tokens_per_rank rows, unused rows zero, i.e. routed nowhere)."""
+        dev = to_domain.device
+        pieces = []
+        for d in range(self.num_domains):
+            if send_tokens is not None:
+                pieces.append(packer.pack(len(send_tokens[d]), token_fields(d, send_tokens[d]), dev))
+                continue
+            capacity = self.config.max_tokens_per_rank
+            block = torch.zeros(capacity + 1, packer.row_bytes, dtype=torch.uint8, device=dev)  # + a spill row
+            target = torch.where(to_domain[:, d], send_slot[:, d], torch.full_like(send_slot[:, d], capacity))
+            block.index_copy_(0, target, packer.pack(T, token_fields(d, slice(None)), dev))
+            pieces.append(block[:capacity])
+        return torch.cat(pieces) if pieces else torch.zeros(0, packer.row_bytes, dtype=torch.uint8, device=dev)
+
+    def _returned_rows(self, layout: HierarchicalLayout, T: int):
+        """Per domain: (domain, source tokens, their rows in the returned payload, valid mask or None)."""
+        dev = layout.to_domain.device
+        if layout.send_tokens is not None:
+            start = 0
+            for d, tokens in enumerate(layout.send_tokens):
+                yield d, tokens, torch.arange(start, start + len(tokens), device=dev), None
+                start += len(tokens)
+            return
+        capacity = self.config.max_tokens_per_rank
+        every = torch.arange(T, device=dev)
+        for d in range(self.num_domains):
+            yield d, every, d * capacity + layout.send_slot[:, d].clamp(min=0), layout.to_domain[:, d]
+
+    def _send_along(self, data: torch.Tensor, scales: Optional[torch.Tensor], handle: Handle, where: str,
+                    forward: Callable):
+        """Rail stage of a dispatch along an existing layout (dispatch_again, cached dispatch), then
+        ``forward(received hidden)`` at the domain level."""
+        self.scaleout.check_usable()
+        layout: HierarchicalLayout = handle.layout
+        fields = [("hidden", data.dtype, (self.hidden_size,))]
+        if scales is not None:
+            fields.append(("scales", torch.float32, (self.hidden_size // self.FP8_BLOCK,)))
+        packer = RowPacker(fields)
+        payload_rows = data.view(torch.uint8) if scales is not None else data  # fp8 indexed as bytes
+        if self.config.blocking:
+            fingerprint = OpFingerprint(OP_DISPATCH_AGAIN, dtype=data.dtype, handle_id=layout.dispatch_id)
+            self._rail_open(fingerprint, packer.row_bytes, layout.splits.send, where, expected=layout.splits.recv)
+
+        def token_fields(d: int, tokens) -> dict[str, torch.Tensor]:
+            return {"hidden": payload_rows[tokens], **({"scales": scales[tokens]} if scales is not None else {})}
+
+        payload = self._pack_for_rail(packer, token_fields, layout.to_domain, layout.send_tokens, layout.send_slot,
+                                      handle.num_tokens)
+        received = packer.unpack(self.scaleout.exchange_rows(payload, layout.splits, where=f"{where}: rail/tokens"))
+        hidden_in = (received["hidden"], received["scales"]) if scales is not None else received["hidden"]
+        return self._at_domain_level(lambda: forward(hidden_in))
+
+    def _segment_counts(self, mask: torch.Tensor, splits: RailSplits, where: str) -> torch.Tensor:
+        """[S, D, L + 1]: per forwarding peer s and source domain d, the rows it delivers to this rank per
+        local expert, and (last) its packets (tokens with any expert here): the reorder's block sizes."""
+        S, D, L = self.domain_size, self.num_domains, self.num_local_experts
+        dev = mask.device
+        num_received = mask.shape[0]
+        if self.config.blocking:
+            source_domain = torch.repeat_interleave(torch.arange(D, device=dev),
+                                                    torch.tensor(splits.recv, device=dev), output_size=num_received)
+        else:
+            source_domain = torch.div(torch.arange(num_received, device=dev), self.config.max_tokens_per_rank,
+                                      rounding_mode="floor")
+        per_expert = torch.zeros(D, S * L, dtype=torch.int64, device=dev).index_add_(0, source_domain,
+                                                                                      mask.to(torch.int64))
+        per_peer = torch.zeros(D, S, dtype=torch.int64, device=dev).index_add_(
+            0, source_domain, mask.view(num_received, S, L).any(2).to(torch.int64))
+        mine = torch.cat([per_expert.view(D, S, L), per_peer.unsqueeze(2)], 2).permute(1, 0, 2).contiguous()
+        exchange_device = dev if dev.type == "cuda" and self._domain_counts.engine == "nccl" else torch.device("cpu")
+        words = [D * (L + 1)] * S
+        received = self._at_domain_level(lambda: self._domain_counts.all_to_all(
+            mine.view(-1).to(exchange_device), words, words, where=f"{where}: domain/segment counts",
+            read_on_host=False))
+        return received.to(dev).view(S, D, L + 1)
+
+    def _rail_open(self, fingerprint: OpFingerprint, row_bytes: int, send_counts: list[int], where: str, *,
+                   expected: Optional[list[int]] = None) -> RailSplits:
+        """Blocking mode's rail count exchange, with the op fingerprint and the row width: ranks that
+        disagree raise EPError on every rank of the rail before any payload moves."""
+        mine = (fingerprint.pack(), row_bytes)
+        splits, theirs = self.scaleout.exchange_counts(send_counts, mine, where=f"{where}: rail/counts")
+        rail = self.scaleout.rail
+        for peer, words in enumerate(theirs):
+            if words[0] != mine[0]:
+                raise EPError(f"{mismatch_message(self.name, rail.rank, peer, mine[0], words[0])} (seen on "
+                              f"{self.scaleout.level} in {where}: rail rank {rail.rank} vs {rail.peer_name(peer)})")
+            if words[1] != mine[1]:
+                raise EPError(f"ep_plugin {self.name}: ranks disagree on {where} ({self.scaleout.level}): row bytes "
+                              f"{mine[1]} on rail rank {rail.rank}, {words[1]} on {rail.peer_name(peer)}")
+        if expected is not None and splits.recv != expected:
+            raise EPError(f"ep_plugin {self.name}: {self.scaleout.level}: in {where} the rail peers announce "
+                          f"{splits.recv} rows, the handle expects {expected}; the ranks' handles come from different "
+                          f"dispatches.")
+        return splits
+
+    def _at_domain_level(self, call: Callable):
+        """Run a domain-level step; its errors come back naming the domain."""
+        try:
+            return call()
+        except EPError as exc:
+            raise type(exc)(f"{getattr(self, 'domain_level', 'domain')}: {exc}") from None
+
+    def _ready(self) -> Optional[torch.cuda.Event]:
+        return streams.record_ready(self.device) if self.device.type == "cuda" else None
+
+    # ---- byte model (for benchmarks) ------------------------------------------------------------
+
+    def scaleout_bytes(self, routing_maps: list[torch.Tensor], *, row_bytes: int, with_probs: bool) -> dict:
+        """Bytes each rank sends over its rail (host arithmetic on every rank's [T, E] routing map).
+
+        Returns {"dispatch": [per rank], "combine": [per rank]}: dispatch sends a token once per other
+        domain holding any of its experts (row + routing columns + probs), combine returns one row per
+        such (token, domain). Bytes to this rank's own domain stay in the domain and are not counted.
+        """
+        return scaleout_bytes(routing_maps, self._topology, row_bytes=row_bytes, hidden=self.hidden_size,
+                              with_probs=with_probs)
+
+
+def scaleout_bytes(routing_maps: list[torch.Tensor], topology: Topology, *, row_bytes: int, hidden: int,
+                   with_probs: bool) -> dict[str, list[int]]:
+    """See ``HierarchicalBackend.scaleout_bytes`` (blocking mode's exact rows; routing-map form on the wire)."""
+    D = topology.num_domains
+    totals = {"dispatch": [0] * topology.world_size, "combine": [0] * topology.world_size}
+    for source, routing_map in enumerate(routing_maps):
+        G = routing_map.shape[1] // D
+        per_domain = routing_map.view(routing_map.shape[0], D, G).any(2).sum(0).tolist()
+        own = source // topology.domain_size
+        remote = sum(count for d, count in enumerate(per_domain) if d != own)
+        totals["dispatch"][source] = remote * (row_bytes + G + (4 * G if with_probs else 0))
+        totals["combine"][source] = remote * (2 * hidden + (4 * G if with_probs else 0))
+    return totals
+
+
+def _to_flat(rows: Optional[torch.Tensor], dest: torch.Tensor) -> Optional[torch.Tensor]:
+    """``flat[dest[i]] = rows[i]`` (dest is a permutation of the rows)."""
+    if rows is None:
+        return None
+    flat = torch.empty_like(rows)
+    flat[dest] = rows
+    return flat

@@ -1,0 +1,195 @@
+"""Who is in my NVLink domain (scale-up) and on my rail (scale-out).
+
+Ranks are numbered in contiguous blocks per domain::
+
+    rank = domain_index * domain_size + local_index
+
+The *domain* of a rank is the ``domain_size`` ranks that can map each other's GPU memory (the
+compiled backends move data between them with CUDA IPC); its *rail* is the ranks with the same
+``local_index`` in every domain (one per domain). Traffic between domains goes over the rails,
+through an engine torch.distributed already has (``transport.scaleout``).
+
+Detection (``detect_topology``, a collective) looks at placement: on CUDA, the longest runs of
+consecutive ranks on one host whose GPUs are the same or peer-accessible; on CPU there is no memory
+to map, so every rank is its own domain. ``Config.scaleup_size`` (``EP_PLUGIN_SCALEUP_SIZE``) forces
+a domain size: on CUDA it must divide the detected size (domains can only be made smaller); on CPU
+any divisor of the world is taken (the reference backend runs over any group), which is how the
+hierarchical path is tested on one host. Every rank must arrive at the same topology: the facts are
+gathered once, every rank computes the result from all of them, and a rank whose own forced size
+differs makes every rank raise ``EPError`` (never a hang in a later collective).
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .config import Config
+from .errors import EPError
+from .host_collectives import HostCollectives
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Domains and rails of a process group of ``world_size`` ranks, seen from ``rank``.
+
+    world_size: ranks of the group; domain_size: ranks per NVLink domain (divides world_size).
+    rank: this rank in the group. forced: the domain size was set by the user (config / argument),
+    not detected; detected_domain_size: what placement allowed (0 when not looked at); gpu_of_rank: see below.
+    """
+
+    world_size: int
+    domain_size: int
+    rank: int = 0
+    forced: bool = False
+    detected_domain_size: int = 0
+    # Every rank's physical GPU (``transport.placement.gpu_identity``; None on CPU), when detected: the
+    # scale-out engine picks NCCL only for rails whose ranks have GPUs of their own.
+    gpu_of_rank: tuple = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.domain_size < 1:
+            raise ValueError(f"Topology needs world_size >= 1 and domain_size >= 1, got {self.world_size} and "
+                             f"{self.domain_size}")
+        if self.world_size % self.domain_size:
+            raise ValueError(f"domain size {self.domain_size} does not divide the {self.world_size} ranks "
+                             f"(EP_PLUGIN_SCALEUP_SIZE must divide the world size)")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside [0, {self.world_size})")
+
+    @classmethod
+    def flat(cls, world_size: int, rank: int = 0) -> "Topology":
+        """One domain holding every rank (no scale-out)."""
+        return cls(world_size, world_size, rank)
+
+    @property
+    def num_domains(self) -> int:
+        return self.world_size // self.domain_size
+
+    @property
+    def domain_index(self) -> int:
+        return self.rank // self.domain_size
+
+    @property
+    def local_index(self) -> int:
+        return self.rank % self.domain_size
+
+    @property
+    def is_hierarchical(self) -> bool:
+        """More than one domain: traffic between them goes over the rails."""
+        return self.num_domains > 1
+
+    def domain_ranks(self, domain_index: Optional[int] = None) -> list[int]:
+        """Group ranks of one domain (default: this rank's), in local-index order."""
+        d = self.domain_index if domain_index is None else domain_index
+        return list(range(d * self.domain_size, (d + 1) * self.domain_size))
+
+    def rail_ranks(self, local_index: Optional[int] = None) -> list[int]:
+        """Group ranks of one rail (default: this rank's), in domain order."""
+        local = self.local_index if local_index is None else local_index
+        return [d * self.domain_size + local for d in range(self.num_domains)]
+
+    def describe(self) -> str:
+        return f"{self.num_domains}x{self.domain_size} (domains x ranks per domain)"
+
+
+def _placement_facts(device: torch.device) -> dict:
+    """What this rank knows about where it runs (compared across ranks by ``detect_topology``)."""
+    facts: dict = {"host": socket.gethostname(), "gpu": None, "peers": ()}
+    if device.type == "cuda":
+        from .transport.placement import gpu_identity
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        facts["gpu"] = gpu_identity(torch.device("cuda", index))
+        # Peer access by other GPUs' identities, so that ranks with different visible devices compare.
+        peers = []
+        for other in range(torch.cuda.device_count()):
+            if other != index and torch.cuda.can_device_access_peer(index, other):
+                peers.append(gpu_identity(torch.device("cuda", other)))
+        facts["peers"] = tuple(peers)
+    return facts
+
+
+def mappable_domain_size(placements: list[dict]) -> int:
+    """The largest domain size such that every block of consecutive ranks can map each other's memory.
+
+    Args: placements: every rank's ``_placement_facts`` (host, GPU identity or None on CPU, peers).
+    Returns: the size of the longest runs of consecutive ranks on one host whose GPUs are the same or
+    peer-accessible, reduced to the gcd of the runs when they differ (so that the domains tile the world);
+    1 on CPU.
+    """
+    def can_map(a: dict, b: dict) -> bool:
+        if a["gpu"] is None or b["gpu"] is None or a["host"] != b["host"]:
+            return False
+        return a["gpu"] == b["gpu"] or b["gpu"] in a["peers"]
+
+    runs, start = [], 0
+    for q in range(1, len(placements) + 1):
+        if q == len(placements) or not all(can_map(placements[p], placements[q]) for p in range(start, q)):
+            runs.append(q - start)
+            start = q
+    return math.gcd(*runs)
+
+
+def detect_topology(group: Optional[dist.ProcessGroup], device: torch.device, *,
+                    config: Optional[Config] = None, scaleup_size: Optional[int] = None,
+                    purpose: str = "detecting the topology") -> Topology:
+    """Detect and validate this group's topology (a collective: call it on every rank, in the same order).
+
+    Args:
+        group: the expert-parallel process group (default: the world).
+        device: this rank's device (CPU: every rank is its own domain unless forced).
+        config: for ``scaleup_size`` and ``timeout_s`` (default ``Config.from_env()``).
+        scaleup_size: overrides ``config.scaleup_size`` (0 = detect).
+        purpose: what the caller is doing, for timeout messages ("building the reference backend").
+    Returns: the Topology, equal on every rank (up to ``rank``).
+    Raises: EPError on every rank when the ranks forced different sizes or a forced size does not fit;
+        EPTimeoutError naming the late rank when one does not arrive within ``timeout_s``.
+    """
+    config = config if config is not None else Config.from_env()
+    forced = config.scaleup_size if scaleup_size is None else scaleup_size
+    group = group if group is not None else dist.group.WORLD
+    comm = HostCollectives(group, owner="ep_plugin topology", timeout_s=config.timeout_s, label="topology")
+    mine = {"scaleup_size": int(forced), **_placement_facts(torch.device(device))}
+    exchange_device = torch.device("cuda", torch.cuda.current_device()) if comm.engine == "nccl" else torch.device("cpu")
+    everyone = comm.all_gather_object(mine, where=f"{purpose} (topology)", device=exchange_device)
+    world, rank = len(everyone), comm.rank
+
+    forced_sizes = [facts["scaleup_size"] for facts in everyone]
+    if any(size != forced_sizes[0] for size in forced_sizes):
+        per_rank = ", ".join(f"rank {q}: {size}" for q, size in enumerate(forced_sizes))
+        raise EPError(f"ep_plugin topology: ranks disagree on the forced domain size (EP_PLUGIN_SCALEUP_SIZE, "
+                      f"0 = detect): {per_rank}. Set it alike on every rank.")
+    detected = mappable_domain_size(everyone)
+    gpus = tuple(facts["gpu"] for facts in everyone)
+    size = forced_sizes[0]
+    if size == 0:
+        return Topology(world, detected, rank, forced=False, detected_domain_size=detected, gpu_of_rank=gpus)
+    if world % size:
+        raise EPError(f"ep_plugin topology: EP_PLUGIN_SCALEUP_SIZE={size} does not divide the {world} ranks")
+    on_gpu = everyone[0]["gpu"] is not None
+    if on_gpu and detected % size:
+        raise EPError(f"ep_plugin topology: EP_PLUGIN_SCALEUP_SIZE={size} does not divide the detected NVLink "
+                      f"domain size {detected} (ranks that can map each other's memory); domains can only be made "
+                      f"smaller")
+    return Topology(world, size, rank, forced=True, detected_domain_size=detected, gpu_of_rank=gpus)
+
+
+def resolve_topology(topology: Optional[Topology], group: Optional[dist.ProcessGroup], device: torch.device,
+                     config: Config, *, purpose: str = "detecting the topology") -> Topology:
+    """The topology a backend is built on: detected (``topology=None``), or the given one's domain size,
+    validated like a forced size (a collective either way: every rank must pass the same)."""
+    if topology is None:
+        return detect_topology(group, device, config=config, purpose=purpose)
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be an ep_plugin.topology.Topology, got {type(topology).__name__}")
+    group = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    if topology.world_size != world:
+        raise ValueError(f"topology is for {topology.world_size} ranks, the process group has {world}")
+    return detect_topology(group, device, config=config, scaleup_size=topology.domain_size, purpose=purpose)

@@ -1,0 +1,290 @@
+"""Scale-out: the rails between NVLink domains, on an engine torch.distributed already has.
+
+``ScaleOut`` owns, for one process group and one ``Topology``:
+
+- one process group per domain and one per rail, made with ``dist.new_group`` by every rank in the
+  same order (domains 0..D-1, then rails 0..S-1; ``new_group`` is a collective of the whole group even
+  for ranks outside the new group). Groups are made once per (group, domain size, engine) and reused
+  by later backends of that shape.
+- the rail engine: NCCL where the ranks of each rail have GPUs of their own (one rank per GPU along
+  the rail), gloo where some share a GPU (NCCL refuses two ranks on one GPU) or on CPU. The domain
+  groups use the engine of the parent group.
+- the rail collectives, timed like every host wait (``HostCollectives``): a late or missing peer gives
+  ``EPTimeoutError`` naming the level (``rail <l>``), the op and phase, and the peer (its rank on the
+  rail and its global rank); an engine failure gives ``EPError`` with the engine's message.
+
+What the engines can move (checked on torch 2.13, CPU): gloo's ``all_to_all_single`` takes CPU tensors
+of the usual dtypes including uint8 / bool / bfloat16 / int64, and empty splits, but not
+float8_e4m3fn ("Invalid scalar type"). So every rail payload travels as uint8 rows (``RowPacker``: the
+fields of one token side by side as bytes), which also makes it one collective per op instead of one
+per field, and bitwise by construction. CUDA tensors on a gloo rail are staged through host memory
+here (gloo's CUDA support for all-to-all is not something we have checked on the device); staging
+waits for the stream, so "sync-free" there means static shapes and no host read of a count, not no
+synchronization. On NCCL rails the tensors stay on the GPU and the payload collectives are
+stream-ordered (no host wait).
+
+Chunking (``Config.scaleout_chunk_tokens``): each rail collective moves at most that many rows per
+peer; larger exchanges run as several rounds. This bounds one collective's message (and the staging
+copy); it does not yet overlap the rounds with forwarding into the domain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..host_collectives import HostCollectives
+from ..topology import Topology
+
+# (parent group name, domain size, rail engine) -> (domain groups, rail groups), by index.
+_groups: dict[tuple, tuple[list, list]] = {}
+
+
+def rail_engine(topology: Topology, device: torch.device, parent_engine: str) -> str:
+    """"nccl" when this device is a GPU, NCCL is there and every rail's ranks use distinct GPUs; else "gloo"."""
+    if device.type != "cuda" or not dist.is_nccl_available():
+        return "gloo"
+    gpus = topology.gpu_of_rank
+    if not gpus or any(gpu is None for gpu in gpus):
+        return "nccl" if parent_engine == "nccl" else "gloo"
+    for local in range(topology.domain_size):
+        rail = [gpus[rank] for rank in topology.rail_ranks(local)]
+        if len(set(rail)) != len(rail):
+            return "gloo"
+    return "nccl"
+
+
+def make_groups(group: dist.ProcessGroup, topology: Topology, engine: str) -> tuple[list, list]:
+    """Every domain's and every rail's process group (a collective: every rank, same order)."""
+    parent_engine = dist.get_backend(group)
+    key = (getattr(group, "group_name", str(id(group))), topology.domain_size, engine)
+    if key not in _groups:
+        def global_ranks(ranks: Sequence[int]) -> list[int]:
+            return [dist.get_global_rank(group, r) for r in ranks]
+
+        domains = [dist.new_group(global_ranks(topology.domain_ranks(d)), backend=parent_engine)
+                   for d in range(topology.num_domains)]
+        rails = [dist.new_group(global_ranks(topology.rail_ranks(local)), backend=engine)
+                 for local in range(topology.domain_size)]
+        _groups[key] = (domains, rails)
+    return _groups[key]
+
+
+@dataclass
+class RailSplits:
+    """Rows this rank sends to / receives from each rail peer (indexed by domain), and the largest split
+    of any pair on the rail (equal on every rail rank: chunked exchanges run that many rounds)."""
+
+    send: list[int]
+    recv: list[int]
+    largest: int
+
+    def reversed(self) -> "RailSplits":
+        return RailSplits(self.recv, self.send, self.largest)
+
+
+class ScaleOut:
+    """The rail and domain groups of this rank, and the timed rail collectives.
+
+    Args:
+        group: the expert-parallel group the topology describes.
+        topology: its domains and rails.
+        device: this rank's device (CUDA tensors are staged through the host on a gloo rail).
+        timeout_s: how long one rail collective may wait for its peers.
+        chunk_rows: rows per peer per rail collective (0 = all at once).
+        owner: name for messages ("ep_plugin reference").
+    """
+
+    def __init__(self, group: dist.ProcessGroup, topology: Topology, device: torch.device, *, timeout_s: float,
+                 chunk_rows: int = 0, owner: str) -> None:
+        self.topology = topology
+        self.device = device
+        self.chunk_rows = int(chunk_rows)
+        self.engine = rail_engine(topology, device, dist.get_backend(group))
+        domains, rails = make_groups(group, topology, self.engine)
+        self.domain_group = domains[topology.domain_index]
+        self.rail_group = rails[topology.local_index]
+        rail_global = [dist.get_global_rank(group, r) for r in topology.rail_ranks()]
+        self.level = f"rail {topology.local_index} (global ranks {rail_global})"
+        self.rail = HostCollectives(self.rail_group, owner=f"{owner} scale-out, {self.level}", timeout_s=timeout_s,
+                                    label="rail")
+        self.stage_on_host = device.type == "cuda" and self.engine != "nccl"
+        self.exchange_device = device if device.type == "cuda" and not self.stage_on_host else torch.device("cpu")
+
+    @property
+    def num_domains(self) -> int:
+        return self.topology.num_domains
+
+    def check_usable(self) -> None:
+        self.rail.check_usable()
+
+    def exchange_words(self, words: torch.Tensor, *, where: str) -> list[list[int]]:
+        """Send each rail peer the same few int64 words; return every peer's words (host lists, by domain).
+
+        A host read: blocking mode's count exchange and the rail barrier use it.
+        """
+        D = self.num_domains
+        sent = words.reshape(1, -1).to(torch.int64).repeat(D, 1).to(self.exchange_device)
+        width = sent.shape[1]
+        received = self.rail.all_to_all(sent.reshape(-1), [width] * D, [width] * D, where=where, read_on_host=True)
+        return received.view(D, width).tolist()
+
+    def exchange_counts(self, send_counts: list[int], extra: Sequence[int], *,
+                        where: str) -> tuple[RailSplits, list[tuple]]:
+        """Blocking mode: the rail's row counts, and each peer's ``extra`` words (for agreement).
+
+        Every rank sends every peer its whole row of counts, so every rank knows the largest split on
+        the rail (the number of chunked rounds must be equal on all of them).
+        Returns: (RailSplits, each peer's extra words).
+        """
+        D = self.num_domains
+        sent = torch.tensor([[count, *extra, *send_counts] for count in send_counts], dtype=torch.int64,
+                            device=self.exchange_device)
+        width = sent.shape[1]
+        received = self.rail.all_to_all(sent.reshape(-1), [width] * D, [width] * D, where=where, read_on_host=True)
+        rows = received.view(D, width).tolist()
+        largest = max((max(row[width - D:], default=0) for row in rows), default=0)
+        splits = RailSplits(list(send_counts), [row[0] for row in rows], largest)
+        return splits, [tuple(row[1:width - D]) for row in rows]
+
+    def exchange_rows(self, rows: torch.Tensor, splits: RailSplits, *, where: str) -> torch.Tensor:
+        """``all_to_all_single`` of ``rows`` [sum(splits.send), B] along the rail; returns [sum(splits.recv), B].
+
+        Rows for peer d are the d-th block of ``rows``; received blocks come in domain order. Runs in
+        ceil(splits.largest / chunk_rows) rounds when chunking is on (equal on every rail rank). Stays on
+        the stream over NCCL.
+        """
+        device = rows.device
+        if self.stage_on_host:
+            rows = rows.cpu()
+        rows = rows.to(self.exchange_device) if rows.device != self.exchange_device else rows
+        chunk = self.chunk_rows
+        most = splits.largest
+        if chunk <= 0 or most <= chunk:
+            out = self.rail.all_to_all(rows, splits.recv, splits.send, where=where, read_on_host=False)
+            return out.to(device)
+        out = rows.new_empty((sum(splits.recv),) + tuple(rows.shape[1:]))
+        send_starts = _starts(splits.send)
+        recv_starts = _starts(splits.recv)
+        for round_index, first in enumerate(range(0, most, chunk)):
+            send_now = [max(0, min(chunk, n - first)) for n in splits.send]
+            recv_now = [max(0, min(chunk, n - first)) for n in splits.recv]
+            pieces = [rows[s + first:s + first + n] for s, n in zip(send_starts, send_now)]
+            received = self.rail.all_to_all(torch.cat(pieces), recv_now, send_now,
+                                            where=f"{where} (chunk {round_index + 1})", read_on_host=False)
+            offset = 0
+            for s, n in zip(recv_starts, recv_now):
+                out[s + first:s + first + n] = received[offset:offset + n]
+                offset += n
+        return out.to(device)
+
+    def barrier(self, *, where: str) -> None:
+        """Every rank of this rail reached this point (a timed host wait)."""
+        self.exchange_words(torch.zeros(1, dtype=torch.int64), where=where)
+
+
+def _starts(counts: list[int]) -> list[int]:
+    starts, total = [], 0
+    for count in counts:
+        starts.append(total)
+        total += count
+    return starts
+
+
+class RowPacker:
+    """Lay several per-row tensors side by side as uint8 bytes (one rail collective per op), and back.
+
+    Args: fields: (name, dtype, per-row shape) in wire order; a None dtype/shape entry is left out.
+    """
+
+    def __init__(self, fields: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        self.fields = [(name, dtype, tuple(shape)) for name, dtype, shape in fields]
+        self.offsets: dict[str, tuple[int, int]] = {}
+        total = 0
+        for name, dtype, shape in self.fields:
+            width = _numel(shape) * _itemsize(dtype)
+            self.offsets[name] = (total, width)
+            total += width
+        self.row_bytes = total
+
+    def pack(self, num_rows: int, values: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+        """[num_rows, row_bytes] uint8 from each field's [num_rows, *shape] tensor (missing fields: zeros)."""
+        out = torch.zeros(num_rows, self.row_bytes, dtype=torch.uint8, device=device)
+        for name, dtype, shape in self.fields:
+            value = values.get(name)
+            if value is None:
+                continue
+            start, width = self.offsets[name]
+            out[:, start:start + width] = _as_bytes(value.reshape(num_rows, _numel(shape)), width)
+        return out
+
+    def unpack(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each field as [N, *shape] in its dtype (fresh, contiguous tensors)."""
+        fields = {}
+        for name, dtype, shape in self.fields:
+            start, width = self.offsets[name]
+            raw = rows[:, start:start + width].contiguous()
+            fields[name] = raw.view(dtype).reshape((rows.shape[0],) + shape) if width else \
+                torch.empty((rows.shape[0],) + shape, dtype=dtype, device=rows.device)
+        return fields
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _as_bytes(value: torch.Tensor, width: int) -> torch.Tensor:
+    """[N, k] of any dtype -> [N, width] uint8 (bool as one byte per value)."""
+    if value.dtype == torch.bool:
+        value = value.to(torch.uint8)
+    return value.contiguous().view(torch.uint8).reshape(value.shape[0], width)
+
+
+def flat_order_index(counts: torch.Tensor, pad_multiple: int, num_rows: int) -> torch.Tensor:
+    """Where each row of a domain-level dispatch output goes in the one-domain (flat) order.
+
+    A rank's domain-level output holds, within each segment g (a local expert, or the one segment of a
+    compact output), the rows forwarded by each domain peer s in turn (s-major), and within those the
+    rows of each source domain d in turn; the flat order is source rank d * S + s ascending: d-major.
+    Both keep source-token order inside a (s, d) block, and segments start at the same rows (equal
+    counts, equal padding), so the reorder is a block transpose inside each segment.
+
+    Args:
+        counts: [S, D, G] int64, rows of (forwarding peer s, source domain d) in segment g.
+        pad_multiple: each segment padded to a multiple of this (its padding rows stay in place).
+        num_rows: rows of the output (at least the padded total; sync-free: the capacity).
+    Returns: dest [num_rows] int64: ``flat[dest[i]] = domain_level[i]``; rows outside every block (padding,
+        past the valid rows) map to themselves. Device ops only (no host read).
+    """
+    S, D, G = counts.shape
+    device = counts.device
+    n = counts.permute(2, 0, 1).reshape(G, S * D)  # domain-level order in a segment: (s, d)
+    real = n.sum(1)
+    padded = (real + pad_multiple - 1) // pad_multiple * pad_multiple
+    segment_start = torch.cumsum(padded, 0) - padded
+    flat_n = counts.permute(2, 1, 0).reshape(G, D * S)  # flat order in a segment: (d, s)
+    flat_offset = (torch.cumsum(flat_n, 1) - flat_n).view(G, D, S).transpose(1, 2).reshape(G, S * D)
+    sizes = torch.cat([n, (padded - real).unsqueeze(1)], 1).reshape(-1)  # (segment, block); block S*D = padding
+    ends = torch.cumsum(sizes, 0)
+    starts = ends - sizes
+    row = torch.arange(num_rows, device=device, dtype=torch.int64)
+    block = torch.searchsorted(ends, row, right=True)
+    inside = block < sizes.numel()
+    block = block.clamp(max=max(sizes.numel() - 1, 0))
+    segment = block // (S * D + 1)
+    within = block % (S * D + 1)
+    is_padding = within == S * D
+    within = within.clamp(max=S * D - 1)
+    dest = segment_start[segment] + flat_offset[segment, within] + (row - starts[block])
+    moved = inside & ~is_padding & (dest < num_rows)  # past the budget (hybrid overflow): left in place
+    return torch.where(moved, dest, row)

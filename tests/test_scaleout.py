@@ -1,0 +1,199 @@
+"""Scale-out on CPU: the reference backend across forced NVLink domains (gloo rails), 8 ranks.
+
+Each launch runs every case inside the rank processes (launches are the slow part on a 2-core
+machine). The oracle is the flat reference backend on the same group, in the same process: the
+hierarchical path must give the same rows in the same order, bitwise, and the same sums (exact here:
+integer-valued payloads), the same probs, counts and gradients.
+"""
+
+import time
+
+import pytest
+import torch
+
+import ep_plugin
+from ep_plugin import EPTimeoutError
+from ep_plugin.backends.hierarchical import HierarchicalBackend
+from ep_plugin.host_collectives import _grace_s
+from ep_plugin.testing import run_ranks
+from ep_plugin.testing.dense import make_problem, run_local_experts
+from ep_plugin.topology import Topology
+
+HIDDEN = 16
+NUM_RANKS = 8
+NUM_EXPERTS = 32  # 4 per rank
+LAYOUTS = (8, 4, 2, 1)  # ranks per domain: 1x8, 2x4, 4x2, 8x1
+
+
+def _reference(config=None, topology=None):
+    return ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=NUM_EXPERTS, device="cpu",
+                                              config=config, topology=topology)
+
+
+def _tokens(case: int) -> list[int]:
+    """Unequal counts (rank r sends 9 + 2r); one rank with none in odd cases."""
+    counts = [9 + 2 * r for r in range(NUM_RANKS)]
+    if case % 2:
+        counts[5] = 0
+    return counts
+
+
+def _routing(problem, rank: int, form: str) -> dict:
+    if form == "routing_map":
+        return {"routing_map": problem.routing_map[rank], "probs": problem.probs[rank]}
+    return {"topk_idx": problem.topk_idx[rank], "topk_weights": problem.topk_weights[rank]}
+
+
+def _step(backend, problem, rank: int, form: str, pad_multiple: int):
+    """Dispatch, an MoE step (integer expert scales), combine and backward; every tensor a test compares."""
+    hidden = problem.hidden[rank].clone().requires_grad_()
+    routing = _routing(problem, rank, form)
+    weights_name = "probs" if form == "routing_map" else "topk_weights"
+    weights = routing[weights_name].clone().requires_grad_()
+    routing[weights_name] = weights
+    out = ep_plugin.dispatch(backend, hidden, pad_multiple=pad_multiple, **routing)
+    first_expert = rank * backend.num_local_experts
+    rows = out.hidden
+    identity = ep_plugin.combine(rows, out.handle)  # each token times its expert count: exact
+    expert_out = run_local_experts(rows, out.probs, out.tokens_per_expert, first_expert,
+                                   lambda e, x: x * float(e % 3 + 1))
+    moe = ep_plugin.combine(expert_out, out.handle)
+    (moe * torch.arange(HIDDEN, dtype=moe.dtype)).sum().backward()
+    return {"rows": out.hidden.detach(), "probs": out.probs.detach(), "tokens_per_expert": out.tokens_per_expert,
+            "identity": identity.detach(), "moe": moe.detach(), "grad_hidden": hidden.grad, "grad_weights": weights.grad}
+
+
+def check_hierarchical_equals_flat(ctx) -> list[str]:
+    torch.set_num_threads(1)  # 8 ranks on few cores
+    flat = _reference()
+    blocking = ep_plugin.Config.from_env()
+    # (ranks per domain, mode): 1x8 is one domain, so the constructor returns the flat backend.
+    variants = {"blocking": blocking, "sync-free": blocking.replace(blocking=False),
+                "chunked": blocking.replace(scaleout_chunk_tokens=3)}
+    plan = [(size, "blocking") for size in LAYOUTS] + [(size, "sync-free") for size in (4, 2, 1)] + [(2, "chunked")]
+    backends = {(size, variant): _reference(variants[variant], Topology(NUM_RANKS, size, ctx.rank))
+                for size, variant in plan}
+    for (size, _), backend in backends.items():
+        expected_class = HierarchicalBackend if size < NUM_RANKS else type(flat)
+        assert type(backend) is expected_class, (size, type(backend))
+    # (form, pad_multiple, skewed): unequal token counts in both, one rank without tokens in the second.
+    cases = [("routing_map", 1, False), ("topk", 16, True), ("topk", 1, False), ("routing_map", 4, True)]
+    checked = []
+    for case, (form, pad_multiple, skewed) in enumerate(cases):
+        problem = make_problem(40 + case, _tokens(case), HIDDEN, NUM_EXPERTS, 4, skewed=skewed, integer_valued=True,
+                               drop_some=True)
+        want = _step(flat, problem, ctx.rank, form, pad_multiple)
+        for (size, variant), backend in backends.items():
+            name = f"{NUM_RANKS // size}x{size} {variant} {form} pad={pad_multiple} skewed={skewed}"
+            got = _step(backend, problem, ctx.rank, form, pad_multiple)
+            for key, value in want.items():
+                assert got[key].dtype == value.dtype and got[key].shape == value.shape, f"{name}: {key} shape"
+                if key in ("moe", "grad_weights", "grad_hidden"):  # sums of products: order may differ
+                    torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-6,
+                                               msg=lambda m, name=name, key=key: f"{name}: {key}: {m}")
+                else:
+                    assert torch.equal(got[key], value), f"{name}: {key} differs from the flat reference"
+            checked.append(name)
+    return checked
+
+
+def test_hierarchical_reference_equals_flat_at_every_layout():
+    results = run_ranks(check_hierarchical_equals_flat, NUM_RANKS, timeout_s=300)
+    assert all(len(checked) == len(results[0]) > 0 for checked in results), results
+
+
+# ---- the barrier is global: rail barrier, then domain barrier -------------------------------------
+
+LATE_S = 1.5
+
+
+def _parallel_barrier(backend) -> None:
+    """The bug the sequential order prevents: rail and domain barriers at once (negative control)."""
+    import threading
+
+    errors = []
+
+    def domain_barrier():
+        try:
+            backend.domain.barrier()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=domain_barrier)
+    thread.start()
+    backend.scaleout.barrier(where="barrier: rail barrier")
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
+def late_rank_barriers(ctx, late_rank: int) -> dict:
+    """For 2x4 and 4x2: the barrier, then the parallel control, each with ``late_rank`` entering late.
+
+    Returns {(layout, order): (entry time, exit time)} on this rank's host clock.
+    """
+    torch.set_num_threads(1)
+    times = {}
+    for size in (4, 2):
+        backend = _reference(topology=Topology(NUM_RANKS, size, ctx.rank))
+        for order in ("sequential", "parallel"):
+            backend.barrier()  # everyone at the start line
+            if ctx.rank == late_rank:
+                time.sleep(LATE_S)
+            entered = time.time()
+            backend.barrier() if order == "sequential" else _parallel_barrier(backend)
+            times[(f"{NUM_RANKS // size}x{size}", order)] = (entered, time.time())
+        backend.barrier()
+    return times
+
+
+def test_barrier_waits_for_a_late_rank_in_another_domain_and_rail():
+    # Rank 0 is late. Rank 5 (2x4) and rank 3 (4x2) share neither its domain nor its rail.
+    late = 0
+    per_rank = run_ranks(late_rank_barriers, NUM_RANKS, late, timeout_s=120)
+    for key in per_rank[0]:
+        late_entry = per_rank[late][key][0]
+        early_exits = [rank for rank, times in enumerate(per_rank) if times[key][1] < late_entry]
+        if key[1] == "sequential":
+            assert not early_exits, f"{key}: rank(s) {early_exits} left the barrier before rank {late} entered"
+        else:  # the control: the same check catches the parallel order
+            assert early_exits, f"{key}: the parallel barrier was not caught; the test cannot tell the orders apart"
+
+
+# ---- a missing rank at the scale-out level ------------------------------------------------------
+
+TIMEOUT_S = 2.0
+SLACK_S = 4.0  # process scheduling on a loaded 2-core machine
+
+
+def missing_rank(ctx, size: int) -> tuple:
+    """Rank 0 builds the backend and never dispatches; the others dispatch."""
+    torch.set_num_threads(1)
+    config = ep_plugin.Config.from_env().replace(timeout_s=TIMEOUT_S)
+    backend = _reference(config, Topology(NUM_RANKS, size, ctx.rank))
+    if ctx.rank == 0:
+        time.sleep(2 * TIMEOUT_S + 2 * _grace_s(TIMEOUT_S) + SLACK_S)  # stay until the others gave up
+        return None
+    problem = make_problem(3, _tokens(0), HIDDEN, NUM_EXPERTS, 4, integer_valued=True)
+    start = time.monotonic()
+    try:
+        backend.dispatch(problem.hidden[ctx.rank], **_routing(problem, ctx.rank, "topk"))
+    except EPTimeoutError as exc:
+        return "EPTimeoutError", str(exc), time.monotonic() - start
+    except Exception as exc:  # noqa: BLE001 - the test reports it
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+@pytest.mark.parametrize("size", [1, 4], ids=["8x1", "2x4"])
+def test_missing_rank_times_out_naming_the_rail_phase_and_peer(size):
+    outcomes = run_ranks(missing_rank, NUM_RANKS, size, timeout_s=120)
+    rail_peers = [rank for rank in range(size, NUM_RANKS, size)]  # rank 0's rail
+    for rank, (kind, message, seconds) in enumerate(outcomes[1:], start=1):
+        assert kind == "EPTimeoutError", (rank, kind, message)
+        assert seconds < TIMEOUT_S + _grace_s(TIMEOUT_S) + SLACK_S, (rank, seconds)
+        if rank in rail_peers:
+            assert "rail/counts" in message and "rail 0" in message, (rank, message)
+            assert "Late peer(s): rank 0 (global rank 0)" in message or "Late peer(s): rank 0" in message, message
+        else:  # rank 0's domain peers wait for it there; the rest wait for a rail peer of rank 0
+            assert "domain" in message, (rank, message)
