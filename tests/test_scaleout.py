@@ -8,11 +8,9 @@ integer-valued payloads), the same probs, counts and gradients.
 
 import time
 
-import pytest
 import torch
 
 import ep_plugin
-from ep_plugin import EPTimeoutError
 from ep_plugin.backends.hierarchical import HierarchicalBackend
 from ep_plugin.host_collectives import _grace_s
 from ep_plugin.testing import run_ranks
@@ -60,7 +58,8 @@ def _step(backend, problem, rank: int, form: str, pad_multiple: int):
     moe = ep_plugin.combine(expert_out, out.handle)
     (moe * torch.arange(HIDDEN, dtype=moe.dtype)).sum().backward()
     return {"rows": out.hidden.detach(), "probs": out.probs.detach(), "tokens_per_expert": out.tokens_per_expert,
-            "identity": identity.detach(), "moe": moe.detach(), "grad_hidden": hidden.grad, "grad_weights": weights.grad}
+            "identity": identity.detach(), "moe": moe.detach(), "grad_hidden": hidden.grad,
+            "grad_weights": weights.grad}
 
 
 def check_hierarchical_equals_flat(ctx) -> list[str]:
@@ -166,34 +165,43 @@ TIMEOUT_S = 2.0
 SLACK_S = 4.0  # process scheduling on a loaded 2-core machine
 
 
-def missing_rank(ctx, size: int) -> tuple:
-    """Rank 0 builds the backend and never dispatches; the others dispatch."""
+def missing_rank(ctx) -> dict:
+    """At 8x1, then at 2x4 (new groups): rank 0 builds the backend and never dispatches; the others do."""
     torch.set_num_threads(1)
     config = ep_plugin.Config.from_env().replace(timeout_s=TIMEOUT_S)
-    backend = _reference(config, Topology(NUM_RANKS, size, ctx.rank))
-    if ctx.rank == 0:
-        time.sleep(2 * TIMEOUT_S + 2 * _grace_s(TIMEOUT_S) + SLACK_S)  # stay until the others gave up
-        return None
-    problem = make_problem(3, _tokens(0), HIDDEN, NUM_EXPERTS, 4, integer_valued=True)
-    start = time.monotonic()
-    try:
-        backend.dispatch(problem.hidden[ctx.rank], **_routing(problem, ctx.rank, "topk"))
-    except EPTimeoutError as exc:
-        return "EPTimeoutError", str(exc), time.monotonic() - start
-    except Exception as exc:  # noqa: BLE001 - the test reports it
-        return type(exc).__name__, str(exc), time.monotonic() - start
-    return "no error", "", time.monotonic() - start
+    store = torch.distributed.distributed_c10d._get_default_store()
+    outcomes = {}
+    for size in (1, 4):
+        backend = _reference(config, Topology(NUM_RANKS, size, ctx.rank))
+        if ctx.rank == 0:  # stay (alive, silent) until the others gave up: a closed connection is another error
+            deadline = time.monotonic() + 4 * TIMEOUT_S + SLACK_S
+            while time.monotonic() < deadline and not store.check([f"{size}/gave_up/{q}"
+                                                                     for q in range(1, NUM_RANKS)]):
+                time.sleep(0.05)
+            continue
+        problem = make_problem(3, _tokens(0), HIDDEN, NUM_EXPERTS, 4, integer_valued=True)
+        start = time.monotonic()
+        try:
+            backend.dispatch(problem.hidden[ctx.rank], **_routing(problem, ctx.rank, "topk"))
+            outcome = "no error", ""
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            outcome = type(exc).__name__, str(exc)
+        outcomes[size] = (*outcome, time.monotonic() - start)
+        store.set(f"{size}/gave_up/{ctx.rank}", "1")
+    return outcomes
 
 
-@pytest.mark.parametrize("size", [1, 4], ids=["8x1", "2x4"])
-def test_missing_rank_times_out_naming_the_rail_phase_and_peer(size):
-    outcomes = run_ranks(missing_rank, NUM_RANKS, size, timeout_s=120)
-    rail_peers = [rank for rank in range(size, NUM_RANKS, size)]  # rank 0's rail
-    for rank, (kind, message, seconds) in enumerate(outcomes[1:], start=1):
-        assert kind == "EPTimeoutError", (rank, kind, message)
-        assert seconds < TIMEOUT_S + _grace_s(TIMEOUT_S) + SLACK_S, (rank, seconds)
-        if rank in rail_peers:
-            assert "rail/counts" in message and "rail 0" in message, (rank, message)
-            assert "Late peer(s): rank 0 (global rank 0)" in message or "Late peer(s): rank 0" in message, message
-        else:  # rank 0's domain peers wait for it there; the rest wait for a rail peer of rank 0
-            assert "domain" in message, (rank, message)
+def test_missing_rank_times_out_naming_the_rail_phase_and_peer():
+    per_rank = run_ranks(missing_rank, NUM_RANKS, timeout_s=120)
+    for size in (1, 4):
+        rail_peers = list(range(size, NUM_RANKS, size))  # rank 0's rail
+        for rank in range(1, NUM_RANKS):
+            kind, message, seconds = per_rank[rank][size]
+            where = f"{NUM_RANKS // size}x{size} rank {rank}"
+            assert kind == "EPTimeoutError", (where, kind, message)
+            assert seconds < TIMEOUT_S + _grace_s(TIMEOUT_S) + SLACK_S, (where, seconds)
+            if rank in rail_peers:  # 8x1: every survivor
+                assert "rail 0 (global ranks" in message and "dispatch #1: rail/counts" in message, (where, message)
+                assert "Late peer(s): rank 0 (never reached" in message, (where, message)
+            else:  # 2x4: rank 0's domain peers wait for it there; the rest for rank 4, which waits on the rail
+                assert "domain" in message and "segment counts" in message, (where, message)

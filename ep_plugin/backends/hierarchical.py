@@ -310,7 +310,7 @@ class HierarchicalBackend(Backend):
         self.scaleout.check_usable()
         layout: HierarchicalLayout = handle.layout
         where = f"combine of dispatch #{layout.dispatch_id}"
-        T, D, G, H = handle.num_tokens, self.num_domains, self.experts_per_domain, self.hidden_size
+        T, G, H = handle.num_tokens, self.experts_per_domain, self.hidden_size
         if self.config.blocking:
             fingerprint = OpFingerprint(OP_COMBINE, dtype=rows.dtype, probs=row_probs is not None,
                                         handle_id=layout.dispatch_id)

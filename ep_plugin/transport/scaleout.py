@@ -31,7 +31,7 @@ copy); it does not yet overlap the rounds with forwarding into the domain.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -172,11 +172,11 @@ class ScaleOut:
         for round_index, first in enumerate(range(0, most, chunk)):
             send_now = [max(0, min(chunk, n - first)) for n in splits.send]
             recv_now = [max(0, min(chunk, n - first)) for n in splits.recv]
-            pieces = [rows[s + first:s + first + n] for s, n in zip(send_starts, send_now)]
+            pieces = [rows[s + first:s + first + n] for s, n in zip(send_starts, send_now, strict=True)]
             received = self.rail.all_to_all(torch.cat(pieces), recv_now, send_now,
                                             where=f"{where} (chunk {round_index + 1})", read_on_host=False)
             offset = 0
-            for s, n in zip(recv_starts, recv_now):
+            for s, n in zip(recv_starts, recv_now, strict=True):
                 out[s + first:s + first + n] = received[offset:offset + n]
                 offset += n
         return out.to(device)
@@ -213,7 +213,7 @@ class RowPacker:
     def pack(self, num_rows: int, values: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
         """[num_rows, row_bytes] uint8 from each field's [num_rows, *shape] tensor (missing fields: zeros)."""
         out = torch.zeros(num_rows, self.row_bytes, dtype=torch.uint8, device=device)
-        for name, dtype, shape in self.fields:
+        for name, _, shape in self.fields:
             value = values.get(name)
             if value is None:
                 continue

@@ -1,0 +1,57 @@
+"""Topology: numbering, detection from placement, the forced size, and ranks that disagree."""
+
+import pytest
+import torch
+
+from ep_plugin import Config, EPError
+from ep_plugin.testing import run_ranks
+from ep_plugin.topology import Topology, detect_topology, mappable_domain_size
+
+
+def test_numbering_domains_and_rails():
+    topology = Topology(8, 4, rank=6)
+    assert (topology.num_domains, topology.domain_index, topology.local_index) == (2, 1, 2)
+    assert topology.domain_ranks() == [4, 5, 6, 7] and topology.rail_ranks() == [2, 6]
+    assert [Topology(8, 2, r).rail_ranks() for r in (0, 1)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert Topology.flat(8, 3).is_hierarchical is False and Topology(8, 1, 3).is_hierarchical
+    with pytest.raises(ValueError, match="does not divide"):
+        Topology(8, 3)
+
+
+def _gpu(host: str, gpu: str, peers=()) -> dict:
+    return {"host": host, "gpu": gpu, "peers": tuple(peers)}
+
+
+def test_detected_domain_is_the_ranks_that_can_map_each_other():
+    cpu = [{"host": "h", "gpu": None, "peers": ()}] * 4
+    assert mappable_domain_size(cpu) == 1
+    one_gpu = [_gpu("h", "g0")] * 8  # 8 ranks sharing one GPU: CUDA IPC between processes
+    assert mappable_domain_size(one_gpu) == 8
+    two_hosts = [_gpu("a", f"a{i}", [f"a{j}" for j in range(4) if j != i]) for i in range(4)] + \
+        [_gpu("b", f"b{i}", [f"b{j}" for j in range(4) if j != i]) for i in range(4)]
+    assert mappable_domain_size(two_hosts) == 4
+    no_peer_access = [_gpu("h", "g0"), _gpu("h", "g0"), _gpu("h", "g1"), _gpu("h", "g1")]
+    assert mappable_domain_size(no_peer_access) == 2  # 2 ranks per GPU, GPUs that cannot map each other
+
+
+def detection_and_disagreement(ctx) -> dict:
+    config = Config.from_env()
+    group = torch.distributed.group.WORLD
+    seen = {"detected": detect_topology(group, "cpu", config=config).domain_size,
+            "forced": detect_topology(group, "cpu", config=config.replace(scaleup_size=2)).describe()}
+    for name, size in (("disagree", 2 if ctx.rank else 4), ("not a divisor", 3)):
+        try:
+            detect_topology(group, "cpu", config=config, scaleup_size=size)
+            seen[name] = "no error"
+        except EPError as exc:
+            seen[name] = str(exc)
+    return seen
+
+
+def test_detection_forced_size_and_disagreement_raise_on_every_rank():
+    for rank, seen in enumerate(run_ranks(detection_and_disagreement, 4, timeout_s=120)):
+        assert seen["detected"] == 1, seen  # CPU: nothing to map
+        assert seen["forced"].startswith("2x2"), seen
+        assert "ranks disagree on the forced domain size" in seen["disagree"], (rank, seen)
+        assert "rank 0: 4, rank 1: 2" in seen["disagree"], (rank, seen)
+        assert "does not divide the 4 ranks" in seen["not a divisor"], (rank, seen)
