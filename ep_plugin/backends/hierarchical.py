@@ -500,9 +500,11 @@ def scaleout_bytes(routing_maps: list[torch.Tensor], topology: Topology, *, row_
 
 
 def _to_flat(rows: Optional[torch.Tensor], dest: torch.Tensor) -> Optional[torch.Tensor]:
-    """``flat[dest[i]] = rows[i]`` (dest is a permutation of the rows)."""
+    """``flat[dest[i]] = rows[i]`` (dest is a permutation of the rows); FP8 is moved as bytes."""
     if rows is None:
         return None
+    if rows.dtype == torch.float8_e4m3fn:
+        return _to_flat(rows.view(torch.uint8), dest).view(rows.dtype)
     flat = torch.empty_like(rows)
     flat[dest] = rows
     return flat

@@ -1,0 +1,211 @@
+"""Scale-out on the GPU: ``hybrid`` and ``elastic`` across forced NVLink domains, 8 ranks.
+
+With 8 ranks on one GPU (the test bed) every rank can map every other's memory; ``topology=``
+splits them into 1x8, 2x4, 4x2 and 8x1 domains (domains x ranks per domain). The rails are gloo
+(the ranks share one GPU, which NCCL refuses); with one rank per GPU they would be NCCL. The
+oracles, in the same processes:
+
+- ``reference`` on the whole group (flat): bf16 rows, probs, ``tokens_per_expert``, combine
+  (within the documented bf16 rounding of partial sums; exact for top-1), probs routed back,
+  dispatch_again, bitwise where the flat backend is bitwise;
+- the same backend flat (one domain): FP8 rows and scales, elastic's compact rows, top-k ids and
+  weights, and gradients through ``ep_plugin.dispatch`` / ``ep_plugin.combine``;
+- the blocking result for sync-free mode (the valid prefix, bitwise).
+
+Run on the GPU machine (8 ranks share the GPU under the launcher's private MPS daemon):
+    ./dev test tests/test_scaleout_gpu.py --require-gpu -x -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_hybrid import assert_combine_close, make_inputs, routing_kwargs
+
+import ep_plugin
+from ep_plugin.backends.hierarchical import HierarchicalBackend
+from ep_plugin.config import Config
+from ep_plugin.testing import run_ranks
+from ep_plugin.topology import Topology
+
+pytestmark = pytest.mark.gpu
+
+NUM_RANKS = 8
+NUM_EXPERTS = 32
+MAX_TOKENS = 64
+HIDDEN = 2048  # FP8 needs a multiple of 128
+LAYOUTS = (8, 4, 2, 1)  # ranks per domain
+LAUNCH_TIMEOUT_S = 540
+
+
+def _config(**changes) -> Config:
+    return Config.from_env(**{"max_tokens_per_rank": MAX_TOKENS, "timeout_s": 30.0, "num_sms": 8, **changes})
+
+
+def _build(name: str, ctx, config: Config, size: int = 0):
+    extra = {"max_topk": 8} if name == "elastic" else {}
+    topology = Topology(NUM_RANKS, size, ctx.rank) if size else None
+    backend = ep_plugin.get_backend(name)(hidden_size=HIDDEN, num_experts=NUM_EXPERTS, device=ctx.device,
+                                          config=config, topology=topology, **extra)
+    if size:
+        assert isinstance(backend, HierarchicalBackend) == (size < NUM_RANKS), (size, type(backend))
+    return backend
+
+
+def _tokens(rank: int, case: int) -> int:
+    """Unequal counts (rank r sends 50 - 3r); rank 1 sends none in odd cases."""
+    return 0 if case % 2 and rank == 1 else 50 - 3 * rank
+
+
+def _quantize(x: torch.Tensor):
+    blocks = x.float().view(x.shape[0], HIDDEN // 128, 128)
+    scales = (blocks.abs().amax(dim=2) / 448.0).clamp_min(1e-8)
+    data = (blocks / scales.unsqueeze(2)).to(torch.float8_e4m3fn).view(x.shape[0], HIDDEN)
+    return data, scales.contiguous()
+
+
+def _valid(out) -> int:
+    return out.hidden[0].shape[0] if out.num_valid_rows is None else int(out.num_valid_rows.item())
+
+
+def _step_grads(backend, inputs, form: str, **options):
+    """Autograd through dispatch -> per-row scale -> combine -> loss: (output, grad of hidden, grad of weights)."""
+    x, idx, w, routing_map, probs = inputs
+    hidden = x.clone().requires_grad_()
+    routing = routing_kwargs(form, inputs)
+    key = "probs" if form == "routing_map" else "topk_weights"
+    routing[key] = routing[key].clone().requires_grad_()
+    out = ep_plugin.dispatch(backend, hidden, **routing, **options)
+    weights = out.probs if out.probs.dim() == 1 else out.probs.sum(1)
+    y = ep_plugin.combine((out.hidden.float() * (1 + weights.unsqueeze(1))).to(torch.bfloat16), out.handle)
+    (y.float() * torch.linspace(-1, 1, HIDDEN, device=y.device)).sum().backward()
+    return y.detach(), hidden.grad, routing[key].grad
+
+
+def hybrid_suite(ctx) -> list[str]:
+    checked = []
+    config = _config()
+    reference = _build("reference", ctx, config)
+    flat = _build("hybrid", ctx, config)
+    for size in LAYOUTS:
+        layout = f"{NUM_RANKS // size}x{size}"
+        layered = _build("hybrid", ctx, config, size)
+        sync_free = _build("hybrid", ctx, config.replace(blocking=False), size)
+        for case, (topk, pad, skewed, form) in enumerate([(8, 1, False, "routing_map"), (2, 16, True, "topk"),
+                                                          (1, 128, False, "topk"), (4, 1, True, "routing_map")]):
+            name = f"hybrid {layout} topk={topk} pad={pad} skewed={skewed} form={form}"
+            inputs = make_inputs(case, ctx.rank, NUM_RANKS, _tokens(ctx.rank, case), HIDDEN, NUM_EXPERTS, topk,
+                                 skewed=skewed, drop_some=case % 2 == 0)
+            kwargs = routing_kwargs(form, inputs)
+            ref = reference.dispatch(inputs[0], pad_multiple=pad, **kwargs)
+            out = layered.dispatch(inputs[0], pad_multiple=pad, **kwargs)
+            assert torch.equal(out.tokens_per_expert, ref.tokens_per_expert), f"{name}: tokens_per_expert"
+            assert out.hidden.shape == ref.hidden.shape, f"{name}: rows {out.hidden.shape} vs {ref.hidden.shape}"
+            assert torch.equal(out.hidden, ref.hidden), f"{name}: dispatched rows"
+            assert torch.equal(out.probs, ref.probs), f"{name}: dispatched probs"
+            rows = (ref.hidden.float() * 0.5 + 1).to(torch.bfloat16)
+            ref_back = reference.combine(rows, ref.handle, row_probs=ref.probs * 3 + 1)
+            back = layered.combine(rows, out.handle, row_probs=ref.probs * 3 + 1)
+            assert_combine_close(back.hidden, ref_back.hidden, name)
+            if topk == 1:
+                assert torch.equal(back.hidden, ref_back.hidden), f"{name}: top-1 combine must be exact"
+            assert torch.equal(back.probs, ref_back.probs), f"{name}: probs routed back"
+            fresh = torch.randn(inputs[0].shape, device=inputs[0].device).to(torch.bfloat16)
+            assert torch.equal(layered.dispatch_again(fresh, out.handle), reference.dispatch_again(fresh, ref.handle)), \
+                f"{name}: dispatch_again"
+            # Sync-free: the valid prefix equals the blocking rows.
+            free = sync_free.dispatch(inputs[0], pad_multiple=pad, **kwargs)
+            assert free.hidden.shape[0] >= ref.hidden.shape[0], f"{name}: sync-free capacity"
+            valid = int(free.num_valid_rows.item())
+            assert valid == ref.hidden.shape[0], f"{name}: sync-free valid rows {valid} vs {ref.hidden.shape[0]}"
+            assert torch.equal(free.hidden[:valid], ref.hidden), f"{name}: sync-free rows"
+            assert torch.equal(free.probs[:valid], ref.probs), f"{name}: sync-free probs"
+            assert torch.equal(free.tokens_per_expert, ref.tokens_per_expert), f"{name}: sync-free counts"
+            free_rows = torch.zeros_like(free.hidden)
+            free_rows[:valid] = rows
+            free_back = sync_free.combine(free_rows, free.handle)
+            assert_combine_close(free_back.hidden, layered.combine(rows, out.handle).hidden, f"{name}: sync-free")
+            # FP8 (hybrid's own flat result is the oracle: reference takes no FP8).
+            data, scales = _quantize(inputs[0])
+            want_rows, want_scales = flat.dispatch((data, scales), pad_multiple=pad, **kwargs).hidden
+            got_rows, got_scales = layered.dispatch((data, scales), pad_multiple=pad, **kwargs).hidden
+            assert torch.equal(got_rows.view(torch.uint8), want_rows.view(torch.uint8)), f"{name}: fp8 rows"
+            assert torch.equal(got_scales, want_scales), f"{name}: fp8 scales"
+            # Gradients against the flat backend.
+            if case < 2:
+                want = _step_grads(flat, inputs, form, pad_multiple=pad)
+                got = _step_grads(layered, inputs, form, pad_multiple=pad)
+                for label, a, b in zip(("output", "grad hidden", "grad weights"), got, want, strict=True):
+                    assert_combine_close(a, b, f"{name} {label}")
+            checked.append(name)
+        layered.barrier()
+        torch.cuda.synchronize()
+        for backend in (layered, sync_free):
+            backend.destroy()
+    return checked
+
+
+def elastic_suite(ctx) -> list[str]:
+    checked = []
+    config = _config()
+    reference = _build("reference", ctx, config)
+    flat = _build("elastic", ctx, config)
+    for size in LAYOUTS:
+        layout = f"{NUM_RANKS // size}x{size}"
+        layered = _build("elastic", ctx, config, size)
+        sync_free = _build("elastic", ctx, config.replace(blocking=False), size)
+        for case, (topk, align, skewed, expand) in enumerate([(8, 1, False, False), (2, 128, True, True),
+                                                              (1, 1, False, False), (4, 16, True, True)]):
+            name = f"elastic {layout} topk={topk} align={align} skewed={skewed} expand={expand}"
+            inputs = make_inputs(case, ctx.rank, NUM_RANKS, _tokens(ctx.rank, case), HIDDEN, NUM_EXPERTS, topk,
+                                 skewed=skewed, drop_some=case % 2 == 0)
+            x, idx, w, _, _ = inputs
+            options = {"pad_multiple": align, "expand": expand, "zero_padding": True}
+            want = flat.dispatch(x, topk_idx=idx, topk_weights=w, **options)
+            out = layered.dispatch(x, topk_idx=idx, topk_weights=w, **options)
+            assert out.hidden.shape == want.hidden.shape, f"{name}: rows {out.hidden.shape} vs {want.hidden.shape}"
+            for field in ("hidden", "probs", "topk_idx", "tokens_per_expert"):
+                a, b = getattr(out, field), getattr(want, field)
+                assert (a is None and b is None) or torch.equal(a, b), f"{name}: {field}"
+            assert out.tokens_per_expert_list == want.tokens_per_expert_list, f"{name}: host tokens_per_expert"
+            if expand:  # expanded rows are the reference order
+                ref = reference.dispatch(x, topk_idx=idx, topk_weights=w, pad_multiple=align)
+                assert torch.equal(out.hidden, ref.hidden), f"{name}: expanded rows vs reference"
+            rows = (out.hidden.float() * 0.5 + 1).to(torch.bfloat16)
+            bias = torch.ones(x.shape[0], HIDDEN, dtype=torch.bfloat16, device=x.device)
+            back = layered.combine(rows, out.handle, row_probs=out.probs * 3 + 1, bias=bias)
+            want_back = flat.combine(rows, want.handle, row_probs=want.probs * 3 + 1, bias=bias)
+            assert_combine_close(back.hidden, want_back.hidden, name)
+            assert torch.equal(back.probs, want_back.probs), f"{name}: weights routed back"
+            fresh = torch.randn(x.shape, device=x.device).to(torch.bfloat16)
+            assert torch.equal(layered.dispatch(fresh, handle=out.handle).hidden,
+                               flat.dispatch(fresh, handle=want.handle).hidden), f"{name}: cached dispatch"
+            free = sync_free.dispatch(x, topk_idx=idx, topk_weights=w, **options)
+            valid = _valid(free)
+            assert valid == want.hidden.shape[0], f"{name}: sync-free valid rows {valid} vs {want.hidden.shape[0]}"
+            assert torch.equal(free.hidden[:valid], want.hidden), f"{name}: sync-free rows"
+            assert torch.equal(free.probs[:valid], want.probs), f"{name}: sync-free weights"
+            if not expand:
+                assert torch.equal(free.topk_idx[:valid], want.topk_idx), f"{name}: sync-free top-k ids"
+            data, scales = _quantize(x)
+            want_rows, want_scales = flat.dispatch((data, scales), topk_idx=idx, topk_weights=w, **options).hidden
+            got_rows, got_scales = layered.dispatch((data, scales), topk_idx=idx, topk_weights=w, **options).hidden
+            assert torch.equal(got_rows.view(torch.uint8), want_rows.view(torch.uint8)), f"{name}: fp8 rows"
+            assert torch.equal(got_scales, want_scales), f"{name}: fp8 scales"
+            if case < 2:
+                want_grads = _step_grads(flat, inputs, "topk", pad_multiple=align, expand=expand)
+                got_grads = _step_grads(layered, inputs, "topk", pad_multiple=align, expand=expand)
+                for label, a, b in zip(("output", "grad hidden", "grad weights"), got_grads, want_grads, strict=True):
+                    assert_combine_close(a, b, f"{name} {label}")
+            checked.append(name)
+        layered.barrier()
+        torch.cuda.synchronize()
+        for backend in (layered, sync_free):
+            backend.destroy()
+    return checked
+
+
+@pytest.mark.parametrize("suite", [hybrid_suite, elastic_suite], ids=["hybrid", "elastic"])
+def test_scaleout_matches_flat_at_every_layout(suite):
+    results = run_ranks(suite, NUM_RANKS, device="cuda", timeout_s=LAUNCH_TIMEOUT_S)
+    assert all(len(checked) == 4 * len(LAYOUTS) for checked in results), results
