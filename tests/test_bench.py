@@ -255,3 +255,26 @@ def capture_refused_on_rank_1(ctx):
 def test_a_capture_failure_on_one_rank_stops_every_rank():
     results = run_ranks(capture_refused_on_rank_1, 2, timeout_s=120)
     assert results == [([], "rank 1: RuntimeError: capture refused")] * 2
+
+
+def test_scaleout_bytes_and_the_scaleup_option():
+    import torch
+
+    from ep_plugin.backends.hierarchical import scaleout_bytes
+    from ep_plugin.bench.report import _scaleout_columns
+    from ep_plugin.topology import Topology
+
+    # 4 ranks as 2 domains of 2, 8 experts (4 per domain). Rank 0's tokens: one to domain 0 only, one to
+    # both domains, one to domain 1 only: two cross the rail. Rank 3 sends one token to domain 0.
+    maps = [torch.zeros(3, 8, dtype=torch.bool) for _ in range(4)]
+    maps[0][0, 1] = maps[0][1, 2] = maps[0][1, 6] = maps[0][2, 7] = True
+    maps[3] = torch.zeros(1, 8, dtype=torch.bool)
+    maps[3][0, 0] = True
+    sent = scaleout_bytes(maps, Topology(4, 2), row_bytes=100, hidden=10, with_probs=False)
+    assert sent["dispatch"] == [2 * (100 + 4), 0, 0, 1 * (100 + 4)]
+    assert sent["combine"] == [2 * 20, 0, 0, 20]
+    row = _scaleout_columns({"domains": "2x2", "scaleout_bytes": sent}, "dispatch", 1.0)
+    assert row["domains"] == "2x2" and row["scaleout_mb"] == 208 / 1e6
+    assert parse_args(["--device", "cpu", "--ranks", "4", "--scaleup-size", "4,2"]).scaleup_size == "4,2"
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cpu", "--ranks", "4", "--scaleup-size", "3"])

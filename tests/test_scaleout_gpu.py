@@ -111,8 +111,8 @@ def hybrid_suite(ctx) -> list[str]:
                 assert torch.equal(back.hidden, ref_back.hidden), f"{name}: top-1 combine must be exact"
             assert torch.equal(back.probs, ref_back.probs), f"{name}: probs routed back"
             fresh = torch.randn(inputs[0].shape, device=inputs[0].device).to(torch.bfloat16)
-            assert torch.equal(layered.dispatch_again(fresh, out.handle), reference.dispatch_again(fresh, ref.handle)), \
-                f"{name}: dispatch_again"
+            again = layered.dispatch_again(fresh, out.handle)
+            assert torch.equal(again, reference.dispatch_again(fresh, ref.handle)), f"{name}: dispatch_again"
             # Sync-free: the valid prefix equals the blocking rows.
             free = sync_free.dispatch(inputs[0], pad_multiple=pad, **kwargs)
             assert free.hidden.shape[0] >= ref.hidden.shape[0], f"{name}: sync-free capacity"

@@ -97,6 +97,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sms", help="SMs (blocks) per rank, comma list")
     parser.add_argument("--routings", help="balanced and/or skewed (expert popularity decays e^6 across ids)")
     parser.add_argument("--modes", help="blocking (exact size, one host read) and/or nonblocking (no host sync)")
+    parser.add_argument("--scaleup-size", default="0",
+                        help="ranks per NVLink domain, comma list (default 0 = detected): e.g. 8,4 runs each "
+                             "compiled backend as 1x8 and as 2x4 domains joined by scale-out rails, and reports "
+                             "scale-out bytes per rank (scaleout_MB, scaleout_GB/s) next to the other figures")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per case and rank")
     parser.add_argument("--reference-iters", type=int,
@@ -150,6 +154,13 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
         if unknown:
             return f"--{key}: unknown value(s) {sorted(unknown)}; choose from {sorted(choices)}"
     axes = {}
+    try:
+        sizes = _ints(args.scaleup_size)
+    except ValueError:
+        return f"--scaleup-size takes a comma list of integers, got {args.scaleup_size!r}"
+    bad = [size for size in sizes if size < 0 or (size and args.ranks % size)]
+    if not sizes or bad:
+        return f"--scaleup-size values must divide --ranks {args.ranks} (or be 0 = detected), got {args.scaleup_size!r}"
     for key in ("tokens", "hidden", "topk", "experts", "sms"):
         try:
             axes[key] = _ints(getattr(args, key))
@@ -211,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                      sms=_ints(args.sms), routings=_words(args.routings), modes=_words(args.modes),
                      warmup=args.warmup, iters=args.iters, reference_iters=reference_iters,
                      reference_max_tokens=reference_max_tokens, sync_each_iter=args.sync_each_iter,
-                     graph=args.graph)
+                     graph=args.graph, scaleup_sizes=_ints(args.scaleup_size))
     records = run_ranks(bench_rank, args.ranks, spec, device=args.device, timeout_s=args.timeout)[0]
     link_gbps = 0.0 if plan.use_mps or args.device == "cpu" else args.link_gbps
     rows = [row for record in records for row in summarize(record, link_gbps)]

@@ -58,6 +58,19 @@ def _link_columns(record: dict, op: str, median_us: float, link_gbps: float) -> 
                 link_pct=rate / link_gbps * 100 if rate is not None and link_gbps > 0 else None)
 
 
+def _scaleout_columns(record: dict, op: str, median_us: float) -> dict:
+    """Across domains: the busiest rank's bytes over its rail (scaleout_mb) and their rate over the median."""
+    sent = record.get("scaleout_bytes")
+    if not sent:
+        return dict(domains=record.get("domains"), scaleout_mb=None, scaleout_gbps=None)
+    if op == "roundtrip":
+        num_bytes = max(d + c for d, c in zip(sent["dispatch"], sent["combine"], strict=True))
+    else:
+        num_bytes = max(sent[op])
+    rate = num_bytes / (median_us * 1e-6) / 1e9 if median_us > 0 else None
+    return dict(domains=record.get("domains"), scaleout_mb=num_bytes / 1e6, scaleout_gbps=rate)
+
+
 def summarize(record: dict, link_gbps: float) -> list[dict]:
     """One row per op: µs median/p10/p90 over ranks x iterations, algorithm GB/s per rank, ceiling, link use."""
     rows = []
@@ -80,7 +93,10 @@ def summarize(record: dict, link_gbps: float) -> list[dict]:
             p10_us=_percentile(times, 0.1), p90_us=_percentile(times, 0.9),
             algo_gbps=statistics.median(rates) if rates else None, ceiling_us=ceiling,
             ceiling_ratio=(ceiling / median) if ceiling and median > 0 else None,
-            **_link_columns(record, op, median, link_gbps), error=record.get("graph_error")))
+            **_link_columns(record, op, median, link_gbps), **_scaleout_columns(record, op, median),
+            error=record.get("graph_error")))
+        if record.get("scaleout_bytes"):  # its own line in plots and tables next to the one-domain run
+            rows[-1]["backend"] = f"{record['backend']} {record['domains']}"
     return rows
 
 
@@ -99,7 +115,8 @@ COLUMNS = (("backend", "backend", 0), ("mode", "mode", 0), ("payload", "payload"
            ("median_us", "median_us", 1), ("p10_us", "p10_us", 1), ("p90_us", "p90_us", 1),
            ("algo_GB/s", "algo_gbps", 2), ("ceil_us", "ceiling_us", 1), ("ceil/ours", "ceiling_ratio", 2),
            ("ref/ours", "reference_ratio", 2), ("link_MB", "link_mb", 2), ("link_GB/s", "link_gbps", 1),
-           ("link%", "link_pct", 1))
+           ("link%", "link_pct", 1), ("domains", "domains", 0), ("scaleout_MB", "scaleout_mb", 2),
+           ("scaleout_GB/s", "scaleout_gbps", 1))
 
 
 def _cell(value, digits: int) -> str:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import ep_plugin
+from ep_plugin.backends.hierarchical import scaleout_bytes
 from ep_plugin.config import Config
 from ep_plugin.routing import route_counts
 from ep_plugin.testing import RankContext
@@ -60,6 +61,9 @@ class SweepSpec:
     sync_each_iter: bool = False  # a barrier before every iteration (the old, skewed method)
     graph: bool = False  # also time CUDA-graph replays of non-blocking dispatch/combine
     extra_config: dict = field(default_factory=dict)
+    # Ranks per NVLink domain to run each backend with (0 = detected); a smaller size splits the ranks into
+    # domains joined by scale-out rails. The reference also runs flat (0), as the baseline.
+    scaleup_sizes: tuple[int, ...] = (0,)
 
 
 def _supported(backend_name: str, backend_cls, payload: str, mode: str) -> bool:
@@ -303,6 +307,20 @@ def _case_bytes(backend_cls, shape: Shape, num_ranks: int, seed: int) -> dict:
                 link_floor_bytes={"dispatch": max(remote_payload), "combine": max(back)})
 
 
+def _scaleout_fields(backend, shape: Shape, num_ranks: int, seed: int) -> dict:
+    """The backend's domains ("2x4") and, across domains, each rank's bytes over its rail (the topology's
+    byte model: a token once per remote domain holding any of its experts; combine one row back)."""
+    topology = backend.topology
+    fields = {"domains": f"{topology.num_domains}x{topology.domain_size}"}
+    if topology.is_hierarchical and getattr(backend, "scaleout", None) is not None:
+        maps = list(_routing_maps(shape, num_ranks, seed))
+        dispatch = scaleout_bytes(maps, topology, row_bytes=shape.row_bytes(), hidden=shape.hidden, with_probs=True)
+        combine = scaleout_bytes(maps, topology, row_bytes=shape.row_bytes(), hidden=shape.hidden, with_probs=False)
+        fields["scaleout_bytes"] = {"dispatch": dispatch["dispatch"], "combine": combine["combine"]}
+        fields["scaleout_engine"] = backend.scaleout.engine
+    return fields
+
+
 def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, shared_gpu: bool,
               ceiling_cache: dict[int, float]) -> dict:
     """Time one shape on every rank; rank 0 also times the ceiling. Returns the record (complete on rank 0)."""
@@ -341,9 +359,11 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
     device = torch.device(ctx.device)
     shared_gpu = ctx.plan.use_mps
     records: list[dict] = []
-    plan = [(name, hidden, experts, sms, mode)
+    plan = [(name, hidden, experts, sms, mode, scaleup)
             for name in spec.backends for hidden in spec.hidden for experts in spec.experts
-            for sms in (spec.sms if name != "reference" else spec.sms[:1]) for mode in spec.modes]
+            for sms in (spec.sms if name != "reference" else spec.sms[:1]) for mode in spec.modes
+            for scaleup in (spec.scaleup_sizes if name != "reference" else
+                            (0, *sorted({size for size in spec.scaleup_sizes if size})))]
     total = len(plan) * len(spec.tokens) * len(spec.topk) * len(spec.payloads) * len(spec.routings)
     progress = None
     if ctx.rank == 0:
@@ -351,10 +371,10 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
 
         progress = tqdm(total=total, desc="bench", unit="case")
     ceiling_cache: dict[int, float] = {}
-    for name, hidden, experts, sms, mode in plan:
+    for name, hidden, experts, sms, mode, scaleup in plan:
         cls = ep_plugin.get_backend(name)
         config = Config.from_env(num_sms=sms, blocking=(mode == "blocking"), max_tokens_per_rank=max(spec.tokens),
-                                 **spec.extra_config)
+                                 **{"scaleup_size": scaleup, **spec.extra_config})
         backend = None
         for tokens, topk, payload, routing in itertools.product(spec.tokens, spec.topk, spec.payloads,
                                                                 spec.routings):
@@ -379,7 +399,8 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                 backend.config = backend.config.replace(num_permuted_tokens=_tight_budget(shape, ctx.world_size,
                                                                                           spec.seed))
             record = _run_case(ctx, spec, backend, shape, device, shared_gpu, ceiling_cache)
-            record.update(backend=name, mode=mode, sms=sms if name != "reference" else None)
+            record.update(backend=name, mode=mode, sms=sms if name != "reference" else None,
+                          **_scaleout_fields(backend, shape, ctx.world_size, spec.seed))
             records.append(record)
             if _graph_applies(spec, cls, mode, device):
                 # Same shape, same backend: only the samples differ from the eager record.
