@@ -11,10 +11,11 @@ from .config import Config
 from .errors import BackendUnavailableError, EPError, EPTimeoutError
 from .handle import CombineOutput, DispatchOutput, Handle
 from .registry import get_backend, list_backends, register_backend
+from .topology import Topology
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError", "CombineOutput", "Config", "DispatchOutput", "EPError", "EPTimeoutError", "Handle",
-    "combine", "dispatch", "get_backend", "list_backends", "register_backend",
+    "Topology", "combine", "dispatch", "get_backend", "list_backends", "register_backend",
 ]

@@ -43,6 +43,22 @@ def _default_device(device: Optional[torch.device | str]) -> torch.device:
     return torch.device(device)
 
 
+def _check_arguments(name: str, capabilities: Capabilities, group: Optional[dist.ProcessGroup], hidden_size: Any,
+                     num_experts: Any, device: Optional[torch.device | str]) -> None:
+    """The constructor checks that need no other rank (they run before any collective)."""
+    if not dist.is_initialized():
+        raise RuntimeError(f"ep_plugin backend {name!r} needs torch.distributed to be initialized first")
+    num_ranks = dist.get_world_size(group if group is not None else dist.group.WORLD)
+    if not isinstance(hidden_size, int) or hidden_size < 1:
+        raise ValueError(f"hidden_size must be a positive int, got {hidden_size!r}")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts={num_experts} is not divisible by the {num_ranks} ranks of the group")
+    if _default_device(device).type not in capabilities.devices:
+        raise ValueError(f"backend {name!r} runs on {capabilities.devices}, not on {_default_device(device)}")
+
+
 class Backend(abc.ABC):
     """Dispatch/combine over one expert-parallel process group.
 
@@ -62,8 +78,9 @@ class Backend(abc.ABC):
                 **kwargs: Any) -> "Backend":
         if getattr(cls, "_spans_domains", False):  # the hierarchical wrapper itself
             return super().__new__(cls)
-        if not dist.is_initialized():
-            raise RuntimeError(f"ep_plugin backend {cls.name!r} needs torch.distributed to be initialized first")
+        # Arguments that are wrong on this rank alone are refused before the topology's collective.
+        _check_arguments(cls.name, cls.capabilities, group, kwargs.get("hidden_size"), kwargs.get("num_experts"),
+                         kwargs.get("device"))
         config = kwargs.get("config")
         config = config if config is not None else Config.from_env()
         resolved = resolve_topology(topology, group, _default_device(kwargs.get("device")), config,
@@ -93,18 +110,11 @@ class Backend(abc.ABC):
             device: this rank's device (default: the current CUDA device, else CPU).
             topology: domains and rails (``ep_plugin.topology.Topology``; default: detected).
         """
-        if not dist.is_initialized():
-            raise RuntimeError(f"ep_plugin backend {self.name!r} needs torch.distributed to be initialized first")
+        _check_arguments(self.name, self.capabilities, group, hidden_size, num_experts, device)
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
         self.config = config if config is not None else Config.from_env()
-        if not isinstance(hidden_size, int) or hidden_size < 1:
-            raise ValueError(f"hidden_size must be a positive int, got {hidden_size!r}")
-        if not isinstance(num_experts, int) or num_experts < 1:
-            raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-        if num_experts % self.num_ranks:
-            raise ValueError(f"num_experts={num_experts} is not divisible by the {self.num_ranks} ranks of the group")
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.num_ranks
@@ -112,8 +122,6 @@ class Backend(abc.ABC):
         # Settled in __new__ (a flat backend: one domain, or one that does not need it).
         self.topology: Topology = getattr(self, "_topology", None) or topology or Topology.flat(self.num_ranks,
                                                                                                self.rank)
-        if self.device.type not in self.capabilities.devices:
-            raise ValueError(f"backend {self.name!r} runs on {self.capabilities.devices}, not on {self.device}")
         # Last, and before any subclass setup exchanges buffers: ranks built differently raise
         # ValueError here, on every rank, instead of crashing inside a later collective.
         check_construction(self.group, self.name, self._construction_facts(), timeout_s=self.config.timeout_s)

@@ -117,10 +117,24 @@ class HierarchicalBackend(Backend):
             self.scaleout.domain_group, hidden_size=hidden_size, num_experts=self.experts_per_domain,
             config=self.config.replace(**changes), device=self.device,
             topology=Topology.flat(S, topology.local_index), **domain_options))
+        self._check_gpu_sharing(topology)
         self._domain_counts = HostCollectives(self.scaleout.domain_group, owner=f"ep_plugin {self.name} "
                                               f"{self.domain_level}", timeout_s=self.config.timeout_s,
                                               label="domain counts")
         self._num_dispatches = 0
+
+    def _check_gpu_sharing(self, topology: Topology) -> None:
+        """The domain backend checked co-residency for its own domain's ranks; when domains share a GPU (forced
+        domains on one host) their spin-waiting kernels run at once too, so check with every rank on the GPU."""
+        check = getattr(self.domain, "_check_co_residency", None)
+        gpus = [gpu for gpu in topology.gpu_of_rank if gpu is not None]
+        if check is None or not gpus:
+            return
+        try:
+            check(max(gpus.count(gpu) for gpu in gpus))  # the same on every rank: all raise or none
+        except ValueError:
+            self.domain.destroy()
+            raise
 
     def _construction_facts(self) -> dict[str, Any]:
         return {**super()._construction_facts(), "domain_size": self._topology.domain_size,
