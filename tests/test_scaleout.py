@@ -126,7 +126,7 @@ def _parallel_barrier(backend) -> None:
         raise errors[0]
 
 
-def late_rank_barriers(ctx, late_rank: int) -> dict:
+def late_rank_barriers(ctx, late_rank: int, name: str = "reference", config=None) -> dict:
     """For 2x4 and 4x2: the barrier, then the parallel control, each with ``late_rank`` entering late.
 
     Returns {(layout, order): (entry time, exit time)} on this rank's host clock.
@@ -134,7 +134,8 @@ def late_rank_barriers(ctx, late_rank: int) -> dict:
     torch.set_num_threads(1)
     times = {}
     for size in (4, 2):
-        backend = _reference(topology=Topology(NUM_RANKS, size, ctx.rank))
+        backend = ep_plugin.get_backend(name)(hidden_size=HIDDEN, num_experts=NUM_EXPERTS, device=ctx.device,
+                                              config=config, topology=Topology(NUM_RANKS, size, ctx.rank))
         for order in ("sequential", "parallel"):
             backend.barrier()  # everyone at the start line
             if ctx.rank == late_rank:
@@ -143,13 +144,12 @@ def late_rank_barriers(ctx, late_rank: int) -> dict:
             backend.barrier() if order == "sequential" else _parallel_barrier(backend)
             times[(f"{NUM_RANKS // size}x{size}", order)] = (entered, time.time())
         backend.barrier()
+        backend.destroy()
     return times
 
 
-def test_barrier_waits_for_a_late_rank_in_another_domain_and_rail():
-    # Rank 0 is late. Rank 5 (2x4) and rank 3 (4x2) share neither its domain nor its rail.
-    late = 0
-    per_rank = run_ranks(late_rank_barriers, NUM_RANKS, late, timeout_s=120)
+def check_late_rank_barriers(per_rank: list[dict], late: int) -> None:
+    """Every rank leaves the (sequential) barrier after the late rank entered; the parallel control does not."""
     for key in per_rank[0]:
         late_entry = per_rank[late][key][0]
         early_exits = [rank for rank, times in enumerate(per_rank) if times[key][1] < late_entry]
@@ -157,6 +157,11 @@ def test_barrier_waits_for_a_late_rank_in_another_domain_and_rail():
             assert not early_exits, f"{key}: rank(s) {early_exits} left the barrier before rank {late} entered"
         else:  # the control: the same check catches the parallel order
             assert early_exits, f"{key}: the parallel barrier was not caught; the test cannot tell the orders apart"
+
+
+def test_barrier_waits_for_a_late_rank_in_another_domain_and_rail():
+    # Rank 0 is late. Rank 5 (2x4) and rank 3 (4x2) share neither its domain nor its rail.
+    check_late_rank_barriers(run_ranks(late_rank_barriers, NUM_RANKS, 0, timeout_s=120), 0)
 
 
 # ---- a missing rank at the scale-out level ------------------------------------------------------
@@ -205,3 +210,47 @@ def test_missing_rank_times_out_naming_the_rail_phase_and_peer():
                 assert "Late peer(s): rank 0 (never reached" in message, (where, message)
             else:  # 2x4: rank 0's domain peers wait for it there; the rest for rank 4, which waits on the rail
                 assert "domain" in message and "segment counts" in message, (where, message)
+
+
+# ---- pieces, without ranks ------------------------------------------------------------------------
+
+def test_flat_order_index_is_the_block_transpose():
+    """Domain-level rows (segment, forwarding peer s, source domain d, token) move to (segment, d, s, token);
+    padding and rows past the valid ones stay; compact (one segment, no padding) too."""
+    from ep_plugin.transport.scaleout import flat_order_index
+
+    generator = torch.Generator().manual_seed(5)
+    for S, D, G, pad in ((2, 3, 4, 4), (4, 2, 1, 1), (1, 4, 3, 2), (3, 1, 2, 1)):
+        counts = torch.randint(0, 4, (S, D, G), generator=generator)
+        inner, flat = [], []
+        for g in range(G):
+            real = int(counts[:, :, g].sum())
+            padding = -(-real // pad) * pad - real
+            inner += [(g, s, d, t) for s in range(S) for d in range(D) for t in range(int(counts[s, d, g]))]
+            inner += [(g, "pad", i) for i in range(padding)]
+            flat += [(g, s, d, t) for d in range(D) for s in range(S) for t in range(int(counts[s, d, g]))]
+            flat += [(g, "pad", i) for i in range(padding)]
+        capacity = len(inner) + 3  # sync-free: rows past the valid ones
+        dest = flat_order_index(counts, pad, capacity).tolist()
+        assert sorted(dest) == list(range(capacity)), "not a permutation"
+        placed = [None] * capacity
+        for i, label in enumerate(inner + ["past"] * 3):
+            placed[dest[i]] = label
+        assert placed == flat + ["past"] * 3, (S, D, G, pad)
+
+
+def test_row_packer_round_trip_is_bitwise():
+    from ep_plugin.transport.scaleout import RowPacker
+
+    rows = torch.randn(5, 8).to(torch.float8_e4m3fn)
+    values = {"hidden": rows.view(torch.uint8), "scales": torch.randn(5, 2), "route": torch.rand(5, 3) < 0.5,
+              "ids": torch.randint(-1, 9, (5, 2))}
+    packer = RowPacker([("hidden", torch.float8_e4m3fn, (8,)), ("scales", torch.float32, (2,)),
+                        ("route", torch.bool, (3,)), ("ids", torch.int64, (2,))])
+    assert packer.row_bytes == 8 + 8 + 3 + 16
+    back = packer.unpack(packer.pack(5, values, torch.device("cpu")))
+    assert torch.equal(back["hidden"].view(torch.uint8), values["hidden"]) and back["hidden"].dtype == rows.dtype
+    for name in ("scales", "route", "ids"):
+        assert back[name].dtype == values[name].dtype and torch.equal(back[name], values[name]), name
+    empty = {name: value[:0] for name, value in values.items()}
+    assert packer.unpack(packer.pack(0, empty, torch.device("cpu")))["ids"].shape == (0, 2)

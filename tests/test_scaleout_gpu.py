@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_hybrid import assert_combine_close, make_inputs, routing_kwargs
+from test_scaleout import check_late_rank_barriers, late_rank_barriers
 
 import ep_plugin
 from ep_plugin.backends.hierarchical import HierarchicalBackend
@@ -209,3 +210,10 @@ def elastic_suite(ctx) -> list[str]:
 def test_scaleout_matches_flat_at_every_layout(suite):
     results = run_ranks(suite, NUM_RANKS, device="cuda", timeout_s=LAUNCH_TIMEOUT_S)
     assert all(len(checked) == 4 * len(LAYOUTS) for checked in results), results
+
+
+@pytest.mark.parametrize("name", ["hybrid", "elastic"])
+def test_barrier_waits_for_a_late_rank_on_the_gpu(name):
+    """The CPU test's late rank at 2x4 and 4x2, with the compiled backend's device barrier in each domain."""
+    per_rank = run_ranks(late_rank_barriers, NUM_RANKS, 0, name, _config(), device="cuda", timeout_s=300)
+    check_late_rank_barriers(per_rank, 0)

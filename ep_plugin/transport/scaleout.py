@@ -226,9 +226,11 @@ class RowPacker:
         fields = {}
         for name, dtype, shape in self.fields:
             start, width = self.offsets[name]
+            if not width or not rows.shape[0]:  # (an empty slice keeps the row stride, which view refuses)
+                fields[name] = torch.empty((rows.shape[0],) + shape, dtype=dtype, device=rows.device)
+                continue
             raw = rows[:, start:start + width].contiguous()
-            fields[name] = raw.view(dtype).reshape((rows.shape[0],) + shape) if width else \
-                torch.empty((rows.shape[0],) + shape, dtype=dtype, device=rows.device)
+            fields[name] = raw.view(dtype).reshape((rows.shape[0],) + shape)
         return fields
 
 
