@@ -243,6 +243,9 @@ def test_row_packer_round_trip_is_bitwise():
     from ep_plugin.transport.scaleout import RowPacker
 
     rows = torch.randn(5, 8).to(torch.float8_e4m3fn)
+    one_row = RowPacker([("ids", torch.int64, (2,)), ("flag", torch.bool, (3,))])  # 19-byte rows, one row
+    ids = torch.tensor([[3, -1]])
+    assert torch.equal(one_row.unpack(one_row.pack(1, {"ids": ids}, torch.device("cpu")))["ids"], ids)
     values = {"hidden": rows.view(torch.uint8), "scales": torch.randn(5, 2), "route": torch.rand(5, 3) < 0.5,
               "ids": torch.randint(-1, 9, (5, 2))}
     packer = RowPacker([("hidden", torch.float8_e4m3fn, (8,)), ("scales", torch.float32, (2,)),

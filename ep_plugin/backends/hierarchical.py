@@ -43,13 +43,18 @@ phase (``rail/counts``, ``rail/tokens``, ``rail/rows``, ``rail barrier``) and th
 failure raises ``EPError`` with the engine's message; a domain-level failure is re-raised with the
 domain named. After any of them the backend is unusable (build a new one on a new process group).
 
-Where the domain backend's host work runs (the rail stages, the reorder, the sums) this adds copies:
-on a gloo rail CUDA tensors are staged through host memory, which waits for the stream, also in
-sync-free mode (``transport.scaleout``).
+Costs and limits: the rail stages, the reorder and the sums are torch ops and host-issued
+collectives around the domain backend's kernels; on a gloo rail CUDA tensors are staged through
+host memory, which waits for the stream, also in sync-free mode (``transport.scaleout``). The
+capabilities are the domain backend's except ``cuda_graphs`` (not claimed: the rail collectives are
+issued from the host). A top-k wider than the experts of one domain (k > S * L) is refused before
+any communication. The domain backend's buffers are sized for ``D * max_tokens_per_rank`` input
+rows (it forwards up to that many), the same bytes per rank as the flat backend on the whole group.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -95,7 +100,8 @@ class HierarchicalBackend(Backend):
     def __init__(self, group=None, *, domain_backend: type, topology: Topology, hidden_size: int, num_experts: int,
                  config=None, device=None, **domain_options: Any) -> None:
         self.name = domain_backend.name
-        self.capabilities = domain_backend.capabilities
+        # The rail collectives are issued from the host: no claim that a CUDA graph can capture them.
+        self.capabilities = dataclasses.replace(domain_backend.capabilities, cuda_graphs=False)
         self.domain_backend_class = domain_backend
         self._domain_options = domain_options
         self._topology = topology
@@ -159,6 +165,11 @@ class HierarchicalBackend(Backend):
             return self._cached_dispatch(hidden, handle)
         if routing_map is not None and ROUTING_MAP not in self.capabilities.routing_forms:
             raise ValueError(f"backend {self.name!r} takes topk_idx (+ topk_weights), not routing_map")
+        if topk_idx is not None and topk_idx.dim() == 2 and topk_idx.shape[1] > self.experts_per_domain:
+            raise ValueError(f"topk_idx has k={topk_idx.shape[1]} columns, more than the {self.experts_per_domain} "
+                             f"experts of one NVLink domain ({self.domain_size} ranks x {self.num_local_experts}); "
+                             f"across domains k must be at most that (use larger domains, or the routing_map form "
+                             f"where the backend takes it)")
         max_topk = getattr(self.domain, "max_topk", None)
         if max_topk is not None and topk_idx is not None and topk_idx.dim() == 2 and topk_idx.shape[1] > max_topk:
             raise ValueError(f"topk_idx has k={topk_idx.shape[1]} columns; this {self.name} backend was built with "

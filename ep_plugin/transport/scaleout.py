@@ -226,10 +226,10 @@ class RowPacker:
         fields = {}
         for name, dtype, shape in self.fields:
             start, width = self.offsets[name]
-            if not width or not rows.shape[0]:  # (an empty slice keeps the row stride, which view refuses)
-                fields[name] = torch.empty((rows.shape[0],) + shape, dtype=dtype, device=rows.device)
-                continue
-            raw = rows[:, start:start + width].contiguous()
+            # A fresh [N, width] copy: a slice of one row (or none) counts as contiguous and keeps the row
+            # stride, which view(dtype) refuses.
+            raw = torch.empty(rows.shape[0], width, dtype=torch.uint8, device=rows.device)
+            raw.copy_(rows[:, start:start + width])
             fields[name] = raw.view(dtype).reshape((rows.shape[0],) + shape)
         return fields
 
