@@ -55,3 +55,22 @@ def test_detection_forced_size_and_disagreement_raise_on_every_rank():
         assert "ranks disagree on the forced domain size" in seen["disagree"], (rank, seen)
         assert "rank 0: 4, rank 1: 2" in seen["disagree"], (rank, seen)
         assert "does not divide the 4 ranks" in seen["not a divisor"], (rank, seen)
+
+
+def test_rail_engine_is_nccl_only_where_each_rail_has_its_own_gpus(monkeypatch):
+    import torch.distributed as dist
+
+    from ep_plugin.transport.scaleout import rail_engine
+
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    cuda = torch.device("cuda", 0)
+    # 2 GPUs, 4 ranks each, domains of 4 (one GPU's ranks): every rail has one rank per GPU.
+    per_gpu = Topology(8, 4, 0, gpu_of_rank=tuple(f"g{r // 4}" for r in range(8)))
+    assert rail_engine(per_gpu, cuda, "gloo") == "nccl"
+    # The same ranks in domains of 2: rail 0 is ranks 0, 2, 4, 6, two of them on each GPU.
+    assert rail_engine(Topology(8, 2, 0, gpu_of_rank=per_gpu.gpu_of_rank), cuda, "gloo") == "gloo"
+    one_gpu = Topology(8, 4, 0, gpu_of_rank=("g0",) * 8)
+    assert rail_engine(one_gpu, cuda, "gloo") == "gloo"
+    assert rail_engine(per_gpu, torch.device("cpu"), "gloo") == "gloo"
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    assert rail_engine(per_gpu, cuda, "gloo") == "gloo"
