@@ -8,6 +8,9 @@
 #   scripts/gpu_validate.sh sweep OUT                 the full sweep (8 ranks sharing GPU 0; SM counts and
 #                                                     shapes that do not fit are skipped with a message)
 #   scripts/gpu_validate.sh megatron OUT              the Megatron GPT-MoE loss comparison
+#   scripts/gpu_validate.sh scaleout OUT              what gloo moves on this GPU, then the scale-out tests
+#                                                     (hybrid, elastic at 1x8 / 2x4 / 4x2 / 8x1 forced domains)
+#   scripts/gpu_validate.sh scaleout_bench OUT        standard shape, bf16: 1x8 vs 2x4 in one run (8 ranks)
 # Every stage builds first (quick when nothing changed) and stops, with the build log's tail, unless
 # ep_plugin._C imports and sees a GPU; GPU tests then fail instead of skipping (EP_PLUGIN_REQUIRE_GPU=1).
 # Megatron-core comes from a carried wheel
@@ -73,6 +76,17 @@ case "$STAGE" in
     ;;
   sweep)
     CUDA_VISIBLE_DEVICES=0 bench full --preset full --ranks 8
+    ;;
+  scaleout)
+    timeout 60 python3 scripts/gloo_probe.py 2>&1 | tee "$OUT/gloo_probe.log"
+    timeout 480 python3 -m pytest -q -p no:cacheprovider --require-gpu --durations=6 tests/test_scaleout_gpu.py \
+      2>&1 | tee "$OUT/pytest_scaleout.log" | tail -25
+    RC=${PIPESTATUS[0]}
+    echo "pytest rc=$RC"
+    ;;
+  scaleout_bench)
+    CUDA_VISIBLE_DEVICES=0 bench scaleout --preset standard --ranks 8 --backends hybrid,elastic --payloads bf16 \
+      --scaleup-size 8,4 --iters 5
     ;;
   megatron)
     timeout 300 examples/megatron/run_comparison.sh /tmp/megatron 50 4 ep_hybrid > "$OUT/megatron.log" 2>&1
