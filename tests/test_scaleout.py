@@ -1,17 +1,22 @@
-"""Scale-out on CPU: the reference backend across forced NVLink domains (gloo rails), 8 ranks.
+"""Scale-out on CPU: backends across forced NVLink domains (gloo rails), 8 ranks.
 
 Each launch runs every case inside the rank processes (launches are the slow part on a 2-core
-machine). The oracle is the flat reference backend on the same group, in the same process: the
+machine). The oracle is the same backend flat on the same group, in the same process: the
 hierarchical path must give the same rows in the same order, bitwise, and the same sums (exact here:
-integer-valued payloads), the same probs, counts and gradients.
+integer-valued payloads), the same probs, counts and gradients. ``reference`` covers the expert-row
+form; ``CompactBackend`` (below, test-only) stands in for elastic's compact form. Also: the barrier
+with a late rank (and a parallel-order control), a missing rank, and the reorder and byte packing alone.
 """
 
 import time
 
 import torch
+import torch.distributed as dist
 
 import ep_plugin
+from ep_plugin.backends.base import Backend, Capabilities
 from ep_plugin.backends.hierarchical import HierarchicalBackend
+from ep_plugin.handle import COMPACT, CombineOutput, DispatchOutput, Handle
 from ep_plugin.host_collectives import _grace_s
 from ep_plugin.testing import run_ranks
 from ep_plugin.testing.dense import make_problem, run_local_experts
@@ -99,6 +104,99 @@ def check_hierarchical_equals_flat(ctx) -> list[str]:
 def test_hierarchical_reference_equals_flat_at_every_layout():
     results = run_ranks(check_hierarchical_equals_flat, NUM_RANKS, timeout_s=300)
     assert all(len(checked) == len(results[0]) > 0 for checked in results), results
+
+
+# ---- the compact form (elastic's) on CPU -----------------------------------------------------------
+
+class CompactBackend(Backend):
+    """A CPU stand-in for elastic's compact receive, so the hierarchical compact path is tested here too.
+
+    Top-k only. Dispatch: one row per (token, destination rank), by source rank then token, with the
+    token's top-k as this rank's local ids (-1 elsewhere) and its weights (0 elsewhere); combine sums the
+    rows back at the source in fp32 and routes per-slot values back.
+    """
+
+    name = "compact_test"
+    capabilities = Capabilities(devices=("cpu",), hidden_dtypes=(torch.float32,), probs_dtypes=(torch.float32,),
+                                routing_forms=("topk",))
+
+    def _exchange(self, tensor, out_splits, in_splits):
+        out = tensor.new_empty((sum(out_splits),) + tuple(tensor.shape[1:]))
+        dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=self.group)
+        return out
+
+    def _dispatch(self, hidden, routing, probs, pad_multiple):
+        idx, L, R = routing.topk_idx, self.num_local_experts, self.num_ranks
+        owner = torch.where(idx >= 0, idx.div(L, rounding_mode="floor"), torch.full_like(idx, -1))
+        pairs = [(r, t) for r in range(R) for t in range(idx.shape[0]) if bool((owner[t] == r).any())]
+        dest = torch.tensor([r for r, _ in pairs], dtype=torch.int64)
+        tokens = torch.tensor([t for _, t in pairs], dtype=torch.int64)
+        send = torch.bincount(dest, minlength=R).tolist()
+        recv = self._exchange(torch.tensor(send), [1] * R, [1] * R).tolist()
+        mine = owner[tokens] == dest.unsqueeze(1)
+        local_ids = torch.where(mine, idx[tokens] - dest.unsqueeze(1) * L, torch.full_like(idx[tokens], -1))
+        rows = self._exchange(hidden[tokens], recv, send)
+        ids = self._exchange(local_ids, recv, send)
+        weights = self._exchange(torch.where(mine, probs[tokens], 0.0), recv, send) if probs is not None else None
+        counts = torch.bincount(ids[ids >= 0], minlength=L)
+        padded = (counts + pad_multiple - 1) // pad_multiple * pad_multiple
+        layout = {"tokens": tokens, "dest": dest, "send": send, "recv": recv, "mine": mine}
+        handle = Handle(backend=self, num_tokens=idx.shape[0], hidden_size=self.hidden_size, hidden_dtype=hidden.dtype,
+                        probs_shape=routing.probs_shape if probs is not None else None, num_experts=self.num_experts,
+                        num_local_experts=L, pad_multiple=pad_multiple, num_rows=rows.shape[0],
+                        tokens_per_expert=padded, num_real_tokens_per_expert=counts, layout=layout,
+                        output_form=COMPACT, row_probs_shape=(rows.shape[0], idx.shape[1]))
+        return DispatchOutput(rows, weights, padded, handle, topk_idx=ids)
+
+    def _dispatch_again(self, hidden, handle):
+        layout = handle.layout
+        return self._exchange(hidden[layout["tokens"]], layout["recv"], layout["send"])
+
+    def _combine(self, rows, handle, row_probs):
+        layout = handle.layout
+        back = self._exchange(rows, layout["send"], layout["recv"])
+        summed = torch.zeros(handle.num_tokens, self.hidden_size).index_add_(0, layout["tokens"], back)
+        values = None
+        if row_probs is not None:
+            returned = self._exchange(row_probs, layout["send"], layout["recv"])
+            values = torch.zeros(handle.probs_shape)
+            for row, token in enumerate(layout["tokens"].tolist()):
+                values[token] = torch.where(layout["mine"][row], returned[row], values[token])
+        return CombineOutput(summed.to(rows.dtype), values)
+
+
+def check_compact_form(ctx) -> list[str]:
+    """The compact form across domains equals the flat compact backend: rows, ids, weights, counts, sums."""
+    torch.set_num_threads(1)
+    build = dict(hidden_size=HIDDEN, num_experts=NUM_EXPERTS, device="cpu")
+    flat = CompactBackend(**build)
+    checked = []
+    for size, blocking in ((4, True), (2, False), (1, True)):
+        config = ep_plugin.Config.from_env().replace(blocking=blocking)
+        layered = CompactBackend(**build, config=config, topology=Topology(NUM_RANKS, size, ctx.rank))
+        assert isinstance(layered, HierarchicalBackend)
+        for case, skewed in enumerate((False, True)):
+            name = f"compact {NUM_RANKS // size}x{size} blocking={blocking} skewed={skewed}"
+            problem = make_problem(60 + case, _tokens(case), HIDDEN, NUM_EXPERTS, 4, skewed=skewed,
+                                   integer_valued=True, drop_some=True)
+            routing = _routing(problem, ctx.rank, "topk")
+            want = flat.dispatch(problem.hidden[ctx.rank], **routing)
+            got = layered.dispatch(problem.hidden[ctx.rank], **routing)
+            assert got.handle.output_form == COMPACT, name
+            for field in ("hidden", "probs", "topk_idx", "tokens_per_expert"):
+                assert torch.equal(getattr(got, field), getattr(want, field)), f"{name}: {field}"
+            rows = want.hidden * 3 + ctx.rank  # exact sums of small integers
+            back, want_back = (backend.combine(rows, out.handle, row_probs=out.probs * 2 + 1)
+                               for backend, out in ((layered, got), (flat, want)))
+            assert torch.equal(back.hidden, want_back.hidden), f"{name}: combine"
+            assert torch.equal(back.probs, want_back.probs), f"{name}: values routed back"
+            checked.append(name)
+    return checked
+
+
+def test_compact_form_across_domains_equals_flat():
+    results = run_ranks(check_compact_form, NUM_RANKS, timeout_s=300)
+    assert all(len(checked) == 6 for checked in results), results
 
 
 # ---- the barrier is global: rail barrier, then domain barrier -------------------------------------
