@@ -20,6 +20,11 @@ def test_placement_cpu_one_gpu_per_rank_and_shared_gpus():
     assert (shared.process_group_backend, shared.use_mps, shared.ranks_per_gpu) == ("gloo", True, 8)
     mixed = plan_launch(4, "cuda", num_gpus=2)
     assert mixed.gpu_of_rank == (0, 1, 0, 1) and mixed.ranks_per_gpu == 2 and mixed.use_mps
+    block = plan_launch(8, "cuda", num_gpus=2, placement="block")  # one NVLink domain per GPU
+    assert block.gpu_of_rank == (0, 0, 0, 0, 1, 1, 1, 1) and block.use_mps
+    assert plan_launch(2, "cuda", num_gpus=2, placement="block").gpu_of_rank == (0, 1)
+    with pytest.raises(ValueError, match="placement"):
+        plan_launch(2, "cuda", num_gpus=2, placement="diagonal")
     with pytest.raises(ValueError, match="no CUDA device"):
         plan_launch(2, "cuda", num_gpus=0)
     with pytest.raises(ValueError, match="num_ranks"):

@@ -12,8 +12,13 @@ oracles, in the same processes:
   weights, and gradients through ``ep_plugin.dispatch`` / ``ep_plugin.combine``;
 - the blocking result for sync-free mode (the valid prefix, bitwise).
 
+With two GPUs, ``placement="block"`` puts ranks 0-3 on GPU 0 and 4-7 on GPU 1: at 2x4 every rail has
+one rank per GPU and runs on NCCL (also over NCCL's socket path: ``NCCL_P2P_DISABLE=1
+NCCL_SHM_DISABLE=1``); 4x2 and 8x1 rails still share GPUs and stay on gloo.
+
 Run on the GPU machine (8 ranks share the GPU under the launcher's private MPS daemon):
     ./dev test tests/test_scaleout_gpu.py --require-gpu -x -q
+or ``scripts/gpu_validate.sh scaleout OUT``.
 """
 
 from __future__ import annotations
@@ -53,6 +58,12 @@ def _build(name: str, ctx, config: Config, size: int = 0):
     return backend
 
 
+def _layout_name(backend, size: int) -> str:
+    """"2x4 rail=gloo": the domains, and the rail engine across them."""
+    engine = f" rail={backend.scaleout.engine}" if isinstance(backend, HierarchicalBackend) else ""
+    return f"{NUM_RANKS // size}x{size}{engine}"
+
+
 def _tokens(rank: int, case: int) -> int:
     """Unequal counts (rank r sends 50 - 3r); rank 1 sends none in odd cases."""
     return 0 if case % 2 and rank == 1 else 50 - 3 * rank
@@ -89,8 +100,8 @@ def hybrid_suite(ctx) -> list[str]:
     reference = _build("reference", ctx, config)
     flat = _build("hybrid", ctx, config)
     for size in LAYOUTS:
-        layout = f"{NUM_RANKS // size}x{size}"
         layered = _build("hybrid", ctx, config, size)
+        layout = _layout_name(layered, size)
         sync_free = _build("hybrid", ctx, config.replace(blocking=False), size)
         for case, (topk, pad, skewed, form) in enumerate([(8, 1, False, "routing_map"), (2, 16, True, "topk"),
                                                           (1, 128, False, "topk"), (4, 1, True, "routing_map")]):
@@ -152,8 +163,8 @@ def elastic_suite(ctx) -> list[str]:
     reference = _build("reference", ctx, config)
     flat = _build("elastic", ctx, config)
     for size in LAYOUTS:
-        layout = f"{NUM_RANKS // size}x{size}"
         layered = _build("elastic", ctx, config, size)
+        layout = _layout_name(layered, size)
         sync_free = _build("elastic", ctx, config.replace(blocking=False), size)
         for case, (topk, align, skewed, expand) in enumerate([(8, 1, False, False), (2, 128, True, True),
                                                               (1, 1, False, False), (4, 16, True, True)]):
@@ -217,3 +228,16 @@ def test_barrier_waits_for_a_late_rank_on_the_gpu(name):
     """The CPU test's late rank at 2x4 and 4x2, with the compiled backend's device barrier in each domain."""
     per_rank = run_ranks(late_rank_barriers, NUM_RANKS, 0, name, _config(), device="cuda", timeout_s=300)
     check_late_rank_barriers(per_rank, 0)
+
+
+@pytest.mark.parametrize("nccl_env", [{}, {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}],
+                         ids=["nccl-rails", "nccl-socket-rails"])
+def test_scaleout_with_nccl_rails_on_two_gpus(nccl_env):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs: a NCCL rail needs its ranks on different GPUs")
+    for suite in (hybrid_suite, elastic_suite):
+        results = run_ranks(suite, NUM_RANKS, device="cuda", timeout_s=LAUNCH_TIMEOUT_S, env=nccl_env,
+                            placement="block")
+        names = results[0]
+        assert len(names) == 4 * len(LAYOUTS), names
+        assert all("rail=nccl" in name for name in names if " 2x4 " in name), names

@@ -4,7 +4,9 @@ Placement (``plan_launch``):
 - device "cpu": N CPU processes over gloo;
 - device "cuda", N <= GPUs: one rank per GPU over NCCL;
 - device "cuda", N > GPUs: ranks share GPUs round-robin over gloo, under a private MPS
-  daemon that the launcher starts and stops itself.
+  daemon that the launcher starts and stops itself; ``placement="block"`` puts consecutive ranks
+  on one GPU instead (ranks 0..N/G-1 on GPU 0, ...): one NVLink domain per GPU, so that forced
+  domains of N/G ranks have one rank per GPU on every rail (NCCL rails).
 
 ``fn(ctx, *args)`` must be a module-level function; its return value (picklable) comes
 back in a list indexed by rank. An exception on any rank raises here with that rank's
@@ -50,8 +52,13 @@ class RankContext:
     plan: LaunchPlan
 
 
-def plan_launch(num_ranks: int, device: str, num_gpus: int) -> LaunchPlan:
-    """Decide placement for ``num_ranks`` ranks on ``device`` ("cpu", "cuda") with ``num_gpus`` GPUs."""
+def plan_launch(num_ranks: int, device: str, num_gpus: int, placement: str = "round_robin") -> LaunchPlan:
+    """Decide placement for ``num_ranks`` ranks on ``device`` ("cpu", "cuda") with ``num_gpus`` GPUs.
+
+    placement: "round_robin" (rank r on GPU r % G) or "block" (rank r on GPU r * G // N).
+    """
+    if placement not in ("round_robin", "block"):
+        raise ValueError(f"placement must be 'round_robin' or 'block', got {placement!r}")
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
     if device == "cpu":
@@ -60,7 +67,10 @@ def plan_launch(num_ranks: int, device: str, num_gpus: int) -> LaunchPlan:
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if num_gpus < 1:
         raise ValueError("device='cuda' but no CUDA device is visible")
-    gpu_of_rank = tuple(rank % num_gpus for rank in range(num_ranks))
+    if placement == "block":
+        gpu_of_rank = tuple(rank * min(num_gpus, num_ranks) // num_ranks for rank in range(num_ranks))
+    else:
+        gpu_of_rank = tuple(rank % num_gpus for rank in range(num_ranks))
     if num_ranks <= num_gpus:
         return LaunchPlan(num_ranks, "cuda", gpu_of_rank, "nccl", False)
     # NCCL refuses two ranks on one GPU; gloo + MPS lets them run concurrently.
@@ -74,14 +84,18 @@ def run_ranks(
     device: str = "cpu",
     timeout_s: float = 300.0,
     env: Optional[dict[str, str]] = None,
+    placement: str = "round_robin",
 ) -> list[Any]:
-    """Run ``fn(RankContext, *args)`` on ``num_ranks`` processes and return each rank's result."""
+    """Run ``fn(RankContext, *args)`` on ``num_ranks`` processes and return each rank's result.
+
+    ``placement`` ("round_robin" or "block") assigns ranks to GPUs when they outnumber them (``plan_launch``).
+    """
     num_gpus = 0
     if device == "cuda":
         import torch
 
         num_gpus = torch.cuda.device_count()
-    plan = plan_launch(num_ranks, device, num_gpus)
+    plan = plan_launch(num_ranks, device, num_gpus, placement)
     if plan.use_mps:
         from .mps import PrivateMPS
 
