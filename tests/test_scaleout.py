@@ -194,9 +194,36 @@ def check_compact_form(ctx) -> list[str]:
     return checked
 
 
-def test_compact_form_across_domains_equals_flat():
-    results = run_ranks(check_compact_form, NUM_RANKS, timeout_s=300)
-    assert all(len(checked) == 6 for checked in results), results
+def disagreement_across_domains(ctx) -> tuple[str, bool]:
+    """2x4: rank 0 dispatches float64 rows, the others float32. Its rail (ranks 0 and 4) sees it; every
+    rank must raise EPError (the rail's ranks tell their domains), and the backend stays usable."""
+    backend = _reference(topology=Topology(NUM_RANKS, 4, ctx.rank))
+    problem = make_problem(7, _tokens(0), HIDDEN, NUM_EXPERTS, 2, integer_valued=True)
+    hidden = problem.hidden[ctx.rank]
+    try:
+        backend.dispatch(hidden.double() if ctx.rank == 0 else hidden, **_routing(problem, ctx.rank, "topk"))
+        message = "no error"
+    except ep_plugin.EPError as exc:
+        message = str(exc)
+    out = backend.dispatch(hidden, **_routing(problem, ctx.rank, "topk"))
+    usable = torch.equal(backend.combine(out.hidden, out.handle).hidden,
+                         hidden * (problem.topk_idx[ctx.rank] >= 0).sum(1, keepdim=True).to(hidden.dtype))
+    return message, usable
+
+
+def compact_and_disagreement(ctx) -> tuple:
+    return check_compact_form(ctx), disagreement_across_domains(ctx)
+
+
+def test_compact_form_across_domains_equals_flat_and_ranks_that_disagree_all_raise():
+    results = run_ranks(compact_and_disagreement, NUM_RANKS, timeout_s=300)
+    assert all(len(checked) == 6 for checked, _ in results), results
+    for rank, (_, (message, usable)) in enumerate(results):
+        if rank in (0, 4):  # rail 0 saw the dtypes differ
+            assert "ranks disagree on dispatch" in message and "dtype" in message and "rail 0" in message, message
+        else:
+            assert "found that ranks disagree on the op" in message and "domain" in message, (rank, message)
+        assert usable, f"rank {rank}: the backend is not usable after the disagreement"
 
 
 # ---- the barrier is global: rail barrier, then domain barrier -------------------------------------

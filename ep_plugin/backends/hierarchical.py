@@ -42,6 +42,10 @@ Errors: a rail wait that runs past ``timeout_s`` raises ``EPTimeoutError`` namin
 phase (``rail/counts``, ``rail/tokens``, ``rail/rows``, ``rail barrier``) and the late peer; an engine
 failure raises ``EPError`` with the engine's message; a domain-level failure is re-raised with the
 domain named. After any of them the backend is unusable (build a new one on a new process group).
+Ranks that disagree on a dispatch (blocking mode: the rail count exchange carries the op fingerprint
+and row width) raise ``EPError`` on every rank: the rail that saw it moves no payload and flags it in
+the domain's counts exchange, so every rank of both domains stops there, and the backend stays usable.
+For combine and dispatch_again the rail's ranks raise and their domain peers time out naming them.
 
 Costs and limits: the rail stages, the reorder and the sums are torch ops and host-issued
 collectives around the domain backend's kernels; on a gloo rail CUDA tensors are staged through
@@ -258,14 +262,19 @@ class HierarchicalBackend(Backend):
 
         fingerprint = OpFingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, form=routing.form,
                                     topk=min(k, _TOPK_FIELD_MAX))
+        disagreement = None
         if self.config.blocking:
-            splits = self._rail_open(fingerprint, packer.row_bytes, [len(tokens) for tokens in send_tokens], where)
+            splits, disagreement = self._rail_agreement(fingerprint, packer.row_bytes,
+                                                        [len(tokens) for tokens in send_tokens], where)
         else:
             capacity = self.config.max_tokens_per_rank
             splits = RailSplits([capacity] * D, [capacity] * D, capacity)
-        payload = self._pack_for_rail(packer, token_fields, to_domain, send_tokens, send_slot, T)
-        received = packer.unpack(self.scaleout.exchange_rows(payload, splits, where=f"{where}: rail/tokens"))
-        self._num_dispatches = number
+        if disagreement is None:
+            payload = self._pack_for_rail(packer, token_fields, to_domain, send_tokens, send_slot, T)
+            received = packer.unpack(self.scaleout.exchange_rows(payload, splits, where=f"{where}: rail/tokens"))
+        else:  # no payload moves on this rail; the domain hears of it in the counts exchange below
+            splits = RailSplits([0] * D, [0] * D, 0)
+            received = packer.unpack(torch.zeros(0, packer.row_bytes, dtype=torch.uint8, device=dev))
 
         # The domain stage: the received rows, in (source domain, source token) order.
         num_received = sum(splits.recv)
@@ -278,7 +287,8 @@ class HierarchicalBackend(Backend):
             mask = torch.zeros(num_received, G + 1, dtype=torch.bool, device=dev).scatter_(
                 1, torch.where(ids >= 0, ids, torch.full_like(ids, G)), True)[:, :G]
             routing_in = {"topk_idx": ids, "topk_weights": received.get("probs")}
-        counts = self._segment_counts(mask, splits, where)
+        counts = self._segment_counts(mask, splits, where, disagreement)
+        self._num_dispatches = number
         out = self._at_domain_level(lambda: self.domain.dispatch(hidden_in, pad_multiple=pad_multiple, **routing_in,
                                                                  **options))
         inner: Handle = out.handle
@@ -442,9 +452,15 @@ class HierarchicalBackend(Backend):
         hidden_in = (received["hidden"], received["scales"]) if scales is not None else received["hidden"]
         return self._at_domain_level(lambda: forward(hidden_in))
 
-    def _segment_counts(self, mask: torch.Tensor, splits: RailSplits, where: str) -> torch.Tensor:
+    def _segment_counts(self, mask: torch.Tensor, splits: RailSplits, where: str,
+                        disagreement: Optional[str] = None) -> torch.Tensor:
         """[S, D, L + 1]: per forwarding peer s and source domain d, the rows it delivers to this rank per
-        local expert, and (last) its packets (tokens with any expert here): the reorder's block sizes."""
+        local expert, and (last) its packets (tokens with any expert here): the reorder's block sizes.
+
+        One more word per peer says whether this rank's rail disagreed on the op (blocking mode): then every
+        rank of the domain raises EPError here, so a disagreement between two domains reaches every rank
+        of both (through the rail peers that saw it), not only the rail that saw it.
+        """
         S, D, L = self.domain_size, self.num_domains, self.num_local_experts
         dev = mask.device
         num_received = mask.shape[0]
@@ -458,32 +474,56 @@ class HierarchicalBackend(Backend):
                                                                                       mask.to(torch.int64))
         per_peer = torch.zeros(D, S, dtype=torch.int64, device=dev).index_add_(
             0, source_domain, mask.view(num_received, S, L).any(2).to(torch.int64))
-        mine = torch.cat([per_expert.view(D, S, L), per_peer.unsqueeze(2)], 2).permute(1, 0, 2).contiguous()
+        mine = torch.cat([per_expert.view(D, S, L), per_peer.unsqueeze(2)], 2).permute(1, 0, 2).reshape(S, -1)
+        status = torch.full((S, 1), int(disagreement is not None), dtype=torch.int64, device=dev)
+        mine = torch.cat([mine, status], 1)
         exchange_device = dev if dev.type == "cuda" and self._domain_counts.engine == "nccl" else torch.device("cpu")
-        words = [D * (L + 1)] * S
+        words = [D * (L + 1) + 1] * S
         received = self._at_domain_level(lambda: self._domain_counts.all_to_all(
-            mine.view(-1).to(exchange_device), words, words, where=f"{where}: domain/segment counts",
-            read_on_host=False))
-        return received.to(dev).view(S, D, L + 1)
+            mine.reshape(-1).to(exchange_device), words, words, where=f"{where}: domain/segment counts",
+            read_on_host=self.config.blocking)).view(S, -1)
+        if self.config.blocking:
+            flagged = [peer for peer, flag in enumerate(received[:, -1].tolist()) if flag]
+            if disagreement is not None:
+                raise EPError(disagreement)
+            if flagged:
+                names = ", ".join(self._domain_counts.peer_name(peer) for peer in flagged)
+                raise EPError(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found that "
+                              f"ranks disagree on the op (their errors say how); every rank of this domain stops here. "
+                              f"All ranks must issue the same ops in the same order with the same dtype, probs, "
+                              f"routing form and handles.")
+        return received[:, :-1].to(dev).reshape(S, D, L + 1)
 
-    def _rail_open(self, fingerprint: OpFingerprint, row_bytes: int, send_counts: list[int], where: str, *,
-                   expected: Optional[list[int]] = None) -> RailSplits:
-        """Blocking mode's rail count exchange, with the op fingerprint and the row width: ranks that
-        disagree raise EPError on every rank of the rail before any payload moves."""
+    def _rail_agreement(self, fingerprint: OpFingerprint, row_bytes: int, send_counts: list[int], where: str, *,
+                        expected: Optional[list[int]] = None) -> tuple[RailSplits, Optional[str]]:
+        """Blocking mode's rail count exchange, with the op fingerprint and the row width.
+
+        Returns (splits, None), or (splits, what the rail peers disagree on); every rank of the rail sees the
+        same words, so every one of them finds the disagreement. No payload has moved.
+        """
         mine = (fingerprint.pack(), row_bytes)
         splits, theirs = self.scaleout.exchange_counts(send_counts, mine, where=f"{where}: rail/counts")
         rail = self.scaleout.rail
         for peer, words in enumerate(theirs):
             if words[0] != mine[0]:
-                raise EPError(f"{mismatch_message(self.name, rail.rank, peer, mine[0], words[0])} (seen on "
-                              f"{self.scaleout.level} in {where}: rail rank {rail.rank} vs {rail.peer_name(peer)})")
+                return splits, (f"{mismatch_message(self.name, rail.rank, peer, mine[0], words[0])} (seen on "
+                                f"{self.scaleout.level} in {where}: rail rank {rail.rank} vs {rail.peer_name(peer)})")
             if words[1] != mine[1]:
-                raise EPError(f"ep_plugin {self.name}: ranks disagree on {where} ({self.scaleout.level}): row bytes "
-                              f"{mine[1]} on rail rank {rail.rank}, {words[1]} on {rail.peer_name(peer)}")
+                return splits, (f"ep_plugin {self.name}: ranks disagree on {where} ({self.scaleout.level}): row bytes "
+                                f"{mine[1]} on rail rank {rail.rank}, {words[1]} on {rail.peer_name(peer)}")
         if expected is not None and splits.recv != expected:
-            raise EPError(f"ep_plugin {self.name}: {self.scaleout.level}: in {where} the rail peers announce "
-                          f"{splits.recv} rows, the handle expects {expected}; the ranks' handles come from different "
-                          f"dispatches.")
+            return splits, (f"ep_plugin {self.name}: {self.scaleout.level}: in {where} the rail peers announce "
+                            f"{splits.recv} rows, the handle expects {expected}; the ranks' handles come from "
+                            f"different dispatches.")
+        return splits, None
+
+    def _rail_open(self, fingerprint: OpFingerprint, row_bytes: int, send_counts: list[int], where: str, *,
+                   expected: Optional[list[int]] = None) -> RailSplits:
+        """``_rail_agreement`` that raises EPError on the rail's ranks when they disagree (combine and
+        dispatch_again: the other ranks learn of it at their next op's exchange or timeout)."""
+        splits, disagreement = self._rail_agreement(fingerprint, row_bytes, send_counts, where, expected=expected)
+        if disagreement is not None:
+            raise EPError(disagreement)
         return splits
 
     def _at_domain_level(self, call: Callable):
