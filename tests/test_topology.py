@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import ep_plugin
 from ep_plugin import Config, EPError
 from ep_plugin.testing import run_ranks
 from ep_plugin.topology import Topology, detect_topology, mappable_domain_size
@@ -39,6 +40,10 @@ def detection_and_disagreement(ctx) -> dict:
     group = torch.distributed.group.WORLD
     seen = {"detected": detect_topology(group, "cpu", config=config).domain_size,
             "forced": detect_topology(group, "cpu", config=config.replace(scaleup_size=2)).describe()}
+    build = dict(hidden_size=8, num_experts=8, device="cpu")
+    seen["default backend"] = type(ep_plugin.get_backend("reference")(**build, config=config)).__name__
+    seen["forced backend"] = type(ep_plugin.get_backend("reference")(
+        **build, config=config.replace(scaleup_size=2))).__name__  # what EP_PLUGIN_SCALEUP_SIZE=2 does
     for name, size in (("disagree", 2 if ctx.rank else 4), ("not a divisor", 3)):
         try:
             detect_topology(group, "cpu", config=config, scaleup_size=size)
@@ -52,6 +57,7 @@ def test_detection_forced_size_and_disagreement_raise_on_every_rank():
     for rank, seen in enumerate(run_ranks(detection_and_disagreement, 4, timeout_s=120)):
         assert seen["detected"] == 1, seen  # CPU: nothing to map
         assert seen["forced"].startswith("2x2"), seen
+        assert (seen["default backend"], seen["forced backend"]) == ("ReferenceBackend", "HierarchicalBackend"), seen
         assert "ranks disagree on the forced domain size" in seen["disagree"], (rank, seen)
         assert "rank 0: 4, rank 1: 2" in seen["disagree"], (rank, seen)
         assert "does not divide the 4 ranks" in seen["not a divisor"], (rank, seen)
