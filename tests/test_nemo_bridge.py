@@ -209,7 +209,8 @@ def test_two_identical_recipe_models_compare_equal(bridge):
 
 
 @needs_bridge
-@pytest.mark.parametrize("recipe_applied", [None, "deepep"], ids=["fresh", "after-recipe-deepep"])
+@pytest.mark.parametrize("recipe_applied", [None, "deepep", "hybridep"],
+                         ids=["fresh", "after-recipe-deepep", "after-recipe-hybridep"])
 @pytest.mark.parametrize("name", PLUGIN_NAMES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_matches_bridge_field_by_field(bridge, monkeypatch, device, name, recipe_applied):
