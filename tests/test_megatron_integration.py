@@ -28,20 +28,6 @@ pytestmark = pytest.mark.megatron
 PLUGIN_NAMES = ("ep_reference", "ep_hybrid", "ep_elastic")
 
 
-@pytest.fixture
-def ep_megatron():
-    """The adapter, installed; restored to Megatron's original state afterwards."""
-    import ep_plugin.integrations.megatron as adapter
-
-    was_installed = adapter.is_installed()
-    adapter.install()
-    yield adapter
-    if not was_installed:
-        adapter.uninstall()
-    else:
-        adapter.install(replace_builtin=False)
-
-
 def _config(**overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 

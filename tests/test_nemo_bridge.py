@@ -79,18 +79,6 @@ def simulate_gpu(monkeypatch, device: str) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_properties", get_device_properties)
 
 
-@pytest.fixture
-def ep_megatron():
-    """The Megatron adapter, installed; restored to Megatron's original state afterwards."""
-    import ep_plugin.integrations.megatron as adapter
-
-    was_installed = adapter.is_installed()
-    adapter.install()
-    yield adapter
-    if not was_installed:
-        adapter.uninstall()
-
-
 # ---- megatron-core only -------------------------------------------------------------------------
 
 def _transformer_config(**overrides):
