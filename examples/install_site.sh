@@ -7,7 +7,8 @@
 #   megatron-bridge share the folder megatron/, which pip --target replaces whole, so a second
 #   call would delete what the first installed;
 # - this repository, building ep_plugin._C with nvcc (log in OUT_DIR/build.log), or without it
-#   when the build fails (then only ep_reference is available).
+#   when the build fails (then only ep_reference is available); nothing when python3 already
+#   imports ep_plugin._C from this checkout (an editable build).
 SITE=${EP_SITE:-/tmp/site}
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
@@ -22,7 +23,12 @@ install_site() {
             $modules 2>/dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$@"
     fi
-    if ! python3 -m pip install -q --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+    # An editable build of this very checkout (scripts/gpu_validate.sh makes one) needs no second build.
+    # -P: what the example scripts import (PYTHONPATH first), not the current folder's source tree.
+    if [[ "$(python3 -P -c 'import os, ep_plugin, ep_plugin._C; print(os.path.dirname(os.path.dirname(ep_plugin.__file__)))' \
+            2>/dev/null)" == "$root" ]]; then
+        echo "ep_plugin: using the build in $root" > "$out_dir/build.log"
+    elif ! python3 -m pip install -q --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
             --target "$SITE" "$root" > "$out_dir/build.log" 2>&1; then
         echo "ep_plugin: building the CUDA extension failed (see $out_dir/build.log); installing without it:" \
              "only ep_reference will be available" >&2
