@@ -8,9 +8,10 @@
 #   scripts/gpu_validate.sh sweep OUT                 the full sweep (8 ranks sharing GPU 0; SM counts and
 #                                                     shapes that do not fit are skipped with a message)
 #   scripts/gpu_validate.sh megatron OUT              the Megatron GPT-MoE loss comparison
-#   scripts/gpu_validate.sh nemo OUT                  Megatron-Bridge: tests/test_nemo_bridge.py on this GPU, then
-#                                                     a Bridge-built GPT-MoE on ep_hybrid vs alltoall (needs
-#                                                     .bridge_wheels/ too: examples/nemo/README.md)
+#   [STEPS=N] scripts/gpu_validate.sh nemo OUT        Megatron-Bridge: tests/test_nemo_bridge.py on this GPU, then
+#                                                     a Bridge-built GPT-MoE on ep_hybrid vs alltoall, STEPS
+#                                                     steps (default 50; needs .bridge_wheels/ too:
+#                                                     examples/nemo/README.md)
 # Every stage builds first (quick when nothing changed) and stops, with the build log's tail, unless
 # ep_plugin._C imports and sees a GPU; GPU tests then fail instead of skipping (EP_PLUGIN_REQUIRE_GPU=1).
 # Megatron-core comes from a carried wheel
@@ -83,7 +84,7 @@ case "$STAGE" in
     cp /tmp/megatron/loss.png /tmp/megatron/compare.txt "$OUT/" 2>/dev/null
     ;;
   nemo)
-    timeout 480 examples/nemo/run_bridge_comparison.sh /tmp/nemo 50 4 ep_hybrid > "$OUT/nemo.log" 2>&1
+    timeout 480 examples/nemo/run_bridge_comparison.sh /tmp/nemo "${STEPS:-50}" 4 ep_hybrid > "$OUT/nemo.log" 2>&1
     RC=$?
     echo "nemo rc=$RC"
     grep -E "^megatron-core|^Bridge model-config|passed|failed|error|FAILED|STOPPED" "$OUT/nemo.log" | cut -c1-300 | head -20
