@@ -5,6 +5,7 @@ combine send / receive, torch's own kernels) to show which one bounds an op. Ran
 is printed; spin-waiting kernels include the time they waited for the slowest rank.
 
   python benchmarks/kernel_times.py --backend elastic --ranks 8 --tokens 4096 --hidden 7168 --sms 16 [--nonblocking]
+      [--in-place]   (elastic: dispatch rows pushed into the receivers' buffers, combine rows read in place)
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ def profile_rank(ctx, args) -> str | None:
 
     device = torch.device(ctx.device)
     config = Config.from_env(num_sms=args.sms, blocking=not args.nonblocking, max_tokens_per_rank=args.tokens)
+    options = dict(in_place_dispatch=True) if args.in_place else {}
     backend = ep_plugin.get_backend(args.backend)(hidden_size=args.hidden, num_experts=args.experts, config=config,
-                                                  device=device)
+                                                  device=device, **options)
     shape = Shape(args.tokens, args.hidden, args.topk, args.experts, "bf16", "balanced")
     if "routing_map" in backend.capabilities.routing_forms:
         routing_map, probs = make_routing(shape, ctx.rank, 0, device)
@@ -33,8 +35,12 @@ def profile_rank(ctx, args) -> str | None:
     hidden = make_hidden(shape, ctx.rank, device, torch.bfloat16)
 
     def step():
-        out = backend.dispatch(hidden, **routing)
-        backend.combine(out.hidden, out.handle)
+        if args.in_place:
+            out = backend.dispatch(hidden, **routing, in_place=True)
+            backend.combine(backend.combine_input(out.handle), out.handle)
+        else:
+            out = backend.dispatch(hidden, **routing)
+            backend.combine(out.hidden, out.handle)
 
     for _ in range(3):
         step()
@@ -68,6 +74,7 @@ def main() -> None:
     parser.add_argument("--sms", type=int, default=16)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--nonblocking", action="store_true")
+    parser.add_argument("--in-place", action="store_true", help="elastic: in-place dispatch and combine")
     args = parser.parse_args()
     from ep_plugin.testing import run_ranks
 

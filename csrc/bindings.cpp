@@ -55,6 +55,7 @@ PYBIND11_MODULE(_C, m) {
       .def("set_timeout", &ep::SymmetricBuffer::set_timeout, py::arg("timeout_s"))
       .def_property_readonly("total_bytes", &ep::SymmetricBuffer::total_bytes)
       .def_property_readonly("header_bytes", &ep::SymmetricBuffer::header_bytes)
+      .def_property_readonly("region_address", &ep::SymmetricBuffer::region_address)
       .def_property_readonly("bulk_capable", &ep::SymmetricBuffer::bulk_capable);
 
   ArgStruct<ep::ExchangeArgs>(m, "ExchangeArgs", "handshake (+ count exchange when expert_counts is set)")

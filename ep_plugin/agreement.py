@@ -28,22 +28,24 @@ OP_DISPATCH = "dispatch"
 OP_COMBINE = "combine"
 OP_DISPATCH_AGAIN = "dispatch_again"  # cached dispatch along a handle (backward of combine)
 OP_BARRIER = "barrier"
-_OPS = (None, OP_DISPATCH, OP_COMBINE, OP_DISPATCH_AGAIN, OP_BARRIER)
+OP_COMBINE_IN_PLACE = "combine_in_place"  # combine whose rows the sources read in the experts' buffers
+_OPS = (None, OP_DISPATCH, OP_COMBINE, OP_DISPATCH_AGAIN, OP_BARRIER, OP_COMBINE_IN_PLACE)
 
 _DTYPES = (None, torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn)
 # "topk+expand": a top-k dispatch that delivers expanded (expert-grouped) rows: its wire carries more.
-_FORMS = (None, "routing_map", "topk", "topk+expand")
+# "topk+in_place": a top-k dispatch whose sources write the rows into the receivers' buffers.
+_FORMS = (None, "routing_map", "topk", "topk+expand", "topk+in_place")
 
 # Bit widths of the packed fields, low bits first. 63 bits in all, so the packed value is a
 # non-negative signed 64-bit integer on every side (Python, torch int64, CUDA u64).
-_LAYOUT = (("op", 3), ("dtype", 3), ("probs", 1), ("form", 2), ("topk", 7), ("handle_id", 47))
+_LAYOUT = (("op", 3), ("dtype", 3), ("probs", 1), ("form", 3), ("topk", 7), ("handle_id", 46))
 
 
 @dataclass(frozen=True)
 class OpFingerprint:
     """The per-op facts that every rank must share.
 
-    op: one of dispatch / combine / dispatch_again / barrier.
+    op: one of dispatch / combine / dispatch_again / barrier / combine_in_place.
     dtype: payload dtype (None when the op carries no payload dtype of its own).
     probs: whether probs / weights travel with the op.
     form: routing form of a dispatch ("routing_map" or "topk"), else None.

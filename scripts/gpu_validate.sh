@@ -11,6 +11,10 @@
 #   scripts/gpu_validate.sh scaleout OUT              what gloo moves on this GPU, then the scale-out tests
 #                                                     (hybrid, elastic at 1x8 / 2x4 / 4x2 / 8x1 forced domains)
 #   scripts/gpu_validate.sh scaleout_bench OUT        standard shape, bf16: 1x8 vs 2x4 in one run (8 ranks)
+#   [STEPS=N] scripts/gpu_validate.sh nemo OUT        Megatron-Bridge: tests/test_nemo_bridge.py on this GPU, then
+#                                                     a Bridge-built GPT-MoE on ep_hybrid vs alltoall, STEPS
+#                                                     steps (default 50; needs .bridge_wheels/ too:
+#                                                     examples/nemo/README.md)
 # Every stage builds first (quick when nothing changed) and stops, with the build log's tail, unless
 # ep_plugin._C imports and sees a GPU; GPU tests then fail instead of skipping (EP_PLUGIN_REQUIRE_GPU=1).
 # Megatron-core comes from a carried wheel
@@ -18,7 +22,7 @@
 # returns at most 8 files).
 set -uo pipefail
 RC=0  # the exit status: pytest's in the tests stage
-STAGE=${1:?stage: tests, bench, sweep or megatron}
+STAGE=${1:?stage: tests, bench, sweep, megatron, nemo, scaleout or scaleout_bench}
 OUT=${2:?output folder}
 shift 2
 cd "$(dirname "$0")/.."
@@ -92,6 +96,14 @@ case "$STAGE" in
     timeout 300 examples/megatron/run_comparison.sh /tmp/megatron 50 4 ep_hybrid > "$OUT/megatron.log" 2>&1
     echo "megatron rc=$?"; tail -5 "$OUT/megatron.log"
     cp /tmp/megatron/loss.png /tmp/megatron/compare.txt "$OUT/" 2>/dev/null
+    ;;
+  nemo)
+    timeout 480 examples/nemo/run_bridge_comparison.sh /tmp/nemo "${STEPS:-50}" 4 ep_hybrid > "$OUT/nemo.log" 2>&1
+    RC=$?
+    echo "nemo rc=$RC"
+    grep -E "^megatron-core|^Bridge model-config|passed|failed|error|FAILED|STOPPED" "$OUT/nemo.log" | cut -c1-300 | head -20
+    cat /tmp/nemo/compare.txt 2>/dev/null
+    cp /tmp/nemo/loss.png /tmp/nemo/compare.txt /tmp/nemo/*.json "$OUT/" 2>/dev/null
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

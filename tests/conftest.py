@@ -1,4 +1,4 @@
-"""Shared pytest setup: the ``gpu`` marker and the ``--require-gpu`` switch.
+"""Shared pytest setup: the ``gpu`` marker, the ``--require-gpu`` switch, the ``ep_megatron`` fixture.
 
 A GPU test module declares itself with one line and no import-time checks:
 
@@ -74,3 +74,18 @@ def pytest_runtest_call(item):
     reason = _gpu_missing_for(item)
     if reason is not None:
         pytest.fail(f"GPU required (--require-gpu / {REQUIRE_GPU_ENV}=1) but {reason}", pytrace=False)
+
+
+@pytest.fixture
+def ep_megatron():
+    """ep_plugin.integrations.megatron, installed; restored to Megatron's original state afterwards
+    (test_megatron_integration.py, test_nemo_bridge.py). Imports Megatron only when a test uses it."""
+    import ep_plugin.integrations.megatron as adapter
+
+    was_installed = adapter.is_installed()
+    adapter.install()
+    yield adapter
+    if not was_installed:
+        adapter.uninstall()
+    else:
+        adapter.install(replace_builtin=False)

@@ -257,6 +257,21 @@ def autograd_end_to_end(ctx) -> int:
     return checked
 
 
+def capture(step):
+    """Run ``step`` once eagerly on a side stream (torch asks for warm-up there), then capture it into
+    a CUDA graph; returns (graph, what the captured step returned)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    return graph, result
+
+
 def non_blocking_and_graph(ctx) -> int:
     """Sync-free mode: worst-case outputs, a device count of valid rows, rows past it unwritten; a
     captured CUDA graph of dispatch + combine replays with new inputs."""
@@ -309,15 +324,7 @@ def non_blocking_and_graph(ctx) -> int:
         back = elastic.combine(expert_side_rows(out.hidden, me), out.handle, row_probs=out.probs * 3 + (me + 1))
         return out, back
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_out, graph_back = step()
+    graph, (graph_out, graph_back) = capture(step)
     for replay in range(6):
         fresh = [make_inputs(500 + replay, r, world, 40 + r, hidden, NUM_EXPERTS, 2, skewed=replay % 2 == 1,
                              drop_some=replay % 3 == 0) for r in range(world)]
@@ -335,6 +342,151 @@ def non_blocking_and_graph(ctx) -> int:
     torch.cuda.synchronize()
     elastic.destroy()
     return checked
+
+
+def combine_in_place(ctx) -> int:
+    """Combine with the rows written into ``combine_input(handle)``: bitwise the same as the copying
+    combine's oracle (with and without values routed back and a bias), blocking and sync-free, and
+    under CUDA-graph replay; the expanded form refuses it."""
+    hidden = 1024
+    me, world = ctx.rank, ctx.world_size
+    checked = 0
+    for blocking in (True, False):
+        _, elastic = make_backends(ctx, hidden, blocking=blocking)
+        for case in range(3):
+            inputs = all_inputs(700 + case, world, case, hidden, 6, skewed=case == 2, drop_some=case == 1)
+            x, idx, w, _, _ = inputs[me]
+            out = elastic.dispatch(x, topk_idx=idx, topk_weights=w)
+            rows = elastic.combine_input(out.handle)
+            assert rows.shape == out.hidden.shape and rows.dtype == torch.bfloat16
+            rows.copy_(expert_side_rows(out.hidden, me))
+            bias = torch.randn(x.shape, device=x.device).to(torch.bfloat16) if case == 1 else None
+            values = out.probs * 3 + (me + 1) if case != 2 else None
+            back = elastic.combine(rows, out.handle, row_probs=values, bias=bias)
+            want, want_values = compact_combine_oracle(x, idx, w, world, bias=bias)
+            name = f"in place blocking={blocking} case={case}"
+            assert torch.equal(back.hidden, want), f"{name}: combine"
+            if values is not None:
+                assert torch.equal(back.probs, want_values), f"{name}: values back"
+            checked += 1
+        expanded = elastic.dispatch(x, topk_idx=idx, topk_weights=w, expand=True)
+        with pytest.raises(ValueError, match="compact"):
+            elastic.combine_input(expanded.handle)
+        elastic.combine(expanded.hidden, expanded.handle)  # still usable
+        torch.cuda.synchronize()
+        elastic.destroy()
+
+    # Graph replay: dispatch, the expert writing into the combine input, and the in-place combine.
+    _, elastic = make_backends(ctx, hidden, blocking=False)
+    static = [t.clone() for t in make_inputs(750, me, world, 40 + me, hidden, NUM_EXPERTS, 3, skewed=False,
+                                             drop_some=False)]
+
+    def step():
+        out = elastic.dispatch(static[0], topk_idx=static[1], topk_weights=static[2])
+        rows = elastic.combine_input(out.handle)
+        rows.copy_(expert_side_rows(out.hidden, me))
+        return elastic.combine(rows, out.handle)
+
+    graph, graph_back = capture(step)
+    for replay in range(3):
+        fresh = [make_inputs(760 + replay, r, world, 40 + r, hidden, NUM_EXPERTS, 3, skewed=replay == 1,
+                             drop_some=replay == 2) for r in range(world)]
+        for dst, src in zip(static, fresh[me], strict=True):
+            dst.copy_(src)
+        graph.replay()
+        want, _ = compact_combine_oracle(*fresh[me][:3], world)
+        assert torch.equal(graph_back.hidden, want), f"in place, graph replay {replay}"
+        checked += 1
+    torch.cuda.synchronize()
+    elastic.destroy()
+    return checked
+
+
+def dispatch_in_place(ctx) -> int:
+    """dispatch(in_place=True): the sources write the rows into the backend's buffer. Rows bitwise the
+    compact oracle (bf16 and FP8 with scales, blocking and sync-free), ids, weights and counts too;
+    combine (copying and in place) and a cached dispatch along its handle as after a staged dispatch;
+    the next in-place dispatch overwrites the rows (the documented lifetime); ranks that disagree on
+    in_place get EPError; misuse is refused before any launch."""
+    hidden = 1024
+    me, world = ctx.rank, ctx.world_size
+    checked = 0
+
+    def build(**config):
+        config = Config.from_env(**{"max_tokens_per_rank": MAX_TOKENS, "timeout_s": 20.0, "num_sms": 8, **config})
+        return ep_plugin.get_backend("elastic")(hidden_size=hidden, num_experts=NUM_EXPERTS, device=ctx.device,
+                                                config=config, max_topk=8, in_place_dispatch=True)
+
+    def to_fp8(x):  # deterministic on every rank: data and per-128 scales
+        scales = x.float()[:, ::128].abs().add(1.0).contiguous()
+        return x.to(torch.float8_e4m3fn), scales
+
+    for blocking in (True, False):
+        elastic = build(blocking=blocking)
+        for case in range(4):
+            name = f"in-place dispatch blocking={blocking} case={case}"
+            inputs = all_inputs(1000 + case, world, case, hidden, 6, skewed=case == 2, drop_some=case == 1)
+            x, idx, w, _, _ = inputs[me]
+            rows, ids, weights, padded = compact_oracle(me, world, inputs, 1)
+            n = rows.shape[0]
+            if case == 3:  # fp8: bytes and scales land where the bf16 rows would
+                out = elastic.dispatch(to_fp8(x), topk_idx=idx, topk_weights=w, in_place=True)
+                fp8_inputs = [(to_fp8(inp[0])[0].view(torch.uint8),) + tuple(inp[1:]) for inp in inputs]
+                scale_inputs = [(to_fp8(inp[0])[1],) + tuple(inp[1:]) for inp in inputs]
+                got, got_scales = out.hidden
+                assert torch.equal(got[:n].view(torch.uint8), compact_oracle(me, world, fp8_inputs, 1)[0]), name
+                assert torch.equal(got_scales[:n], compact_oracle(me, world, scale_inputs, 1)[0]), f"{name}: scales"
+                checked += 1
+                continue
+            out = elastic.dispatch(x, topk_idx=idx, topk_weights=w, in_place=True)
+            assert out.hidden.shape[0] == (n if blocking else world * MAX_TOKENS), name
+            assert torch.equal(out.hidden[:n], rows), f"{name}: rows"
+            assert torch.equal(out.topk_idx[:n], ids) and torch.equal(out.probs[:n], weights), f"{name}: metadata"
+            assert torch.equal(out.tokens_per_expert, padded), f"{name}: tokens_per_expert"
+            values = out.probs * 3 + (me + 1)
+            if case == 0:
+                back = elastic.combine(expert_side_rows(out.hidden, me), out.handle, row_probs=values)
+            else:  # both buffers in place
+                combine_rows = elastic.combine_input(out.handle)
+                combine_rows.copy_(expert_side_rows(out.hidden, me))
+                back = elastic.combine(combine_rows, out.handle, row_probs=values)
+            want, want_values = compact_combine_oracle(x, idx, w, world)
+            assert torch.equal(back.hidden, want) and torch.equal(back.probs, want_values), f"{name}: combine"
+            # A cached dispatch along the handle: new tensors, the staged path's rows.
+            twice = [((inp[0].float() * 2 + 1).to(torch.bfloat16),) + tuple(inp[1:]) for inp in inputs]
+            cached = elastic.dispatch(twice[me][0], handle=out.handle)
+            assert torch.equal(cached.hidden[:n], compact_oracle(me, world, twice, 1)[0]), f"{name}: cached"
+            # The next in-place dispatch writes over the rows handed out before.
+            earlier = out.hidden
+            elastic.dispatch(twice[me][0], topk_idx=idx, topk_weights=w, in_place=True)
+            assert torch.equal(earlier[:n], compact_oracle(me, world, twice, 1)[0]), f"{name}: overwritten"
+            checked += 1
+        with pytest.raises(ValueError, match="compact"):
+            elastic.dispatch(x, topk_idx=idx, topk_weights=w, in_place=True, expand=True)
+        torch.cuda.synchronize()
+        elastic.destroy()
+
+    # Misuse on a backend without the regions; the backend stays usable.
+    _, plain = make_backends(ctx, hidden)
+    x, idx, w, _, _ = all_inputs(1100, world, 0, hidden, 4, skewed=False, drop_some=False)[me]
+    with pytest.raises(ValueError, match="in_place_dispatch=True"):
+        plain.dispatch(x, topk_idx=idx, topk_weights=w, in_place=True)
+    again = plain.dispatch(x, topk_idx=idx, topk_weights=w)
+    assert plain.combine(again.hidden, again.handle).hidden.shape == x.shape
+    torch.cuda.synchronize()
+    plain.destroy()
+
+    # Rank 0 stages while the others dispatch in place: an error on every rank, naming the form.
+    elastic = build()
+    try:
+        elastic.dispatch(x, topk_idx=idx, topk_weights=w, in_place=me != 0)
+        elastic.check_errors()
+        error = None
+    except ep_plugin.EPError as caught:
+        error = str(caught)
+    assert error is not None and "topk+in_place" in error, error
+    elastic.destroy()
+    return checked + 1
 
 
 def bad_input_then_good(ctx) -> int:
@@ -378,6 +530,8 @@ def run_suite(ctx, hidden_sizes) -> dict:
     counts["autograd"] = autograd_end_to_end(ctx)
     counts["non_blocking"] = non_blocking_and_graph(ctx)
     counts["bad_input"] = bad_input_then_good(ctx)
+    counts["in_place"] = combine_in_place(ctx)
+    counts["dispatch_in_place"] = dispatch_in_place(ctx)
     return counts
 
 
@@ -398,48 +552,43 @@ def test_elastic_register_copies_match_oracles():
 
 # ---- the receive-lifetime contract ------------------------------------------------------------
 
-class HostGate:
-    """Holds a stream at a point until the host opens the gate (a host function enqueued with the
-    driver's cuLaunchHostFunc). The test decides the order of the two streams' work this way instead
-    of relying on a sleep kernel running concurrently with the other stream."""
-
-    def __init__(self, stream: torch.cuda.Stream) -> None:
-        import ctypes
-        import threading
-
-        self.opened = threading.Event()
-        host_fn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-        def hold(_user_data) -> None:
-            self.opened.wait(30.0)  # bounded: never hang the test
-
-        self._callback = host_fn(hold)
-        driver = ctypes.CDLL("libcuda.so.1")
-        driver.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, host_fn, ctypes.c_void_p]
-        driver.cuLaunchHostFunc.restype = ctypes.c_int
-        status = driver.cuLaunchHostFunc(ctypes.c_void_p(stream.cuda_stream), self._callback, None)
-        assert status == 0, f"cuLaunchHostFunc failed with CUresult {status}"
-
-    def open(self) -> None:
-        self.opened.set()
+# Cycles of the side stream's sleep kernel before its late read: about 2 s on an H200 (1.98 GHz), far
+# longer than the main stream's work in between (milliseconds).
+READER_DELAY_CYCLES = 4_000_000_000
+FILLERS = 32  # same-size allocations the caller makes while the reader sleeps
 
 
 def delayed_reader(ctx, use_helper: bool) -> dict:
     """A sync-free output's prefix is read late on a side stream while the caller drops its references,
-    runs more dispatches and fills same-size allocations. Returns whether the reader saw the right rows
-    and whether the output's memory was handed to another tensor before the reader was done.
+    runs more dispatches and fills same-size allocations. Returns whether the reader saw the right rows,
+    whether the output's memory was handed to another tensor (and overwritten) before the read, and
+    whether the read was still pending when the caller's work had finished (the window was open).
 
-    The side stream's read is enqueued before the references are dropped but held (HostGate) until the
-    main stream's later work has run. With ``out.use_on(side)`` (wait on the ready event +
-    record_stream) the allocator keeps the storage for the side stream; the negative control only
-    waits on the event, so the storage is reused and the late read sees other data."""
-    hidden = 1024
+    The read is enqueued behind a sleep kernel on the side stream before the references are dropped.
+    Nothing in the window may call cudaMalloc: a device allocation waits for every stream (the
+    sleeping reader's too), which would close the window (the read would run first and see the
+    original rows). So the allocator is warmed first with everything the window allocates. With
+    ``out.use_on(side)`` (wait on the ready event + record_stream) the allocator keeps the storage
+    for the side stream; the negative control only waits on the event, so the lowest cached block of
+    that size, the output's, goes to the next allocation and the late read sees its data. Rows are
+    wide enough (12 MiB outputs) that the allocator gives each such tensor a block of its own, never
+    a piece of a split one, so "the same block" is "the same address"."""
+    hidden = 24576
     _, elastic = make_backends(ctx, hidden, blocking=False)
     me, world = ctx.rank, ctx.world_size
     inputs = all_inputs(900, world, 0, hidden, 4, skewed=False, drop_some=False)
     x, idx, w, _, _ = inputs[me]
     expected, _, _, _ = compact_oracle(me, world, inputs, 1)
-    out = elastic.dispatch(x, topk_idx=idx, topk_weights=w)
+    size = (world * MAX_TOKENS, hidden)
+
+    def callers_work():  # what the caller does while the reader sleeps
+        later = [elastic.dispatch(x + 1, topk_idx=idx, topk_weights=w).hidden for _ in range(3)]
+        return later + [torch.full(size, -7.0, dtype=torch.bfloat16, device=ctx.device) for _ in range(FILLERS)]
+
+    warm = callers_work() + [torch.empty(size, dtype=torch.bfloat16, device=ctx.device)]
+    torch.cuda.synchronize()
+    del warm  # all cached now, one block of that size more than the window takes
+    out = elastic.dispatch(x, topk_idx=idx, topk_weights=w)  # the lowest cached block of its size
     address = out.hidden.data_ptr()
     side = torch.cuda.Stream()
     if use_helper:
@@ -447,38 +596,42 @@ def delayed_reader(ctx, use_helper: bool) -> dict:
     else:
         side.wait_event(out.ready)
     prefix = out.hidden[:expected.shape[0]]
-    gate = HostGate(side)  # the reader comes late
     with torch.cuda.stream(side):
-        seen = prefix.clone()
+        seen = torch.empty_like(prefix)  # allocated before the sleep: this one may cudaMalloc
+        torch.cuda._sleep(READER_DELAY_CYCLES)  # the reader comes late
+        seen.copy_(prefix)
     del out, prefix  # the caller keeps no reference
-    later = [elastic.dispatch(x + 1, topk_idx=idx, topk_weights=w).hidden for _ in range(3)]
-    # Enough same-size allocations to take every free block of that size the allocator holds.
-    junk = [torch.full((world * MAX_TOKENS, hidden), -7.0, dtype=torch.bfloat16, device=ctx.device)
-            for _ in range(32)]
-    reused = any(t.data_ptr() == address for t in later + junk)
+    taken = callers_work()
+    reusers = [t for t in taken if t.data_ptr() == address]
     done = torch.cuda.Event()
     done.record()
-    done.synchronize()  # the main stream's writes have landed ...
-    gate.open()  # ... before the reader runs
+    done.synchronize()  # the caller's writes have landed ...
+    reader_pending = not side.query()  # ... while the reader still sleeps
+    # What the memory holds before the read (read on the main stream): did its new owner write it?
+    overwritten = bool(reusers) and not torch.equal(reusers[0][:expected.shape[0]], expected)
     torch.cuda.synchronize()
     correct = torch.equal(seen, expected)
-    del junk, later
+    del taken
     elastic.destroy()
-    return {"correct": correct, "reused_before_read": reused}
+    return {"correct": correct, "reused_before_read": bool(reusers), "overwritten_before_read": overwritten,
+            "reader_pending": reader_pending}
 
 
 def test_sync_free_output_survives_a_delayed_side_stream_reader():
     results = run_ranks(delayed_reader, 2, True, device="cuda", timeout_s=180)
-    assert results == [{"correct": True, "reused_before_read": False}] * 2, results
+    # The reader was still pending when the main stream's later work had finished: the window was open.
+    assert [(r["correct"], r["reused_before_read"], r["reader_pending"]) for r in results] == [(True, False, True)] * 2, \
+        results
 
 
-def test_negative_control_without_record_stream_hands_the_storage_away():
+def test_negative_control_without_record_stream_reads_other_rows():
     """The same test without record_stream: the allocator hands the output's storage to another tensor
-    while the reader is still pending, which is how a reader gets corrupted rows: proof that the test
-    above can fail. (Whether the late read then sees other rows was not reproducible on the H200 bed
-    under MPS, so only the hand-over is asserted; the read's outcome is reported.)"""
+    while the reader is pending, the new owner writes it, and the late read returns its rows instead of
+    the dispatched ones: the corruption the test above guards against, so that test can fail."""
     results = run_ranks(delayed_reader, 2, False, device="cuda", timeout_s=180)
-    assert all(r["reused_before_read"] for r in results), results
+    assert all(r["reused_before_read"] and r["overwritten_before_read"] and r["reader_pending"] for r in results), \
+        results
+    assert not any(r["correct"] for r in results), results
 
 
 # ---- faults: a missing rank, ranks that disagree, oversubscribed SMs ---------------------------
@@ -536,6 +689,19 @@ def disagreeing_ranks(ctx, backend_name: str) -> dict:
         errors["order"] = str(error)
     backend.destroy()
 
+    if backend_name == "elastic":  # 3) rank 0 combines a copy while the others combine in place
+        backend = build()
+        out = backend.dispatch(x, **routing)
+        rows = backend.combine_input(out.handle)
+        rows.copy_(out.hidden)
+        try:
+            backend.combine(rows.clone() if ctx.rank == 0 else rows, out.handle)
+            backend.check_errors()
+            errors["in_place"] = None
+        except ep_plugin.EPError as error:
+            errors["in_place"] = str(error)
+        backend.destroy()
+
     backend = build()
     data = x if ctx.rank != 0 else (x.to(torch.float8_e4m3fn), torch.ones(x.shape[0], hidden // 128,
                                                                            device=x.device))
@@ -557,6 +723,8 @@ def test_ranks_that_disagree_get_an_error_on_every_rank(backend_name):
             (rank, errors)
         assert errors["dtype"] is not None and "dispatch" in errors["dtype"] and "dtype" in errors["dtype"], \
             (rank, errors)
+        if backend_name == "elastic":
+            assert errors["in_place"] is not None and "combine_in_place" in errors["in_place"], (rank, errors)
 
 
 def co_residency(ctx) -> str:

@@ -49,6 +49,13 @@ def test_region_layouts_and_argument_structs_need_no_gpu():
             C.hybrid.Regions(**{**shape, field: bad})
     with pytest.raises(ValueError, match="max_topk"):
         C.elastic.Regions(**shape, max_topk=33)
+    # In-place dispatch adds its receive rows (R x T x 2H) and fp8 scales (R x T x H/128 x 4), past the rest.
+    plain, in_place = layouts["elastic"], C.elastic.Regions(**shape, max_topk=8, in_place_dispatch=True)
+    assert not plain.in_place_dispatch and in_place.in_place_dispatch
+    rows, scales = 8 * 4096 * 7168 * 2, 8 * 4096 * (7168 // 128) * 4
+    assert in_place.total_bytes - plain.total_bytes == rows + scales
+    assert in_place.off_recv_scales - in_place.off_recv_rows == rows
+    assert in_place.off_recv_rows >= in_place.off_comb_data + 8 * 4096 * 7168 * 2
     with pytest.raises(TypeError, match="no field 'hiden'"):
         C.elastic.SendArgs(hiden=0)
     args = C.elastic.ReceiveArgs(capacity=5, expand=True, out=None)

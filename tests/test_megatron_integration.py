@@ -1,4 +1,5 @@
-"""ep_plugin.integrations.megatron.install() and the NeMo/Bridge helper, against real megatron-core.
+"""ep_plugin.integrations.megatron.install(), against real megatron-core (the NeMo/Bridge helper:
+test_nemo_bridge.py).
 
 These run in the test process (no process group needed) plus two short subprocesses: one
 with Megatron hidden from the import system (the ImportError a user without megatron-core
@@ -25,20 +26,6 @@ needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON,
 pytestmark = pytest.mark.megatron
 
 PLUGIN_NAMES = ("ep_reference", "ep_hybrid", "ep_elastic")
-
-
-@pytest.fixture
-def ep_megatron():
-    """The adapter, installed; restored to Megatron's original state afterwards."""
-    import ep_plugin.integrations.megatron as adapter
-
-    was_installed = adapter.is_installed()
-    adapter.install()
-    yield adapter
-    if not was_installed:
-        adapter.uninstall()
-    else:
-        adapter.install(replace_builtin=False)
 
 
 def _config(**overrides):
@@ -267,41 +254,3 @@ def test_run_launcher_installs_then_runs_unmodified_script(tmp_path):
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "training script not found" in missing.stderr
 
-
-# ---- NeMo / Megatron-Bridge helper ----------------------------------------------------------------
-
-@needs_megatron
-def test_apply_ep_plugin_backend_sets_bridge_fields(ep_megatron):
-    from ep_plugin.integrations.nemo import apply_ep_plugin_backend, validate_ep_plugin_backend
-
-    config = _config(moe_token_dispatcher_type="alltoall", moe_shared_expert_overlap=False)
-    config.moe_shared_expert_overlap = True  # set after construction: alltoall allows it
-    assert apply_ep_plugin_backend(config, "ep_reference") is True
-    assert config.moe_token_dispatcher_type == "flex"
-    assert config.moe_flex_dispatcher_backend == "ep_reference"
-    assert config.moe_shared_expert_overlap is False
-    validate_ep_plugin_backend(config)  # runs anywhere: no error
-
-    dense = _config(num_moe_experts=None, moe_token_dispatcher_type="alltoall", moe_router_topk=2)
-    assert apply_ep_plugin_backend(dense, "ep_reference") is False
-    assert dense.moe_token_dispatcher_type == "alltoall"
-
-    with pytest.raises(ValueError, match="ep_reference"):
-        apply_ep_plugin_backend(_config(), "ep_hybird")
-
-
-@needs_megatron
-def test_apply_ep_plugin_backend_gpu_check_falls_back(ep_megatron):
-    import torch
-
-    from ep_plugin.integrations.nemo import apply_ep_plugin_backend, gpu_problem, validate_ep_plugin_backend
-
-    if torch.cuda.is_available() and gpu_problem("ep_hybrid") is None:
-        pytest.skip("this machine has a supported GPU; the fallback is what is under test")
-    config = _config(moe_token_dispatcher_type="alltoall")
-    assert apply_ep_plugin_backend(config, "ep_hybrid") is False
-    assert config.moe_token_dispatcher_type == "alltoall"  # left as it was, as Bridge's helper does
-    config.moe_token_dispatcher_type = "flex"
-    config.moe_flex_dispatcher_backend = "ep_hybrid"
-    with pytest.raises(ValueError, match="ep_hybrid"):
-        validate_ep_plugin_backend(config)

@@ -10,6 +10,7 @@ from ep_plugin.config import Config
 from ep_plugin.transport.sizing import (
     DEFAULT_NVLINK_GBYTES_PER_S,
     DEFAULT_SCALEOUT_GBYTES_PER_S,
+    SM_WRITE_GBYTES_PER_S,
     autosize_sms,
     co_residency_limit,
     expected_destinations,
@@ -146,3 +147,19 @@ def test_config_accepts_zero_and_rejects_negative():
     assert Config.from_env({"EP_PLUGIN_NUM_SMS": "0"}).num_sms == 0
     with pytest.raises(ValueError, match=r"num_sms must be in \[0, 1024\]"):
         Config.from_env({"EP_PLUGIN_NUM_SMS": "-1"})
+
+
+def test_compiled_backends_size_with_their_own_measured_rates():
+    """Our kernels move 13-20 GB/s per SM where DeepEP's rule assumes 200 (read) / 50 (write): sized
+    with the backends' own rates, one rank per H200 at the standard shape asks for over twice the SMs."""
+    from ep_plugin.backends.elastic import ElasticBackend
+    from ep_plugin.backends.hybrid import HybridBackend
+
+    common = dict(device_sms=132, ranks_sharing_gpu=1, num_ranks=8, num_experts=256, topk=8, hidden_bytes=14336,
+                  nvlink_gbytes_per_s=450.0)
+    deepep_rule = autosize_sms(**common).num_sms
+    for cls in (HybridBackend, ElasticBackend):
+        assert cls.sm_write_gbytes_per_s < SM_WRITE_GBYTES_PER_S, cls.name
+        ours = autosize_sms(**common, sm_read_gbytes_per_s=cls.sm_read_gbytes_per_s,
+                            sm_write_gbytes_per_s=cls.sm_write_gbytes_per_s).num_sms
+        assert ours >= 2 * deepep_rule, (cls.name, ours, deepep_rule)

@@ -16,10 +16,15 @@ void bind(py::module_& parent) {
 
   py::class_<Regions>(m, "Regions", "the elastic region layout on the transport (see csrc/elastic/elastic.h)")
       .def(py::init(&make_regions), py::arg("num_ranks"), py::arg("max_tokens"), py::arg("hidden"),
-           py::arg("num_local_experts"), py::arg("max_blocks"), py::arg("max_topk"))
+           py::arg("num_local_experts"), py::arg("max_blocks"), py::arg("max_topk"),
+           py::arg("in_place_dispatch") = false)
       .def_readonly("total_bytes", &Regions::total_bytes)
       .def_readonly("max_tokens", &Regions::max_tokens)
       .def_readonly("max_topk", &Regions::max_topk)
+      .def_readonly("off_comb_data", &Regions::off_comb_data)
+      .def_readonly("off_recv_rows", &Regions::off_recv_rows)
+      .def_readonly("off_recv_scales", &Regions::off_recv_scales)
+      .def_readonly("in_place_dispatch", &Regions::in_place_dispatch)
       .def_property_readonly("count_words", &Regions::count_words);
 
   ArgStruct<SendArgs>(m, "SendArgs", "stage 2: stage tokens, push their per-destination metadata")
@@ -31,6 +36,8 @@ void bind(py::module_& parent) {
       .ptr("topk_idx", &SendArgs::topk_idx)
       .ptr("topk_weights", &SendArgs::topk_weights)
       .ptr("k_index", &SendArgs::k_index)
+      .ptr("dest_base", &SendArgs::dest_base)
+      .val("push_payload", &SendArgs::push_payload)
       .val("topk", &SendArgs::topk)
       .val("num_tokens", &SendArgs::num_tokens)
       .val("bulk_copy", &SendArgs::bulk_copy);
@@ -55,6 +62,7 @@ void bind(py::module_& parent) {
       .ptr("tokens_per_expert", &ReceiveArgs::tokens_per_expert)
       .ptr("real_per_expert", &ReceiveArgs::real_per_expert)
       .ptr("packet_rows", &ReceiveArgs::packet_rows)
+      .val("payload_pushed", &ReceiveArgs::payload_pushed)
       .val("zero_padding", &ReceiveArgs::zero_padding)
       .val("bulk_copy", &ReceiveArgs::bulk_copy);
   m.def("dispatch_receive", &launch_dispatch_receive, py::arg("buffer"), py::arg("regions"), py::arg("args"),
@@ -76,7 +84,9 @@ void bind(py::module_& parent) {
       .ptr("send_slot", &CombineRecvArgs::send_slot)
       .ptr("topk_idx", &CombineRecvArgs::topk_idx)
       .val("topk", &CombineRecvArgs::topk)
-      .val("num_tokens", &CombineRecvArgs::num_tokens);
+      .val("num_tokens", &CombineRecvArgs::num_tokens)
+      .ptr("dest_base", &CombineRecvArgs::dest_base)
+      .val("wait_for_send", &CombineRecvArgs::wait_for_send);
   m.def("combine_recv", &launch_combine_recv, py::arg("buffer"), py::arg("regions"), py::arg("args"),
         py::arg("num_blocks"), py::arg("stream"));
 }

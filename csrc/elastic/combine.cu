@@ -7,10 +7,16 @@
 // dispatched weights) go unsummed to comb_w[this rank][s][j]: compact rows carry k of them, expanded
 // rows one each. Each block then publishes comb_done[this rank][block] = n at every rank.
 //
+// With rows == null (in place), combine_send pushes only the per-slot values: the expert rank's
+// rows are already in its comb_data, in the compact order, where the sources read them.
+//
 // combine_recv: waits for comb_done[p][b] >= n from every block of every rank p (acquire), then
 // warp w takes tokens t and sums, in fp32 and rank order, the rows returned for the token by each
 // rank it was sent to (send_slot), plus the bias row when given, writing bf16 [T, H]. Slot j of the
 // token gets the value its expert's rank returned (0 for -1, out-of-range and repeated ids).
+// In place, the row of (token, rank p) is p's comb_data row dest_base[p] + slot; without values
+// to wait for, the handshake kernel before this one is the only sync: every rank has arrived at
+// this op, so its rows (written by its earlier kernels) are complete.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -58,8 +64,10 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(TransportView t,
       count = __popc(ballot);
     }
     __syncwarp();
-    sum_rows(reinterpret_cast<int4*>(comb_row(v, r, me, s)), H / 8, count,
-             [=](int n) { return input + static_cast<int64_t>(rows[n]) * (H / 8); }, lane);
+    if (input != nullptr) {
+      sum_rows(reinterpret_cast<int4*>(comb_row(v, r, me, s)), H / 8, count,
+               [=](int n) { return input + static_cast<int64_t>(rows[n]) * (H / 8); }, lane);
+    }
     __syncwarp();
   }
   signal_block_done(t, combine_done(v), seq);
@@ -68,10 +76,14 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(TransportView t,
 __global__ void __launch_bounds__(kThreads) combine_recv_kernel(TransportView t, Regions g, CombineRecvArgs a) {
   __shared__ int s_slots[kWarps][kMaxRanks];
   __shared__ int s_ranks[kWarps][kMaxRanks];
+  __shared__ int s_dest_base[kMaxRanks];
   const View v{t, g};
   if (block_aborted(t)) return;
   const unsigned long long seq = current_seq(t);
-  if (!wait_all_blocks(t, combine_done(v), seq, gridDim.x, kPhaseCombineReceive)) return;
+  if (a.wait_for_send && !wait_all_blocks(t, combine_done(v), seq, gridDim.x, kPhaseCombineReceive)) return;
+  const bool in_place = a.dest_base != nullptr;
+  if (in_place && static_cast<int>(threadIdx.x) < v.g.num_ranks) s_dest_base[threadIdx.x] = a.dest_base[threadIdx.x];
+  __syncthreads();
   const int R = v.g.num_ranks;
   const int L = v.g.num_local_experts;
   const int H = v.g.hidden;
@@ -97,8 +109,10 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(TransportView t,
     // The bias, when given, is one more row of the sum (added last).
     sum_rows(static_cast<int4*>(a.out) + static_cast<int64_t>(token) * (H / 8), H / 8, count + (bias != nullptr ? 1 : 0),
              [=](int n) {
-               return n < count ? reinterpret_cast<const int4*>(comb_row(v, me, ranks[n], slots[ranks[n]]))
-                                : bias + static_cast<int64_t>(token) * (H / 8);
+               if (n == count) return bias + static_cast<int64_t>(token) * (H / 8);
+               const int p = ranks[n];
+               return reinterpret_cast<const int4*>(in_place ? combine_input_row(v, p, s_dest_base[p] + slots[p])
+                                                             : comb_row(v, me, p, slots[p]));
              },
              lane);
     if (a.out_topk_values != nullptr) {

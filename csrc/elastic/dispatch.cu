@@ -1,18 +1,25 @@
-// Stage 2 of an elastic dispatch: stage each token for its destinations to pull, and push each
-// destination what it needs to place the token.
+// Stage 2 of an elastic dispatch: get each token to its destinations, and push each destination
+// what it needs to place the token.
 //
 // Data flow: warp w takes tokens t = w, w + warps, ...; lane p (< R) holds the token's send slot at
-// rank p (-1: no expert there). A token sent anywhere is copied once into this rank's stage[t]
-// (payload, then fp8 scales), where every destination's receive kernel reads it. Destination p
-// gets, pushed into its buffer at [this rank][slot]: the token index (recv_token) and, on a first
-// dispatch, per top-k slot j (lane j): the expert as p's local id or -1 when it lives elsewhere
-// (recv_idx), its weight (recv_w), and for the expanded form the token's index within (this rank,
-// expert) (recv_k: its row offset inside the expert's rows from this rank). A slot naming an
-// expert that a later slot of the same token names again, or an id outside [0, E), counts as -1
-// (the layout kernel counted such a token once per expert). Nothing is waited on: the exchange
-// kernel before this one established that every peer finished reading this rank's previous stage
-// and that their regions are free. Each block ends by publishing disp_done[this rank][block] = n at
-// every rank (release), which the receive kernel waits on. A rank with no tokens still publishes.
+// rank p (-1: no expert there). Two ways for the payload:
+//   staged (default): a token sent anywhere is copied once into this rank's stage[t] (payload, then
+//     fp8 scales), where every destination's receive kernel reads it;
+//   pushed (in place, first compact dispatch): the token is read once and written straight into
+//     each destination's recv_rows at its compact row, dest_base[p] + slot (fp8 scales into
+//     recv_scales), so the receive kernel only places metadata.
+// Destination p gets, pushed into its buffer at [this rank][slot]: the token index (recv_token)
+// and, on a first dispatch, per top-k slot j (lane j): the expert as p's local id or -1 when it
+// lives elsewhere (recv_idx), its weight (recv_w), and for the expanded form the token's index
+// within (this rank, expert) (recv_k: its row offset inside the expert's rows from this rank). A
+// slot naming an expert that a later slot of the same token names again, or an id outside [0, E),
+// counts as -1 (the layout kernel counted such a token once per expert). dest_base[p] = the compact
+// rows at p of the sources before this rank, summed from the packet counts those sources wrote
+// into p's header before the exchange's handshake (complete once it passed). Nothing is waited
+// on: the exchange kernel before this one established that every peer finished reading this
+// rank's previous stage and that their regions are free. Each block ends by publishing
+// disp_done[this rank][block] = n at every rank (release), which the receive kernel waits on. A
+// rank with no tokens still publishes.
 #include <cuda_runtime.h>
 
 #include "elastic/regions.cuh"
@@ -24,22 +31,55 @@ namespace ep {
 namespace elastic {
 namespace {
 
+// Per warp: the token's send slot at each rank, and (pushed) its target rows.
+struct WarpScratch {
+  int slots[kMaxRanks];
+  char* targets[kMaxRanks];
+};
+
+// Block-wide, at kernel start: dest_base for every destination into shared memory (and, from block
+// 0, into args.dest_base). Only a first compact dispatch needs it.
+__device__ __forceinline__ void load_dest_base(const View& v, const SendArgs& a, int* s_dest_base,
+                                               unsigned long long seq) {
+  if (a.dest_base != nullptr || a.push_payload) {
+    const int p = threadIdx.x;
+    if (p < v.g.num_ranks) {
+      s_dest_base[p] = compact_base(v, p, v.t.rank, seq);
+      if (blockIdx.x == 0 && a.dest_base != nullptr) a.dest_base[p] = s_dest_base[p];
+    }
+  }
+  __syncthreads();
+}
+
 // Warp-cooperative: tell each destination of token t where to find it (and on a first dispatch
-// its top-k metadata), stage its fp8 scales, and return the number of destinations. `slots` is the
-// warp's [R] scratch of send slots.
-__device__ __forceinline__ int prepare_token(const View& v, const SendArgs& a, int t, int* slots, int lane) {
+// its top-k metadata), stage or push its fp8 scales, record the pushed target rows, and return the
+// number of destinations.
+__device__ __forceinline__ int prepare_token(const View& v, const SendArgs& a, int t, WarpScratch& w,
+                                             const int* dest_base, int lane) {
   const int R = v.g.num_ranks;
   const int L = v.g.num_local_experts;
   const int me = v.t.rank;
   const int my_slot = lane < R ? a.send_slot[static_cast<int64_t>(t) * R + lane] : -1;
   const unsigned destinations = __ballot_sync(0xffffffffu, my_slot >= 0);
   if (my_slot >= 0) *recv_token(v, lane, me, my_slot) = t;
-  if (lane < R) slots[lane] = my_slot;
+  if (lane < R) w.slots[lane] = my_slot;
+  if (a.push_payload && my_slot >= 0) {  // the n-th destination's row, n = rank among the set bits
+    const int64_t row = dest_base[lane] + my_slot;
+    w.targets[__popc(destinations & ((1u << lane) - 1))] = region(v, lane, v.g.off_recv_rows) + row * a.row_bytes;
+  }
   __syncwarp();
   if (destinations == 0) return 0;
   if (a.scales != nullptr) {
-    warp_copy4(staged_token(v, me, t) + a.row_bytes, reinterpret_cast<const char*>(a.scales) + t * a.scale_bytes,
-               a.scale_bytes, lane);
+    const char* scales = reinterpret_cast<const char*>(a.scales) + t * a.scale_bytes;
+    if (!a.push_payload) {
+      warp_copy4(staged_token(v, me, t) + a.row_bytes, scales, a.scale_bytes, lane);
+    } else {
+      for (unsigned mask = destinations; mask; mask &= mask - 1) {
+        const int p = __ffs(mask) - 1;
+        const int64_t row = dest_base[p] + w.slots[p];
+        warp_copy4(region(v, p, v.g.off_recv_scales) + row * a.scale_bytes, scales, a.scale_bytes, lane);
+      }
+    }
   }
   if (a.topk_idx != nullptr) {
     const int E = R * L;
@@ -55,7 +95,7 @@ __device__ __forceinline__ int prepare_token(const View& v, const SendArgs& a, i
     const int32_t k = (valid && a.k_index != nullptr) ? a.k_index[static_cast<int64_t>(t) * E + expert] : 0;
     for (unsigned mask = destinations; mask; mask &= mask - 1) {
       const int p = __ffs(mask) - 1;
-      const int slot = slots[p];
+      const int slot = w.slots[p];
       if (lane < a.topk) {
         const bool here = owner == p;
         recv_idx(v, p, me, slot)[lane] = here ? expert - p * L : -1;
@@ -68,29 +108,44 @@ __device__ __forceinline__ int prepare_token(const View& v, const SendArgs& a, i
 }
 
 __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(TransportView t, Regions g, SendArgs a) {
-  __shared__ int s_slots[kThreads / 32][kMaxRanks];
+  __shared__ WarpScratch s_scratch[kThreads / 32];
+  __shared__ int s_dest_base[kMaxRanks];
   const View v{t, g};
   if (block_aborted(t)) return;  // a wait of this op already failed: leave peers untouched
   const unsigned long long seq = current_seq(t);
-  int* slots = s_slots[threadIdx.x / 32];
-  stage_tokens_register(v, a.hidden, a.row_bytes, a.num_tokens,
-                        [&](int token, int lane) { return prepare_token(v, a, token, slots, lane); });
+  load_dest_base(v, a, s_dest_base, seq);
+  WarpScratch& w = s_scratch[threadIdx.x / 32];
+  auto prepare = [&](int token, int lane) { return prepare_token(v, a, token, w, s_dest_base, lane); };
+  if (a.push_payload) {
+    auto payload = [&](int token) { return static_cast<const char*>(a.hidden) + token * a.row_bytes; };
+    pull_packets_register(a.num_tokens, a.row_bytes, payload, prepare, [&](int n) { return w.targets[n]; });
+  } else {
+    stage_tokens_register(v, a.hidden, a.row_bytes, a.num_tokens, prepare);
+  }
   signal_block_done(t, dispatch_done(v), seq);
 }
 
 __global__ void __launch_bounds__(kBulkWarps * 32) dispatch_send_bulk_kernel(TransportView t, Regions g, SendArgs a,
                                                                              BulkShape shape) {
   extern __shared__ __align__(128) char s_stages[];
-  __shared__ int s_slots[kBulkWarps][kMaxRanks];
+  __shared__ WarpScratch s_scratch[kBulkWarps];
   __shared__ uint64_t s_bars[kBulkWarps][kBulkMaxStages];
+  __shared__ int s_dest_base[kMaxRanks];
   const View v{t, g};
   if (block_aborted(t)) return;
   const unsigned long long seq = current_seq(t);
+  load_dest_base(v, a, s_dest_base, seq);
   const int warp_in_block = threadIdx.x / 32;
   const BulkRing ring = make_bulk_ring(s_stages, s_bars[warp_in_block], shape, warp_in_block, threadIdx.x % 32);
-  int* slots = s_slots[warp_in_block];
-  stage_tokens_bulk(v, ring, a.hidden, a.row_bytes, a.num_tokens,
-                    [&](int token, int lane) { return prepare_token(v, a, token, slots, lane); });
+  WarpScratch& w = s_scratch[warp_in_block];
+  auto prepare = [&](int token, int lane) { return prepare_token(v, a, token, w, s_dest_base, lane); };
+  if (a.push_payload) {
+    // The same loop as a receiver's pull: one load of the token, one bulk store per destination row.
+    auto payload = [&](int token) { return static_cast<const char*>(a.hidden) + token * a.row_bytes; };
+    pull_packets_bulk(ring, a.num_tokens, a.row_bytes, payload, prepare, [&](int n) { return w.targets[n]; });
+  } else {
+    stage_tokens_bulk(v, ring, a.hidden, a.row_bytes, a.num_tokens, prepare);
+  }
   signal_block_done(t, dispatch_done(v), seq);
 }
 
@@ -100,6 +155,10 @@ void launch_dispatch_send(const SymmetricBuffer& buffer, const Regions& regions,
                           int num_blocks, uintptr_t stream) {
   if (args.topk_idx != nullptr && (args.topk < 1 || args.topk > regions.max_topk))
     throw std::invalid_argument("ep_plugin elastic: topk out of range for this buffer");
+  // (A rank with no tokens passes null tensors: a first dispatch is told by its topk.)
+  if (args.push_payload && (!regions.in_place_dispatch || args.topk < 1 || args.k_index != nullptr))
+    throw std::invalid_argument("ep_plugin elastic: an in-place dispatch needs a buffer built for it and a first, "
+                                "compact dispatch");
   EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
   const bool bulk = args.bulk_copy && buffer.bulk_capable();
   launch_copy_kernel(bulk, dispatch_send_bulk_kernel, dispatch_send_kernel, buffer.view(), regions, args,

@@ -31,6 +31,14 @@ constexpr int kMaxTopk = 32;  // one warp lane per top-k slot
 //   recv_k      i32 [R][max_tokens][K]  from source r: index of the token within (r, local expert)
 //   comb_data   bf16 [R][max_tokens][H] from expert rank r: its rows of send slot s, summed
 //   comb_w      f32 [R][max_tokens][K]  from expert rank r: per-slot values routed back (weights' grads)
+//   recv_rows   [R * max_tokens][2H]    in-place dispatch only: compact rows pushed by the sources
+//   recv_scales f32 [R * max_tokens][H/128]  in-place dispatch only: their fp8 scales
+//
+// recv_rows is the output of a dispatch with in_place (compact form): each source writes its packets
+// straight to their rows there, so the payload crosses once and the receive only places metadata.
+// comb_data doubles as the combine input handed to the caller (``combine_input``): compact rows
+// [R * max_tokens][H] in the dispatch output's row order, which sources then read in place. Nothing
+// else writes comb_data in that mode, and the copying mode never reads it as input.
 struct Regions {
   int num_ranks;
   int max_tokens;
@@ -41,12 +49,15 @@ struct Regions {
   int64_t slot_bytes;  // bytes per staged token (2 * hidden: bf16, or fp8 + scales)
   int64_t off_disp_done, off_comb_done, off_stage, off_recv_token, off_recv_idx, off_recv_w, off_recv_k;
   int64_t off_comb_data, off_comb_w;
+  bool in_place_dispatch;  // recv_rows and recv_scales exist (0 bytes otherwise)
+  int64_t off_recv_rows, off_recv_scales;
   int64_t total_bytes;
   // Count words per (source, op) in the transport's exchange: L expert counts + 1 packet count.
   int count_words() const { return num_local_experts + 1; }
 };
 // Throws std::invalid_argument on sizes the kernels do not support.
-Regions make_regions(int num_ranks, int max_tokens, int hidden, int num_local_experts, int max_blocks, int max_topk);
+Regions make_regions(int num_ranks, int max_tokens, int hidden, int num_local_experts, int max_blocks, int max_topk,
+                     bool in_place_dispatch);
 
 // Phases named in timeout reports (the Python backend has their names).
 enum Phase : int {
@@ -58,9 +69,10 @@ enum Phase : int {
   kPhaseBarrier = 6,
 };
 
-// Stage 2 (after the transport's exchange): stage each token once; push each destination the
-// token's index, and on a first dispatch its top-k ids (as that rank's local ids), weights and
-// (expanded form) per-expert row offsets; then signal per block.
+// Stage 2 (after the transport's exchange): stage each token once (or, in place, write it straight
+// into each destination's recv_rows); push each destination the token's index, and on a first
+// dispatch its top-k ids (as that rank's local ids), weights and (expanded form) per-expert row
+// offsets; then signal per block.
 struct SendArgs {
   const void* hidden = nullptr;         // [T, row_bytes]
   int64_t row_bytes = 0;                // bf16: 2H; fp8: H
@@ -70,6 +82,9 @@ struct SendArgs {
   const int64_t* topk_idx = nullptr;    // [T, k] (-1 = none); null: cached dispatch (payload only)
   const float* topk_weights = nullptr;  // [T, k] or null
   const int32_t* k_index = nullptr;     // [T, E] index of the token within (this rank, expert); null: compact
+  int32_t* dest_base = nullptr;         // out [R] (first dispatch, compact): this rank's first compact row at each rank
+  bool push_payload = false;            // in place: write each packet into its destination's recv_rows (first
+                                        // dispatch, compact, regions with in_place_dispatch); else stage it
   int topk = 0;                         // k <= max_topk
   int num_tokens = 0;
   bool bulk_copy = true;                // bulk (TMA) copies where the GPU has them; else register copies
@@ -98,6 +113,7 @@ struct ReceiveArgs {
   const int64_t* tokens_per_expert = nullptr; // [L] padded
   const int64_t* real_per_expert = nullptr;   // [L]
   int32_t* packet_rows = nullptr;             // [R * max_tokens, k]: row of each (packet, slot), -1; written or read
+  bool payload_pushed = false;                // the sources wrote the payload (in place): place metadata only
   bool zero_padding = false;                  // zero the padding rows of each segment
   bool bulk_copy = true;
 };
@@ -106,9 +122,10 @@ void launch_dispatch_receive(const SymmetricBuffer& buffer, const Regions& regio
 
 // Stage 4 (expert side, after a handshake): for each received packet, its row (compact) or the
 // fp32 sum of its rows (expanded), rounded once to bf16, pushed back to the source; per-slot
-// values (the weights' gradients) pushed unsummed when given.
+// values (the weights' gradients) pushed unsummed when given. With rows == null only the values
+// travel (the rows are read in place from comb_data by the sources).
 struct CombineSendArgs {
-  const void* rows = nullptr;                 // [capacity, H] bf16
+  const void* rows = nullptr;                 // [capacity, H] bf16, or null (values only)
   const float* slot_values = nullptr;         // compact: [capacity, k]; expanded: [capacity]; or null
   const int32_t* num_packets = nullptr;       // [R]
   const int32_t* packet_rows = nullptr;       // expanded: [R * max_tokens, k]; null = compact
@@ -118,7 +135,9 @@ void launch_combine_send(const SymmetricBuffer& buffer, const Regions& regions, 
                          int num_blocks, uintptr_t stream);
 
 // Stage 5 (source side): wait for every expert rank, sum each token's returned rows (fp32, rank
-// order, plus an optional bias), route the per-slot values back to [T, k].
+// order, plus an optional bias), route the per-slot values back to [T, k]. In place: the rows are
+// read from each expert rank's comb_data at dest_base[p] + slot (compact form), and the wait for
+// combine_send is skipped when no values travel (the handshake before it is the only sync).
 struct CombineRecvArgs {
   void* out = nullptr;                        // [T, H] bf16
   const void* bias = nullptr;                 // [T, H] bf16 or null
@@ -127,6 +146,8 @@ struct CombineRecvArgs {
   const int64_t* topk_idx = nullptr;          // [T, k] (read with out_topk_values)
   int topk = 0;
   int num_tokens = 0;
+  const int32_t* dest_base = nullptr;         // [R]: in place (rows in the expert ranks' comb_data); null: pushed
+  bool wait_for_send = true;                  // combine_send ran (it signals comb_done)
 };
 void launch_combine_recv(const SymmetricBuffer& buffer, const Regions& regions, const CombineRecvArgs& args,
                          int num_blocks, uintptr_t stream);

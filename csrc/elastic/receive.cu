@@ -11,6 +11,8 @@
 //   cached dispatches, which read it back. With zero_padding, the padding rows of each expert's
 //   segment are zeroed (payload, scales, row weights); otherwise they are left as they are.
 // Rows at or past the capacity are dropped (the capacity is exact or the worst case, so none is).
+// In place (payload_pushed), the sources already wrote each packet's payload (and fp8 scales) to
+// its row in this rank's recv_rows: only the metadata is placed.
 //
 // Copy engines as in dispatch.cu: one bulk load of the payload (from the source's buffer: a peer
 // GPU's over NVLink, or this GPU's), one bulk store per output row (sm_90+), or 16-byte register
@@ -112,6 +114,18 @@ __device__ __forceinline__ void receive(const View& v, const ReceiveArgs& a, int
   if (a.expand && a.zero_padding) zero_padding(v, a);
 }
 
+// In place: the compact rows' top-k ids and weights, nothing else (one warp per packet).
+__device__ __forceinline__ void place_metadata(const View& v, const ReceiveArgs& a, int32_t* targets, int* prefix) {
+  const int R = v.g.num_ranks;
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * (blockDim.x / 32);
+  packet_prefix(R, a.num_packets, prefix);
+  for (int q = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; q < prefix[R]; q += warps) {
+    const int r = source_of(R, prefix, q);
+    prepare_packet(v, a, q, r, q - prefix[r], targets, lane);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) receive_kernel(TransportView t, Regions g, ReceiveArgs a) {
   __shared__ int32_t s_targets[kThreads / 32][kMaxTopk];  // output rows of the packet in hand
   __shared__ int s_prefix[kMaxRanks + 1];
@@ -119,6 +133,10 @@ __global__ void __launch_bounds__(kThreads) receive_kernel(TransportView t, Regi
   if (block_aborted(t)) return;
   const unsigned long long seq = current_seq(t);
   if (!wait_all_blocks(t, dispatch_done(v), seq, gridDim.x, kPhaseDispatchReceive)) return;
+  if (a.payload_pushed) {
+    place_metadata(v, a, s_targets[threadIdx.x / 32], s_prefix);
+    return;
+  }
   receive(v, a, s_targets[threadIdx.x / 32], s_prefix, [&](int total, auto payload, auto prepare, auto target) {
     pull_packets_register(total, a.row_bytes, payload, prepare, target);
   });
@@ -157,8 +175,11 @@ void launch_dispatch_receive(const SymmetricBuffer& buffer, const Regions& regio
     if (args.expand && args.zero_padding && (!args.expert_start || !args.tokens_per_expert || !args.real_per_expert))
       throw std::invalid_argument("ep_plugin elastic: zero_padding needs the segment tensors");
   }
+  if (args.payload_pushed && (args.expand || args.cached || args.out_scales))
+    throw std::invalid_argument("ep_plugin elastic: a pushed payload is a first compact dispatch (scales pushed too)");
   EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
-  const bool bulk = args.bulk_copy && buffer.bulk_capable();
+  // Placing metadata copies no rows: the register kernel does it.
+  const bool bulk = args.bulk_copy && buffer.bulk_capable() && !args.payload_pushed;
   launch_copy_kernel(bulk, receive_bulk_kernel, receive_kernel, buffer.view(), regions, args, args.row_bytes,
                      num_blocks, reinterpret_cast<cudaStream_t>(stream));
 }

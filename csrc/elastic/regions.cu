@@ -10,7 +10,7 @@ namespace ep {
 namespace elastic {
 
 Regions make_regions(int num_ranks, int max_tokens, int hidden, int num_local_experts, int max_blocks,
-                     int max_topk) {
+                     int max_topk, bool in_place_dispatch) {
   check_backend_shape("elastic", num_ranks, max_tokens, hidden, num_local_experts, max_blocks);
   if (max_topk < 1 || max_topk > kMaxTopk)
     throw std::invalid_argument("ep_plugin elastic: max_topk must be in [1, " + std::to_string(kMaxTopk) + "]");
@@ -33,6 +33,9 @@ Regions make_regions(int num_ranks, int max_tokens, int hidden, int num_local_ex
   g.off_recv_k = regions.take(R * T * K * 4);
   g.off_comb_data = regions.take(R * T * 2LL * hidden);
   g.off_comb_w = regions.take(R * T * K * 4);
+  g.in_place_dispatch = in_place_dispatch;
+  g.off_recv_rows = regions.take(in_place_dispatch ? R * T * 2LL * hidden : 0);
+  g.off_recv_scales = regions.take(in_place_dispatch ? R * T * (hidden / 128) * 4LL : 0);
   g.total_bytes = regions.size();
   return g;
 }

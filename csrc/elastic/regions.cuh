@@ -47,9 +47,20 @@ __device__ __forceinline__ __nv_bfloat16* comb_row(const View& v, int owner, int
   return reinterpret_cast<__nv_bfloat16*>(region(v, owner, v.g.off_comb_data)) +
          packet_index(v, source, slot) * v.g.hidden;
 }
+// Row `row` of the owner's combine input in place (comb_data seen as [R * max_tokens][H] compact rows).
+__device__ __forceinline__ const __nv_bfloat16* combine_input_row(const View& v, int owner, int64_t row) {
+  return reinterpret_cast<const __nv_bfloat16*>(region(v, owner, v.g.off_comb_data)) + row * v.g.hidden;
+}
 __device__ __forceinline__ float* comb_w(const View& v, int owner, int source, int slot) {
   return reinterpret_cast<float*>(region(v, owner, v.g.off_comb_w)) + packet_index(v, source, slot) * v.g.max_topk;
 }
 
+// Where source `source`'s packets start among `owner`'s compact rows for op seq: the packets of
+// sources before it, read from the counts they wrote into the owner's header before the handshake.
+__device__ __forceinline__ int compact_base(const View& v, int owner, int source, unsigned long long seq) {
+  int base = 0;
+  for (int r = 0; r < source; ++r) base += counts_slot(v.t, owner, seq, r)[v.g.num_local_experts];
+  return base;
+}
 }  // namespace elastic
 }  // namespace ep

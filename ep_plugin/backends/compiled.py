@@ -41,6 +41,11 @@ class CompiledBackend(Backend):
     autosize_topk: int = 8
     # Peers' buffers are opened with CUDA IPC: one NVLink domain at most (more go hierarchical).
     needs_shared_memory = True
+    # Per-SM copy rates (GB/s) of this backend's kernels, for num_sms = 0: measured on the H200 bed
+    # (benchmarks/NOTES.md), far below DeepEP's rule (sizing.SM_READ/WRITE_GBYTES_PER_S), which
+    # would size our grids several times too small.
+    sm_read_gbytes_per_s: float = 20.0
+    sm_write_gbytes_per_s: float = 20.0
 
     def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None) -> None:
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
@@ -94,7 +99,8 @@ class CompiledBackend(Backend):
         mine = resolve_num_sms(self.config, device_sms=self._device_sms(), ranks_sharing_gpu=sharing,
                                num_ranks=self.num_ranks, num_experts=self.num_experts, topk=self.autosize_topk,
                                hidden_bytes=2 * self.hidden_size, nvlink_gbytes_per_s=nvlink,
-                               scaleout_gbytes_per_s=scaleout)
+                               scaleout_gbytes_per_s=scaleout, sm_read_gbytes_per_s=self.sm_read_gbytes_per_s,
+                               sm_write_gbytes_per_s=self.sm_write_gbytes_per_s)
         everyone: list[Optional[int]] = [None] * self.num_ranks
         dist.all_gather_object(everyone, mine, group=self.group)
         return min(everyone)

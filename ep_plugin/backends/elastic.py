@@ -29,6 +29,18 @@ What a DeepEP user knows, under our names (DeepEP's in parentheses):
   ``row_probs`` (shaped like the dispatched ``probs``) the values are routed back to [T, k]. The
   expanded form first sums a packet's rows on the expert rank (fp32, rounded to bf16): there a token
   whose experts live on several ranks can differ from an all-fp32 sum by about one bf16 ulp per rank.
+- ``dispatch(..., in_place=True)`` (compact form, first dispatch; the backend built with
+  ``in_place_dispatch=True``): the sources write each row straight into this rank's buffer and
+  ``hidden`` (and FP8 scales) are views of it, so the payload crosses once instead of being staged
+  and pulled. The rows are valid until the next in-place dispatch on this backend, which overwrites
+  them (DeepEP's low-latency receive buffers work the same way): copy what must live longer (e.g.
+  rows saved for a backward). Metadata, counts and the handle are ordinary tensors.
+- ``combine_input(handle)`` (compact form): a [rows, H] bf16 tensor inside the backend's buffer. Write
+  the expert output there and pass that tensor to ``combine``: the sources then read the rows where
+  they are instead of receiving a copy (DeepEP's low-latency combine buffer, for the normal kernels).
+  It is valid from the dispatch of ``handle`` until that handle's combine; any other op on the
+  backend in between may overwrite it. Ranks must agree on whether a combine is in place (the
+  handshake checks it).
 - Backward of dispatch is combine; backward of combine is a cached dispatch, through
   ``ep_plugin.dispatch`` / ``ep_plugin.combine``.
 
@@ -49,13 +61,14 @@ and flagged (``check_errors``) in non-blocking mode.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from .. import streams
-from ..agreement import OP_COMBINE, OP_DISPATCH, OP_DISPATCH_AGAIN, OpFingerprint
+from ..agreement import OP_COMBINE, OP_COMBINE_IN_PLACE, OP_DISPATCH, OP_DISPATCH_AGAIN, OpFingerprint
 from ..handle import COMPACT, EXPERT_ROWS, CombineOutput, DispatchOutput, Handle
 from ..routing import ROUTING_MAP, Routing, check_tensor, route_counts
 from .base import Capabilities
@@ -85,10 +98,12 @@ class ElasticLayout:
     expert_start: torch.Tensor  # [L] int32
     packet_rows: Optional[torch.Tensor]  # expanded: [packets, k] int32 row of each (packet, slot), -1
     bad_expert_ids: Optional[torch.Tensor]  # [] bool: top-k ids out of range were dropped (non-blocking)
+    dest_base: Optional[torch.Tensor]  # compact: [R] int32 row of this rank's first packet at each rank
     topk: int
     expand: bool
     zero_padding: bool
     capacity: int  # rows of the dispatch output
+    combine_input: Optional[weakref.ref] = None  # the tensor combine_input() handed out for this handle
 
 
 class ElasticBackend(CompiledBackend):
@@ -103,29 +118,39 @@ class ElasticBackend(CompiledBackend):
         non_blocking=True,
         cuda_graphs=True,
         routing_forms=("topk",),
-        dispatch_options=("expand", "zero_padding"),
+        dispatch_options=("expand", "zero_padding", "in_place"),
         combine_options=("bias",),
     )
     phase_names = PHASE_NAMES
     barrier_phase = PHASE_BARRIER
+    # Measured per SM (NOTES, fifth pass): the pulls and sums read ~16 GB/s, the in-place push writes ~13.5.
+    sm_read_gbytes_per_s = 16.0
+    sm_write_gbytes_per_s = 13.5
 
     def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None,
-                 max_topk: Optional[int] = None) -> None:
+                 max_topk: Optional[int] = None, in_place_dispatch: bool = False) -> None:
         """Args as every backend, plus ``max_topk``: the widest top-k any dispatch will use (default and
-        maximum 32; smaller saves buffer memory). Equal on every rank, like ``max_tokens_per_rank``."""
-        # Set before the base constructor: the construction check there includes it.
+        maximum 32; smaller saves buffer memory), and ``in_place_dispatch``: room in the buffer for
+        ``dispatch(..., in_place=True)`` (R * max_tokens_per_rank rows of 2H bytes more). Both equal on
+        every rank, like ``max_tokens_per_rank``."""
+        # Set before the base constructor: the construction check there includes them.
         self.max_topk = 32 if max_topk is None else max_topk
         if not isinstance(self.max_topk, int) or not 1 <= self.max_topk <= 32:
             raise ValueError(f"max_topk must be an int in [1, 32], got {max_topk!r}")
+        if not isinstance(in_place_dispatch, bool):
+            raise TypeError(f"in_place_dispatch must be a bool, got {in_place_dispatch!r}")
+        self.in_place_dispatch = in_place_dispatch
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
                          topology=topology)
         self.regions = self._C.elastic.Regions(num_ranks=self.num_ranks, max_tokens=self.config.max_tokens_per_rank,
                                                hidden=hidden_size, num_local_experts=self.num_local_experts,
-                                               max_blocks=self.num_blocks, max_topk=self.max_topk)
+                                               max_blocks=self.num_blocks, max_topk=self.max_topk,
+                                               in_place_dispatch=in_place_dispatch)
         self._open_buffer(self.regions.total_bytes, self.regions.count_words)
 
     def _construction_facts(self) -> dict:
-        return {**super()._construction_facts(), "max_topk": self.max_topk}  # sizes the per-packet slots
+        # Both size the buffer's regions, whose offsets must be equal on every rank.
+        return {**super()._construction_facts(), "max_topk": self.max_topk, "in_place_dispatch": self.in_place_dispatch}
 
     @classmethod
     def wire_bytes(cls, routing_maps, num_ranks, *, row_bytes, hidden, topk, with_probs, expand=False, **options):
@@ -142,7 +167,8 @@ class ElasticBackend(CompiledBackend):
 
     def dispatch(self, hidden, *, routing_map=None, probs=None, topk_idx=None, topk_weights=None,
                  pad_multiple: Optional[int] = None, expand: bool = False, zero_padding: bool = False,
-                 handle: Optional[Handle] = None, expert_alignment: Optional[int] = None) -> DispatchOutput:
+                 handle: Optional[Handle] = None, expert_alignment: Optional[int] = None,
+                 in_place: bool = False) -> DispatchOutput:
         """See the module docstring. ``expert_alignment`` is DeepEP's name for ``pad_multiple``.
 
         Args:
@@ -151,6 +177,8 @@ class ElasticBackend(CompiledBackend):
             pad_multiple: each expert's segment (expanded form) and tokens_per_expert are padded to this.
             expand: deliver expert-grouped rows instead of compact rows.
             zero_padding: zero the padding rows of the expanded form.
+            in_place: compact rows written by the sources into this backend's buffer (views of it, valid
+                until the next in-place dispatch); needs ``in_place_dispatch=True`` at construction.
             handle: a previous dispatch's handle: send ``hidden`` along its layout (cached dispatch; no
                 routing arguments, same T).
         Returns: DispatchOutput (see ``ep_plugin.DispatchOutput``).
@@ -163,17 +191,24 @@ class ElasticBackend(CompiledBackend):
         if handle is not None:
             if any(v is not None for v in (routing_map, probs, topk_idx, topk_weights, pad_multiple)):
                 raise ValueError("a cached dispatch (handle=...) takes no routing arguments: the handle has them")
+            if in_place:
+                raise ValueError("in_place applies to a first dispatch; a cached dispatch returns new tensors")
             return self._cached_dispatch(hidden, handle)
         if routing_map is not None:
             raise ValueError("backend 'elastic' takes topk_idx (+ topk_weights), not routing_map; top-k ids come "
                              "from routing_map.int().topk(k) where every row has k experts")
-        if not isinstance(expand, bool) or not isinstance(zero_padding, bool):
-            raise TypeError(f"expand and zero_padding must be bools, got {expand!r} and {zero_padding!r}")
+        if not all(isinstance(flag, bool) for flag in (expand, zero_padding, in_place)):
+            raise TypeError(f"expand, zero_padding and in_place must be bools, got {expand!r}, {zero_padding!r} "
+                            f"and {in_place!r}")
+        if in_place and (expand or not self.in_place_dispatch):
+            raise ValueError("in_place needs the compact form (expand=False) and a backend built with "
+                             "in_place_dispatch=True")
         if topk_idx is not None and topk_idx.dim() == 2 and topk_idx.shape[1] > self.max_topk:
             raise ValueError(f"topk_idx has k={topk_idx.shape[1]} columns; this elastic backend was built with "
                              f"max_topk={self.max_topk}")
         return super().dispatch(hidden, probs=probs, topk_idx=topk_idx, topk_weights=topk_weights,
-                                pad_multiple=pad_multiple, expand=expand, zero_padding=zero_padding)
+                                pad_multiple=pad_multiple, expand=expand, zero_padding=zero_padding,
+                                in_place=in_place)
 
     def combine(self, rows, handle: Handle, *, row_probs=None, bias=None) -> CombineOutput:
         """Sum each token's rows at its source (see the module docstring).
@@ -194,8 +229,8 @@ class ElasticBackend(CompiledBackend):
     # ---- stages ---------------------------------------------------------------------------------
 
     def _fingerprint(self, op: str, *, dtype, probs: bool = False, topk: int = 0, expand: bool = False,
-                     handle: Optional[Handle] = None) -> OpFingerprint:
-        form = None if op != OP_DISPATCH else ("topk+expand" if expand else "topk")
+                     in_place: bool = False, handle: Optional[Handle] = None) -> OpFingerprint:
+        form = None if op != OP_DISPATCH else "topk+expand" if expand else "topk+in_place" if in_place else "topk"
         return OpFingerprint(op, dtype=dtype, probs=probs, form=form, topk=topk,
                              handle_id=handle.handle_id if handle is not None else 0)
 
@@ -208,7 +243,7 @@ class ElasticBackend(CompiledBackend):
         return -(-rows // pad_multiple) * pad_multiple
 
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple, *, expand: bool = False,
-                  zero_padding: bool = False) -> DispatchOutput:
+                  zero_padding: bool = False, in_place: bool = False) -> DispatchOutput:
         assert routing.form != ROUTING_MAP  # dispatch() rejects the routing map
         self.buffer.raise_if_failed()
         fp8 = isinstance(hidden, (tuple, list))
@@ -225,9 +260,10 @@ class ElasticBackend(CompiledBackend):
             real_per_expert = torch.empty(L, dtype=torch.int64, device=dev)
             num_packets = torch.empty(R, dtype=torch.int32, device=dev)
             totals = torch.empty(2, dtype=torch.int64, device=dev)  # expanded rows, compact rows
+            dest_base = None if expand else torch.empty(R, dtype=torch.int32, device=dev)
         with nvtx_range("ep.elastic.dispatch.exchange"):
             fingerprint = self._fingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, topk=k,
-                                            expand=expand)
+                                            expand=expand, in_place=in_place)
             self._exchange(PHASE_DISPATCH, fingerprint, expert_counts=expert_counts, rank_counts=rank_counts,
                            pad_multiple=pad_multiple, row_base=row_base, expert_start=expert_start,
                            tokens_per_expert=tokens_per_expert, real_per_expert=real_per_expert,
@@ -250,12 +286,17 @@ class ElasticBackend(CompiledBackend):
             self._keep_on_stream(data, scales, routing.topk_idx, probs)
             send = self._C.elastic.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
                                             send_slot=send_slot, topk_idx=routing.topk_idx, topk_weights=probs,
-                                            k_index=k_index if expand else None, topk=k, num_tokens=T,
-                                            bulk_copy=self._bulk)
+                                            k_index=k_index if expand else None, dest_base=dest_base,
+                                            push_payload=in_place, topk=k, num_tokens=T, bulk_copy=self._bulk)
             self._C.elastic.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
         with nvtx_range("ep.elastic.dispatch.receive"):
-            out = self._empty(capacity, H, dtype=data.dtype)
-            out_scales = self._empty(capacity, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
+            if in_place:  # the sources wrote the rows into this rank's buffer: hand out views of it
+                out = self._buffer_rows(self.regions.off_recv_rows, capacity, H, data.dtype)
+                out_scales = (self._buffer_rows(self.regions.off_recv_scales, capacity, H // self.FP8_BLOCK,
+                                                torch.float32) if fp8 else None)
+            else:
+                out = self._empty(capacity, H, dtype=data.dtype)
+                out_scales = self._empty(capacity, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
             out_idx = out_weights = packet_rows = None
             if expand:
                 out_weights = self._empty(capacity, dtype=torch.float32) if probs is not None else None
@@ -264,8 +305,9 @@ class ElasticBackend(CompiledBackend):
                 out_idx = self._empty(capacity, k, dtype=torch.int64)
                 out_weights = self._empty(capacity, k, dtype=torch.float32) if probs is not None else None
             receive = self._C.elastic.ReceiveArgs(
-                out=out, row_bytes=row_bytes, out_scales=out_scales, scale_bytes=scale_bytes, capacity=capacity,
-                num_packets=num_packets, topk=k, expand=expand, out_topk_idx=out_idx,
+                out=out, row_bytes=row_bytes, out_scales=None if in_place else out_scales, scale_bytes=scale_bytes,
+                capacity=capacity, num_packets=num_packets, topk=k, expand=expand, payload_pushed=in_place,
+                out_topk_idx=out_idx,
                 out_topk_weights=None if expand else out_weights, out_row_weights=out_weights if expand else None,
                 row_base=row_base, expert_start=expert_start, tokens_per_expert=tokens_per_expert,
                 real_per_expert=real_per_expert, packet_rows=packet_rows, zero_padding=zero_padding,
@@ -273,7 +315,8 @@ class ElasticBackend(CompiledBackend):
             self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
         layout = ElasticLayout(send_slot=send_slot, topk_idx=routing.topk_idx, num_packets=num_packets,
                                total_packets=totals[1:2], total_rows=totals[0:1], row_base=row_base,
-                               expert_start=expert_start, packet_rows=packet_rows, bad_expert_ids=bad_ids, topk=k,
+                               expert_start=expert_start, packet_rows=packet_rows, bad_expert_ids=bad_ids,
+                               dest_base=dest_base, topk=k,
                                expand=expand, zero_padding=zero_padding, capacity=capacity)
         handle = Handle(
             backend=self, num_tokens=T, hidden_size=H, hidden_dtype=torch.bfloat16,
@@ -331,24 +374,63 @@ class ElasticBackend(CompiledBackend):
     def _dispatch_again(self, hidden, handle: Handle) -> torch.Tensor:
         return self._cached_dispatch(hidden, handle).hidden
 
+    def _buffer_rows(self, offset: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, width] of ``dtype`` over this rank's buffer at ``offset`` (fp8 as bytes, reinterpreted)."""
+        if dtype == torch.float8_e4m3fn:
+            return self.buffer.region_tensor(offset, (rows, width), torch.uint8).view(dtype)
+        return self.buffer.region_tensor(offset, (rows, width), dtype)
+
+    def combine_input(self, handle: Handle) -> torch.Tensor:
+        """The combine input of ``handle`` inside this rank's buffer: [rows, H] bf16, compact form only.
+
+        Write the expert output there and pass this tensor to ``combine(rows, handle)``: the source
+        ranks then read each row where it is (no copy on the expert side). Valid from the dispatch of
+        ``handle`` until its combine; another op on this backend in between may overwrite it, and
+        the memory goes with ``destroy()``. Every rank of the combine must pass its own.
+        """
+        self.check_handle(handle)
+        layout: ElasticLayout = handle.layout
+        if layout.expand:
+            raise ValueError("combine_input needs a compact dispatch (expand=False): expanded rows are summed "
+                             "per packet on the expert rank before they travel")
+        rows = self._buffer_rows(self.regions.off_comb_data, layout.capacity, self.hidden_size, torch.bfloat16)
+        layout.combine_input = weakref.ref(rows)
+        return rows
+
+    def _in_place(self, rows: torch.Tensor, layout: ElasticLayout) -> bool:
+        """Whether ``rows`` is the combine input in this rank's buffer (then it is read in place)."""
+        if layout.expand:
+            return False
+        if layout.combine_input is not None and layout.combine_input() is rows:
+            return True  # also decides an empty input, whose address says nothing
+        return rows.numel() > 0 and rows.data_ptr() == self.buffer.raw.region_address + self.regions.off_comb_data
+
     def _combine(self, rows, handle: Handle, row_probs, bias=None) -> CombineOutput:
         self.buffer.raise_if_failed()
         layout: ElasticLayout = handle.layout
         T, k, dev = handle.num_tokens, layout.topk, self.device
+        in_place = self._in_place(rows, layout)
+        op = OP_COMBINE_IN_PLACE if in_place else OP_COMBINE
         with nvtx_range("ep.elastic.combine.handshake"):
-            self._exchange(PHASE_COMBINE, self._fingerprint(OP_COMBINE, dtype=rows.dtype, probs=row_probs is not None,
+            self._exchange(PHASE_COMBINE, self._fingerprint(op, dtype=rows.dtype, probs=row_probs is not None,
                                                             handle=handle))
-        with nvtx_range("ep.elastic.combine.send"):
-            rows = self._aligned(rows)
-            self._keep_on_stream(rows, row_probs, bias)
-            send = self._C.elastic.CombineSendArgs(rows=rows, slot_values=row_probs, num_packets=layout.num_packets,
-                                                   packet_rows=layout.packet_rows if layout.expand else None, topk=k)
-            self._C.elastic.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
+        rows_in = None if in_place else self._aligned(rows)  # in place: the buffer is read, not the tensor
+        self._keep_on_stream(rows_in, row_probs, bias)
+        # In place, only the routed-back values (if any) travel ahead of the receive.
+        send_needed = not in_place or row_probs is not None
+        if send_needed:
+            with nvtx_range("ep.elastic.combine.send"):
+                send = self._C.elastic.CombineSendArgs(rows=rows_in, slot_values=row_probs,
+                                                       num_packets=layout.num_packets,
+                                                       packet_rows=layout.packet_rows if layout.expand else None,
+                                                       topk=k)
+                self._C.elastic.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
         with nvtx_range("ep.elastic.combine.receive"):
             out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
             values = torch.empty(T, k, dtype=torch.float32, device=dev) if row_probs is not None else None
             receive = self._C.elastic.CombineRecvArgs(out=out, bias=bias, out_topk_values=values,
                                                       send_slot=layout.send_slot, topk_idx=layout.topk_idx, topk=k,
-                                                      num_tokens=T)
+                                                      num_tokens=T, dest_base=layout.dest_base if in_place else None,
+                                                      wait_for_send=send_needed)
             self._C.elastic.combine_recv(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
         return CombineOutput(out, values)

@@ -25,7 +25,10 @@ every rank's time). --graph also times CUDA-graph replays of one captured non-bl
 dispatch and one combine (rows with mode nonblocking+graph; CUDA and graph-capable backends).
 
 Defaults follow the machine: --device cuda with a GPU, else cpu (with the small cpu preset);
---backends every backend that can run there.
+--backends every backend that can run there. A backend name with "+in_place" (e.g. elastic+in_place)
+times that backend with dispatch rows written by the sources into the receivers' buffers
+(``in_place=True``: views, valid until the next such dispatch) and combine rows already in the
+backend's buffer (``combine_input``: the expert wrote its output there).
 
 Writes a table to stdout (last), and under --out (default ./bench_out, which the repository's
 .gitignore covers): bench.json (every sample + environment) and PNG plots (GB/s vs tokens; GB/s
@@ -40,6 +43,7 @@ import os
 import sys
 from typing import Optional
 
+import ep_plugin
 from ep_plugin.cli import OneLineParser, available_backends, backend_problem, default_device, device_problem
 
 from .report import attach_reference_ratio, format_table, summarize, write_json, write_plots
@@ -145,9 +149,12 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
     if not backends:
         return f"no backend can run on {args.device} here"
     for name in backends:
-        problem = backend_problem(name, args.device)
+        base, plus, variant = name.partition("+")
+        problem = backend_problem(base, args.device)
         if problem:
             return f"--backends: {problem}"
+        if plus and (variant != "in_place" or not hasattr(ep_plugin.get_backend(base), "combine_input")):
+            return f"--backends: {name}: '+in_place' is the only variant, for a backend with combine_input (elastic)"
     allowed = {"payloads": {"bf16", "fp8"}, "routings": {"balanced", "skewed"}, "modes": {"blocking", "nonblocking"}}
     for key, choices in allowed.items():
         unknown = set(_words(getattr(args, key))) - choices

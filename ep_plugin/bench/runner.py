@@ -112,10 +112,15 @@ class _Timer:
 
 
 class _Calls:
-    """One case's inputs and its two ops; combine consumes the latest dispatch's output."""
+    """One case's inputs and its two ops; combine consumes the latest dispatch's output. ``in_place``:
+    dispatch writes its rows into the receivers' buffers (``in_place=True``) and combine reads rows
+    from the backend's own buffer (``combine_input``), filled once; the expert's write of its output
+    there belongs to the expert, not to the combine."""
 
-    def __init__(self, backend, shape: Shape, rank: int, seed: int, device: torch.device) -> None:
-        self.backend, self.shape, self.device = backend, shape, device
+    def __init__(self, backend, shape: Shape, rank: int, seed: int, device: torch.device,
+                 in_place: bool = False) -> None:
+        self.backend, self.shape, self.device, self.in_place = backend, shape, device, in_place
+        self._filled = False
         if "routing_map" in backend.capabilities.routing_forms:
             routing_map, probs = make_routing(shape, rank, seed, device)
             self.routing = dict(routing_map=routing_map, probs=probs)
@@ -127,7 +132,8 @@ class _Calls:
 
     def dispatch(self) -> None:
         self.out = None  # free the previous output first: non-blocking outputs are worst-case sized
-        self.out = self.backend.dispatch(self.hidden, **self.routing)
+        options = dict(in_place=True) if self.in_place else {}
+        self.out = self.backend.dispatch(self.hidden, **self.routing, **options)
 
     def combine(self) -> None:
         self.combined = None
@@ -135,6 +141,15 @@ class _Calls:
 
     def combine_rows(self) -> torch.Tensor:
         """The dispatch output, or for fp8 dispatch bf16 rows of the same count (what combine takes)."""
+        if self.in_place:
+            rows = self.backend.combine_input(self.out.handle)
+            if not self._filled:  # nothing else writes there in this mode: one fill serves every iteration
+                rows.copy_(self._separate_rows())
+                self._filled = True
+            return rows
+        return self._separate_rows()
+
+    def _separate_rows(self) -> torch.Tensor:
         rows = self.out.hidden
         if not isinstance(rows, tuple):
             return rows
@@ -196,10 +211,10 @@ def _capture_graphs(calls: _Calls, side: torch.cuda.Stream) -> tuple:
     return dispatch_graph, combine_graph
 
 
-def _time_graph_replays(ctx: RankContext, spec: SweepSpec, backend, shape: Shape,
-                        device: torch.device) -> tuple[list[list[float]], Optional[str]]:
+def _time_graph_replays(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device: torch.device,
+                        in_place: bool = False) -> tuple[list[list[float]], Optional[str]]:
     """Samples of graph replays, or ([], the error) when capture failed on any rank."""
-    calls = _Calls(backend, shape, ctx.rank, spec.seed, device)
+    calls = _Calls(backend, shape, ctx.rank, spec.seed, device, in_place)
     side = _warm_up_for_capture(calls, spec.warmup, device)  # eager ops: their errors are real failures
     error = graphs = None
     try:
@@ -322,14 +337,17 @@ def _scaleout_fields(backend, shape: Shape, num_ranks: int, seed: int) -> dict:
 
 
 def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, shared_gpu: bool,
-              ceiling_cache: dict[int, float]) -> dict:
+              ceiling_cache: dict[int, float], in_place: bool = False) -> dict:
     """Time one shape on every rank; rank 0 also times the ceiling. Returns the record (complete on rank 0)."""
     iters = spec.reference_iters if backend.name == "reference" else spec.iters
-    calls = _Calls(backend, shape, ctx.rank, spec.seed, device)
+    calls = _Calls(backend, shape, ctx.rank, spec.seed, device, in_place)
     samples = _time_pairs(calls.dispatch, calls.combine, device, spec.warmup, iters, spec.sync_each_iter)
     del calls  # free the last outputs before the ceiling's copy
     all_samples = _gather(samples, ctx.world_size)
-    case_bytes = _case_bytes(type(backend), shape, ctx.world_size, spec.seed)
+    # Across domains the outputs are the domain backend's flat ones (its byte model); the rails' bytes
+    # are reported apart (_scaleout_fields).
+    case_bytes = _case_bytes(getattr(backend, "domain_backend_class", type(backend)), shape, ctx.world_size,
+                             spec.seed)
     out_bytes = case_bytes["bytes"]["out_bytes"]
     combine_bytes = sum(out_bytes) // shape.row_bytes() * 2 * shape.hidden  # bf16 rows back
     ceilings = {}
@@ -345,9 +363,9 @@ def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, 
                 ceiling_us=ceilings, one_gpu_per_rank=one_gpu_per_rank, **case_bytes)
 
 
-def _run_graph_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device) -> dict:
+def _run_graph_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, in_place: bool = False) -> dict:
     """Samples of CUDA-graph replays (all ranks) and the capture error, if any, for one shape."""
-    samples, error = _time_graph_replays(ctx, spec, backend, shape, device)
+    samples, error = _time_graph_replays(ctx, spec, backend, shape, device, in_place)
     all_samples = _gather(samples, ctx.world_size)
     _barrier(device)
     return dict(samples_us=all_samples, graph_error=error)
@@ -372,7 +390,8 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
         progress = tqdm(total=total, desc="bench", unit="case")
     ceiling_cache: dict[int, float] = {}
     for name, hidden, experts, sms, mode, scaleup in plan:
-        cls = ep_plugin.get_backend(name)
+        base_name, _, variant = name.partition("+")  # "elastic+in_place": combine rows in the buffer
+        cls = ep_plugin.get_backend(base_name)
         config = Config.from_env(num_sms=sms, blocking=(mode == "blocking"), max_tokens_per_rank=max(spec.tokens),
                                  **{"scaleup_size": scaleup, **spec.extra_config})
         backend = None
@@ -384,10 +403,16 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                 continue
             if backend is None:  # built lazily: a backend owns large buffers
                 try:
-                    backend = cls(hidden_size=hidden, num_experts=experts, config=config, device=device)
+                    options = dict(in_place_dispatch=True) if variant == "in_place" else {}
+                    backend = cls(hidden_size=hidden, num_experts=experts, config=config, device=device, **options)
                 except ValueError as error:  # e.g. 8 ranks x 24 SMs do not fit one GPU: same on every rank
                     if ctx.rank == 0:
                         print(f"skipped {name} sms={sms} {mode} H={hidden}: {error}", flush=True)
+                    break
+                if variant == "in_place" and backend.topology.is_hierarchical:  # rows in a buffer: one domain
+                    if ctx.rank == 0:
+                        print(f"skipped {name} at {backend.topology.describe()}: in-place rows live in one domain's "
+                              f"buffer", flush=True)
                     break
             shape = Shape(tokens, hidden, topk, experts, payload, routing)
             short = _memory_shortfall(ctx, shape, device, spec.seed)
@@ -395,16 +420,19 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                 if ctx.rank == 0:
                     print(f"skipped {name} {mode} {shape}: {short}", flush=True)
                 continue
-            if mode == "nonblocking" and name == "hybrid":
-                backend.config = backend.config.replace(num_permuted_tokens=_tight_budget(shape, ctx.world_size,
-                                                                                          spec.seed))
-            record = _run_case(ctx, spec, backend, shape, device, shared_gpu, ceiling_cache)
+            if mode == "nonblocking" and base_name == "hybrid":
+                budgeted = getattr(backend, "domain", backend)  # across domains the domain backend has the output
+                budgeted.config = budgeted.config.replace(num_permuted_tokens=_tight_budget(shape, ctx.world_size,
+                                                                                            spec.seed))
+            record = _run_case(ctx, spec, backend, shape, device, shared_gpu, ceiling_cache,
+                               in_place=variant == "in_place")
             record.update(backend=name, mode=mode, sms=sms if name != "reference" else None,
                           **_scaleout_fields(backend, shape, ctx.world_size, spec.seed))
             records.append(record)
-            if _graph_applies(spec, cls, mode, device):
+            if _graph_applies(spec, backend, mode, device):  # the instance: none across domains
                 # Same shape, same backend: only the samples differ from the eager record.
-                records.append({**record, **_run_graph_case(ctx, spec, backend, shape, device), "mode": GRAPH_MODE})
+                graph = _run_graph_case(ctx, spec, backend, shape, device, in_place=variant == "in_place")
+                records.append({**record, **graph, "mode": GRAPH_MODE})
         if backend is not None:
             backend.destroy()
             del backend

@@ -32,8 +32,8 @@ logger = logging.getLogger("ep_plugin")
 # Defaults for a bandwidth nobody could measure, in GB/s (10^9 bytes) per GPU and direction.
 DEFAULT_NVLINK_GBYTES_PER_S = 450.0  # 18 NVLink-4 links x 25 GB/s (H100 / H200)
 DEFAULT_SCALEOUT_GBYTES_PER_S = 50.0  # one 400 Gb/s NIC per GPU
-# Per-SM copy rates of DeepEP V2's rule, GB/s. Our hybrid kernels measured ~20 GB/s per SM
-# (benchmarks/NOTES.md); a backend passes its own rates when it knows them.
+# Per-SM copy rates of DeepEP V2's rule, GB/s. Our kernels measured 13-20 GB/s per SM
+# (benchmarks/NOTES.md) and pass their own rates (CompiledBackend.sm_*_gbytes_per_s).
 SM_READ_GBYTES_PER_S = 200.0
 SM_WRITE_GBYTES_PER_S = 50.0
 HEADROOM = 1.25

@@ -70,6 +70,13 @@ class SymmetricBuffer:
     def total_bytes(self) -> int:
         return self._buffer.total_bytes
 
+    def region_tensor(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor over this rank's backend regions at byte ``offset`` (no copy). It keeps this
+        wrapper alive, but its memory is valid only until ``destroy()``."""
+        memory = _DeviceMemory(self.raw.region_address + offset, shape, _TYPESTRS[dtype], owner=self)
+        tensor = torch.as_tensor(memory, device=self.device)
+        return tensor.view(dtype) if dtype == torch.bfloat16 else tensor
+
     def mailbox(self, first: int, count: int = 1) -> list[int]:
         """Values a kernel published for the host (read after an event wait on that kernel)."""
         return self._buffer.mailbox(first, count)
@@ -117,3 +124,17 @@ class SymmetricBuffer:
         dist.barrier(group=self.group)  # ... and so are everyone's into ours
         self._buffer.destroy()
         self._destroyed = True
+
+
+# bf16 has no typestr: it travels as int16 and is reinterpreted on the torch side.
+_TYPESTRS = {torch.bfloat16: "<i2", torch.float32: "<f4", torch.int32: "<i4", torch.int64: "<i8", torch.uint8: "|u1"}
+
+
+class _DeviceMemory:
+    """Device memory described by ``__cuda_array_interface__`` (how torch wraps it without a copy);
+    torch keeps this object, and with it ``owner``, alive as long as the tensor."""
+
+    def __init__(self, address: int, shape: tuple[int, ...], typestr: str, owner) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {"data": (address, False), "shape": tuple(shape), "typestr": typestr,
+                                         "version": 3, "strides": None, "stream": None}

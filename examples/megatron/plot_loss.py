@@ -1,7 +1,8 @@
 """Plot the loss curves of train_gpt_moe.py runs into one PNG and print how far they differ.
 
-    python examples/megatron/plot_loss.py hybrid.json alltoall.json --out loss.png
+    python examples/megatron/plot_loss.py hybrid.json alltoall.json --out loss.png [--table]
 
+``--table`` also prints the loss of every step, one column per run (and |difference| to the first).
 Each JSON file is what ``train_gpt_moe.py --out`` wrote. The first file is the baseline of
 the printed differences; the legend names each run by dispatcher, ranks and micro-batches.
 """
@@ -18,11 +19,25 @@ def label(run: dict) -> str:
             f"{run.get('median_tokens_per_s', 0):,.0f} tokens/s)")
 
 
+def print_table(runs: list[dict]) -> None:
+    """Step, each run's loss, and |each later run - the first| (one row per step all runs reached)."""
+    names = [f"{run['args']['dispatcher']} {run['args']['ranks']}x{run['args']['grad_accum']}" for run in runs]
+    header = ["step", *names, *(f"|{name} - {names[0]}|" for name in names[1:])]
+    widths = [max(len(title), 8) for title in header]
+    print("  ".join(title.rjust(width) for title, width in zip(header, widths, strict=True)))
+    for step in range(min(len(run["losses"]) for run in runs)):
+        losses = [run["losses"][step] for run in runs]
+        differences = (f"{abs(loss - losses[0]):.4f}" for loss in losses[1:])
+        cells = [str(step), *(f"{loss:.4f}" for loss in losses), *differences]
+        print("  ".join(cell.rjust(width) for cell, width in zip(cells, widths, strict=True)))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="JSON files written by train_gpt_moe.py --out")
     parser.add_argument("--out", default="loss.png")
     parser.add_argument("--title", default="GPT-MoE on synthetic data: training loss")
+    parser.add_argument("--table", action="store_true", help="print every step's loss, one column per run")
     args = parser.parse_args(argv)
 
     runs = []
@@ -47,6 +62,8 @@ def main(argv=None) -> None:
     figure.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
 
+    if args.table:
+        print_table(runs)
     baseline = runs[0]["losses"]
     for path, run in zip(args.runs[1:], runs[1:], strict=True):
         steps = min(len(baseline), len(run["losses"]))

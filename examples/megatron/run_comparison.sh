@@ -10,9 +10,9 @@
 # train_gpt_moe.py), because Megatron's alltoall dispatcher needs NCCL, which refuses two
 # ranks on one GPU. With one GPU per rank, set A2A_RANKS=RANKS to run alltoall on RANKS ranks.
 #
-# Installs what is missing into $EP_SITE (default /tmp/site): megatron-core from a wheel in
-# .whl/ (megatron_core-0.19.x-cp312-...whl; its needs torch, numpy, packaging are on the
-# image) and this repository (building ep_plugin._C with nvcc).
+# Installs what is missing into $EP_SITE (default /tmp/site; examples/install_site.sh): megatron-core
+# from a wheel in .whl/ (megatron_core-0.19.x-cp312-...whl; its needs torch, numpy, packaging are on
+# the image) and this repository (building ep_plugin._C with nvcc).
 set -euo pipefail
 OUT_DIR=${1:?usage: run_comparison.sh OUT_DIR [STEPS] [RANKS] [BACKEND]}
 STEPS=${2:-50}
@@ -21,21 +21,9 @@ BACKEND=${4:-ep_hybrid}
 A2A_RANKS=${A2A_RANKS:-1}
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
-SITE=${EP_SITE:-/tmp/site}
-mkdir -p "$OUT_DIR" "$SITE"
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-
-if ! python3 -c "import megatron.core" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-        "$ROOT"/.whl/megatron_core-*.whl
-fi
-if ! python3 -m pip install -q --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
-        --target "$SITE" "$ROOT" > "$OUT_DIR/build.log" 2>&1; then
-    echo "ep_plugin: building the CUDA extension failed (see $OUT_DIR/build.log); installing without it:" \
-         "only ep_reference will be available" >&2
-    EP_PLUGIN_NO_CUDA=1 python3 -m pip install -q --no-deps --no-build-isolation --no-compile --no-cache-dir \
-        --upgrade --target "$SITE" "$ROOT"
-fi
+# shellcheck source=../install_site.sh
+source "$ROOT/examples/install_site.sh"
+install_site "$OUT_DIR" megatron.core "$ROOT"/.whl/megatron_core-*.whl
 python3 -c "import megatron.core, ep_plugin, torch; print('megatron-core', megatron.core.__version__, \
 '| ep_plugin backends', ep_plugin.list_backends(), '| torch', torch.__version__)"
 

@@ -150,7 +150,9 @@ def is_expert_parameter(name: str) -> bool:
     return ".experts." in name
 
 
-def train_rank(ctx, args) -> dict:
+def train_rank(ctx, args, build=None) -> dict:
+    """One rank's training loop; ``build(args, device) -> (model, config)`` makes the model
+    (default ``build_model``; examples/nemo/bridge_train.py passes a Megatron-Bridge provider's)."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -165,7 +167,7 @@ def train_rank(ctx, args) -> dict:
                                              expert_model_parallel_size=args.ranks)
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-    model, _ = build_model(args, device)
+    model, _ = (build or build_model)(args, device)
     init_weights(model, args, parallel_state.get_expert_model_parallel_rank())
 
     # fp32 master weights; the model computes in --dtype.
@@ -234,12 +236,8 @@ def train_rank(ctx, args) -> dict:
     return {"losses": losses, "tokens_per_s": tokens_per_s}
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    # Spawned ranks import this file by module name.
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from train_gpt_moe import train_rank as rank_function
-
+def run(args, rank_function) -> None:
+    """Run ``rank_function(ctx, args)`` on ``args.ranks`` ranks; print the summary, write ``args.out``."""
     from ep_plugin.testing.launcher import run_ranks
 
     results = run_ranks(rank_function, args.ranks, args, device=args.device, timeout_s=args.timeout_s)
@@ -252,6 +250,15 @@ def main(argv=None) -> None:
         with open(args.out, "w") as handle:
             json.dump({"args": vars(args), "losses": losses, "tokens_per_s": results[0]["tokens_per_s"],
                        "median_tokens_per_s": median_tokens_per_s}, handle, indent=1)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    # Spawned ranks import this file by module name.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from train_gpt_moe import train_rank as rank_function
+
+    run(args, rank_function)
 
 
 if __name__ == "__main__":

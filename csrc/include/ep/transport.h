@@ -111,6 +111,10 @@ class SymmetricBuffer {
   bool bulk_capable() const { return bulk_capable_; }
   int64_t total_bytes() const { return total_bytes_; }
   int64_t header_bytes() const { return view_.sync.bytes; }
+  // Device address of this rank's backend regions (byte 0 after the header); 0 once destroyed.
+  uintptr_t region_address() const {
+    return local_ ? reinterpret_cast<uintptr_t>(local_) + static_cast<uintptr_t>(view_.sync.bytes) : 0;
+  }
 
  private:
   int device_;

@@ -1,20 +1,27 @@
 """NeMo / Megatron-Bridge adapter: the plugin's counterpart of Bridge's flex-dispatcher helper.
 
-Megatron-Bridge's ``apply_flex_dispatcher_backend(model_config, backend)`` switches a model
-provider's config to the flex dispatcher for "deepep"/"hybridep": for a non-MoE model it
-warns and changes nothing; on a GPU whose compute capability is not Ampere/Hopper/Blackwell
-(major 8, 9, 10) it warns and changes nothing, so the config keeps its previous dispatcher;
-otherwise it sets ``moe_token_dispatcher_type="flex"``, ``moe_flex_dispatcher_backend`` and
-``moe_shared_expert_overlap=False`` (the flex dispatcher has no shared-expert overlap).
+Megatron-Bridge's ``apply_flex_dispatcher_backend(model_config, backend)`` (0.6.x) switches a
+model provider's config to the flex dispatcher for "deepep"/"hybridep"/"ncclep":
 
-``apply_ep_plugin_backend`` does the same for "ep_reference", "ep_hybrid", "ep_elastic",
-after ``ep_plugin.integrations.megatron.install()``. "ep_reference" needs no GPU (it runs on
-gloo or NCCL, CPU or GPU); the CUDA backends need a GPU of those generations. Unlike Bridge,
-an unknown name raises (listing the valid ones) instead of warning: a typo in a plugin name
-should not silently train with another dispatcher.
+- a non-MoE model (``num_moe_experts`` unset or 0): warns and changes nothing;
+- no CUDA device visible (a config written on a host without a GPU): sets the flex fields
+  anyway, and leaves the GPU check to ``validate_flex_dispatcher_backend`` on the training node;
+- a GPU the backend does not support (for "hybridep": compute capability major not 8, 9 or 10):
+  warns and falls back to ``moe_token_dispatcher_type="alltoall"``,
+  ``moe_flex_dispatcher_backend=None``;
+- otherwise: ``moe_token_dispatcher_type="flex"``, ``moe_flex_dispatcher_backend=<backend>``,
+  ``moe_shared_expert_overlap=False`` (the flex dispatcher has no shared-expert overlap).
+
+``apply_ep_plugin_backend`` does the same for "ep_reference", "ep_hybrid", "ep_elastic", after
+``ep_plugin.integrations.megatron.install()``; the CUDA backends support the GPUs "hybridep"
+supports, and "ep_reference" needs no GPU (gloo or NCCL, CPU or GPU), so it never falls back.
+Unlike Bridge, an unknown name raises (listing the valid ones) instead of warning: a typo in
+a plugin name should not silently train with another dispatcher. tests/test_nemo_bridge.py
+checks all of this field by field against the real Bridge.
 
     from ep_plugin.integrations.nemo import apply_ep_plugin_backend
-    apply_ep_plugin_backend(recipe.model, "ep_hybrid")   # recipe: a Bridge ConfigContainer
+    cfg = some_moe_recipe_config()                     # a Bridge ConfigContainer
+    apply_ep_plugin_backend(cfg.model, "ep_hybrid")    # instead of apply_flex_dispatcher_backend
 """
 
 from __future__ import annotations
@@ -26,10 +33,13 @@ from ..megatron import PLUGIN_BACKENDS, install
 
 logger = logging.getLogger(__name__)
 
-# Compute-capability majors the CUDA backends support: Ampere, Hopper, Blackwell (as in Bridge).
+# Compute-capability majors the CUDA backends support: Ampere, Hopper, Blackwell (Bridge's
+# list for "hybridep").
 SUPPORTED_CC_MAJORS = (8, 9, 10)
 # Plugin names that run without a GPU.
 CPU_CAPABLE = ("ep_reference",)
+# What Bridge falls back to when the requested flex backend cannot run on this GPU.
+FALLBACK_DISPATCHER = "alltoall"
 
 
 def _is_rank_zero() -> bool:
@@ -75,8 +85,10 @@ def apply_ep_plugin_backend(model_config, moe_flex_dispatcher_backend: str | Non
         model_config: a Megatron TransformerConfig (or a Bridge model provider, which is one).
         moe_flex_dispatcher_backend: "ep_reference", "ep_hybrid" or "ep_elastic".
     Returns:
-        True when the config was changed; False when it was left as it was (non-MoE model, or a
-        GPU the backend does not support — a warning on rank 0 says which).
+        True when the config now selects the backend (also without a visible GPU, as Bridge
+        does: ``validate_ep_plugin_backend`` checks the GPU where the job runs). False for a
+        non-MoE model (config unchanged) and for a GPU the backend does not support (config
+        falls back to alltoall, as Bridge's does); a warning on rank 0 says which.
     Raises:
         ValueError: an unknown name (the message lists the valid ones).
         ImportError: megatron-core is not installed.
@@ -88,9 +100,13 @@ def apply_ep_plugin_backend(model_config, moe_flex_dispatcher_backend: str | Non
         _warn(f"{moe_flex_dispatcher_backend} applies to MoE models only and this config has no "
               "num_moe_experts; leaving the dispatcher unchanged.")
         return False
-    problem = gpu_problem(moe_flex_dispatcher_backend)
+    import torch
+
+    problem = gpu_problem(moe_flex_dispatcher_backend) if torch.cuda.is_available() else None
     if problem is not None:
-        _warn(f"{problem}; leaving the dispatcher unchanged ({model_config.moe_token_dispatcher_type}).")
+        _warn(f"{problem}; falling back to {FALLBACK_DISPATCHER}.")
+        model_config.moe_token_dispatcher_type = FALLBACK_DISPATCHER
+        model_config.moe_flex_dispatcher_backend = None
         return False
     model_config.moe_token_dispatcher_type = "flex"
     model_config.moe_flex_dispatcher_backend = moe_flex_dispatcher_backend
@@ -101,8 +117,9 @@ def apply_ep_plugin_backend(model_config, moe_flex_dispatcher_backend: str | Non
 def validate_ep_plugin_backend(model_config) -> None:
     """Raise if ``model_config`` selects an ep_plugin backend this machine cannot run.
 
-    The counterpart of Bridge's ``validate_flex_dispatcher_backend``; call it after the
-    config is final (e.g. after command-line overrides).
+    The counterpart of Bridge's ``validate_flex_dispatcher_backend`` (which passes the plugin's
+    names through unchecked); call it where the job runs, after the config is final (e.g. after
+    command-line overrides).
     """
     if getattr(model_config, "moe_token_dispatcher_type", None) != "flex":
         return
