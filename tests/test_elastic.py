@@ -620,8 +620,8 @@ def delayed_reader(ctx, use_helper: bool) -> dict:
 def test_sync_free_output_survives_a_delayed_side_stream_reader():
     results = run_ranks(delayed_reader, 2, True, device="cuda", timeout_s=180)
     # The reader was still pending when the main stream's later work had finished: the window was open.
-    assert [(r["correct"], r["reused_before_read"], r["reader_pending"]) for r in results] == [(True, False, True)] * 2, \
-        results
+    outcome = [(r["correct"], r["reused_before_read"], r["reader_pending"]) for r in results]
+    assert outcome == [(True, False, True)] * 2, results
 
 
 def test_negative_control_without_record_stream_reads_other_rows():
