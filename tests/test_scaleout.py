@@ -194,9 +194,10 @@ def check_compact_form(ctx) -> list[str]:
     return checked
 
 
-def disagreement_across_domains(ctx) -> tuple[str, bool]:
-    """2x4: rank 0 dispatches float64 rows, the others float32. Its rail (ranks 0 and 4) sees it; every
-    rank must raise EPError (the rail's ranks tell their domains), and the backend stays usable."""
+def disagreement_across_domains(ctx) -> tuple[str, str, bool]:
+    """2x4: rank 0 dispatches float64 rows, the others float32; later rank 0 combines two handles in the
+    opposite order. Its rail (ranks 0 and 4) sees it; every rank must raise EPError at once (the rail's
+    ranks tell their domains; no domain peer waits for a timeout), and the backend stays usable."""
     backend = _reference(topology=Topology(NUM_RANKS, 4, ctx.rank))
     problem = make_problem(7, _tokens(0), HIDDEN, NUM_EXPERTS, 2, integer_valued=True)
     hidden = problem.hidden[ctx.rank]
@@ -205,10 +206,19 @@ def disagreement_across_domains(ctx) -> tuple[str, bool]:
         message = "no error"
     except ep_plugin.EPError as exc:
         message = str(exc)
-    out = backend.dispatch(hidden, **_routing(problem, ctx.rank, "topk"))
-    usable = torch.equal(backend.combine(out.hidden, out.handle).hidden,
+    routing = _routing(problem, ctx.rank, "topk")
+    first, second = backend.dispatch(hidden, **routing), backend.dispatch(hidden * 2, **routing)
+    try:
+        out = second if ctx.rank == 0 else first
+        backend.combine(out.hidden, out.handle)
+        combine_message = "no error"
+    except ep_plugin.EPTimeoutError as exc:
+        combine_message = f"timeout: {exc}"
+    except ep_plugin.EPError as exc:
+        combine_message = str(exc)
+    usable = torch.equal(backend.combine(first.hidden, first.handle).hidden,
                          hidden * (problem.topk_idx[ctx.rank] >= 0).sum(1, keepdim=True).to(hidden.dtype))
-    return message, usable
+    return message, combine_message, usable
 
 
 def compact_and_disagreement(ctx) -> tuple:
@@ -218,12 +228,14 @@ def compact_and_disagreement(ctx) -> tuple:
 def test_compact_form_across_domains_equals_flat_and_ranks_that_disagree_all_raise():
     results = run_ranks(compact_and_disagreement, NUM_RANKS, timeout_s=300)
     assert all(len(checked) == 6 for checked, _ in results), results
-    for rank, (_, (message, usable)) in enumerate(results):
-        if rank in (0, 4):  # rail 0 saw the dtypes differ
+    for rank, (_, (message, combine_message, usable)) in enumerate(results):
+        if rank in (0, 4):  # rail 0 saw the dtypes differ, then the handles
             assert "ranks disagree on dispatch" in message and "dtype" in message and "rail 0" in message, message
-        else:
+            assert "ranks disagree on combine" in combine_message and "handle_id" in combine_message, combine_message
+        else:  # told by their domain: the counts flag (dispatch), the barrier in place of combine
             assert "found that ranks disagree on the op" in message and "domain" in message, (rank, message)
-        assert usable, f"rank {rank}: the backend is not usable after the disagreement"
+            assert "disagree" in combine_message and "barrier" in combine_message, (rank, combine_message)
+        assert usable, f"rank {rank}: the backend is not usable after the disagreements"
 
 
 # ---- the barrier is global: rail barrier, then domain barrier -------------------------------------

@@ -45,7 +45,9 @@ domain named. After any of them the backend is unusable (build a new one on a ne
 Ranks that disagree on a dispatch (blocking mode: the rail count exchange carries the op fingerprint
 and row width) raise ``EPError`` on every rank: the rail that saw it moves no payload and flags it in
 the domain's counts exchange, so every rank of both domains stops there, and the backend stays usable.
-For combine and dispatch_again the rail's ranks raise and their domain peers time out naming them.
+For combine and dispatch_again the rail's ranks that saw it meet their domain peers with a barrier in
+place of the op, so the domain backend finds two different ops and raises ``EPError`` on those peers
+too (``reference`` at once, the compiled backends at their next sync point) instead of a timeout.
 
 Costs and limits: the rail stages, the reorder and the sums are torch ops and host-issued
 collectives around the domain backend's kernels; on a gloo rail CUDA tensors are staged through
@@ -520,9 +522,15 @@ class HierarchicalBackend(Backend):
     def _rail_open(self, fingerprint: OpFingerprint, row_bytes: int, send_counts: list[int], where: str, *,
                    expected: Optional[list[int]] = None) -> RailSplits:
         """``_rail_agreement`` that raises EPError on the rail's ranks when they disagree (combine and
-        dispatch_again: the other ranks learn of it at their next op's exchange or timeout)."""
+        dispatch_again). Before it raises, this rank runs a domain barrier where its domain peers run the
+        op's domain step: their domain backend sees the two ops differ and raises EPError there too (a
+        domain whose ranks all saw it just meets in the barrier)."""
         splits, disagreement = self._rail_agreement(fingerprint, row_bytes, send_counts, where, expected=expected)
         if disagreement is not None:
+            try:
+                self.domain.barrier()
+            except EPError:
+                pass  # a domain peer ran the op's domain step: the mismatch this barrier is for
             raise EPError(disagreement)
         return splits
 
