@@ -307,8 +307,8 @@ class ElasticBackend(CompiledBackend):
             receive = self._C.elastic.ReceiveArgs(
                 out=out, row_bytes=row_bytes, out_scales=None if in_place else out_scales, scale_bytes=scale_bytes,
                 capacity=capacity, num_packets=num_packets, topk=k, expand=expand, payload_pushed=in_place,
-                out_topk_idx=out_idx,
-                out_topk_weights=None if expand else out_weights, out_row_weights=out_weights if expand else None,
+                out_topk_idx=out_idx, out_topk_weights=None if expand else out_weights,
+                out_row_weights=out_weights if expand else None,
                 row_base=row_base, expert_start=expert_start, tokens_per_expert=tokens_per_expert,
                 real_per_expert=real_per_expert, packet_rows=packet_rows, zero_padding=zero_padding,
                 bulk_copy=self._bulk)
@@ -316,8 +316,8 @@ class ElasticBackend(CompiledBackend):
         layout = ElasticLayout(send_slot=send_slot, topk_idx=routing.topk_idx, num_packets=num_packets,
                                total_packets=totals[1:2], total_rows=totals[0:1], row_base=row_base,
                                expert_start=expert_start, packet_rows=packet_rows, bad_expert_ids=bad_ids,
-                               dest_base=dest_base, topk=k,
-                               expand=expand, zero_padding=zero_padding, capacity=capacity)
+                               dest_base=dest_base, topk=k, expand=expand, zero_padding=zero_padding,
+                               capacity=capacity)
         handle = Handle(
             backend=self, num_tokens=T, hidden_size=H, hidden_dtype=torch.bfloat16,
             probs_shape=routing.probs_shape if probs is not None else None, num_experts=self.num_experts,
