@@ -302,6 +302,18 @@ class Backend(abc.ABC):
                      shape=(data.shape[0], self.hidden_size // self.FP8_BLOCK), device=self.device)
         return data
 
+    def check_cached_input(self, hidden, handle: Handle) -> torch.Tensor:
+        """Validate the input of a cached dispatch (``dispatch(hidden, handle=...)``): the handle, and
+        [T, H] rows (or an FP8 pair) with the handle's T. Returns the data tensor."""
+        self.check_handle(handle)
+        if not isinstance(hidden, (tuple, list)):
+            self.check_hidden("hidden", hidden, handle.num_tokens)
+            return hidden
+        data = self.check_fp8_hidden(hidden)
+        if data.shape[0] != handle.num_tokens:
+            raise ValueError(f"hidden has {data.shape[0]} rows; the handle expects {handle.num_tokens}")
+        return data
+
     def check_options(self, op: str, options: dict, known: tuple[str, ...]) -> None:
         unknown = sorted(set(options) - set(known))
         if unknown:

@@ -334,13 +334,8 @@ class ElasticBackend(CompiledBackend):
 
     def _cached_dispatch(self, hidden, handle: Handle) -> DispatchOutput:
         """Send new rows along a previous dispatch's layout: no layout, no count exchange."""
-        self.check_handle(handle)
+        data = self.check_cached_input(hidden, handle)
         fp8 = isinstance(hidden, (tuple, list))
-        data = self.check_fp8_hidden(hidden) if fp8 else hidden
-        if not fp8:
-            self.check_hidden("hidden", data, handle.num_tokens)
-        elif data.shape[0] != handle.num_tokens:
-            raise ValueError(f"hidden has {data.shape[0]} rows; the handle expects {handle.num_tokens}")
         self.buffer.raise_if_failed()
         layout: ElasticLayout = handle.layout
         scales = hidden[1] if fp8 else None

@@ -322,13 +322,8 @@ class HierarchicalBackend(Backend):
 
     def _cached_dispatch(self, hidden, handle: Handle) -> DispatchOutput:
         """``dispatch(hidden, handle=...)``: no layout, no count exchange; FP8 where the domain backend takes it."""
-        self.check_handle(handle)
+        data = self.check_cached_input(hidden, handle)
         fp8 = isinstance(hidden, (tuple, list))
-        data = self.check_fp8_hidden(hidden) if fp8 else hidden
-        if not fp8:
-            self.check_hidden("hidden", data, handle.num_tokens)
-        elif data.shape[0] != handle.num_tokens:
-            raise ValueError(f"hidden has {data.shape[0]} rows; the handle expects {handle.num_tokens}")
         layout: HierarchicalLayout = handle.layout
         where = f"cached dispatch along dispatch #{layout.dispatch_id}"
 
