@@ -97,3 +97,12 @@ def check_foreign_handle(ctx) -> None:
 
 def test_handle_of_another_backend_is_rejected():
     run_ranks(check_foreign_handle, 2, timeout_s=60)
+
+
+def test_expert_alignment_is_deepeps_name_for_pad_multiple():
+    from ep_plugin.backends.base import merge_alignment
+
+    assert merge_alignment(None, None) is None
+    assert merge_alignment(16, None) == 16 and merge_alignment(None, 128) == 128 and merge_alignment(8, 8) == 8
+    with pytest.raises(ValueError, match="disagree"):
+        merge_alignment(16, 128)

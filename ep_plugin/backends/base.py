@@ -59,6 +59,16 @@ def _check_arguments(name: str, capabilities: Capabilities, group: Optional[dist
         raise ValueError(f"backend {name!r} runs on {capabilities.devices}, not on {_default_device(device)}")
 
 
+def merge_alignment(pad_multiple: Optional[int], expert_alignment: Optional[int]) -> Optional[int]:
+    """``expert_alignment`` is DeepEP's name for ``pad_multiple``: one of them, or both equal."""
+    if expert_alignment is None:
+        return pad_multiple
+    if pad_multiple is not None and pad_multiple != expert_alignment:
+        raise ValueError(f"pad_multiple={pad_multiple} and expert_alignment={expert_alignment} disagree; "
+                         "pass one of them")
+    return expert_alignment
+
+
 class Backend(abc.ABC):
     """Dispatch/combine over one expert-parallel process group.
 

@@ -71,7 +71,7 @@ from .. import streams
 from ..agreement import OP_COMBINE, OP_COMBINE_IN_PLACE, OP_DISPATCH, OP_DISPATCH_AGAIN, OpFingerprint
 from ..handle import COMPACT, EXPERT_ROWS, CombineOutput, DispatchOutput, Handle
 from ..routing import ROUTING_MAP, Routing, check_tensor, route_counts
-from .base import Capabilities
+from .base import Capabilities, merge_alignment
 from .compiled import CompiledBackend, nvtx_range
 
 PHASE_NAMES = {
@@ -183,11 +183,7 @@ class ElasticBackend(CompiledBackend):
                 routing arguments, same T).
         Returns: DispatchOutput (see ``ep_plugin.DispatchOutput``).
         """
-        if expert_alignment is not None:
-            if pad_multiple is not None and pad_multiple != expert_alignment:
-                raise ValueError(f"pad_multiple={pad_multiple} and expert_alignment={expert_alignment} disagree; "
-                                 "pass one of them")
-            pad_multiple = expert_alignment
+        pad_multiple = merge_alignment(pad_multiple, expert_alignment)
         if handle is not None:
             if any(v is not None for v in (routing_map, probs, topk_idx, topk_weights, pad_multiple)):
                 raise ValueError("a cached dispatch (handle=...) takes no routing arguments: the handle has them")

@@ -74,7 +74,7 @@ from ..host_collectives import HostCollectives
 from ..routing import ROUTING_MAP, TOPK, Routing, check_tensor
 from ..topology import Topology
 from ..transport.scaleout import RailSplits, RowPacker, ScaleOut, flat_order_index
-from .base import Backend
+from .base import Backend, merge_alignment
 
 _TOPK_FIELD_MAX = 127  # OpFingerprint.topk has 7 bits
 
@@ -160,11 +160,7 @@ class HierarchicalBackend(Backend):
                  expert_alignment: Optional[int] = None, **options) -> DispatchOutput:
         """As the domain backend's dispatch (``Backend.dispatch``); ``handle=`` sends ``hidden`` along a
         previous dispatch's layout (cached dispatch), ``expert_alignment`` is DeepEP's ``pad_multiple``."""
-        if expert_alignment is not None:
-            if pad_multiple is not None and pad_multiple != expert_alignment:
-                raise ValueError(f"pad_multiple={pad_multiple} and expert_alignment={expert_alignment} disagree; "
-                                 "pass one of them")
-            pad_multiple = expert_alignment
+        pad_multiple = merge_alignment(pad_multiple, expert_alignment)
         if handle is not None:
             if any(v is not None for v in (routing_map, probs, topk_idx, topk_weights, pad_multiple)) or options:
                 raise ValueError("a cached dispatch (handle=...) takes no routing arguments: the handle has them")
