@@ -36,7 +36,11 @@ PYBIND11_MODULE(_C, m) {
 
   m.attr("MAILBOX_TOTAL_ROWS") = ep::kMailboxTotalRows;
   m.attr("MAILBOX_TOTAL_PACKETS") = ep::kMailboxTotalPackets;
+  m.attr("MAILBOX_INPUT_FLAGS") = ep::kMailboxInputFlags;
+  m.attr("MAILBOX_FLAGGED_RANKS") = ep::kMailboxFlaggedRanks;
   m.attr("MAILBOX_EXPERT_ROWS") = ep::kMailboxExpertRows;
+  m.attr("INPUT_ID_OUT_OF_RANGE") = ep::kInputIdOutOfRange;
+  m.attr("INPUT_ID_REPEATED") = ep::kInputIdRepeated;
   m.attr("REPORT_TIMEOUT") = static_cast<int>(ep::kReportTimeout);
   m.attr("REPORT_MISMATCH") = static_cast<int>(ep::kReportMismatch);
   m.attr("MAX_RANKS") = ep::kMaxRanks;
@@ -63,6 +67,7 @@ PYBIND11_MODULE(_C, m) {
       .val("fingerprint", &ep::ExchangeArgs::fingerprint)
       .ptr("expert_counts", &ep::ExchangeArgs::expert_counts)
       .ptr("rank_counts", &ep::ExchangeArgs::rank_counts)
+      .ptr("input_flags", &ep::ExchangeArgs::input_flags)
       .val("num_local_experts", &ep::ExchangeArgs::num_local_experts)
       .val("pad_multiple", &ep::ExchangeArgs::pad_multiple)
       .ptr("row_base", &ep::ExchangeArgs::row_base)
@@ -88,7 +93,7 @@ PYBIND11_MODULE(_C, m) {
       .ptr("send_slot", &ep::LayoutArgs::send_slot)
       .ptr("rank_counts", &ep::LayoutArgs::rank_counts)
       .ptr("dense_probs", &ep::LayoutArgs::dense_probs)
-      .ptr("bad_ids", &ep::LayoutArgs::bad_ids)
+      .ptr("input_flags", &ep::LayoutArgs::input_flags)
       .val("max_blocks", &ep::LayoutArgs::max_blocks);
   m.def("layout", &ep::launch_layout, py::arg("args"), py::arg("device"), py::arg("stream"),
         "stage 0 of a dispatch: send slots, k indices and counts in one kernel (no host sync)");

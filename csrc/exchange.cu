@@ -10,7 +10,8 @@
 // the own regions) without further checks. With counts, the block then derives this rank's
 // receive layout: per local expert a segment padded to pad_multiple, and within it the rows of
 // source 0, 1, ... in that order; the totals also go to the host mailbox (blocking mode reads them
-// after an event wait).
+// after an event wait), with every rank's input flags (pushed with the counts): the host refuses a
+// dispatch that any rank flagged, on every rank alike.
 //
 // Waits on: arrive[p] for every rank p (timeout or fingerprint mismatch -> report + abort).
 #include <cuda_runtime.h>
@@ -39,9 +40,13 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(TransportVie
   const unsigned long long seq = s_seq;
 
   if (a.expert_counts != nullptr) {
-    for (int i = threadIdx.x; i < R * (L + 1); i += blockDim.x) {
-      const int p = i / (L + 1), j = i % (L + 1);
-      counts_slot(t, p, seq, t.rank)[j] = j < L ? a.expert_counts[p * L + j] : a.rank_counts[p];
+    int flags = 0;
+    if (a.input_flags != nullptr) {
+      for (int p = 0; p < R; ++p) flags |= a.input_flags[p];
+    }
+    for (int i = threadIdx.x; i < R * (L + 2); i += blockDim.x) {
+      const int p = i / (L + 2), j = i % (L + 2);
+      counts_slot(t, p, seq, t.rank)[j] = j < L ? a.expert_counts[p * L + j] : j == L ? a.rank_counts[p] : flags;
     }
   }
   __syncthreads();
@@ -70,10 +75,18 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(TransportVie
     }
     long long packets = 0;
     for (int r = 0; r < R; ++r) packets += counts_slot(t, t.rank, seq, r)[L];
+    long long flags = 0, flagged_ranks = 0;
+    for (int r = 0; r < R; ++r) {
+      const int from_r = counts_slot(t, t.rank, seq, r)[L + 1];
+      flags |= from_r;
+      if (from_r != 0) flagged_ranks |= 1ll << r;
+    }
     a.total_rows[0] = start;
     if (a.total_packets != nullptr) a.total_packets[0] = packets;
     t.report->mailbox[kMailboxTotalRows] = start;
     t.report->mailbox[kMailboxTotalPackets] = packets;
+    t.report->mailbox[kMailboxInputFlags] = flags;
+    t.report->mailbox[kMailboxFlaggedRanks] = flagged_ranks;
     __threadfence_system();
   }
   __syncthreads();
@@ -92,7 +105,7 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(TransportVie
 void launch_exchange(const SymmetricBuffer& buffer, const ExchangeArgs& args, uintptr_t stream) {
   if (args.expert_counts != nullptr) {
     const int L = args.num_local_experts;
-    if (L < 1 || L > kMaxLocalExperts || L + 1 > buffer.view().sync.count_words)
+    if (L < 1 || L > kMaxLocalExperts || L + 2 > buffer.view().sync.count_words)
       throw std::invalid_argument("ep_plugin: exchange: num_local_experts out of range for this buffer");
     if (args.pad_multiple < 1) throw std::invalid_argument("ep_plugin: exchange: pad_multiple must be >= 1");
     if (!args.rank_counts || !args.row_base || !args.expert_start || !args.tokens_per_expert ||

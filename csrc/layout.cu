@@ -3,8 +3,8 @@
 // From this rank's routing (a [T, E] bool map, or [T, K] top-k ids with optional weights) it writes
 // per token its index within each chosen expert (k_index [T, E]) and its packet slot at each
 // destination rank (send_slot [T, R]), both exclusive prefix counts down a column; the column
-// totals (expert_counts [E], rank_counts [R]); for top-k with weights dense_probs [T, E]; and for a
-// non-blocking top-k dispatch the bad-id flag.
+// totals (expert_counts [E], rank_counts [R]); for top-k with weights dense_probs [T, E]; and for
+// top-k the input flags of each rank column (an id out of range, an expert named twice).
 //
 // Data flow: grid (token chunk y, rank p). Block (y, p) owns rank p's L expert columns and its rank
 // column (send_slot: the OR of those L) for the tokens of chunk y. A prefix count needs the totals
@@ -19,13 +19,13 @@
 // counts each warp's run per column into shared memory, a scan across warps turns those counts into
 // each warp's starting offsets, and pass B walks the run again in token order writing every output
 // element exactly once (row-contiguous stores). The block of the last chunk writes the totals and
-// the bad-id flag (it is the one block that reads every id).
+// its rank's input flags (it is the one block of that rank that reads every id).
 //
 // Lanes: "column lanes" (a step of `rows` tokens; lane = (row, vector of V columns)) count the map
 // and write all outputs; "id lanes" (lane = (row, top-k slot)) count top-k ids. Pass B scatters a
 // top-k step into a per-warp shared tile of column-lane shape first. A token naming an expert twice
-// (possible in non-blocking mode, which skips the host check) chose it once: pass A counts only the
-// last such slot (match_any, or a bitmap when K > 32), and in pass B slots land in the tile in
+// chose it once (flagged; the blocking mode then refuses the dispatch on every rank): pass A counts
+// only the last such slot (match_any, or a bitmap when K > 32), and in pass B slots land in the tile in
 // increasing k, so the prob of the last one wins. Loads in the counting loops are unrolled so that
 // each lane has ~16 in flight: the loops are latency-bound, not bandwidth.
 //
@@ -216,14 +216,15 @@ __device__ void count_map(const LayoutArgs& a, int p, const ColumnLanes<V, G>& l
 }
 
 // Top-k ids: count rank p's experts (and its rank column) over tokens [begin, end). A token naming
-// an expert twice counts it once. Returns whether this lane saw an id outside -1 and [0, E).
-// warm_probs: prefetch the probs of these slots into L1 for pass B.
-__device__ bool count_topk(const LayoutArgs& a, int p, const IdLanes& lanes, int begin, int end, int* totals,
+// an expert twice counts it once. Returns this lane's input flags: kInputIdOutOfRange for an id
+// outside -1 and [0, E), kInputIdRepeated for a slot naming one of p's experts that a later slot of
+// the same token names again. warm_probs: prefetch the probs of these slots into L1 for pass B.
+__device__ int count_topk(const LayoutArgs& a, int p, const IdLanes& lanes, int begin, int end, int* totals,
                            unsigned* bits, bool warm_probs) {
   const int K = a.topk, L = a.num_local_experts, lane = threadIdx.x & 31;
   const int64_t E = static_cast<int64_t>(a.num_ranks) * L;
   const int64_t first = static_cast<int64_t>(p) * L;  // rank p's first expert
-  bool bad = false;
+  bool bad = false, repeated = false;
   int rank_count = 0;
   if (K <= 32) {
     constexpr int kUnroll = 8;
@@ -246,6 +247,7 @@ __device__ bool count_topk(const LayoutArgs& a, int p, const IdLanes& lanes, int
         const unsigned key = hit ? static_cast<unsigned>(lanes.r * kMaxLocalExperts + c) : 0x10000u + lane;
         const unsigned peers = __match_any_sync(kFullMask, key);
         if (hit && (peers >> lane) == 1u) atomicAdd(&totals[c], 1);
+        repeated |= hit && (peers >> lane) > 1u;
         const bool row_any = (__ballot_sync(kFullMask, hit) & lanes.same_row) != 0;
         rank_count += lanes.slot == 0 && row_any;
       }
@@ -263,7 +265,11 @@ __device__ bool count_topk(const LayoutArgs& a, int p, const IdLanes& lanes, int
         const bool hit = c >= 0 && c < L;
         if (hit) {
           const unsigned bit = 1u << (c & 31);
-          if ((atomicOr(&bits[c >> 5], bit) & bit) == 0) atomicAdd(&totals[c], 1);
+          if ((atomicOr(&bits[c >> 5], bit) & bit) == 0) {
+            atomicAdd(&totals[c], 1);
+          } else {
+            repeated = true;
+          }
         }
         any |= __any_sync(kFullMask, hit);
       }
@@ -275,7 +281,7 @@ __device__ bool count_topk(const LayoutArgs& a, int p, const IdLanes& lanes, int
   }
   rank_count = __reduce_add_sync(kFullMask, rank_count);
   if (lane == 0 && rank_count != 0) atomicAdd(&totals[L], rank_count);
-  return bad;
+  return (bad ? kInputIdOutOfRange : 0) | (repeated ? kInputIdRepeated : 0);
 }
 
 // ---- pass B: writing ------------------------------------------------------------------------------
@@ -441,11 +447,11 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(const LayoutA
   const int prefix_begin = min(t0, warp * share), prefix_end = min(t0, prefix_begin + share);
   int* const warp_counts = s.counts + warp * stride;
 
-  bool bad = false;
+  int flags = 0;
   if constexpr (kTopk) {
     const IdLanes ids(a.topk, lane);
-    bad = count_topk(a, p, ids, prefix_begin, prefix_end, s_prefix, s_bits[warp], false);
-    bad |= count_topk(a, p, ids, begin, end, warp_counts, s_bits[warp], a.dense_probs != nullptr);
+    flags = count_topk(a, p, ids, prefix_begin, prefix_end, s_prefix, s_bits[warp], false);
+    flags |= count_topk(a, p, ids, begin, end, warp_counts, s_bits[warp], a.dense_probs != nullptr);
   } else {
     count_map(a, p, columns, prefix_begin, prefix_end, s_prefix);
     count_map(a, p, columns, begin, end, warp_counts);
@@ -482,8 +488,11 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(const LayoutA
   }
   runs.rank = warp_counts[L];
   // Also the barrier before the top-k tiles reuse the offsets' shared memory.
-  const int any_bad = __syncthreads_or(bad);
-  if (kTopk && a.bad_ids != nullptr && last_chunk && p == 0 && threadIdx.x == 0) *a.bad_ids = any_bad != 0;
+  const int out_of_range = __syncthreads_or(flags & kInputIdOutOfRange);
+  const int repeated = __syncthreads_or(flags & kInputIdRepeated);
+  if (kTopk && a.input_flags != nullptr && last_chunk && threadIdx.x == 0) {
+    a.input_flags[p] = (out_of_range ? kInputIdOutOfRange : 0) | (repeated ? kInputIdRepeated : 0);
+  }
 
   if constexpr (kTopk) {
     write_topk(a, p, columns, runs, begin, end, s_bits[warp], s.tiles[warp]);
@@ -548,8 +557,8 @@ void launch_layout(const LayoutArgs& a, int device, uintptr_t stream) {
   require(L >= 1 && L <= kMaxLocalExperts, "num_local_experts must be in [1, 256]");
   require(K >= 0, "topk must be >= 0 (0 = routing-map form)");
   require(a.expert_counts != nullptr && a.rank_counts != nullptr, "expert_counts and rank_counts are required");
-  require(K > 0 || (a.dense_probs == nullptr && a.bad_ids == nullptr),
-          "dense_probs and bad_ids belong to the top-k form");
+  require(K > 0 || (a.dense_probs == nullptr && a.input_flags == nullptr),
+          "dense_probs and input_flags belong to the top-k form");
   if (T > 0) {
     require(a.k_index != nullptr && a.send_slot != nullptr, "k_index and send_slot are required");
     require(K > 0 ? a.topk_idx != nullptr : a.routing_map != nullptr, "the routing input is missing");

@@ -461,6 +461,14 @@ def dispatch_in_place(ctx) -> int:
             elastic.dispatch(twice[me][0], topk_idx=idx, topk_weights=w, in_place=True)
             assert torch.equal(earlier[:n], compact_oracle(me, world, twice, 1)[0]), f"{name}: overwritten"
             checked += 1
+        if blocking:  # the rows are pushed before the count read tells of bad ids: refused anyway
+            inputs = all_inputs(1000, world, 0, hidden, 6, skewed=False, drop_some=False)  # every rank has tokens
+            x, idx, w, _, _ = inputs[me]
+            refuse_bad_ids_on_every_rank(ctx, elastic, x, idx, w, in_place=True)
+            good = elastic.dispatch(x, topk_idx=idx, topk_weights=w, in_place=True)
+            rows, ids = compact_oracle(me, world, inputs, 1)[:2]
+            assert torch.equal(good.hidden, rows) and torch.equal(good.topk_idx, ids), "in place after a refusal"
+            checked += 1
         with pytest.raises(ValueError, match="compact"):
             elastic.dispatch(x, topk_idx=idx, topk_weights=w, in_place=True, expand=True)
         torch.cuda.synchronize()
@@ -489,6 +497,24 @@ def dispatch_in_place(ctx) -> int:
     return checked + 1
 
 
+def refuse_bad_ids_on_every_rank(ctx, backend, x, idx, w, **options) -> None:
+    """Blocking mode checks top-k ids on the device, and the count exchange tells every rank: rank 0's
+    id out of range, then the last rank's expert named twice, refuse the dispatch on every rank (the
+    flagged rank's message names the id or the token, the others' the rank)."""
+    last = ctx.world_size - 1
+    out_of_range, repeated = idx.clone(), idx.clone()
+    if ctx.rank == 0:
+        out_of_range[0, 0] = NUM_EXPERTS + 3
+    if ctx.rank == last:
+        repeated[0, 1] = repeated[0, 0]
+    for bad, flagged, own_text, text in ((out_of_range, 0, f"expert id {NUM_EXPERTS + 3}", "an expert id outside"),
+                                         (repeated, last, "same expert twice", "the same expert twice")):
+        expected = own_text if ctx.rank == flagged else rf"rank\(s\) \[{flagged}\] of the group .*{text}"
+        with pytest.raises(ValueError, match=expected) as caught:
+            backend.dispatch(x, topk_idx=bad, topk_weights=w, **options)
+        assert "every rank of backend" in str(caught.value), str(caught.value)
+
+
 def bad_input_then_good(ctx) -> int:
     """A rejected call on rank 0 launches nothing; the next good call completes on every rank."""
     reference, elastic = make_backends(ctx, 256)
@@ -501,11 +527,11 @@ def bad_input_then_good(ctx) -> int:
             (ValueError, lambda: elastic.dispatch(x, topk_idx=torch.cat([idx] * 5, 1), topk_weights=None)),
             (TypeError, lambda: elastic.dispatch(x, topk_idx=idx, expand="yes")),
             (TypeError, lambda: elastic.dispatch(x, topk_idx=idx, flavour=1)),
-            (ValueError, lambda: elastic.dispatch(x, topk_idx=idx.masked_fill(idx == idx[0, 0], NUM_EXPERTS + 3))),
         ]
         for error_type, call in bad_calls:
             with pytest.raises(error_type):
                 call()
+    refuse_bad_ids_on_every_rank(ctx, elastic, x, idx, w)
     out = elastic.dispatch(x, topk_idx=idx, topk_weights=w)
     if ctx.rank == 0:
         with pytest.raises(ValueError):

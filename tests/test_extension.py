@@ -43,7 +43,7 @@ def test_region_layouts_and_argument_structs_need_no_gpu():
     for name, regions in layouts.items():
         # Every rank's data alone (the combine rows, R x T x H bf16) bounds the total from below.
         assert regions.total_bytes >= 8 * 4096 * 7168 * 2 and regions.total_bytes % 256 == 0, name
-        assert regions.count_words == 33, name
+        assert regions.count_words == 32 + 2, name  # per expert, the packet count, the input flags
     for field, bad in (("num_ranks", 33), ("hidden", 12), ("num_local_experts", 257), ("max_blocks", 0)):
         with pytest.raises(ValueError, match=field if field != "max_blocks" else "max_blocks"):
             C.hybrid.Regions(**{**shape, field: bad})

@@ -278,10 +278,12 @@ def bad_input_then_good(ctx) -> int:
     if ctx.rank == 0:
         with pytest.raises((TypeError, ValueError)):
             hybrid.dispatch(inputs[0].float(), **routing_kwargs("topk", inputs))
-        bad_idx = inputs[1].clone()
+    # Top-k ids are checked on the device: one rank's bad id refuses the dispatch on every rank.
+    bad_idx = inputs[1].clone()
+    if ctx.rank == 0:
         bad_idx[0, 0] = NUM_EXPERTS + 3
-        with pytest.raises(ValueError):
-            hybrid.dispatch(inputs[0], topk_idx=bad_idx, topk_weights=inputs[2])
+    with pytest.raises(ValueError, match="expert id" if ctx.rank == 0 else r"rank\(s\) \[0\] of the group"):
+        hybrid.dispatch(inputs[0], topk_idx=bad_idx, topk_weights=inputs[2])
     out = hybrid.dispatch(inputs[0], **routing_kwargs("topk", inputs))
     ref = reference.dispatch(inputs[0], **routing_kwargs("topk", inputs))
     assert torch.equal(out.hidden, ref.hidden)

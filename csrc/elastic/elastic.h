@@ -52,8 +52,9 @@ struct Regions {
   bool in_place_dispatch;  // recv_rows and recv_scales exist (0 bytes otherwise)
   int64_t off_recv_rows, off_recv_scales;
   int64_t total_bytes;
-  // Count words per (source, op) in the transport's exchange: L expert counts + 1 packet count.
-  int count_words() const { return num_local_experts + 1; }
+  // Count words per (source, op) in the transport's exchange: L expert counts, the packet count and
+  // the source's input flags.
+  int count_words() const { return num_local_experts + 2; }
 };
 // Throws std::invalid_argument on sizes the kernels do not support.
 Regions make_regions(int num_ranks, int max_tokens, int hidden, int num_local_experts, int max_blocks, int max_topk,

@@ -33,8 +33,9 @@ struct Regions {
   int64_t off_disp_done, off_comb_done;
   int64_t off_disp_stage, off_disp_token, off_disp_k, off_disp_p, off_comb_data, off_comb_p;
   int64_t total_bytes;
-  // Count words per (source, op) in the transport's exchange: L expert counts + 1 packet count.
-  int count_words() const { return num_local_experts + 1; }
+  // Count words per (source, op) in the transport's exchange: L expert counts, the packet count and
+  // the source's input flags.
+  int count_words() const { return num_local_experts + 2; }
 };
 // Throws std::invalid_argument on sizes the kernels do not support.
 Regions make_regions(int num_ranks, int max_tokens, int hidden, int num_local_experts, int max_blocks);

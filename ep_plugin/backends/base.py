@@ -83,6 +83,9 @@ class Backend(abc.ABC):
     capabilities: Capabilities
     # The backend maps its peers' memory, so it can only span one NVLink domain.
     needs_shared_memory: bool = False
+    # Top-k ids are range- and repeat-checked by the backend's own kernels, every rank told of any
+    # rank's bad ids (so blocking mode needs no host read of them before the op).
+    checks_ids_on_device: bool = False
 
     def __new__(cls, group: Optional[dist.ProcessGroup] = None, *, topology: Optional[Topology] = None,
                 **kwargs: Any) -> "Backend":
@@ -279,7 +282,7 @@ class Backend(abc.ABC):
         routing, weights = make_routing(
             hidden, self.num_experts, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
             topk_weights=topk_weights, probs_dtypes=self.capabilities.probs_dtypes,
-            check_values=self.config.blocking)
+            check_values=self.config.blocking and not self.checks_ids_on_device)
         return routing, weights, pad_multiple
 
     def check_hidden(self, name: str, hidden: torch.Tensor, num_rows: Optional[int]) -> None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .. import _cuda, streams
 from ..agreement import OP_BARRIER, OpFingerprint
 from ..errors import BackendUnavailableError
-from ..routing import ROUTING_MAP, Routing
+from ..routing import ROUTING_MAP, Routing, check_topk_values
 from ..transport.fabric import gpu_link_bandwidths
 from ..transport.placement import ranks_per_gpu
 from ..transport.sizing import resolve_num_sms
@@ -41,6 +41,8 @@ class CompiledBackend(Backend):
     autosize_topk: int = 8
     # Peers' buffers are opened with CUDA IPC: one NVLink domain at most (more go hierarchical).
     needs_shared_memory = True
+    # The layout kernel flags bad top-k ids and the count exchange tells every rank (_dispatch_counts).
+    checks_ids_on_device = True
     # Per-SM copy rates (GB/s) of this backend's kernels, for num_sms = 0: measured on the H200 bed
     # (benchmarks/NOTES.md), far below DeepEP's rule (sizing.SM_READ/WRITE_GBYTES_PER_S), which
     # would size our grids several times too small.
@@ -70,7 +72,8 @@ class CompiledBackend(Backend):
         self._check_co_residency(sharing)
         self._bulk = bool(self.config.bulk_copy)  # the kernels fall back to register copies below sm_90
         self._dispatch_count = 0  # handle ids: the n-th dispatch of this backend makes handle n
-        # Non-blocking top-k dispatch: ids out of range were dropped, not indexed (device bool).
+        # The last non-blocking top-k dispatch's input flags ([R] int32 on the device, see _layout):
+        # ids out of range were dropped, not indexed; check_errors() raises for them.
         self.invalid_expert_ids: Optional[torch.Tensor] = None
         self.buffer: Optional[SymmetricBuffer] = None
 
@@ -126,9 +129,11 @@ class CompiledBackend(Backend):
             probs: [T, E] float32 (routing map: returned as is), [T, K] float32 (top-k), or None.
         Returns: (send_slot [T, R] int32 (-1 = not sent), k_index [T, E] int32 (-1 = not routed),
             expert_counts [E] int32, rank_counts [R] int32, dense_probs [T, E] float32 or None,
-            bad_ids [] bool or None). bad_ids (non-blocking top-k only): some id was < -1 or >= E; such
-            ids were dropped, never indexed. A token naming an expert twice (possible only without the
-            blocking mode's host checks) chose it once, with the prob of its last such slot.
+            input_flags [R] int32 or None). input_flags (top-k form), per destination rank p:
+            ``_C.INPUT_ID_OUT_OF_RANGE`` when some id was < -1 or >= E (such ids were dropped, never
+            indexed), ``_C.INPUT_ID_REPEATED`` when a token named one of p's experts twice (it chose
+            it once, with the prob of its last such slot). The count exchange carries them to every
+            rank; blocking mode then refuses the dispatch everywhere, non-blocking mode goes on.
         """
         T, E, R, L = routing.num_tokens, self.num_experts, self.num_ranks, self.num_local_experts
         dev = self.device
@@ -139,7 +144,7 @@ class CompiledBackend(Backend):
         args = self._C.LayoutArgs(num_tokens=T, num_ranks=R, num_local_experts=L, send_slot=send_slot,
                                   k_index=k_index, expert_counts=expert_counts, rank_counts=rank_counts,
                                   max_blocks=self.num_blocks)
-        dense_probs = bad_ids = None
+        dense_probs = input_flags = None
         if routing.form == ROUTING_MAP:
             args.routing_map, dense_probs = routing.routing_map, probs  # probs are dense already
         else:
@@ -147,11 +152,10 @@ class CompiledBackend(Backend):
             if probs is not None:
                 dense_probs = torch.empty(T, E, dtype=torch.float32, device=dev)
                 args.probs, args.dense_probs = probs, dense_probs
-            if not self.config.blocking:  # never index with a bad id; report it instead
-                bad_ids = torch.empty((), dtype=torch.bool, device=dev)
-                args.bad_ids = bad_ids
+            input_flags = torch.empty(R, dtype=torch.int32, device=dev)
+            args.input_flags = input_flags
         self._C.layout(args, dev.index, self._stream())
-        return send_slot, k_index, expert_counts, rank_counts, dense_probs, bad_ids
+        return send_slot, k_index, expert_counts, rank_counts, dense_probs, input_flags
 
     def _layout_torch(self, routing: Routing, probs: Optional[torch.Tensor]):
         """``_layout`` with torch ops (about 15 kernels): the oracle of ``tests/test_layout_gpu.py``.
@@ -160,15 +164,14 @@ class CompiledBackend(Backend):
         from ``scatter_`` (unspecified which duplicate).
         """
         T, E, R, L = routing.num_tokens, self.num_experts, self.num_ranks, self.num_local_experts
-        bad_ids = None
+        input_flags = None
         if routing.form == ROUTING_MAP:
             mask = routing.routing_map
             dense_probs = probs
         else:
             idx = routing.topk_idx
             in_range = (idx >= 0) & (idx < E)
-            if not self.config.blocking:  # never index with a bad id; report it instead
-                bad_ids = ((idx < -1) | (idx >= E)).any()
+            input_flags = input_flags_torch(self._C, idx, R, L)
             column = torch.where(in_range, idx, torch.full_like(idx, E))  # column E collects "none"
             mask = torch.zeros(T, E + 1, dtype=torch.bool, device=self.device).scatter_(1, column, True)[:, :E]
             mask = mask.contiguous()
@@ -186,7 +189,7 @@ class CompiledBackend(Backend):
         send_slot = torch.cumsum(sent, 0, dtype=torch.int32) - sent
         send_slot.masked_fill_(~to_rank, -1)
         rank_counts = sent.sum(0, dtype=torch.int32)
-        return send_slot, k_index, expert_counts, rank_counts, dense_probs, bad_ids
+        return send_slot, k_index, expert_counts, rank_counts, dense_probs, input_flags
 
     # ---- helpers the stages use -------------------------------------------------------------
 
@@ -217,11 +220,45 @@ class CompiledBackend(Backend):
         args = self._C.ExchangeArgs(phase=phase, fingerprint=fingerprint.pack(), **fields)
         self._C.exchange(self.buffer.raw, args, self._stream())
 
-    def _wait_for_host(self, what: str) -> None:
-        """Wait (with the timeout) until the current stream has run what was enqueued so far."""
+    def _mark(self) -> torch.cuda.Event:
+        """An event after what the current stream has enqueued so far (for ``_wait_for_host``)."""
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        self.buffer.wait_event(event, self.config.timeout_s + 5.0, what)
+        return event
+
+    def _wait_for_host(self, what: str, mark: Optional[torch.cuda.Event] = None) -> None:
+        """Wait (with the timeout) until the current stream has run what was enqueued before ``mark``
+        (default: what was enqueued so far)."""
+        self.buffer.wait_event(mark if mark is not None else self._mark(), self.config.timeout_s + 5.0, what)
+
+    def _dispatch_counts(self, counted: torch.cuda.Event, routing: Routing) -> list[int]:
+        """Blocking mode: the mailbox words of a dispatch's count exchange ([0, MAILBOX_EXPERT_ROWS + L)),
+        read once the exchange (before ``counted``) has run. The exchange told every rank each rank's
+        input flags, so a dispatch whose top-k ids any rank got wrong raises ValueError here on every
+        rank alike, before its rows are handed out; the backend stays usable. Kernels enqueued after
+        ``counted`` (sends that need no host count) run meanwhile: they drop bad ids, never index them.
+        """
+        self._wait_for_host("the dispatch counts", counted)
+        words = self.buffer.mailbox(0, self._C.MAILBOX_EXPERT_ROWS + self.num_local_experts)
+        if words[self._C.MAILBOX_INPUT_FLAGS]:
+            self._refuse_flagged_input(words[self._C.MAILBOX_INPUT_FLAGS], words[self._C.MAILBOX_FLAGGED_RANKS],
+                                       routing)
+        return words
+
+    def _refuse_flagged_input(self, flags: int, flagged_ranks: int, routing: Routing) -> None:
+        ranks = [r for r in range(self.num_ranks) if flagged_ranks >> r & 1]
+        refused = f"every rank of backend {self.name!r} refused this dispatch; the backend stays usable"
+        if self.rank in ranks:
+            try:
+                check_topk_values(routing.topk_idx, self.num_experts)  # names the id or the token
+            except ValueError as exc:
+                raise ValueError(f"{exc} (on rank {self.rank}); {refused}") from None
+        problems = []
+        if flags & self._C.INPUT_ID_OUT_OF_RANGE:
+            problems.append(f"an expert id outside -1 and [0, {self.num_experts})")
+        if flags & self._C.INPUT_ID_REPEATED:
+            problems.append("a token naming the same expert twice")
+        raise ValueError(f"rank(s) {ranks} of the group passed topk_idx with {' and '.join(problems)}: {refused}")
 
     # ---- lifecycle / errors -------------------------------------------------------------------
 
@@ -232,7 +269,8 @@ class CompiledBackend(Backend):
         if synchronize:
             torch.cuda.synchronize(self.device)
         self.buffer.raise_if_failed()
-        if synchronize and self.invalid_expert_ids is not None and bool(self.invalid_expert_ids):
+        flags = self.invalid_expert_ids
+        if synchronize and flags is not None and bool((flags & self._C.INPUT_ID_OUT_OF_RANGE).any()):
             self.invalid_expert_ids = None
             raise ValueError(f"a non-blocking dispatch got topk_idx values outside -1 or [0, {self.num_experts}); "
                              "those pairs were dropped")
@@ -247,3 +285,15 @@ class CompiledBackend(Backend):
     def destroy(self) -> None:
         if self.buffer is not None:
             self.buffer.destroy()
+
+
+def input_flags_torch(extension, idx: torch.Tensor, num_ranks: int, num_local_experts: int) -> torch.Tensor:
+    """The layout kernel's input_flags [R] int32 for top-k ids ``idx`` [T, K], with torch ops (its oracle)."""
+    R, L = num_ranks, num_local_experts
+    E = R * L
+    out_of_range = bool(((idx < -1) | (idx >= E)).any())
+    later = torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool, device=idx.device).triu(1)
+    repeated = ((idx.unsqueeze(2) == idx.unsqueeze(1)) & later).any(2) & (idx >= 0) & (idx < E)
+    owners = torch.where(repeated, idx // L, R).flatten()  # index R collects "not repeated"
+    flagged = torch.zeros(R + 1, dtype=torch.int32, device=idx.device).index_fill_(0, owners, 1)[:R]
+    return flagged * extension.INPUT_ID_REPEATED + (extension.INPUT_ID_OUT_OF_RANGE if out_of_range else 0)

@@ -54,9 +54,11 @@ Rules and limits: ranks must agree on every op (kind, dtype, probs, top-k, form,
 handshake checks it and a mismatch raises ``EPError`` on every rank at its next sync point); one op
 in flight per backend; ``max_tokens_per_rank`` (config) and ``max_topk`` (<= 32) are equal on every
 rank; up to 32 ranks and 256 local experts; H % 8 == 0 (FP8: H % 128 == 0). Co-residency as in
-``hybrid``: (ranks sharing a GPU) x num_sms <= SMs. A repeated expert id in a token's top-k counts
-once (its last slot); ids outside [-1, E) raise before any launch in blocking mode and are dropped
-and flagged (``check_errors``) in non-blocking mode.
+``hybrid``: (ranks sharing a GPU) x num_sms <= SMs. Top-k ids are checked on the device: the layout
+kernel flags ids outside [-1, E) and experts named twice in a token, and the count exchange tells
+every rank. Blocking mode then raises ``ValueError`` on every rank at its one host read (no rows are
+handed out; the backend stays usable); non-blocking mode drops such ids (a repeated expert counts
+once, its last slot) and ``check_errors()`` reports ids out of range.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class ElasticLayout:
     row_base: torch.Tensor  # [R, L] int32: first expanded row of (source rank, local expert)
     expert_start: torch.Tensor  # [L] int32
     packet_rows: Optional[torch.Tensor]  # expanded: [packets, k] int32 row of each (packet, slot), -1
-    bad_expert_ids: Optional[torch.Tensor]  # [] bool: top-k ids out of range were dropped (non-blocking)
+    input_flags: Optional[torch.Tensor]  # [R] int32: bad top-k ids seen by the layout (see _layout)
     dest_base: Optional[torch.Tensor]  # compact: [R] int32 row of this rank's first packet at each rank
     topk: int
     expand: bool
@@ -249,7 +251,7 @@ class ElasticBackend(CompiledBackend):
         k = routing.topk_idx.shape[1]
         dev = self.device
         with nvtx_range("ep.elastic.dispatch.layout"):
-            send_slot, k_index, expert_counts, rank_counts, _, bad_ids = self._layout(routing, None)
+            send_slot, k_index, expert_counts, rank_counts, _, input_flags = self._layout(routing, None)
             row_base = torch.empty(R, L, dtype=torch.int32, device=dev)
             expert_start = torch.empty(L, dtype=torch.int32, device=dev)
             tokens_per_expert = torch.empty(L, dtype=torch.int64, device=dev)
@@ -263,19 +265,11 @@ class ElasticBackend(CompiledBackend):
             self._exchange(PHASE_DISPATCH, fingerprint, expert_counts=expert_counts, rank_counts=rank_counts,
                            pad_multiple=pad_multiple, row_base=row_base, expert_start=expert_start,
                            tokens_per_expert=tokens_per_expert, real_per_expert=real_per_expert,
-                           num_packets=num_packets, total_rows=totals[0:1], total_packets=totals[1:2])
-        tokens_list = None
-        if self.config.blocking:
-            with nvtx_range("ep.elastic.dispatch.wait_count"):
-                self._wait_for_host("the dispatch counts")
-                words = self.buffer.mailbox(0, self._C.MAILBOX_EXPERT_ROWS + L)  # one read of the mapped words
-                total_rows, packet_capacity = words[self._C.MAILBOX_TOTAL_ROWS], words[self._C.MAILBOX_TOTAL_PACKETS]
-                capacity = total_rows if expand else packet_capacity
-                tokens_list = words[self._C.MAILBOX_EXPERT_ROWS:]
-        else:
-            capacity = self._capacity(k, expand, pad_multiple)
-            packet_capacity = R * self.config.max_tokens_per_rank
-
+                           num_packets=num_packets, total_rows=totals[0:1], total_packets=totals[1:2],
+                           input_flags=input_flags)
+            counted = self._mark() if self.config.blocking else None
+        # What needs no host count is enqueued before the blocking mode's count read, and runs
+        # meanwhile: the send, and in place (rows in the buffer, metadata at worst-case size) the receive.
         with nvtx_range("ep.elastic.dispatch.send"):
             row_bytes = H if fp8 else 2 * H
             scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
@@ -285,33 +279,50 @@ class ElasticBackend(CompiledBackend):
                                             k_index=k_index if expand else None, dest_base=dest_base,
                                             push_payload=in_place, topk=k, num_tokens=T, bulk_copy=self._bulk)
             self._C.elastic.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
-        with nvtx_range("ep.elastic.dispatch.receive"):
-            if in_place:  # the sources wrote the rows into this rank's buffer: hand out views of it
-                out = self._buffer_rows(self.regions.off_recv_rows, capacity, H, data.dtype)
-                out_scales = (self._buffer_rows(self.regions.off_recv_scales, capacity, H // self.FP8_BLOCK,
-                                                torch.float32) if fp8 else None)
-            else:
+        packet_capacity = R * self.config.max_tokens_per_rank
+        worst_case = self._capacity(k, expand, pad_multiple)
+        receive = dict(row_bytes=row_bytes, scale_bytes=scale_bytes, num_packets=num_packets, topk=k, expand=expand,
+                       row_base=row_base, expert_start=expert_start, tokens_per_expert=tokens_per_expert,
+                       real_per_expert=real_per_expert, zero_padding=zero_padding)
+        if in_place:
+            with nvtx_range("ep.elastic.dispatch.receive"):
+                out_idx, out_weights = self._receive_in_place(worst_case, probs is not None, receive)
+        tokens_list = None
+        if self.config.blocking:
+            with nvtx_range("ep.elastic.dispatch.wait_count"):
+                words = self._dispatch_counts(counted, routing)
+                packet_capacity = words[self._C.MAILBOX_TOTAL_PACKETS]
+                capacity = words[self._C.MAILBOX_TOTAL_ROWS] if expand else packet_capacity
+                tokens_list = words[self._C.MAILBOX_EXPERT_ROWS:]
+        else:
+            capacity = worst_case
+        packet_rows = None
+        if in_place:  # the sources wrote the rows into this rank's buffer: hand out views of it
+            out = self._buffer_rows(self.regions.off_recv_rows, capacity, H, data.dtype)
+            out_scales = (self._buffer_rows(self.regions.off_recv_scales, capacity, H // self.FP8_BLOCK,
+                                            torch.float32) if fp8 else None)
+            out_idx = out_idx[:capacity]
+            out_weights = out_weights[:capacity] if out_weights is not None else None
+        else:
+            with nvtx_range("ep.elastic.dispatch.receive"):
                 out = self._empty(capacity, H, dtype=data.dtype)
                 out_scales = self._empty(capacity, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
-            out_idx = out_weights = packet_rows = None
-            if expand:
-                out_weights = self._empty(capacity, dtype=torch.float32) if probs is not None else None
-                packet_rows = torch.empty(packet_capacity, k, dtype=torch.int32, device=dev)
-            else:
-                out_idx = self._empty(capacity, k, dtype=torch.int64)
-                out_weights = self._empty(capacity, k, dtype=torch.float32) if probs is not None else None
-            receive = self._C.elastic.ReceiveArgs(
-                out=out, row_bytes=row_bytes, out_scales=None if in_place else out_scales, scale_bytes=scale_bytes,
-                capacity=capacity, num_packets=num_packets, topk=k, expand=expand, payload_pushed=in_place,
-                out_topk_idx=out_idx, out_topk_weights=None if expand else out_weights,
-                out_row_weights=out_weights if expand else None,
-                row_base=row_base, expert_start=expert_start, tokens_per_expert=tokens_per_expert,
-                real_per_expert=real_per_expert, packet_rows=packet_rows, zero_padding=zero_padding,
-                bulk_copy=self._bulk)
-            self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
+                out_idx = None
+                if expand:
+                    out_weights = self._empty(capacity, dtype=torch.float32) if probs is not None else None
+                    packet_rows = torch.empty(packet_capacity, k, dtype=torch.int32, device=dev)
+                else:
+                    out_idx = self._empty(capacity, k, dtype=torch.int64)
+                    out_weights = self._empty(capacity, k, dtype=torch.float32) if probs is not None else None
+                args = self._C.elastic.ReceiveArgs(
+                    out=out, out_scales=out_scales, capacity=capacity, out_topk_idx=out_idx,
+                    out_topk_weights=None if expand else out_weights, out_row_weights=out_weights if expand else None,
+                    packet_rows=packet_rows, bulk_copy=self._bulk, **receive)
+                self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, args, self.num_blocks,
+                                                 self._stream())
         layout = ElasticLayout(send_slot=send_slot, topk_idx=routing.topk_idx, num_packets=num_packets,
                                total_packets=totals[1:2], total_rows=totals[0:1], row_base=row_base,
-                               expert_start=expert_start, packet_rows=packet_rows, bad_expert_ids=bad_ids,
+                               expert_start=expert_start, packet_rows=packet_rows, input_flags=input_flags,
                                dest_base=dest_base, topk=k, expand=expand, zero_padding=zero_padding,
                                capacity=capacity)
         handle = Handle(
@@ -320,13 +331,26 @@ class ElasticBackend(CompiledBackend):
             num_local_experts=L, pad_multiple=pad_multiple, num_rows=capacity, tokens_per_expert=tokens_per_expert,
             num_real_tokens_per_expert=real_per_expert, layout=layout, handle_id=self._next_handle_id(),
             output_form=EXPERT_ROWS if expand else COMPACT, row_probs_shape=(capacity,) if expand else (capacity, k))
-        if bad_ids is not None:
-            self.invalid_expert_ids = bad_ids
+        if input_flags is not None and not self.config.blocking:
+            self.invalid_expert_ids = input_flags
         rows = (out, out_scales) if fp8 else out
         valid_rows = None if self.config.blocking else layout.total_rows if expand else layout.total_packets
         return DispatchOutput(rows, out_weights, tokens_per_expert, handle, topk_idx=out_idx,
                               num_valid_rows=valid_rows, tokens_per_expert_list=tokens_list,
                               ready=streams.record_ready(dev))
+
+    def _receive_in_place(self, rows: int, with_weights: bool, receive: dict):
+        """Launch the receive of an in-place dispatch: the payload is in the buffer already, so it only
+        places the compact rows' top-k ids (and weights) into ``rows`` (the worst case: it runs before
+        the blocking mode's count read). Returns (topk_idx [rows, k] int64, weights or None)."""
+        k = receive["topk"]
+        out_idx = self._empty(rows, k, dtype=torch.int64)
+        out_weights = self._empty(rows, k, dtype=torch.float32) if with_weights else None
+        args = self._C.elastic.ReceiveArgs(out=self.buffer.raw.region_address + self.regions.off_recv_rows,
+                                           capacity=rows, out_topk_idx=out_idx, out_topk_weights=out_weights,
+                                           payload_pushed=True, bulk_copy=self._bulk, **receive)
+        self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, args, self.num_blocks, self._stream())
+        return out_idx, out_weights
 
     def _cached_dispatch(self, hidden, handle: Handle) -> DispatchOutput:
         """Send new rows along a previous dispatch's layout: no layout, no count exchange."""

@@ -29,7 +29,9 @@ matches exactly.
 
 Blocking mode (``config.blocking``): the output has exactly the received rows; the host reads the
 total from pinned memory owned by the buffer after waiting (with a timeout) on an event recorded
-after the notify kernel. Non-blocking mode: the output has ``num_permuted_tokens`` rows (0 = the
+after the notify kernel, while the send (enqueued before the wait) runs. The same read tells every
+rank whether any rank's top-k ids were out of range or repeated: then every rank raises
+``ValueError`` and nothing is permuted. Non-blocking mode: the output has ``num_permuted_tokens`` rows (0 = the
 worst case), counts stay on the device, rows past the budget are dropped and raise
 ``handle.layout.overflow`` (also ``backend.over_budget``); nothing syncs, so dispatch and combine
 can be captured in a CUDA graph (the op number advances on the device at each replay).
@@ -97,7 +99,7 @@ class HybridLayout:
     total_rows: torch.Tensor  # [1] int64: sum of padded segment lengths
     packet_rows: torch.Tensor  # [R * max_tokens, L] int32: output row of each received (packet, expert)
     overflow: torch.Tensor  # [1] int32: 1 when rows fell past the budget (non-blocking)
-    bad_expert_ids: Optional[torch.Tensor]  # [] bool: top-k ids out of range were dropped (non-blocking)
+    input_flags: Optional[torch.Tensor]  # [R] int32 (top-k form): bad ids seen by the layout (see _layout)
     budget: int  # rows of the dispatch output
     fp8: bool
 
@@ -159,7 +161,7 @@ class HybridBackend(CompiledBackend):
         T, H, R, L = routing.num_tokens, self.hidden_size, self.num_ranks, self.num_local_experts
         dev = self.device
         with nvtx_range("ep.hybrid.dispatch.layout"):
-            send_slot, k_index, expert_counts, rank_counts, dense_probs, bad_ids = self._layout(routing, probs)
+            send_slot, k_index, expert_counts, rank_counts, dense_probs, input_flags = self._layout(routing, probs)
             row_base = torch.empty(R, L, dtype=torch.int32, device=dev)
             expert_start = torch.empty(L, dtype=torch.int32, device=dev)
             tokens_per_expert = torch.empty(L, dtype=torch.int64, device=dev)
@@ -171,14 +173,10 @@ class HybridBackend(CompiledBackend):
                                                              routing=routing),
                            expert_counts=expert_counts, rank_counts=rank_counts, pad_multiple=pad_multiple,
                            row_base=row_base, expert_start=expert_start, tokens_per_expert=tokens_per_expert,
-                           real_per_expert=real_per_expert, num_packets=num_packets, total_rows=total_rows)
-        if self.config.blocking:
-            with nvtx_range("ep.hybrid.dispatch.wait_count"):
-                self._wait_for_host("the dispatch counts")
-                (budget,) = self.buffer.mailbox(self._C.MAILBOX_TOTAL_ROWS)
-        else:
-            budget = self.config.num_permuted_tokens or self._worst_case_rows(routing, pad_multiple)
-
+                           real_per_expert=real_per_expert, num_packets=num_packets, total_rows=total_rows,
+                           input_flags=input_flags)
+            counted = self._mark() if self.config.blocking else None
+        # The send needs no host count: in blocking mode it runs while the host reads the counts.
         with nvtx_range("ep.hybrid.dispatch.send"):
             row_bytes = H if fp8 else 2 * H
             scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
@@ -187,6 +185,11 @@ class HybridBackend(CompiledBackend):
                                            send_slot=send_slot, k_index=k_index, probs=dense_probs, num_tokens=T,
                                            bulk_copy=self._bulk)
             self._C.hybrid.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
+        if self.config.blocking:
+            with nvtx_range("ep.hybrid.dispatch.wait_count"):
+                budget = self._dispatch_counts(counted, routing)[self._C.MAILBOX_TOTAL_ROWS]
+        else:
+            budget = self.config.num_permuted_tokens or self._worst_case_rows(routing, pad_multiple)
         with nvtx_range("ep.hybrid.dispatch.permute"):
             out = self._empty(budget, H, dtype=data.dtype)
             out_scales = self._empty(budget, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
@@ -202,7 +205,7 @@ class HybridBackend(CompiledBackend):
         layout = HybridLayout(send_slot=send_slot, k_index=k_index,
                               topk_idx=routing.topk_idx if routing.form != ROUTING_MAP else None, row_base=row_base,
                               expert_start=expert_start, num_packets=num_packets, total_rows=total_rows,
-                              packet_rows=packet_rows, overflow=overflow, bad_expert_ids=bad_ids, budget=budget,
+                              packet_rows=packet_rows, overflow=overflow, input_flags=input_flags, budget=budget,
                               fp8=fp8)
         handle = Handle(
             backend=self, num_tokens=T, hidden_size=H, hidden_dtype=torch.bfloat16,
@@ -210,8 +213,8 @@ class HybridBackend(CompiledBackend):
             num_local_experts=L, pad_multiple=pad_multiple, num_rows=budget, tokens_per_expert=tokens_per_expert,
             num_real_tokens_per_expert=real_per_expert, layout=layout, handle_id=self._next_handle_id())
         self.over_budget = overflow
-        if bad_ids is not None:
-            self.invalid_expert_ids = bad_ids
+        if input_flags is not None and not self.config.blocking:
+            self.invalid_expert_ids = input_flags
         rows = (out, out_scales) if fp8 else out
         return DispatchOutput(rows, out_probs, tokens_per_expert, handle,
                               num_valid_rows=None if self.config.blocking else total_rows,

@@ -12,10 +12,14 @@ namespace ep {
 // Routing in one of two forms (E = num_ranks * num_local_experts; expert e lives on rank e / L):
 //   topk == 0: routing_map [T, E] bool (nonzero = chosen); topk_idx and probs unused.
 //   topk >= 1: topk_idx [T, topk] int64 (-1 = none; any other id outside [0, E) is dropped and
-//              flagged in bad_ids) + optional probs [T, topk] fp32, scattered into dense_probs.
-// A token that names an expert twice in its top-k chose it once; its dense prob is the one of the
-// last (highest k) duplicate.
+//              flagged in input_flags) + optional probs [T, topk] fp32, scattered into dense_probs.
+// A token that names an expert twice in its top-k chose it once (flagged); its dense prob is the
+// one of the last (highest k) duplicate.
 // Every output element is written (no zero-fill needed); T may be 0.
+// Input flags of the top-k form (bits of input_flags[p]); the count exchange sends them to every rank.
+constexpr int kInputIdOutOfRange = 1;  // some id was < -1 or >= E (every p's flags carry it)
+constexpr int kInputIdRepeated = 2;    // some token named one of rank p's experts twice
+
 struct LayoutArgs {
   const uint8_t* routing_map;  // [T, E] or null (top-k form)
   const int64_t* topk_idx;     // [T, K] or null (routing-map form)
@@ -29,7 +33,7 @@ struct LayoutArgs {
   int32_t* send_slot;          // out [T, R]: tokens t' < t sent to p, when t goes to p; else -1
   int32_t* rank_counts;        // out [R]: tokens sent to each rank
   float* dense_probs;          // out [T, E] or null: top-k probs at their expert's column, else 0
-  bool* bad_ids;               // out [] or null: some top-k id was < -1 or >= E
+  int32_t* input_flags;        // out [R] or null (top-k form): kInputId* bits per destination rank
   int max_blocks;              // grid cap: the rank's SM budget (num_sms), so that ranks sharing a
                                // GPU keep the SMs their spin-waiting kernels count on
 };

@@ -45,12 +45,15 @@ struct RankState {
 
 enum ReportKind : int { kReportNone = 0, kReportTimeout = 1, kReportMismatch = 2 };
 
-// Mailbox words: [0] total expert rows of the last count exchange (segments padded),
-// [1] total packets received, [2 + e] padded rows of local expert e.
+// Mailbox words of the last count exchange: [0] total expert rows (segments padded), [1] total
+// packets received, [2] the OR of every rank's input flags (kInputId* of layout.h), [3] a bit per
+// rank that sent any, [4 + e] padded rows of local expert e.
 constexpr int kMailboxTotalRows = 0;
 constexpr int kMailboxTotalPackets = 1;
-constexpr int kMailboxExpertRows = 2;
-constexpr int kMailboxWords = 2 + kMaxLocalExperts;
+constexpr int kMailboxInputFlags = 2;
+constexpr int kMailboxFlaggedRanks = 3;
+constexpr int kMailboxExpertRows = 4;
+constexpr int kMailboxWords = 4 + kMaxLocalExperts;
 
 // Mapped pinned host memory owned by the buffer. The first failure on this rank fills the report
 // fields, then sets `kind` (last). Timeout: expected/seen are the flag values. Mismatch: expected
@@ -136,12 +139,15 @@ class SymmetricBuffer {
 // pad_multiple. One block; nothing here is backend-specific.
 //
 // Count words from this rank to destination p: expert_counts[p * L + j] for j < L, then
-// rank_counts[p] (packets), so W = L + 1.
+// rank_counts[p] (packets), then this rank's input flags (the OR over input_flags[0..R)), so
+// W = L + 2. Every rank thus learns every rank's flags in the same op, and a blocking dispatch
+// that any rank flagged is refused on all of them at the one host read of the counts.
 struct ExchangeArgs {
   int phase;                            // named in a timeout report
   unsigned long long fingerprint;       // this rank's op fingerprint (equal on every rank)
   const int32_t* expert_counts;         // [R * L] or null: handshake only
   const int32_t* rank_counts;           // [R]
+  const int32_t* input_flags;           // [R] or null (none): the layout's flags for each rank
   int num_local_experts;                // L
   int pad_multiple;                     // >= 1
   int32_t* row_base;                    // out [R, L]: first row of (source r, local expert e)
