@@ -243,19 +243,20 @@ class HierarchicalBackend(Backend):
 
         payload_rows = data.view(torch.uint8) if fp8 else data  # indexed as bytes: not every device indexes fp8
 
-        def token_fields(d: int, tokens) -> dict[str, torch.Tensor]:
-            values = {"hidden": payload_rows[tokens]}
+        def token_fields(d: int) -> dict[str, torch.Tensor]:
+            """What every token [T] sends to domain d (views where the wire holds the tensor as it is)."""
+            values = {"hidden": payload_rows}
             if fp8:
-                values["scales"] = scales[tokens]
+                values["scales"] = scales
             if routing.form == ROUTING_MAP:
-                values["route"] = routing.routing_map[tokens, d * G:(d + 1) * G]
+                values["route"] = routing.routing_map[:, d * G:(d + 1) * G]
                 if probs is not None:
-                    values["probs"] = probs[tokens, d * G:(d + 1) * G]
+                    values["probs"] = probs[:, d * G:(d + 1) * G]
             else:  # domain-local ids + 1 on the wire, so that the zeros of unused rows mean "none"
-                ids = routing.topk_idx[tokens]
-                values["route"] = torch.where(slot_domain[tokens] == d, ids - d * G + 1, torch.zeros_like(ids))
+                ids = routing.topk_idx
+                values["route"] = torch.where(slot_domain == d, ids - d * G + 1, torch.zeros_like(ids))
                 if probs is not None:
-                    values["probs"] = probs[tokens]
+                    values["probs"] = probs
             return values
 
         fingerprint = OpFingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, form=routing.form,
@@ -268,7 +269,7 @@ class HierarchicalBackend(Backend):
             capacity = self.config.max_tokens_per_rank
             splits = RailSplits([capacity] * D, [capacity] * D, capacity)
         if disagreement is None:
-            payload = self._pack_for_rail(packer, token_fields, to_domain, send_tokens, send_slot, T)
+            payload = self._pack_for_rail(packer, token_fields, to_domain, send_tokens, send_slot)
             received = packer.unpack(self.scaleout.exchange_rows(payload, splits, where=f"{where}: rail/tokens"))
         else:  # no payload moves on this rail; the domain hears of it in the counts exchange below
             splits = RailSplits([0] * D, [0] * D, 0)
@@ -391,21 +392,27 @@ class HierarchicalBackend(Backend):
         return None, torch.cumsum(to_domain.to(torch.int64), 0) - 1
 
     def _pack_for_rail(self, packer: RowPacker, token_fields: Callable, to_domain: torch.Tensor,
-                       send_tokens: Optional[list], send_slot: Optional[torch.Tensor], T: int) -> torch.Tensor:
+                       send_tokens: Optional[list], send_slot: Optional[torch.Tensor]) -> torch.Tensor:
         """The rail payload: per domain, the rows of the tokens it gets (blocking: exactly those; sync-free:
-        a block of max_tokens_per_rank rows, unused rows zero, i.e. routed nowhere)."""
-        dev = to_domain.device
-        pieces = []
-        for d in range(self.num_domains):
-            if send_tokens is not None:
-                pieces.append(packer.pack(len(send_tokens[d]), token_fields(d, send_tokens[d]), dev))
-                continue
-            capacity = self.config.max_tokens_per_rank
-            block = torch.zeros(capacity + 1, packer.row_bytes, dtype=torch.uint8, device=dev)  # + a spill row
-            target = torch.where(to_domain[:, d], send_slot[:, d], torch.full_like(send_slot[:, d], capacity))
-            block.index_copy_(0, target, packer.pack(T, token_fields(d, slice(None)), dev))
-            pieces.append(block[:capacity])
-        return torch.cat(pieces) if pieces else torch.zeros(0, packer.row_bytes, dtype=torch.uint8, device=dev)
+        a block of max_tokens_per_rank rows, unused rows zero, i.e. routed nowhere), each field gathered or
+        scattered straight into one tensor (no per-domain pieces to concatenate)."""
+        D = self.num_domains
+        if send_tokens is not None:
+            payload = torch.empty(sum(len(tokens) for tokens in send_tokens), packer.row_bytes, dtype=torch.uint8,
+                                  device=to_domain.device)
+            start = 0
+            for d, tokens in enumerate(send_tokens):
+                packer.pack_into(payload[start:start + len(tokens)], token_fields(d), take=tokens)
+                start += len(tokens)
+            return payload
+        capacity = self.config.max_tokens_per_rank
+        spill = D * capacity  # one row past the blocks for the tokens a domain does not get (not sent)
+        payload = torch.zeros(spill + 1, packer.row_bytes, dtype=torch.uint8, device=to_domain.device)
+        for d in range(D):
+            target = torch.where(to_domain[:, d], d * capacity + send_slot[:, d],
+                                 torch.full_like(send_slot[:, d], spill))
+            packer.pack_into(payload, token_fields(d), at=target)
+        return payload[:spill]
 
     def _returned_rows(self, layout: HierarchicalLayout, T: int):
         """Per domain: (domain, source tokens, their rows in the returned payload, valid mask or None)."""
@@ -436,11 +443,10 @@ class HierarchicalBackend(Backend):
             fingerprint = OpFingerprint(OP_DISPATCH_AGAIN, dtype=data.dtype, handle_id=layout.dispatch_id)
             self._rail_open(fingerprint, packer.row_bytes, layout.splits.send, where, expected=layout.splits.recv)
 
-        def token_fields(d: int, tokens) -> dict[str, torch.Tensor]:
-            return {"hidden": payload_rows[tokens], **({"scales": scales[tokens]} if scales is not None else {})}
+        def token_fields(d: int) -> dict[str, torch.Tensor]:
+            return {"hidden": payload_rows, **({"scales": scales} if scales is not None else {})}
 
-        payload = self._pack_for_rail(packer, token_fields, layout.to_domain, layout.send_tokens, layout.send_slot,
-                                      handle.num_tokens)
+        payload = self._pack_for_rail(packer, token_fields, layout.to_domain, layout.send_tokens, layout.send_slot)
         received = packer.unpack(self.scaleout.exchange_rows(payload, layout.splits, where=f"{where}: rail/tokens"))
         hidden_in = (received["hidden"], received["scales"]) if scales is not None else received["hidden"]
         return self._at_domain_level(lambda: forward(hidden_in))

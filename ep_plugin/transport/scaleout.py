@@ -31,7 +31,7 @@ copy); it does not yet overlap the rounds with forwarding into the domain.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -212,24 +212,46 @@ class RowPacker:
 
     def pack(self, num_rows: int, values: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
         """[num_rows, row_bytes] uint8 from each field's [num_rows, *shape] tensor (missing fields: zeros)."""
-        out = torch.zeros(num_rows, self.row_bytes, dtype=torch.uint8, device=device)
+        return self.pack_into(torch.empty(num_rows, self.row_bytes, dtype=torch.uint8, device=device), values)
+
+    def pack_into(self, out: torch.Tensor, values: dict[str, torch.Tensor], *, take: Optional[torch.Tensor] = None,
+                  at: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Write each field's rows into its bytes of ``out`` [N, row_bytes] (missing fields: zeros); returns ``out``.
+
+        Args:
+            values: each field's [M, *shape] tensor; row i goes to row i of ``out`` (M = N), unless
+            take: [N] int64: row i of ``out`` gets row take[i] of each value (a gather), or
+            at: [M] int64: row i of each value goes to row at[i] of ``out`` (a scatter; other rows untouched).
+        Gathers and scatters write into ``out``'s columns directly: no temporary copy of a field.
+        """
         for name, _, shape in self.fields:
+            columns = self.columns(out, name)
             value = values.get(name)
             if value is None:
+                columns.zero_()
                 continue
-            start, width = self.offsets[name]
-            out[:, start:start + width] = _as_bytes(value.reshape(num_rows, _numel(shape)), width)
+            value = _as_bytes(value.reshape(value.shape[0], _numel(shape)), columns.shape[1])
+            if take is not None:
+                torch.index_select(value, 0, take, out=columns)
+            elif at is not None:
+                columns.index_copy_(0, at, value)
+            else:
+                columns.copy_(value)
         return out
+
+    def columns(self, rows: torch.Tensor, name: str) -> torch.Tensor:
+        """The [N, width] uint8 bytes of field ``name`` in packed ``rows`` (a view)."""
+        start, width = self.offsets[name]
+        return rows[:, start:start + width]
 
     def unpack(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each field as [N, *shape] in its dtype (fresh, contiguous tensors)."""
         fields = {}
         for name, dtype, shape in self.fields:
-            start, width = self.offsets[name]
             # A fresh [N, width] copy: a slice of one row (or none) counts as contiguous and keeps the row
             # stride, which view(dtype) refuses.
-            raw = torch.empty(rows.shape[0], width, dtype=torch.uint8, device=rows.device)
-            raw.copy_(rows[:, start:start + width])
+            raw = self.columns(rows, name)
+            raw = torch.empty(rows.shape[0], raw.shape[1], dtype=torch.uint8, device=rows.device).copy_(raw)
             fields[name] = raw.view(dtype).reshape((rows.shape[0],) + shape)
         return fields
 
