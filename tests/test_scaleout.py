@@ -73,10 +73,15 @@ def check_hierarchical_equals_flat(ctx) -> list[str]:
     blocking = ep_plugin.Config.from_env()
     # (ranks per domain, mode): 1x8 is one domain, so the constructor returns the flat backend.
     variants = {"blocking": blocking, "sync-free": blocking.replace(blocking=False),
-                "chunked": blocking.replace(scaleout_chunk_tokens=3)}
-    plan = [(size, "blocking") for size in LAYOUTS] + [(size, "sync-free") for size in (4, 2, 1)] + [(2, "chunked")]
+                "chunked": blocking.replace(scaleout_chunk_tokens=3), "staged": blocking,
+                "staged sync-free": blocking.replace(blocking=False)}
+    plan = [(size, "blocking") for size in LAYOUTS] + [(size, "sync-free") for size in (4, 2, 1)] + [(2, "chunked")] \
+        + [(2, "staged"), (4, "staged sync-free")]
     backends = {(size, variant): _reference(variants[variant], Topology(NUM_RANKS, size, ctx.rank))
                 for size, variant in plan}
+    for (_, variant), backend in backends.items():
+        if variant.startswith("staged"):  # CPU rows on the path of CUDA rows over a gloo rail (own block kept)
+            backend.scaleout.stage_on_host = True
     for (size, _), backend in backends.items():
         expected_class = HierarchicalBackend if size < NUM_RANKS else type(flat)
         assert type(backend) is expected_class, (size, type(backend))

@@ -51,7 +51,8 @@ too (``reference`` at once, the compiled backends at their next sync point) inst
 
 Costs and limits: the rail stages, the reorder and the sums are torch ops and host-issued
 collectives around the domain backend's kernels; on a gloo rail CUDA tensors are staged through
-host memory, which waits for the stream, also in sync-free mode (``transport.scaleout``). The
+host memory (kept pinned buffers; a rank's rows for its own domain stay on the GPU), which waits for
+the stream, also in sync-free mode (``transport.scaleout``). The
 capabilities are the domain backend's except ``cuda_graphs`` (not claimed: the rail collectives are
 issued from the host). A top-k wider than the experts of one domain (k > S * L) is refused before
 any communication. The domain backend's buffers are sized for ``D * max_tokens_per_rank`` input
@@ -198,6 +199,7 @@ class HierarchicalBackend(Backend):
 
     def destroy(self) -> None:
         self.domain.destroy()
+        self.scaleout.release_host_buffers()
 
     def check_errors(self, synchronize: bool = True) -> None:
         """The domain backend's pending device errors (compiled backends), raised with the domain named."""
@@ -351,8 +353,8 @@ class HierarchicalBackend(Backend):
         if partial.probs is not None:
             fields.append(("probs", partial.probs.dtype, tuple(partial.probs.shape[1:])))
         packer = RowPacker(fields)
-        payload = packer.pack(partial.hidden.shape[0], {"hidden": partial.hidden, "probs": partial.probs},
-                              partial.hidden.device)
+        payload = packer.pack_into(self.scaleout.send_rows(partial.hidden.shape[0], packer.row_bytes),
+                                   {"hidden": partial.hidden, "probs": partial.probs})
         back = packer.unpack(self.scaleout.exchange_rows(payload, layout.splits.reversed(),
                                                          where=f"{where}: rail/rows"))
 
@@ -394,12 +396,11 @@ class HierarchicalBackend(Backend):
     def _pack_for_rail(self, packer: RowPacker, token_fields: Callable, to_domain: torch.Tensor,
                        send_tokens: Optional[list], send_slot: Optional[torch.Tensor]) -> torch.Tensor:
         """The rail payload: per domain, the rows of the tokens it gets (blocking: exactly those; sync-free:
-        a block of max_tokens_per_rank rows, unused rows zero, i.e. routed nowhere), each field gathered or
-        scattered straight into one tensor (no per-domain pieces to concatenate)."""
+        a block of max_tokens_per_rank rows, unused rows zero, i.e. routed nowhere), packed in place into
+        the rail's send rows (``ScaleOut.send_rows``)."""
         D = self.num_domains
         if send_tokens is not None:
-            payload = torch.empty(sum(len(tokens) for tokens in send_tokens), packer.row_bytes, dtype=torch.uint8,
-                                  device=to_domain.device)
+            payload = self.scaleout.send_rows(sum(len(tokens) for tokens in send_tokens), packer.row_bytes)
             start = 0
             for d, tokens in enumerate(send_tokens):
                 packer.pack_into(payload[start:start + len(tokens)], token_fields(d), take=tokens)
@@ -407,7 +408,7 @@ class HierarchicalBackend(Backend):
             return payload
         capacity = self.config.max_tokens_per_rank
         spill = D * capacity  # one row past the blocks for the tokens a domain does not get (not sent)
-        payload = torch.zeros(spill + 1, packer.row_bytes, dtype=torch.uint8, device=to_domain.device)
+        payload = self.scaleout.send_rows(spill + 1, packer.row_bytes).zero_()
         for d in range(D):
             target = torch.where(to_domain[:, d], d * capacity + send_slot[:, d],
                                  torch.full_like(send_slot[:, d], spill))
