@@ -341,45 +341,26 @@ class HierarchicalBackend(Backend):
         self.scaleout.check_usable()
         layout: HierarchicalLayout = handle.layout
         where = f"combine of dispatch #{layout.dispatch_id}"
-        T, G, H = handle.num_tokens, self.experts_per_domain, self.hidden_size
+        T, H = handle.num_tokens, self.hidden_size
         if self.config.blocking:
             fingerprint = OpFingerprint(OP_COMBINE, dtype=rows.dtype, probs=row_probs is not None,
                                         handle_id=layout.dispatch_id)
             self._rail_open(fingerprint, 0, layout.splits.recv, where, expected=layout.splits.send)
-        inner_probs = row_probs[layout.dest] if row_probs is not None else None
-        partial = self._at_domain_level(lambda: self.domain.combine(rows[layout.dest], layout.domain_handle,
-                                                                    row_probs=inner_probs))
+        inner_probs = row_probs.index_select(0, layout.dest) if row_probs is not None else None
+        partial = self._at_domain_level(lambda: self.domain.combine(rows.index_select(0, layout.dest),
+                                                                    layout.domain_handle, row_probs=inner_probs))
         fields = [("hidden", partial.hidden.dtype, (H,))]
         if partial.probs is not None:
             fields.append(("probs", partial.probs.dtype, tuple(partial.probs.shape[1:])))
         packer = RowPacker(fields)
         payload = packer.pack_into(self.scaleout.send_rows(partial.hidden.shape[0], packer.row_bytes),
                                    {"hidden": partial.hidden, "probs": partial.probs})
+        # Views of the received rows (no copy): they are read below, before any other rail exchange.
         back = packer.unpack(self.scaleout.exchange_rows(payload, layout.splits.reversed(),
-                                                         where=f"{where}: rail/rows"))
+                                                         where=f"{where}: rail/rows"), copy=False)
 
         accumulate = torch.float64 if rows.dtype == torch.float64 else torch.float32
-        summed = torch.zeros(T, H, dtype=accumulate, device=rows.device)
-        probs = None
-        if partial.probs is not None:
-            probs = partial.probs.new_zeros(handle.probs_shape)
-        for d, tokens, source_rows, valid in self._returned_rows(layout, T):
-            part = back["hidden"][source_rows].to(accumulate)
-            if valid is not None:
-                part = torch.where(valid.unsqueeze(1), part, torch.zeros_like(part))
-            summed.index_add_(0, tokens, part)
-            if probs is None:
-                continue
-            values = back["probs"][source_rows]
-            if layout.slot_domain is None:  # routing map: this domain's G columns
-                mine = probs[tokens, d * G:(d + 1) * G]
-                keep = valid.unsqueeze(1) if valid is not None else torch.ones_like(mine, dtype=torch.bool)
-                probs[tokens, d * G:(d + 1) * G] = torch.where(keep, values, mine)
-            else:  # top-k: the slots whose expert lives in this domain
-                keep = layout.slot_domain[tokens] == d
-                if valid is not None:
-                    keep &= valid.unsqueeze(1)
-                probs[tokens] = torch.where(keep, values, probs[tokens])
+        summed, probs = self._add_returned(back, layout, T, accumulate, handle.probs_shape)
         if bias is not None:
             summed += bias.to(accumulate)
         return CombineOutput(summed.to(rows.dtype), probs)
@@ -415,13 +396,44 @@ class HierarchicalBackend(Backend):
             packer.pack_into(payload, token_fields(d), at=target)
         return payload[:spill]
 
+    def _add_returned(self, back: dict[str, torch.Tensor], layout: HierarchicalLayout, T: int,
+                      accumulate: torch.dtype, probs_shape) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Combine at the source: each domain's returned partial added in ``accumulate`` in domain order
+        ([T, H]), and its probs put back in the columns or slots of that domain (or None)."""
+        G, H = self.experts_per_domain, self.hidden_size
+        device = back["hidden"].device
+        summed = torch.zeros(T, H, dtype=accumulate, device=device)
+        converted = torch.empty(T, H, dtype=accumulate, device=device)  # a domain's rows, widened
+        probs = None
+        if "probs" in back:
+            probs = back["probs"].new_zeros(probs_shape)
+        for d, tokens, source_rows, valid in self._returned_rows(layout, T):
+            part = converted[:tokens.shape[0]].copy_(back["hidden"][source_rows])
+            if valid is not None:
+                part.masked_fill_(~valid.unsqueeze(1), 0)
+            summed.index_add_(0, tokens, part)
+            if probs is None:
+                continue
+            values = back["probs"][source_rows]
+            if layout.slot_domain is None:  # routing map: this domain's G columns
+                mine = probs[tokens, d * G:(d + 1) * G]
+                keep = valid.unsqueeze(1) if valid is not None else torch.ones_like(mine, dtype=torch.bool)
+                probs[tokens, d * G:(d + 1) * G] = torch.where(keep, values, mine)
+            else:  # top-k: the slots whose expert lives in this domain
+                keep = layout.slot_domain[tokens] == d
+                if valid is not None:
+                    keep &= valid.unsqueeze(1)
+                probs[tokens] = torch.where(keep, values, probs[tokens])
+        return summed, probs
+
     def _returned_rows(self, layout: HierarchicalLayout, T: int):
-        """Per domain: (domain, source tokens, their rows in the returned payload, valid mask or None)."""
+        """Per domain: (domain, source tokens, their rows in the returned payload (a slice or an index), valid
+        mask or None)."""
         dev = layout.to_domain.device
         if layout.send_tokens is not None:
             start = 0
             for d, tokens in enumerate(layout.send_tokens):
-                yield d, tokens, torch.arange(start, start + len(tokens), device=dev), None
+                yield d, tokens, slice(start, start + len(tokens)), None
                 start += len(tokens)
             return
         capacity = self.config.max_tokens_per_rank

@@ -175,7 +175,7 @@ class ScaleOut:
         Rows for peer d are the d-th block of ``rows``; received blocks come in domain order. Runs in
         ceil(splits.largest / chunk_rows) rounds when chunking is on (equal on every rail rank). Stays on
         the stream over NCCL. On a CPU rail the result is a view of the kept receive buffer, which the
-        next exchange overwrites: read it (``RowPacker.unpack`` copies) before then.
+        next exchange overwrites: read it (``RowPacker.unpack`` copies by default) before then.
         """
         if self.stage_on_host:
             return self._exchange_staged(rows, splits, where)
@@ -311,14 +311,17 @@ class RowPacker:
         start, width = self.offsets[name]
         return rows[:, start:start + width]
 
-    def unpack(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each field as [N, *shape] in its dtype (fresh, contiguous tensors)."""
+    def unpack(self, rows: torch.Tensor, *, copy: bool = True) -> dict[str, torch.Tensor]:
+        """Each field as [N, *shape] in its dtype: fresh, contiguous tensors, or with ``copy=False`` views of
+        ``rows`` where the byte offsets allow (strided rows: for a caller that reads them before ``rows`` change)."""
         fields = {}
         for name, dtype, shape in self.fields:
-            # A fresh [N, width] copy: a slice of one row (or none) counts as contiguous and keeps the row
-            # stride, which view(dtype) refuses.
             raw = self.columns(rows, name)
-            raw = torch.empty(rows.shape[0], raw.shape[1], dtype=torch.uint8, device=rows.device).copy_(raw)
+            itemsize = _itemsize(dtype)
+            if copy or raw.stride(0) % itemsize or raw.storage_offset() % itemsize:
+                # A fresh [N, width] copy, also where view(dtype) refuses the row stride or offset (a slice of one
+                # row, or none, counts as contiguous but keeps the row stride too).
+                raw = torch.empty(rows.shape[0], raw.shape[1], dtype=torch.uint8, device=rows.device).copy_(raw)
             fields[name] = raw.view(dtype).reshape((rows.shape[0],) + shape)
         return fields
 
