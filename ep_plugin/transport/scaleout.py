@@ -31,8 +31,8 @@ the driver's bounce buffer. When CUDA rows are staged, the rows a rank sends to 
 on the GPU (a device copy): only the other domains' rows cross the host.
 
 Chunking (``Config.scaleout_chunk_tokens``): each rail collective moves at most that many rows per
-peer; larger exchanges run as several rounds. This bounds one collective's message (and the staging
-copy); it does not yet overlap the rounds with forwarding into the domain.
+peer; larger exchanges run as several rounds. This bounds one collective's message, not the host
+buffers (they hold the whole payload); it does not yet overlap the rounds with forwarding into the domain.
 """
 
 from __future__ import annotations
