@@ -85,7 +85,7 @@ class HostCollectives:
     # ---- the collectives -------------------------------------------------------------
 
     def all_to_all(self, tensor: torch.Tensor, out_splits: list[int], in_splits: list[int], *, where: str,
-                   read_on_host: bool = True) -> torch.Tensor:
+                   read_on_host: bool = True, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``all_to_all_single`` along dim 0 with exact splits; returns the received tensor.
 
         Args:
@@ -94,9 +94,11 @@ class HostCollectives:
             where: the op and phase, for messages ("dispatch #3 (payload)").
             read_on_host: the caller reads the result on the host next. Over NCCL only such
                 collectives are waited here (with the timeout); others stay stream-ordered.
+            out: contiguous [sum(out_splits), ...] tensor to receive into (default: a fresh one).
         """
         self.check_usable()
-        out = tensor.new_empty((sum(out_splits),) + tuple(tensor.shape[1:]))
+        if out is None:
+            out = tensor.new_empty((sum(out_splits),) + tuple(tensor.shape[1:]))
         try:
             work = dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=self.group,
                                           async_op=True)

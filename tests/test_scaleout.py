@@ -73,10 +73,15 @@ def check_hierarchical_equals_flat(ctx) -> list[str]:
     blocking = ep_plugin.Config.from_env()
     # (ranks per domain, mode): 1x8 is one domain, so the constructor returns the flat backend.
     variants = {"blocking": blocking, "sync-free": blocking.replace(blocking=False),
-                "chunked": blocking.replace(scaleout_chunk_tokens=3)}
-    plan = [(size, "blocking") for size in LAYOUTS] + [(size, "sync-free") for size in (4, 2, 1)] + [(2, "chunked")]
+                "chunked": blocking.replace(scaleout_chunk_tokens=3), "staged": blocking,
+                "staged sync-free": blocking.replace(blocking=False)}
+    plan = [(size, "blocking") for size in LAYOUTS] + [(size, "sync-free") for size in (4, 2, 1)] + [(2, "chunked")] \
+        + [(2, "staged"), (4, "staged sync-free")]
     backends = {(size, variant): _reference(variants[variant], Topology(NUM_RANKS, size, ctx.rank))
                 for size, variant in plan}
+    for (_, variant), backend in backends.items():
+        if variant.startswith("staged"):  # CPU rows on the path of CUDA rows over a gloo rail (own block kept)
+            backend.scaleout.stage_on_host = True
     for (size, _), backend in backends.items():
         expected_class = HierarchicalBackend if size < NUM_RANKS else type(flat)
         assert type(backend) is expected_class, (size, type(backend))
@@ -394,3 +399,14 @@ def test_row_packer_round_trip_is_bitwise():
         assert back[name].dtype == values[name].dtype and torch.equal(back[name], values[name]), name
     empty = {name: value[:0] for name, value in values.items()}
     assert packer.unpack(packer.pack(0, empty, torch.device("cpu")))["ids"].shape == (0, 2)
+    # Views where the 35-byte rows allow them (hidden, route), copies elsewhere (scales, ids): the same values.
+    viewed = packer.unpack(packer.pack(5, values, torch.device("cpu")), copy=False)
+    for name in values:
+        assert torch.equal(viewed[name].view(torch.uint8), back[name].view(torch.uint8)), name
+    # Gathered (take) and scattered (at) straight into the rows: as packing the indexed values.
+    order = torch.tensor([4, 0, 0, 2])
+    taken = packer.pack_into(torch.empty(4, packer.row_bytes, dtype=torch.uint8), values, take=order)
+    assert torch.equal(taken, packer.pack(4, {name: value[order] for name, value in values.items()}, "cpu"))
+    where = torch.tensor([6, 1, 3, 0, 5])
+    placed = packer.pack_into(torch.zeros(7, packer.row_bytes, dtype=torch.uint8), values, at=where)
+    assert torch.equal(placed[where], packer.pack(5, values, "cpu")) and not placed[[2, 4]].any()

@@ -51,7 +51,8 @@ too (``reference`` at once, the compiled backends at their next sync point) inst
 
 Costs and limits: the rail stages, the reorder and the sums are torch ops and host-issued
 collectives around the domain backend's kernels; on a gloo rail CUDA tensors are staged through
-host memory, which waits for the stream, also in sync-free mode (``transport.scaleout``). The
+host memory (kept pinned buffers; a rank's rows for its own domain stay on the GPU), which waits for
+the stream, also in sync-free mode (``transport.scaleout``). The
 capabilities are the domain backend's except ``cuda_graphs`` (not claimed: the rail collectives are
 issued from the host). A top-k wider than the experts of one domain (k > S * L) is refused before
 any communication. The domain backend's buffers are sized for ``D * max_tokens_per_rank`` input
@@ -198,6 +199,7 @@ class HierarchicalBackend(Backend):
 
     def destroy(self) -> None:
         self.domain.destroy()
+        self.scaleout.release_host_buffers()
 
     def check_errors(self, synchronize: bool = True) -> None:
         """The domain backend's pending device errors (compiled backends), raised with the domain named."""
@@ -243,19 +245,20 @@ class HierarchicalBackend(Backend):
 
         payload_rows = data.view(torch.uint8) if fp8 else data  # indexed as bytes: not every device indexes fp8
 
-        def token_fields(d: int, tokens) -> dict[str, torch.Tensor]:
-            values = {"hidden": payload_rows[tokens]}
+        def token_fields(d: int) -> dict[str, torch.Tensor]:
+            """What every token [T] sends to domain d (views where the wire holds the tensor as it is)."""
+            values = {"hidden": payload_rows}
             if fp8:
-                values["scales"] = scales[tokens]
+                values["scales"] = scales
             if routing.form == ROUTING_MAP:
-                values["route"] = routing.routing_map[tokens, d * G:(d + 1) * G]
+                values["route"] = routing.routing_map[:, d * G:(d + 1) * G]
                 if probs is not None:
-                    values["probs"] = probs[tokens, d * G:(d + 1) * G]
+                    values["probs"] = probs[:, d * G:(d + 1) * G]
             else:  # domain-local ids + 1 on the wire, so that the zeros of unused rows mean "none"
-                ids = routing.topk_idx[tokens]
-                values["route"] = torch.where(slot_domain[tokens] == d, ids - d * G + 1, torch.zeros_like(ids))
+                ids = routing.topk_idx
+                values["route"] = torch.where(slot_domain == d, ids - d * G + 1, torch.zeros_like(ids))
                 if probs is not None:
-                    values["probs"] = probs[tokens]
+                    values["probs"] = probs
             return values
 
         fingerprint = OpFingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, form=routing.form,
@@ -268,7 +271,7 @@ class HierarchicalBackend(Backend):
             capacity = self.config.max_tokens_per_rank
             splits = RailSplits([capacity] * D, [capacity] * D, capacity)
         if disagreement is None:
-            payload = self._pack_for_rail(packer, token_fields, to_domain, send_tokens, send_slot, T)
+            payload = self._pack_for_rail(packer, token_fields, to_domain, send_tokens, send_slot)
             received = packer.unpack(self.scaleout.exchange_rows(payload, splits, where=f"{where}: rail/tokens"))
         else:  # no payload moves on this rail; the domain hears of it in the counts exchange below
             splits = RailSplits([0] * D, [0] * D, 0)
@@ -338,45 +341,26 @@ class HierarchicalBackend(Backend):
         self.scaleout.check_usable()
         layout: HierarchicalLayout = handle.layout
         where = f"combine of dispatch #{layout.dispatch_id}"
-        T, G, H = handle.num_tokens, self.experts_per_domain, self.hidden_size
+        T, H = handle.num_tokens, self.hidden_size
         if self.config.blocking:
             fingerprint = OpFingerprint(OP_COMBINE, dtype=rows.dtype, probs=row_probs is not None,
                                         handle_id=layout.dispatch_id)
             self._rail_open(fingerprint, 0, layout.splits.recv, where, expected=layout.splits.send)
-        inner_probs = row_probs[layout.dest] if row_probs is not None else None
-        partial = self._at_domain_level(lambda: self.domain.combine(rows[layout.dest], layout.domain_handle,
-                                                                    row_probs=inner_probs))
+        inner_probs = row_probs.index_select(0, layout.dest) if row_probs is not None else None
+        partial = self._at_domain_level(lambda: self.domain.combine(rows.index_select(0, layout.dest),
+                                                                    layout.domain_handle, row_probs=inner_probs))
         fields = [("hidden", partial.hidden.dtype, (H,))]
         if partial.probs is not None:
             fields.append(("probs", partial.probs.dtype, tuple(partial.probs.shape[1:])))
         packer = RowPacker(fields)
-        payload = packer.pack(partial.hidden.shape[0], {"hidden": partial.hidden, "probs": partial.probs},
-                              partial.hidden.device)
+        payload = packer.pack_into(self.scaleout.send_rows(partial.hidden.shape[0], packer.row_bytes),
+                                   {"hidden": partial.hidden, "probs": partial.probs})
+        # Views of the received rows (no copy): they are read below, before any other rail exchange.
         back = packer.unpack(self.scaleout.exchange_rows(payload, layout.splits.reversed(),
-                                                         where=f"{where}: rail/rows"))
+                                                         where=f"{where}: rail/rows"), copy=False)
 
         accumulate = torch.float64 if rows.dtype == torch.float64 else torch.float32
-        summed = torch.zeros(T, H, dtype=accumulate, device=rows.device)
-        probs = None
-        if partial.probs is not None:
-            probs = partial.probs.new_zeros(handle.probs_shape)
-        for d, tokens, source_rows, valid in self._returned_rows(layout, T):
-            part = back["hidden"][source_rows].to(accumulate)
-            if valid is not None:
-                part = torch.where(valid.unsqueeze(1), part, torch.zeros_like(part))
-            summed.index_add_(0, tokens, part)
-            if probs is None:
-                continue
-            values = back["probs"][source_rows]
-            if layout.slot_domain is None:  # routing map: this domain's G columns
-                mine = probs[tokens, d * G:(d + 1) * G]
-                keep = valid.unsqueeze(1) if valid is not None else torch.ones_like(mine, dtype=torch.bool)
-                probs[tokens, d * G:(d + 1) * G] = torch.where(keep, values, mine)
-            else:  # top-k: the slots whose expert lives in this domain
-                keep = layout.slot_domain[tokens] == d
-                if valid is not None:
-                    keep &= valid.unsqueeze(1)
-                probs[tokens] = torch.where(keep, values, probs[tokens])
+        summed, probs = self._add_returned(back, layout, T, accumulate, handle.probs_shape)
         if bias is not None:
             summed += bias.to(accumulate)
         return CombineOutput(summed.to(rows.dtype), probs)
@@ -391,29 +375,65 @@ class HierarchicalBackend(Backend):
         return None, torch.cumsum(to_domain.to(torch.int64), 0) - 1
 
     def _pack_for_rail(self, packer: RowPacker, token_fields: Callable, to_domain: torch.Tensor,
-                       send_tokens: Optional[list], send_slot: Optional[torch.Tensor], T: int) -> torch.Tensor:
+                       send_tokens: Optional[list], send_slot: Optional[torch.Tensor]) -> torch.Tensor:
         """The rail payload: per domain, the rows of the tokens it gets (blocking: exactly those; sync-free:
-        a block of max_tokens_per_rank rows, unused rows zero, i.e. routed nowhere)."""
-        dev = to_domain.device
-        pieces = []
-        for d in range(self.num_domains):
-            if send_tokens is not None:
-                pieces.append(packer.pack(len(send_tokens[d]), token_fields(d, send_tokens[d]), dev))
+        a block of max_tokens_per_rank rows, unused rows zero, i.e. routed nowhere), packed in place into
+        the rail's send rows (``ScaleOut.send_rows``)."""
+        D = self.num_domains
+        if send_tokens is not None:
+            payload = self.scaleout.send_rows(sum(len(tokens) for tokens in send_tokens), packer.row_bytes)
+            start = 0
+            for d, tokens in enumerate(send_tokens):
+                packer.pack_into(payload[start:start + len(tokens)], token_fields(d), take=tokens)
+                start += len(tokens)
+            return payload
+        capacity = self.config.max_tokens_per_rank
+        spill = D * capacity  # one row past the blocks for the tokens a domain does not get (not sent)
+        payload = self.scaleout.send_rows(spill + 1, packer.row_bytes).zero_()
+        for d in range(D):
+            target = torch.where(to_domain[:, d], d * capacity + send_slot[:, d],
+                                 torch.full_like(send_slot[:, d], spill))
+            packer.pack_into(payload, token_fields(d), at=target)
+        return payload[:spill]
+
+    def _add_returned(self, back: dict[str, torch.Tensor], layout: HierarchicalLayout, T: int,
+                      accumulate: torch.dtype, probs_shape) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Combine at the source: each domain's returned partial added in ``accumulate`` in domain order
+        ([T, H]), and its probs put back in the columns or slots of that domain (or None)."""
+        G, H = self.experts_per_domain, self.hidden_size
+        device = back["hidden"].device
+        summed = torch.zeros(T, H, dtype=accumulate, device=device)
+        converted = torch.empty(T, H, dtype=accumulate, device=device)  # a domain's rows, widened
+        probs = None
+        if "probs" in back:
+            probs = back["probs"].new_zeros(probs_shape)
+        for d, tokens, source_rows, valid in self._returned_rows(layout, T):
+            part = converted[:tokens.shape[0]].copy_(back["hidden"][source_rows])
+            if valid is not None:
+                part.masked_fill_(~valid.unsqueeze(1), 0)
+            summed.index_add_(0, tokens, part)
+            if probs is None:
                 continue
-            capacity = self.config.max_tokens_per_rank
-            block = torch.zeros(capacity + 1, packer.row_bytes, dtype=torch.uint8, device=dev)  # + a spill row
-            target = torch.where(to_domain[:, d], send_slot[:, d], torch.full_like(send_slot[:, d], capacity))
-            block.index_copy_(0, target, packer.pack(T, token_fields(d, slice(None)), dev))
-            pieces.append(block[:capacity])
-        return torch.cat(pieces) if pieces else torch.zeros(0, packer.row_bytes, dtype=torch.uint8, device=dev)
+            values = back["probs"][source_rows]
+            if layout.slot_domain is None:  # routing map: this domain's G columns
+                mine = probs[tokens, d * G:(d + 1) * G]
+                keep = valid.unsqueeze(1) if valid is not None else torch.ones_like(mine, dtype=torch.bool)
+                probs[tokens, d * G:(d + 1) * G] = torch.where(keep, values, mine)
+            else:  # top-k: the slots whose expert lives in this domain
+                keep = layout.slot_domain[tokens] == d
+                if valid is not None:
+                    keep &= valid.unsqueeze(1)
+                probs[tokens] = torch.where(keep, values, probs[tokens])
+        return summed, probs
 
     def _returned_rows(self, layout: HierarchicalLayout, T: int):
-        """Per domain: (domain, source tokens, their rows in the returned payload, valid mask or None)."""
+        """Per domain: (domain, source tokens, their rows in the returned payload (a slice or an index), valid
+        mask or None)."""
         dev = layout.to_domain.device
         if layout.send_tokens is not None:
             start = 0
             for d, tokens in enumerate(layout.send_tokens):
-                yield d, tokens, torch.arange(start, start + len(tokens), device=dev), None
+                yield d, tokens, slice(start, start + len(tokens)), None
                 start += len(tokens)
             return
         capacity = self.config.max_tokens_per_rank
@@ -436,11 +456,10 @@ class HierarchicalBackend(Backend):
             fingerprint = OpFingerprint(OP_DISPATCH_AGAIN, dtype=data.dtype, handle_id=layout.dispatch_id)
             self._rail_open(fingerprint, packer.row_bytes, layout.splits.send, where, expected=layout.splits.recv)
 
-        def token_fields(d: int, tokens) -> dict[str, torch.Tensor]:
-            return {"hidden": payload_rows[tokens], **({"scales": scales[tokens]} if scales is not None else {})}
+        def token_fields(d: int) -> dict[str, torch.Tensor]:
+            return {"hidden": payload_rows, **({"scales": scales} if scales is not None else {})}
 
-        payload = self._pack_for_rail(packer, token_fields, layout.to_domain, layout.send_tokens, layout.send_slot,
-                                      handle.num_tokens)
+        payload = self._pack_for_rail(packer, token_fields, layout.to_domain, layout.send_tokens, layout.send_slot)
         received = packer.unpack(self.scaleout.exchange_rows(payload, layout.splits, where=f"{where}: rail/tokens"))
         hidden_in = (received["hidden"], received["scales"]) if scales is not None else received["hidden"]
         return self._at_domain_level(lambda: forward(hidden_in))

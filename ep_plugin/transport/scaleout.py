@@ -23,15 +23,22 @@ waits for the stream, so "sync-free" there means static shapes and no host read 
 synchronization. On NCCL rails the tensors stay on the GPU and the payload collectives are
 stream-ordered (no host wait).
 
+Host memory on a gloo rail: the payload rows travel through two host buffers that ``ScaleOut`` keeps
+between ops (send and receive; pinned where CUDA tensors are staged), grown to the largest exchange
+and never shrunk. A fresh host tensor of a 100 MB payload costs its page faults on every op (about
+40 ms on the 2-core CPU bed, more than the wire), and a pinned one copies to and from the GPU without
+the driver's bounce buffer. When CUDA rows are staged, the rows a rank sends to its own domain stay
+on the GPU (a device copy): only the other domains' rows cross the host.
+
 Chunking (``Config.scaleout_chunk_tokens``): each rail collective moves at most that many rows per
-peer; larger exchanges run as several rounds. This bounds one collective's message (and the staging
-copy); it does not yet overlap the rounds with forwarding into the domain.
+peer; larger exchanges run as several rounds. This bounds one collective's message, not the host
+buffers (they hold the whole payload); it does not yet overlap the rounds with forwarding into the domain.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -113,6 +120,8 @@ class ScaleOut:
                                     label="rail")
         self.stage_on_host = device.type == "cuda" and self.engine != "nccl"
         self.exchange_device = device if device.type == "cuda" and not self.stage_on_host else torch.device("cpu")
+        self._host_buffers: dict[str, torch.Tensor] = {}  # "send" / "receive": kept host rows (module docstring)
+        self.pin_host_buffers = self.stage_on_host
 
     @property
     def num_domains(self) -> int:
@@ -150,23 +159,59 @@ class ScaleOut:
         splits = RailSplits(list(send_counts), [row[0] for row in rows], largest)
         return splits, [tuple(row[1:width - D]) for row in rows]
 
+    def send_rows(self, num_rows: int, row_bytes: int) -> torch.Tensor:
+        """[num_rows, row_bytes] uint8 to pack a payload into before ``exchange_rows`` (contents undefined).
+
+        On a CPU rail this is the kept send buffer (the next op's payload overwrites it; ``exchange_rows``
+        has finished reading it when it returns); elsewhere a fresh tensor on this rank's device.
+        """
+        if self.device.type == "cpu" and not self.stage_on_host:
+            return self._host_rows("send", num_rows, row_bytes)
+        return torch.empty(num_rows, row_bytes, dtype=torch.uint8, device=self.device)
+
     def exchange_rows(self, rows: torch.Tensor, splits: RailSplits, *, where: str) -> torch.Tensor:
         """``all_to_all_single`` of ``rows`` [sum(splits.send), B] along the rail; returns [sum(splits.recv), B].
 
         Rows for peer d are the d-th block of ``rows``; received blocks come in domain order. Runs in
         ceil(splits.largest / chunk_rows) rounds when chunking is on (equal on every rail rank). Stays on
-        the stream over NCCL.
+        the stream over NCCL. On a CPU rail the result is a view of the kept receive buffer, which the
+        next exchange overwrites: read it (``RowPacker.unpack`` copies by default) before then.
         """
-        device = rows.device
         if self.stage_on_host:
-            rows = rows.cpu()
-        rows = rows.to(self.exchange_device) if rows.device != self.exchange_device else rows
+            return self._exchange_staged(rows, splits, where)
+        received = None
+        if rows.device.type == "cpu":
+            received = self._host_rows("receive", sum(splits.recv), rows.shape[1])
+        return self._all_to_all_rows(rows, splits, received, where)
+
+    def _exchange_staged(self, rows: torch.Tensor, splits: RailSplits, where: str) -> torch.Tensor:
+        """CUDA rows over a gloo rail: the own domain's block is a device copy, the others cross the host
+        once each way through the kept pinned buffers (synchronous copies: a buffer is free when this returns)."""
+        own = self.topology.domain_index
+        width = rows.shape[1]
+        out = rows.new_empty((sum(splits.recv), width))
+        send_own, recv_own = _starts(splits.send)[own], _starts(splits.recv)[own]
+        out[recv_own:recv_own + splits.recv[own]] = rows[send_own:send_own + splits.send[own]]
+        remote = RailSplits([0 if d == own else n for d, n in enumerate(splits.send)],
+                            [0 if d == own else n for d, n in enumerate(splits.recv)], splits.largest)
+        host_rows = self._host_rows("send", sum(remote.send), width)
+        for first, count, at in _around(send_own, splits.send[own], rows.shape[0]):
+            host_rows[at:at + count].copy_(rows[first:first + count])
+        received = self._all_to_all_rows(host_rows, remote, self._host_rows("receive", sum(remote.recv), width),
+                                         where)
+        for first, count, at in _around(recv_own, splits.recv[own], out.shape[0]):
+            out[first:first + count].copy_(received[at:at + count])
+        return out
+
+    def _all_to_all_rows(self, rows: torch.Tensor, splits: RailSplits, out: Optional[torch.Tensor],
+                         where: str) -> torch.Tensor:
+        """The rail collective(s) of ``exchange_rows`` on tensors the engine moves, into ``out`` (or fresh)."""
         chunk = self.chunk_rows
         most = splits.largest
         if chunk <= 0 or most <= chunk:
-            out = self.rail.all_to_all(rows, splits.recv, splits.send, where=where, read_on_host=False)
-            return out.to(device)
-        out = rows.new_empty((sum(splits.recv),) + tuple(rows.shape[1:]))
+            return self.rail.all_to_all(rows, splits.recv, splits.send, where=where, read_on_host=False, out=out)
+        if out is None:
+            out = rows.new_empty((sum(splits.recv),) + tuple(rows.shape[1:]))
         send_starts = _starts(splits.send)
         recv_starts = _starts(splits.recv)
         for round_index, first in enumerate(range(0, most, chunk)):
@@ -179,11 +224,33 @@ class ScaleOut:
             for s, n in zip(recv_starts, recv_now, strict=True):
                 out[s + first:s + first + n] = received[offset:offset + n]
                 offset += n
-        return out.to(device)
+        return out
+
+    def _host_rows(self, role: str, num_rows: int, row_bytes: int) -> torch.Tensor:
+        """[num_rows, row_bytes] uint8 of the kept host buffer ``role``, grown when too small (by a quarter at
+        least, so that counts that creep up from op to op do not reallocate every time)."""
+        size = num_rows * row_bytes
+        kept = self._host_buffers.get(role)
+        if kept is None or kept.numel() < size:
+            grown = max(size, 0 if kept is None else kept.numel() * 5 // 4)
+            kept = torch.empty(grown, dtype=torch.uint8, pin_memory=self.pin_host_buffers)
+            self._host_buffers[role] = kept
+        return kept[:size].view(num_rows, row_bytes)
+
+    def release_host_buffers(self) -> None:
+        """Give the kept host buffers back (a later exchange allocates them again)."""
+        self._host_buffers.clear()
 
     def barrier(self, *, where: str) -> None:
         """Every rank of this rail reached this point (a timed host wait)."""
         self.exchange_words(torch.zeros(1, dtype=torch.int64), where=where)
+
+
+def _around(start: int, count: int, total: int) -> list[tuple[int, int, int]]:
+    """The rows of [0, total) outside the block [start, start + count): (first row, rows, where they start
+    once the block is taken out), for the non-empty runs before and after it."""
+    runs = [(0, start, 0), (start + count, total - start - count, start)]
+    return [run for run in runs if run[1] > 0]
 
 
 def _starts(counts: list[int]) -> list[int]:
@@ -212,24 +279,49 @@ class RowPacker:
 
     def pack(self, num_rows: int, values: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
         """[num_rows, row_bytes] uint8 from each field's [num_rows, *shape] tensor (missing fields: zeros)."""
-        out = torch.zeros(num_rows, self.row_bytes, dtype=torch.uint8, device=device)
+        return self.pack_into(torch.empty(num_rows, self.row_bytes, dtype=torch.uint8, device=device), values)
+
+    def pack_into(self, out: torch.Tensor, values: dict[str, torch.Tensor], *, take: Optional[torch.Tensor] = None,
+                  at: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Write each field's rows into its bytes of ``out`` [N, row_bytes] (missing fields: zeros); returns ``out``.
+
+        Args:
+            values: each field's [M, *shape] tensor; row i goes to row i of ``out`` (M = N), unless
+            take: [N] int64: row i of ``out`` gets row take[i] of each value (a gather), or
+            at: [M] int64: row i of each value goes to row at[i] of ``out`` (a scatter; other rows untouched).
+        Gathers and scatters write into ``out``'s columns directly: no temporary copy of a field.
+        """
         for name, _, shape in self.fields:
+            columns = self.columns(out, name)
             value = values.get(name)
             if value is None:
+                columns.zero_()
                 continue
-            start, width = self.offsets[name]
-            out[:, start:start + width] = _as_bytes(value.reshape(num_rows, _numel(shape)), width)
+            value = _as_bytes(value.reshape(value.shape[0], _numel(shape)), columns.shape[1])
+            if take is not None:
+                torch.index_select(value, 0, take, out=columns)
+            elif at is not None:
+                columns.index_copy_(0, at, value)
+            else:
+                columns.copy_(value)
         return out
 
-    def unpack(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each field as [N, *shape] in its dtype (fresh, contiguous tensors)."""
+    def columns(self, rows: torch.Tensor, name: str) -> torch.Tensor:
+        """The [N, width] uint8 bytes of field ``name`` in packed ``rows`` (a view)."""
+        start, width = self.offsets[name]
+        return rows[:, start:start + width]
+
+    def unpack(self, rows: torch.Tensor, *, copy: bool = True) -> dict[str, torch.Tensor]:
+        """Each field as [N, *shape] in its dtype: fresh, contiguous tensors, or with ``copy=False`` views of
+        ``rows`` where the byte offsets allow (strided rows: for a caller that reads them before ``rows`` change)."""
         fields = {}
         for name, dtype, shape in self.fields:
-            start, width = self.offsets[name]
-            # A fresh [N, width] copy: a slice of one row (or none) counts as contiguous and keeps the row
-            # stride, which view(dtype) refuses.
-            raw = torch.empty(rows.shape[0], width, dtype=torch.uint8, device=rows.device)
-            raw.copy_(rows[:, start:start + width])
+            raw = self.columns(rows, name)
+            itemsize = _itemsize(dtype)
+            if copy or raw.stride(0) % itemsize or raw.storage_offset() % itemsize:
+                # A fresh [N, width] copy, also where view(dtype) refuses the row stride or offset (a slice of one
+                # row, or none, counts as contiguous but keeps the row stride too).
+                raw = torch.empty(rows.shape[0], raw.shape[1], dtype=torch.uint8, device=rows.device).copy_(raw)
             fields[name] = raw.view(dtype).reshape((rows.shape[0],) + shape)
         return fields
 
