@@ -29,10 +29,10 @@
 // increasing k, so the prob of the last one wins. Loads in the counting loops are unrolled so that
 // each lane has ~16 in flight: the loops are latency-bound, not bandwidth.
 //
-// Waits on nothing. Expected cost (H200, not yet measured): T=128 (decode), one block per rank, one
-// L2 round trip in pass A and an L1 round in pass B: ~1.5 us. T=4096, E=256, R=8: 16 chunks x 8
-// ranks = 128 blocks, the last recounting 3840 tokens (120 KB of map / 240 KB of K=8 ids): ~2-3 us.
-// R=1 with large L is the slow corner (the recount is then T*E bytes for one block).
+// Waits on nothing. Cost: estimated ~1.5 us at T=128 (decode) and ~2-3 us at T=4096, E=256, R=8
+// with 128 blocks; measured on the shared-GPU bed (8 ranks on one H200, num_sms = 16, so 2 chunks
+// x 8 ranks = 16 blocks, the last recounting 2048 tokens) 12 us at T=128 and 70 us at T=4096
+// (benchmarks/NOTES.md). R=1 with large L is the slow corner (the recount is T*E bytes for one block).
 #include <cuda_runtime.h>
 
 #include <algorithm>

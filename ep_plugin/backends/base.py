@@ -160,7 +160,7 @@ class Backend(abc.ABC):
             "num_experts": self.num_experts,
             # Buffers and worst-case outputs are sized from it on every rank.
             "max_tokens_per_rank": self.config.max_tokens_per_rank,
-            # Blocking mode rejects bad expert ids on the host (the rank leaves the op) while
+            # Blocking mode refuses a dispatch with bad expert ids (the rank leaves the op) while
             # non-blocking mode drops them on the device (the rank goes on): ranks must choose alike.
             "blocking": self.config.blocking,
         }
