@@ -25,14 +25,19 @@
 // and write all outputs; "id lanes" (lane = (row, top-k slot)) count top-k ids. Pass B scatters a
 // top-k step into a per-warp shared tile of column-lane shape first. A token naming an expert twice
 // chose it once (flagged; the blocking mode then refuses the dispatch on every rank): pass A counts
-// only the last such slot (match_any, or a bitmap when K > 32), and in pass B slots land in the tile in
-// increasing k, so the prob of the last one wins. Loads in the counting loops are unrolled so that
-// each lane has ~16 in flight: the loops are latency-bound, not bandwidth.
+// only the last such slot (a later slot of the same row is found with shuffles, or a bitmap when
+// K > 32), and in pass B slots land in the tile in increasing k, so the prob of the last one wins.
+// Loads in the counting loops are unrolled so that each lane has ~16 in flight.
 //
-// Waits on nothing. Cost: estimated ~1.5 us at T=128 (decode) and ~2-3 us at T=4096, E=256, R=8
-// with 128 blocks; measured on the shared-GPU bed (8 ranks on one H200, num_sms = 16, so 2 chunks
-// x 8 ranks = 16 blocks, the last recounting 2048 tokens) 12 us at T=128 and 70 us at T=4096
-// (benchmarks/NOTES.md). R=1 with large L is the slow corner (the recount is T*E bytes for one block).
+// Waits on nothing. Cost: the kernel is bound by instruction issue, not by bytes (ncu, with
+// __match_any_sync still in: 0.4 instructions per cycle per scheduler, 60% of stalls on the
+// short scoreboard, 3% of DRAM bandwidth). Measured alone on
+// an H200 (benchmarks/layout_time.py, R = 8, E = 256, top-8): 8.8 us at T=128 and 43 us at T=4096
+// with 16 blocks (the bed's num_sms: 2 chunks x 8 ranks, the last recounting 2048 tokens), 26 us
+// with 128 blocks. Before the shuffles replaced __match_any_sync: 15 and 70 us. Every block reads
+// all K ids of its tokens for its one rank, so the work grows with R; a token-major kernel (one block
+// per chunk for every rank) would read each id once. R=1 with large L is the slow corner (the
+// recount is T*E bytes for one block).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -77,6 +82,22 @@ __device__ __forceinline__ int64_t load_id(const int64_t* p) {
 }
 
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
+// Whether a later lane of this lane's segment (`width` lanes, a power of two; `pos` = this lane's
+// place in it) holds the same key. Keys of different segments never compare. Up to 16 lanes this
+// takes width - 1 shuffles; __match_any_sync over 32 distinct keys cost the kernel 40% of its time
+// (70 -> 43 us at 4096 tokens, R = 8, 16 blocks).
+__device__ __forceinline__ bool later_lane_has_key(unsigned key, int width, int pos) {
+  if (width > 16) return (__match_any_sync(kFullMask, key) >> (threadIdx.x & 31)) > 1u;
+  bool found = false;
+#pragma unroll
+  for (int d = 1; d < 16; ++d) {
+    if (d >= width) break;  // warp-uniform
+    const unsigned other = __shfl_down_sync(kFullMask, key, d, width);
+    found |= pos + d < width && other == key;
+  }
+  return found;
+}
 
 template <int V>
 __device__ __forceinline__ void store_vec(int32_t* p, const int (&v)[V]) {
@@ -245,9 +266,9 @@ __device__ int count_topk(const LayoutArgs& a, int p, const IdLanes& lanes, int 
         const bool hit = c >= 0 && c < L;
         // Only the last slot naming an expert counts; keys never match across rows or misses.
         const unsigned key = hit ? static_cast<unsigned>(lanes.r * kMaxLocalExperts + c) : 0x10000u + lane;
-        const unsigned peers = __match_any_sync(kFullMask, key);
-        if (hit && (peers >> lane) == 1u) atomicAdd(&totals[c], 1);
-        repeated |= hit && (peers >> lane) > 1u;
+        const bool named_later = later_lane_has_key(key, lanes.lpr, lanes.slot);
+        if (hit && !named_later) atomicAdd(&totals[c], 1);
+        repeated |= hit && named_later;
         const bool row_any = (__ballot_sync(kFullMask, hit) & lanes.same_row) != 0;
         rank_count += lanes.slot == 0 && row_any;
       }
@@ -386,10 +407,11 @@ __device__ void write_topk(const LayoutArgs& a, int p, const ColumnLanes<V, G>& 
         const int64_t c = id[j] - first;
         const bool hit = c >= 0 && c < L;
         const int entry = lanes.r * L + static_cast<int>(c);
-        const unsigned peers = __match_any_sync(kFullMask, hit ? static_cast<unsigned>(entry) : 0x10000u + lane);
+        const unsigned key = hit ? static_cast<unsigned>(entry) : 0x10000u + lane;
+        const bool named_later = later_lane_has_key(key, lanes.lpr, lanes.qi);
         if (hit) {
           atomicOr(&bits[entry >> 5], 1u << (entry & 31));
-          if (with_probs && (peers >> lane) == 1u) tile[entry] = prob[j];
+          if (with_probs && !named_later) tile[entry] = prob[j];
         }
         __syncwarp();
       }
