@@ -8,6 +8,7 @@ CUDA backends report themselves unavailable.
 Environment:
   EP_PLUGIN_CUDA_ARCHS   semicolon list of SM versions to build (default "90"; e.g. "80;90;100")
   EP_PLUGIN_NO_CUDA=1    skip the extension even when nvcc is present
+  EP_PLUGIN_NVCC_FLAGS   extra nvcc flags, space-separated (e.g. -G, or -DNAME to build a variant)
   CUDA_HOME / nvcc on PATH  which toolkit to use
 """
 
@@ -51,6 +52,7 @@ class NvccBuildExt(build_ext):
             "-I" + pybind11.get_include(),
             "-I" + sysconfig.get_paths()["include"],
         ] + [f"-gencode=arch=compute_{arch},code=sm_{arch}" for arch in archs]
+        flags += os.environ.get("EP_PLUGIN_NVCC_FLAGS", "").split()  # e.g. -DNAME for a measured variant
         object_dir = os.path.join(self.build_temp, "ep_plugin_objects")
         os.makedirs(object_dir, exist_ok=True)
         objects = [os.path.join(object_dir, source.replace("/", "_") + ".o") for source in ext.sources]
@@ -61,7 +63,7 @@ class NvccBuildExt(build_ext):
 
         print(f"ep_plugin: nvcc {' '.join(flags)} ({len(ext.sources)} sources)", file=sys.stderr)
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            list(pool.map(compile_one, zip(ext.sources, objects)))
+            list(pool.map(compile_one, zip(ext.sources, objects, strict=True)))
         subprocess.check_call([nvcc, "-shared", "-cudart", "static", *objects, "-o", output], cwd=ROOT)
 
 

@@ -6,6 +6,7 @@ is printed; spin-waiting kernels include the time they waited for the slowest ra
 
   python benchmarks/kernel_times.py --backend elastic --ranks 8 --tokens 4096 --hidden 7168 --sms 16 [--nonblocking]
       [--in-place]   (elastic: dispatch rows pushed into the receivers' buffers, combine rows read in place)
+      [--host-profile]  (cProfile of rank 0's host calls per step, for eager latency at small token counts)
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def profile_rank(ctx, args) -> str | None:
         topk_idx, topk_weights = make_topk(shape, ctx.rank, 0, device)
         routing = dict(topk_idx=topk_idx, topk_weights=topk_weights)
     hidden = make_hidden(shape, ctx.rank, device, torch.bfloat16)
+    if args.constant_hidden:  # same bytes moved; tells data-dependent memory rates apart
+        hidden.fill_(1.0)
 
     def step():
         if args.in_place:
@@ -45,6 +48,8 @@ def profile_rank(ctx, args) -> str | None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    if args.host_profile:
+        return host_profile(ctx, step, args.iters)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
         for _ in range(args.iters):
             step()
@@ -63,6 +68,30 @@ def profile_rank(ctx, args) -> str | None:
     return "\n".join(lines)
 
 
+def host_profile(ctx, step, iters: int) -> str | None:
+    """Where the host's time goes in eager calls: cProfile of rank 0's steps (every rank runs them)."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    if ctx.rank == 0:
+        profiler.enable()
+    for _ in range(iters):
+        step()
+    if ctx.rank == 0:
+        profiler.disable()
+    wall_us = (time.perf_counter() - start) * 1e6 / iters
+    torch.cuda.synchronize()
+    if ctx.rank != 0:
+        return None
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    return f"host wall per step (dispatch + combine): {wall_us:.1f} us (under cProfile)\n" + text.getvalue()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="hybrid", help="hybrid or elastic")
@@ -75,6 +104,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--nonblocking", action="store_true")
     parser.add_argument("--in-place", action="store_true", help="elastic: in-place dispatch and combine")
+    parser.add_argument("--constant-hidden", action="store_true", help="every activation 1.0 instead of random")
+    parser.add_argument("--host-profile", action="store_true", help="cProfile rank 0's host calls instead")
     args = parser.parse_args()
     from ep_plugin.testing import run_ranks
 
