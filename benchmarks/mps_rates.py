@@ -139,10 +139,19 @@ def timed_together(ctx, launch, repeats: int, alone: bool) -> float:
     return statistics.median(times) if times else 0.0
 
 
+def open_peer_buffers(ctx, mine: torch.Tensor) -> list:
+    """Every rank's `mine`, opened over CUDA IPC (this rank's own as is), indexed by rank."""
+    import torch.distributed as dist
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    shared = [None] * ctx.world_size
+    dist.all_gather_object(shared, reduce_tensor(mine))
+    return [mine if peer == ctx.rank else rebuild(*data) for peer, (rebuild, data) in enumerate(shared)]
+
+
 def rows_main(ctx, args):
     """The push's pattern: 4096 rows of 14336 bytes, each to the ranks holding its top-8 of 256 experts."""
     import torch.distributed as dist
-    from torch.multiprocessing.reductions import reduce_tensor
 
     ext = extension()
     n, tokens, row_bytes = ctx.world_size, args.tokens, args.row_bytes
@@ -155,9 +164,7 @@ def rows_main(ctx, args):
     if args.random:  # the bytes of random bf16 activations, as the benchmark sends
         source.random_(0, 256)
     mine = torch.zeros(n * tokens * row_bytes, dtype=torch.uint8, device=ctx.device)  # [source][slot] rows
-    shared = [None] * n
-    dist.all_gather_object(shared, reduce_tensor(mine))
-    buffers = [mine if peer == ctx.rank else rebuild(*data) for peer, (rebuild, data) in enumerate(shared)]
+    buffers = open_peer_buffers(ctx, mine)
     written = int(chosen.sum()) * row_bytes
     results = {}
     for by_block in (False, True):
@@ -209,7 +216,6 @@ def report_placement(n: int, per_rank) -> None:
 def rank_main(ctx, args):
     """Streaming copies and fills: S bytes read, written N times (own slots, or one slot per peer)."""
     import torch.distributed as dist
-    from torch.multiprocessing.reductions import reduce_tensor
 
     ext = extension()
     n, size = ctx.world_size, args.mib << 20
@@ -217,9 +223,7 @@ def rank_main(ctx, args):
     if args.random:
         source.random_(0, 256)
     mine = torch.zeros(n * size, dtype=torch.uint8, device=ctx.device)  # slot s at s * size
-    shared = [None] * n
-    dist.all_gather_object(shared, reduce_tensor(mine))
-    buffers = [mine if peer == ctx.rank else rebuild(*data) for peer, (rebuild, data) in enumerate(shared)]
+    buffers = open_peer_buffers(ctx, mine)
     own = [mine.data_ptr() + s * size for s in range(n)]
     peers = [buffers[(ctx.rank + d) % n].data_ptr() + ctx.rank * size for d in range(n)]
     results = {}
