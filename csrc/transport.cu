@@ -15,6 +15,8 @@
 namespace ep {
 namespace {
 
+constexpr int64_t kPageBytes = 2LL << 20;  // the GPU's large page
+
 SyncLayout make_sync_layout(int num_ranks, int count_words) {
   SyncLayout s{};
   s.num_ranks = num_ranks;
@@ -44,7 +46,11 @@ SymmetricBuffer::SymmetricBuffer(int device, int rank, int num_ranks, int64_t re
   view_.sync = make_sync_layout(num_ranks, count_words);
   view_.rank = rank;
   view_.num_ranks = num_ranks;
-  total_bytes_ = view_.sync.bytes + align_up(region_bytes, 256);
+  // Round up to whole 2 MiB pages, as torch's caching allocator does. Measured on one H200 with
+  // 8 ranks: stores into peers' buffers ran at 1.7 TB/s instead of 2.9 when the size was not a
+  // multiple (likely the tail is mapped with small pages in the peers; benchmarks/NOTES.md,
+  // eighth pass).
+  total_bytes_ = align_up(view_.sync.bytes + align_up(region_bytes, 256), kPageBytes);
   try {
     EP_CUDA_CHECK(cudaMalloc(&local_, total_bytes_));
     // Flags start at 0 (no op has sequence 0). Backend regions are zeroed too: their flags need
