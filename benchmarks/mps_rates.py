@@ -29,8 +29,24 @@ KERNELS = r"""
 constexpr int kMaxDest = 16;
 struct Dests { int4* p[kMaxDest]; };
 
+// Block start and end on the GPU-wide clock (%globaltimer, ns; the same for every process on the GPU),
+// so that the ranks' windows can be laid side by side: how long all of them took together.
+__device__ __forceinline__ long long now_ns() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void stamp_start(long long* stamps) {
+  if (threadIdx.x == 0) stamps[2 * blockIdx.x] = now_ns();
+}
+__device__ __forceinline__ void stamp_end(long long* stamps) {
+  __syncthreads();
+  if (threadIdx.x == 0) stamps[2 * blockIdx.x + 1] = now_ns();
+}
+
 // Element i of the source, stored into every destination (loads first, then stores; 2 in flight).
-__global__ void push_kernel(Dests dests, int num_dests, const int4* in, long long n, bool load) {
+__global__ void push_kernel(Dests dests, int num_dests, const int4* in, long long n, bool load, long long* stamps) {
+  stamp_start(stamps);
   const long long stride = (long long)gridDim.x * blockDim.x;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += 2 * stride) {
     const long long j = i + stride;
@@ -41,6 +57,7 @@ __global__ void push_kernel(Dests dests, int num_dests, const int4* in, long lon
       if (j < n) dests.p[d][j] = b;
     }
   }
+  stamp_end(stamps);
 }
 
 // The elastic in-place push's pattern: token t (a row of row_bytes) goes to the destinations whose
@@ -48,7 +65,8 @@ __global__ void push_kernel(Dests dests, int num_dests, const int4* in, long lon
 // copies one row at a time (each warp a slice); else each warp copies whole rows (as the kernel does),
 // 4 words per lane loaded before the stores.
 __global__ void rows_kernel(Dests dests, int num_dests, const int4* in, const int* slots, int tokens, int row_words,
-                            int rank, bool by_block) {
+                            int rank, bool by_block, long long* stamps) {
+  stamp_start(stamps);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   const int first = by_block ? blockIdx.x : blockIdx.x * warps + warp;
   const int step = by_block ? gridDim.x : gridDim.x * warps;
@@ -68,15 +86,17 @@ __global__ void rows_kernel(Dests dests, int num_dests, const int4* in, const in
       }
     }
   }
+  stamp_end(stamps);
 }
 
 void rows(std::vector<int64_t> dest_addresses, torch::Tensor in, torch::Tensor slots, int blocks, int rank,
-          bool by_block) {
+          bool by_block, torch::Tensor stamps) {
   Dests dests{};
   for (size_t d = 0; d < dest_addresses.size(); ++d) dests.p[d] = reinterpret_cast<int4*>(dest_addresses[d]);
   const int tokens = in.size(0), row_words = in.size(1) * in.element_size() / 16;
   rows_kernel<<<blocks, 512, 0, at::cuda::getCurrentCUDAStream()>>>(dests, (int)dest_addresses.size(),
-      reinterpret_cast<const int4*>(in.data_ptr()), slots.data_ptr<int>(), tokens, row_words, rank, by_block);
+      reinterpret_cast<const int4*>(in.data_ptr()), slots.data_ptr<int>(), tokens, row_words, rank, by_block,
+      reinterpret_cast<long long*>(stamps.data_ptr<int64_t>()));
 }
 
 // Where blocks run: each block records (%smid, start, end) of a ~spin_ns busy wait; `smem` bytes of
@@ -98,12 +118,13 @@ void place(torch::Tensor out, int blocks, int threads, int smem, long long spin_
   place_kernel<<<blocks, threads, smem, at::cuda::getCurrentCUDAStream()>>>(records, spin_ns);
 }
 
-void push(std::vector<int64_t> dest_addresses, torch::Tensor in, int blocks, bool load) {
+void push(std::vector<int64_t> dest_addresses, torch::Tensor in, int blocks, bool load, torch::Tensor stamps) {
   Dests dests{};
   TORCH_CHECK(dest_addresses.size() <= kMaxDest);
   for (size_t d = 0; d < dest_addresses.size(); ++d) dests.p[d] = reinterpret_cast<int4*>(dest_addresses[d]);
   push_kernel<<<blocks, 1024, 0, at::cuda::getCurrentCUDAStream()>>>(
-      dests, (int)dest_addresses.size(), reinterpret_cast<const int4*>(in.data_ptr()), in.numel() / 16, load);
+      dests, (int)dest_addresses.size(), reinterpret_cast<const int4*>(in.data_ptr()), in.numel() / 16, load,
+      reinterpret_cast<long long*>(stamps.data_ptr<int64_t>()));
 }
 """
 
@@ -111,19 +132,25 @@ void push(std::vector<int64_t> dest_addresses, torch::Tensor in, int blocks, boo
 def extension():
     from torch.utils.cpp_extension import load_inline
 
-    declarations = ("void push(std::vector<int64_t> dest_addresses, torch::Tensor in, int blocks, bool load);\n"
+    declarations = ("void push(std::vector<int64_t> dest_addresses, torch::Tensor in, int blocks, bool load, "
+                    "torch::Tensor stamps);\n"
                     "void rows(std::vector<int64_t> dest_addresses, torch::Tensor in, torch::Tensor slots, int blocks, "
-                    "int rank, bool by_block);\n"
+                    "int rank, bool by_block, torch::Tensor stamps);\n"
                     "void place(torch::Tensor out, int blocks, int threads, int smem, long long spin_ns);")
     return load_inline("mps_rates_kernels", cpp_sources=declarations, cuda_sources=KERNELS,
                        functions=["push", "rows", "place"], extra_cuda_cflags=["-O3"])
 
 
-def timed_together(ctx, launch, repeats: int, alone: bool) -> float:
-    """Median µs of launch() with every rank starting together (alone: rank 0 by itself)."""
+def timed_together(ctx, launch, stamps: torch.Tensor, repeats: int, alone: bool, burst: int = 1) -> tuple:
+    """Median µs of launch() with every rank starting together (alone: rank 0 by itself), and per repeat
+    this rank's window on the GPU clock (first block start, last block end, ns) from the kernel's
+    `stamps` [blocks, 2]. Leaving the host barrier is skewed by up to hundreds of µs, so a rank's own
+    time can miss part of its peers' traffic; the windows tell how long all ranks took together.
+    burst > 1: that many launches back to back per repeat (µs per launch; the window is the last one's),
+    the way the backend's kernels run in a training loop rather than one at a time."""
     import torch.distributed as dist
 
-    times = []
+    times, windows = [], []
     for _ in range(repeats):
         dist.barrier()
         torch.cuda.synchronize()
@@ -132,11 +159,13 @@ def timed_together(ctx, launch, repeats: int, alone: bool) -> float:
             continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        launch()
+        for _ in range(burst):
+            launch()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times) if times else 0.0
+        times.append(start.elapsed_time(end) * 1e3 / burst)
+        windows.append((int(stamps[:, 0].min()), int(stamps[:, 1].max())))
+    return (statistics.median(times) if times else 0.0), windows
 
 
 def open_peer_buffers(ctx, mine: torch.Tensor) -> list:
@@ -163,20 +192,35 @@ def rows_main(ctx, args):
     source = torch.ones(tokens, row_bytes, dtype=torch.uint8, device=ctx.device)
     if args.random:  # the bytes of random bf16 activations, as the benchmark sends
         source.random_(0, 256)
-    mine = torch.zeros(n * tokens * row_bytes, dtype=torch.uint8, device=ctx.device)  # [source][slot] rows
-    buffers = open_peer_buffers(ctx, mine)
+    # Every rank's destination: [source][slot] rows at --dest-offset-mib into a buffer of --dest-mib
+    # (at least what the rows need), allocated by torch or by the backends' transport.
+    offset = args.dest_offset_mib << 20
+    size = max(args.dest_mib << 20, offset + n * tokens * row_bytes)
+    symmetric = None
+    if args.dest == "transport":
+        from ep_plugin.transport.symmetric import SymmetricBuffer
+
+        symmetric = SymmetricBuffer(dist.group.WORLD, device=torch.device(ctx.device), region_bytes=size,
+                                    count_words=0, timeout_s=60.0, backend="mps_rates")
+        bases = [symmetric.raw.peer_region_address(peer) + offset for peer in range(n)]
+    else:
+        mine = torch.zeros(size, dtype=torch.uint8, device=ctx.device)
+        bases = [buffer.data_ptr() + offset for buffer in open_peer_buffers(ctx, mine)]
     written = int(chosen.sum()) * row_bytes
+    stamps = torch.zeros(args.blocks, 2, dtype=torch.int64, device=ctx.device)
     results = {}
     for by_block in (False, True):
-        for name, dests, rank in (("own", [mine.data_ptr() + d * tokens * row_bytes for d in range(n)], 0),
-                                  ("peers", [b.data_ptr() for b in buffers], ctx.rank)):
+        for name, dests, rank in (("own", [bases[ctx.rank] + d * tokens * row_bytes for d in range(n)], 0),
+                                  ("peers", bases, ctx.rank)):
             for alone in (False, True):
-                launch = functools.partial(ext.rows, dests, source, slots, args.blocks, rank, by_block)
+                launch = functools.partial(ext.rows, dests, source, slots, args.blocks, rank, by_block, stamps)
                 key = (f"rows {'block' if by_block else 'warp'} {name}", alone)
-                results[key] = (timed_together(ctx, launch, args.repeats, alone), written)
+                results[key] = (*timed_together(ctx, launch, stamps, args.repeats, alone, args.burst), written)
     dist.barrier()
     torch.cuda.synchronize()
-    dist.barrier()
+    dist.barrier()  # no peer writes into this rank's destination after this
+    if symmetric is not None:
+        symmetric.destroy()
     return results
 
 
@@ -226,16 +270,27 @@ def rank_main(ctx, args):
     buffers = open_peer_buffers(ctx, mine)
     own = [mine.data_ptr() + s * size for s in range(n)]
     peers = [buffers[(ctx.rank + d) % n].data_ptr() + ctx.rank * size for d in range(n)]
+    stamps = torch.zeros(args.blocks, 2, dtype=torch.int64, device=ctx.device)
     results = {}
     for name, dests, load in (("copy own", own, True), ("copy peers", peers, True), ("fill own", own, False),
                               ("fill peers", peers, False)):
         for alone in (False, True):
-            launch = functools.partial(ext.push, dests, source, args.blocks, load)
-            results[(name, alone)] = (timed_together(ctx, launch, args.repeats, alone), n * size)
+            launch = functools.partial(ext.push, dests, source, args.blocks, load, stamps)
+            results[(name, alone)] = (*timed_together(ctx, launch, stamps, args.repeats, alone), n * size)
     dist.barrier()
     torch.cuda.synchronize()
     dist.barrier()  # no peer writes into `mine` after this
     return results
+
+
+def span_and_skew(windows_per_rank: list) -> tuple:
+    """Median over repeats of (last end - first start) across ranks, and of the spread of their starts, µs."""
+    spans, skews = [], []
+    for windows in zip(*windows_per_rank, strict=True):
+        starts = [w[0] for w in windows]
+        spans.append((max(w[1] for w in windows) - min(starts)) / 1e3)
+        skews.append((max(starts) - min(starts)) / 1e3)
+    return statistics.median(spans), statistics.median(skews)
 
 
 def main() -> None:
@@ -249,25 +304,32 @@ def main() -> None:
     parser.add_argument("--only-rows", action="store_true", help="skip the streaming copies")
     parser.add_argument("--placement", action="store_true", help="only: where each rank's blocks run (SM ids)")
     parser.add_argument("--random", action="store_true", help="random source bytes (default: all ones)")
+    parser.add_argument("--dest", choices=("torch", "transport"), default="torch",
+                        help="push pattern: destination buffers from torch (cudaMalloc + IPC) or ep_plugin's transport")
+    parser.add_argument("--dest-mib", type=int, default=0, help="push pattern: destination buffer size (0: the rows')")
+    parser.add_argument("--dest-offset-mib", type=int, default=0, help="push pattern: where the rows start in it")
+    parser.add_argument("--burst", type=int, default=1, help="push pattern: launches back to back per repeat")
     args = parser.parse_args()
     from ep_plugin.testing import run_ranks
 
     extension()  # compile once here; the ranks load the cached build
     print(f"{'ranks':>5} {'op':>16} {'who':>5} {'slowest us':>10} {'GB/s per rank':>13} {'all ranks TB/s':>14} "
-          f"{'GB/s per SM':>11}")
+          f"{'GB/s per SM':>11} {'span us':>8} {'TB/s over span':>14} {'start skew us':>13}")
     for n in (int(v) for v in args.ranks.split(",")):
         if args.placement:
             report_placement(n, run_ranks(place_main, n, args, device="cuda", timeout_s=300))
             continue
         for rank_fn in ((rows_main,) if args.only_rows else (rank_main, rows_main)):
             per_rank = run_ranks(rank_fn, n, args, device="cuda", timeout_s=300)
-            for (name, alone), (us0, written) in per_rank[0].items():
+            for (name, alone), (us0, _, written) in per_rank[0].items():
                 # All together: the slowest rank's time, every rank's bytes (rank 0's as the typical).
                 us = us0 if alone else max(r[(name, alone)][0] for r in per_rank)
                 writers = 1 if alone else n
                 rate = written / us / 1e3
+                span, skew = span_and_skew([r[(name, alone)][1] for r in ([per_rank[0]] if alone else per_rank)])
                 print(f"{n:>5} {name:>16} {'alone' if alone else 'all':>5} {us:>10.1f} {rate:>13.1f} "
-                      f"{rate * writers / 1e3:>14.2f} {rate / args.blocks:>11.2f}", flush=True)
+                      f"{rate * writers / 1e3:>14.2f} {rate / args.blocks:>11.2f} {span:>8.1f} "
+                      f"{written * writers / span / 1e6:>14.2f} {skew:>13.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ PYBIND11_MODULE(_C, m) {
       .def("report", &ep::SymmetricBuffer::report)
       .def("mailbox", &ep::SymmetricBuffer::mailbox, py::arg("first"), py::arg("count"))
       .def("set_timeout", &ep::SymmetricBuffer::set_timeout, py::arg("timeout_s"))
+      .def("peer_region_address", &ep::SymmetricBuffer::peer_region_address, py::arg("rank"))
       .def_property_readonly("total_bytes", &ep::SymmetricBuffer::total_bytes)
       .def_property_readonly("header_bytes", &ep::SymmetricBuffer::header_bytes)
       .def_property_readonly("region_address", &ep::SymmetricBuffer::region_address)

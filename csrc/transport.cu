@@ -117,6 +117,12 @@ void SymmetricBuffer::open_peers(const std::vector<std::string>& handles) {
     opened_.push_back(table[r]);
   }
   EP_CUDA_CHECK(cudaMemcpy(peer_table_, table.data(), sizeof(char*) * R, cudaMemcpyHostToDevice));
+  table_ = table;
+}
+
+uintptr_t SymmetricBuffer::peer_region_address(int r) const {
+  if (destroyed_ || r < 0 || r >= static_cast<int>(table_.size())) return 0;
+  return reinterpret_cast<uintptr_t>(table_[r]) + static_cast<uintptr_t>(view_.sync.bytes);
 }
 
 void SymmetricBuffer::destroy() {
@@ -131,6 +137,7 @@ void SymmetricBuffer::destroy() {
   keep(cudaDeviceSynchronize());
   for (char* pointer : opened_) keep(cudaIpcCloseMemHandle(pointer));
   opened_.clear();
+  table_.clear();
   if (local_) keep(cudaFree(local_));
   if (peer_table_) keep(cudaFree(peer_table_));
   if (state_) keep(cudaFree(state_));

@@ -118,6 +118,9 @@ class SymmetricBuffer {
   uintptr_t region_address() const {
     return local_ ? reinterpret_cast<uintptr_t>(local_) + static_cast<uintptr_t>(view_.sync.bytes) : 0;
   }
+  // The same for rank r's buffer as this process opened it (for measurement tools that write where
+  // the kernels do); 0 before open_peers or once destroyed.
+  uintptr_t peer_region_address(int r) const;
 
  private:
   int device_;
@@ -127,6 +130,7 @@ class SymmetricBuffer {
   char* local_ = nullptr;
   char** peer_table_ = nullptr;  // device
   std::vector<char*> opened_;    // host copies of opened peer pointers (to close)
+  std::vector<char*> table_;     // host copy of the peer table (own buffer included)
   RankState* state_ = nullptr;
   DeviceReport* report_ = nullptr;  // host pointer of mapped pinned memory
   TransportView view_{};
