@@ -11,7 +11,14 @@ the slowest rank's time and all ranks' bytes written per µs. "alone" rows time 
 Numbers only, no assertion. It answers whether the push's fall from 4 to 8 ranks (NOTES, sixth pass)
 comes with the number of processes writing, or with writing into other processes' memory.
 
-  python benchmarks/mps_rates.py [--ranks 2,4,8] [--mib 64] [--blocks 16]
+Each block stamps its start and end on the GPU clock, so the table also gives the span from the first
+rank's start to the last rank's end (TB/s over that span) and the ranks' start skew: whether MPS ran
+them together. --burst N repeats a launch back to back (to watch clocks and power); --dest transport
+writes into buffers allocated by our transport instead of torch's allocator (how the 2 MiB rounding
+of SymmetricBuffer was found, NOTES eighth pass).
+
+  python benchmarks/mps_rates.py [--ranks 2,4,8] [--mib 64] [--blocks 16] [--only-rows]
+                                 [--burst 200] [--dest torch|transport] [--dest-mib M --dest-offset-mib O]
 """
 
 from __future__ import annotations
