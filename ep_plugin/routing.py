@@ -145,6 +145,8 @@ def check_tensor(
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
+    if a == b:  # the common case, decided without building devices (a check on every op's hot path)
+        return True
     a, b = torch.device(a), torch.device(b)
     if a.type != b.type:
         return False

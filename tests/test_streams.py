@@ -1,0 +1,19 @@
+"""The stream policy's helpers on a real GPU: launches go to the caller's current stream."""
+
+import pytest
+import torch
+
+from ep_plugin import streams
+
+
+@pytest.mark.gpu(extension=False)
+def test_stream_handle_follows_the_current_stream():
+    # stream_handle takes torch's private raw accessor when it has one (a fast path on every launch):
+    # it must name the same stream as the public API, also inside a `with torch.cuda.stream(...)`.
+    device = torch.device("cuda", torch.cuda.current_device())
+    side = torch.cuda.Stream(device)
+    assert side.cuda_stream != torch.cuda.current_stream(device).cuda_stream
+    assert streams.stream_handle(device) == torch.cuda.current_stream(device).cuda_stream
+    with torch.cuda.stream(side):
+        assert streams.stream_handle(device) == side.cuda_stream
+    assert streams.stream_handle(device) == torch.cuda.current_stream(device).cuda_stream
