@@ -7,11 +7,15 @@ is printed; spin-waiting kernels include the time they waited for the slowest ra
   python benchmarks/kernel_times.py --backend elastic --ranks 8 --tokens 4096 --hidden 7168 --sms 16 [--nonblocking]
       [--in-place]   (elastic: dispatch rows pushed into the receivers' buffers, combine rows read in place)
       [--host-profile]  (cProfile of rank 0's host calls per step, for eager latency at small token counts)
+      [--trace DIR]  (each rank's chrome trace to DIR/rank<r>.json; rank 0 also prints how busy its stream
+                      was: kernel time against the span from the first kernel to the last, and the widest gaps)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
 import torch
 
@@ -55,6 +59,11 @@ def profile_rank(ctx, args) -> str | None:
             step()
         torch.cuda.synchronize()
     backend.destroy()
+    trace = None
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        trace = os.path.join(args.trace, f"rank{ctx.rank}.json")
+        profiler.export_chrome_trace(trace)
     if ctx.rank != 0:
         return None
     rows = []
@@ -65,6 +74,34 @@ def profile_rank(ctx, args) -> str | None:
     rows.sort(reverse=True)
     lines = [f"{'us/iter':>9s} {'calls':>5s}  kernel"]
     lines += [f"{us:9.1f} {calls:5d}  {name[:110]}" for us, calls, name in rows[:25]]
+    if trace:
+        lines.append(timeline_summary(trace, args.iters))
+    return "\n".join(lines)
+
+
+def timeline_summary(trace_path: str, iters: int, widest: int = 8) -> str:
+    """How busy one rank's GPU work was in a chrome trace: kernel time against the span from the first
+    kernel's start to the last one's end (per step), and the widest idle gaps between kernels with the
+    kernels on either side. A stream that is idle most of its span waits for launches, not for work."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                     if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and e.get("dur", 0) > 0)
+    if not kernels:
+        return "timeline: no kernels in the trace"
+    span = kernels[-1][1] - kernels[0][0]
+    busy = sum(end - start for start, end, _ in kernels)
+    gaps = []
+    reach = kernels[0][1]  # the latest end so far: overlapping kernels leave no gap
+    for (start, end, name), (_, _, before) in zip(kernels[1:], kernels[:-1], strict=True):
+        if start > reach:
+            gaps.append((start - reach, before, name))
+        reach = max(reach, end)
+    gaps.sort(reverse=True)
+    lines = [f"timeline (rank 0): {len(kernels)} kernels, span {span / iters:.1f} us per step, kernels busy "
+             f"{busy / iters:.1f} us per step, idle {sum(g for g, _, _ in gaps) / iters:.1f} us per step",
+             "widest gaps (us, kernel before -> kernel after):"]
+    lines += [f"{gap:9.1f}  {before[:50]} -> {after[:50]}" for gap, before, after in gaps[:widest]]
     return "\n".join(lines)
 
 
@@ -100,7 +137,9 @@ def host_profile(ctx, step, iters: int) -> str | None:
     if ctx.rank != 0:
         return None
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats("ep_plugin", 40)  # inclusive time of our own functions
     return (f"host wall per step (dispatch + combine): {plain_us:.1f} us plain, GPU {gpu_us:.1f} us per step; "
             f"{wall_us:.1f} us under cProfile\n" + text.getvalue())
 
@@ -119,6 +158,7 @@ def main() -> None:
     parser.add_argument("--in-place", action="store_true", help="elastic: in-place dispatch and combine")
     parser.add_argument("--constant-hidden", action="store_true", help="every activation 1.0 instead of random")
     parser.add_argument("--host-profile", action="store_true", help="cProfile rank 0's host calls instead")
+    parser.add_argument("--trace", help="folder for each rank's chrome trace (rank 0 prints a timeline summary)")
     args = parser.parse_args()
     from ep_plugin.testing import run_ranks
 
