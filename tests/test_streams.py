@@ -17,3 +17,18 @@ def test_stream_handle_follows_the_current_stream():
     with torch.cuda.stream(side):
         assert streams.stream_handle(device) == side.cuda_stream
     assert streams.stream_handle(device) == torch.cuda.current_stream(device).cuda_stream
+
+
+@pytest.mark.gpu(extension=False)
+def test_current_stream_follows_the_current_stream():
+    # streams.current_stream keeps one Stream object per raw handle (record_stream and the ready
+    # events take it on every op): it must still be the caller's current stream each time.
+    device = torch.device("cuda", torch.cuda.current_device())
+    main = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    for _ in range(2):  # the second round answers from the cache
+        assert streams.current_stream(device) == main
+        with torch.cuda.stream(side):
+            assert streams.current_stream(device) == side
+            assert streams.current_stream(device).cuda_stream == side.cuda_stream
+        assert streams.current_stream(device) == main

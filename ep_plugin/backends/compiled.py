@@ -234,7 +234,7 @@ class CompiledBackend(Backend):
     def _mark(self) -> torch.cuda.Event:
         """An event after what the current stream has enqueued so far (for ``_wait_for_host``)."""
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(streams.current_stream(self.device))
         return event
 
     def _wait_for_host(self, what: str, mark: Optional[torch.cuda.Event] = None) -> None:
