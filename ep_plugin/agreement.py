@@ -41,6 +41,21 @@ _FORMS = (None, "routing_map", "topk", "topk+expand", "topk+in_place")
 _LAYOUT = (("op", 3), ("dtype", 3), ("probs", 1), ("form", 3), ("topk", 7), ("handle_id", 46))
 
 
+_LOW_BITS = sum(bits for _, bits in _LAYOUT[:-1])  # the fields below handle_id
+_PACKED_LOW_FIELDS: dict[tuple, int] = {}  # (op, dtype, probs, form, topk) -> their packed bits
+
+
+def _pack_codes(codes: dict[str, int], layout: tuple[tuple[str, int], ...]) -> int:
+    value, shift = 0, 0
+    for name, bits in layout:
+        code = codes[name]
+        if not 0 <= code < (1 << bits):
+            raise ValueError(f"op fingerprint field {name}={code} does not fit in {bits} bits")
+        value |= code << shift
+        shift += bits
+    return value
+
+
 @dataclass(frozen=True)
 class OpFingerprint:
     """The per-op facts that every rank must share.
@@ -63,16 +78,17 @@ class OpFingerprint:
     handle_id: int = 0
 
     def pack(self) -> int:
-        codes = {"op": _OPS.index(self.op), "dtype": _DTYPES.index(self.dtype), "probs": int(self.probs),
-                 "form": _FORMS.index(self.form), "topk": self.topk, "handle_id": self.handle_id}
-        value, shift = 0, 0
-        for name, bits in _LAYOUT:
-            code = codes[name]
-            if not 0 <= code < (1 << bits):
-                raise ValueError(f"op fingerprint field {name}={code} does not fit in {bits} bits")
-            value |= code << shift
-            shift += bits
-        return value
+        # Every op packs one (two per round trip): the fields but handle_id take few values, so
+        # their packed bits are remembered (a dict lookup instead of ~3 µs of loop).
+        key = (self.op, self.dtype, self.probs, self.form, self.topk)
+        low = _PACKED_LOW_FIELDS.get(key)
+        if low is None:
+            low = _PACKED_LOW_FIELDS[key] = _pack_codes(
+                {"op": _OPS.index(self.op), "dtype": _DTYPES.index(self.dtype), "probs": int(self.probs),
+                 "form": _FORMS.index(self.form), "topk": self.topk}, _LAYOUT[:-1])
+        if not 0 <= self.handle_id < (1 << _LAYOUT[-1][1]):
+            raise ValueError(f"op fingerprint field handle_id={self.handle_id} does not fit in {_LAYOUT[-1][1]} bits")
+        return low | self.handle_id << _LOW_BITS
 
     @classmethod
     def unpack(cls, value: int) -> "OpFingerprint":
