@@ -5,6 +5,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "ep/check.cuh"
 #include "ep/limits.h"
@@ -258,6 +261,20 @@ __device__ __forceinline__ void run_bulk_jobs(const BulkRing& ring, int num_jobs
   __syncwarp();
 }
 
+// Host side: allow `bytes` of dynamic shared memory for `kernel` on the current device, asking the
+// driver only the first time (cudaFuncSetAttribute on every launch is host time an eager op pays).
+inline void allow_dynamic_smem(const void* kernel, int bytes) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, int> allowed;  // (device, kernel) -> bytes set
+  int device = 0;
+  EP_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mutex);
+  int& current = allowed[{device, kernel}];
+  if (current >= bytes) return;
+  EP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  current = bytes;
+}
+
 // Host side: launch the bulk kernel (with its shared-memory stages) when asked and the GPU has
 // bulk copies, else the register-copy kernel. Rows of `row_bytes` set the stage geometry.
 template <typename Regions, typename Args>
@@ -268,7 +285,7 @@ void launch_copy_kernel(bool bulk, void (*bulk_kernel)(TransportView, Regions, A
   if (bulk) {
     const BulkShape shape = make_bulk_shape(row_bytes);
     const int smem = bulk_smem_bytes(shape);
-    EP_CUDA_CHECK(cudaFuncSetAttribute(bulk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    allow_dynamic_smem(reinterpret_cast<const void*>(bulk_kernel), smem);
     bulk_kernel<<<num_blocks, kBulkWarps * 32, smem, stream>>>(view, regions, args, shape);
   } else {
     register_kernel<<<num_blocks, kThreads, 0, stream>>>(view, regions, args);
