@@ -149,3 +149,23 @@ def test_mismatch_message_names_fields_and_ranks():
     assert "handle_id: 1 on rank 0, 2 on rank 1" in message and "dtype" not in message.split(".")[0]
     dispatch = OpFingerprint(OP_DISPATCH, dtype=torch.float32, probs=True, form="topk", topk=8)
     assert OpFingerprint.unpack(dispatch.pack()) == dispatch
+
+
+def test_fingerprints_pack_to_distinct_values_that_unpack_to_themselves():
+    # pack() remembers the bits of the fields below handle_id: a stale or shared entry would give
+    # two different fingerprints one value (ranks that disagree would then agree), or unpack wrong.
+    from itertools import product
+
+    from ep_plugin import agreement
+
+    seen = {}
+    for _ in range(2):  # the second round packs from the remembered bits
+        for op, dtype, probs, form, topk, handle_id in product(agreement._OPS[1:], agreement._DTYPES, (False, True),
+                                                               agreement._FORMS, (0, 1, 127), (0, 1, 2**46 - 1)):
+            fingerprint = OpFingerprint(op, dtype=dtype, probs=probs, form=form, topk=topk, handle_id=handle_id)
+            value = fingerprint.pack()
+            assert 0 <= value < 2**63 and OpFingerprint.unpack(value) == fingerprint
+            assert seen.setdefault(value, fingerprint) == fingerprint
+    for field, bad in (("topk", 128), ("handle_id", 2**46), ("handle_id", -1)):
+        with pytest.raises(ValueError, match=f"field {field}={bad} does not fit"):
+            OpFingerprint(OP_DISPATCH, **{field: bad}).pack()
