@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 
 // pybind11 types have hidden visibility; so must what holds them.
 #pragma GCC visibility push(hidden)
@@ -23,12 +24,25 @@ namespace bind {
 
 namespace py = pybind11;
 
+// A tensor's address through its class's data_ptr, looked up once per class and called unbound:
+// a getattr by name plus a bound-method call on every pointer field of every op cost about as
+// much host time as the rest of building the struct (an eager op builds several).
 inline uintptr_t to_address(py::handle value, const std::string& field) {
   if (value.is_none()) return 0;
-  if (py::isinstance<py::int_>(value)) return py::cast<uintptr_t>(value);
-  if (py::hasattr(value, "data_ptr")) return py::cast<uintptr_t>(value.attr("data_ptr")());
-  throw py::type_error("field '" + field + "' takes None, an int address or a tensor, got " +
-                       std::string(py::str(py::type::of(value).attr("__name__"))));
+  if (PyLong_Check(value.ptr())) return py::cast<uintptr_t>(value);
+  static std::map<PyTypeObject*, py::object> data_ptr_of_class;  // the GIL guards it; classes stay referenced
+  PyTypeObject* cls = Py_TYPE(value.ptr());
+  auto found = data_ptr_of_class.find(cls);
+  if (found == data_ptr_of_class.end()) {
+    py::handle type_object(reinterpret_cast<PyObject*>(cls));
+    if (!py::hasattr(type_object, "data_ptr")) {
+      throw py::type_error("field '" + field + "' takes None, an int address or a tensor, got " +
+                           std::string(py::str(type_object.attr("__name__"))));
+    }
+    found = data_ptr_of_class.emplace(cls, type_object.attr("data_ptr")).first;
+    Py_INCREF(type_object.ptr());  // the map's key must outlive any later instance at that address
+  }
+  return py::cast<uintptr_t>(found->second(value));
 }
 
 template <typename S>
@@ -41,12 +55,15 @@ class ArgStruct {
     cls_.def(py::init([setters, type_name](py::kwargs kwargs) {
       S s{};
       for (auto item : kwargs) {
-        const std::string key = py::cast<std::string>(item.first);
+        Py_ssize_t size = 0;
+        const char* text = PyUnicode_AsUTF8AndSize(item.first.ptr(), &size);  // keywords are str
+        if (text == nullptr) throw py::error_already_set();
+        const std::string_view key(text, static_cast<size_t>(size));
         auto it = setters->find(key);
         if (it == setters->end()) {
           std::string known;
           for (const auto& entry : *setters) known += (known.empty() ? "" : ", ") + entry.first;
-          throw py::type_error(type_name + " has no field '" + key + "' (fields: " + known + ")");
+          throw py::type_error(type_name + " has no field '" + std::string(key) + "' (fields: " + known + ")");
         }
         it->second(s, item.second);
       }
@@ -74,7 +91,7 @@ class ArgStruct {
   }
 
  private:
-  using Setters = std::map<std::string, std::function<void(S&, py::handle)>>;
+  using Setters = std::map<std::string, std::function<void(S&, py::handle)>, std::less<>>;  // find(string_view)
   py::class_<S> cls_;
   std::shared_ptr<Setters> setters_;
 };

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ep_plugin import _cuda
 
@@ -60,3 +61,36 @@ def test_region_layouts_and_argument_structs_need_no_gpu():
         C.elastic.SendArgs(hiden=0)
     args = C.elastic.ReceiveArgs(capacity=5, expand=True, out=None)
     assert (args.capacity, args.expand, args.out) == (5, True, 0)
+
+
+def test_pointer_fields_take_tensors_ints_and_none():
+    """Pointer fields of the argument structs read a tensor's address (subclasses and any class with
+    a data_ptr() method too: the extension looks data_ptr up once per class), take ints and None,
+    and refuse anything else by field and type name."""
+    if _cuda._module is None:
+        pytest.skip(f"extension not built here: {_cuda._import_error}")
+    C = _cuda._module
+    counts = torch.zeros(8, dtype=torch.int32)
+    weights = torch.nn.Parameter(torch.zeros(4))
+
+    class Pointer:
+        def __init__(self, address):
+            self.address = address
+
+        def data_ptr(self):
+            return self.address
+
+    for _ in range(2):  # the second round takes the remembered data_ptr of each class
+        args = C.ExchangeArgs(expert_counts=counts, rank_counts=counts[2:], row_base=weights,
+                              expert_start=Pointer(4096), num_packets=12345, total_rows=None)
+        assert args.expert_counts == counts.data_ptr()
+        assert args.rank_counts == counts.data_ptr() + 8  # a view's own address, not its storage's
+        assert args.row_base == weights.data_ptr()
+        assert (args.expert_start, args.num_packets, args.total_rows) == (4096, 12345, 0)
+        args.expert_start = counts
+        assert args.expert_start == counts.data_ptr()
+    with pytest.raises(TypeError, match="field 'expert_counts' takes None, an int address or a tensor, got str"):
+        C.ExchangeArgs(expert_counts="0x1000")
+    with pytest.raises(TypeError, match="ExchangeArgs has no field 'expert_count' "):
+        C.ExchangeArgs(expert_count=counts)
+
