@@ -4,7 +4,7 @@
 //
 // Every field is a keyword; an unknown keyword is a TypeError, a field not given keeps the
 // struct's default (null pointers, zeros). Pointer fields take None (null), an int address, or
-// any object with a data_ptr() method (a torch tensor), so this module never imports torch.
+// any object whose class has a data_ptr() method (a torch tensor), so this module never imports torch.
 #pragma once
 
 #include <pybind11/pybind11.h>
