@@ -23,10 +23,12 @@ import torch
 # several times. Private, hence the fallbacks.
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
-# torch.cuda.Stream objects by raw handle. A handle names one stream for the process's life (pool and
-# default streams are never destroyed; an external stream's id is its handle), so an object made once
-# stands for every later current_stream(device) with that handle, at a dict lookup instead of 3-5 µs.
-_streams_by_handle: dict[int, torch.cuda.Stream] = {}
+# torch.cuda.Stream objects by (device index, raw handle). A handle names one stream of its device for
+# the process's life (pool and default streams are never destroyed; an external stream's id is its
+# handle), so an object made once stands for every later current_stream(device) with that key, at a
+# dict lookup instead of 3-5 µs. The device is part of the key: every device's default stream is
+# handle 0.
+_streams_by_handle: dict[tuple[int, int], torch.cuda.Stream] = {}
 _MAX_CACHED_STREAMS = 256  # a program that cycles through external streams must not grow this forever
 
 
@@ -34,12 +36,12 @@ def current_stream(device: torch.device) -> torch.cuda.Stream:
     """torch.cuda.current_stream(device), for the record_stream and event calls on every op."""
     if _current_raw_stream is None or device.index is None:
         return torch.cuda.current_stream(device)
-    handle = _current_raw_stream(device.index)
-    stream = _streams_by_handle.get(handle)
+    key = (device.index, _current_raw_stream(device.index))
+    stream = _streams_by_handle.get(key)
     if stream is None:
         if len(_streams_by_handle) >= _MAX_CACHED_STREAMS:
             _streams_by_handle.clear()
-        stream = _streams_by_handle[handle] = torch.cuda.current_stream(device)
+        stream = _streams_by_handle[key] = torch.cuda.current_stream(device)
     return stream
 
 

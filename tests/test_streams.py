@@ -32,3 +32,16 @@ def test_current_stream_follows_the_current_stream():
             assert streams.current_stream(device) == side
             assert streams.current_stream(device).cuda_stream == side.cuda_stream
         assert streams.current_stream(device) == main
+
+
+@pytest.mark.gpu(extension=False)
+def test_current_stream_is_per_device():
+    # Every device's default stream has the raw handle 0: the cache must not answer device 1 with
+    # device 0's stream object (record_stream would then name another device's stream).
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two visible GPUs (the default streams of two devices share handle 0)")
+    first, second = torch.device("cuda", 0), torch.device("cuda", 1)
+    for _ in range(2):  # the second round answers from the cache
+        assert streams.current_stream(first).device == first
+        assert streams.current_stream(second).device == second
+        assert streams.current_stream(second) == torch.cuda.current_stream(second)
