@@ -18,6 +18,7 @@ import json
 import os
 
 import torch
+import torch.distributed as dist
 
 
 def profile_rank(ctx, args) -> str | None:
@@ -113,8 +114,10 @@ def host_profile(ctx, step, iters: int) -> str | None:
     import time
 
     # First without the profiler: the host's time to enqueue a step against the GPU's time per step.
-    # When they are about equal the host bounds eager calls (the GPU waits for launches).
+    # When they are about equal the host bounds eager calls (the GPU waits for launches). Every rank
+    # starts after one barrier, so rank 0's GPU time per step holds no wait for a rank still starting.
     torch.cuda.synchronize()
+    dist.barrier()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start = time.perf_counter()
     begin.record()
@@ -125,6 +128,7 @@ def host_profile(ctx, step, iters: int) -> str | None:
     end.synchronize()
     gpu_us = begin.elapsed_time(end) * 1e3 / iters
     profiler = cProfile.Profile()
+    dist.barrier()
     start = time.perf_counter()
     if ctx.rank == 0:
         profiler.enable()
