@@ -156,9 +156,11 @@ def _line_table(step, steps: int) -> str:
 
 def backend_step_costs(variant: str, device: torch.device, steps: int, per_line: bool = False) -> str:
     """Host µs per eager step of one backend on a one-rank group, and where they go."""
+    from kernel_times import eager_step  # this folder: the step kernel_times.py times
+
     import ep_plugin
     from ep_plugin import _cuda
-    from ep_plugin.bench.workload import Shape, make_hidden, make_routing, make_topk
+    from ep_plugin.bench.workload import Shape
     from ep_plugin.config import Config
 
     name, _, option = variant.partition("+")
@@ -166,21 +168,7 @@ def backend_step_costs(variant: str, device: torch.device, steps: int, per_line:
     config = Config.from_env(num_sms=16, blocking=False, max_tokens_per_rank=128)
     backend = ep_plugin.get_backend(name)(hidden_size=7168, num_experts=256, config=config, device=device,
                                           **(dict(in_place_dispatch=True) if in_place else {}))
-    shape = Shape(128, 7168, 8, 256, "bf16", "balanced")
-    hidden = make_hidden(shape, 0, device, torch.bfloat16)
-    if in_place:
-        topk_idx, weights = make_topk(shape, 0, 0, device)
-
-        def step():
-            out = backend.dispatch(hidden, topk_idx=topk_idx, topk_weights=weights, in_place=True)
-            backend.combine(backend.combine_input(out.handle), out.handle)
-    else:
-        routing_map, probs = make_routing(shape, 0, 0, device)
-
-        def step():
-            out = backend.dispatch(hidden, routing_map=routing_map, probs=probs)
-            backend.combine(out.hidden, out.handle)
-
+    step = eager_step(backend, Shape(128, 7168, 8, 256, "bf16", "balanced"), 0, device, in_place=in_place)
     for _ in range(50):
         step()
     torch.cuda.synchronize()

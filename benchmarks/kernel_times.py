@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 def profile_rank(ctx, args) -> str | None:
     import ep_plugin
-    from ep_plugin.bench.workload import Shape, make_hidden, make_routing, make_topk
+    from ep_plugin.bench.workload import Shape
     from ep_plugin.config import Config
 
     device = torch.device(ctx.device)
@@ -32,24 +32,7 @@ def profile_rank(ctx, args) -> str | None:
     backend = ep_plugin.get_backend(args.backend)(hidden_size=args.hidden, num_experts=args.experts, config=config,
                                                   device=device, **options)
     shape = Shape(args.tokens, args.hidden, args.topk, args.experts, "bf16", "balanced")
-    if "routing_map" in backend.capabilities.routing_forms:
-        routing_map, probs = make_routing(shape, ctx.rank, 0, device)
-        routing = dict(routing_map=routing_map, probs=probs)
-    else:
-        topk_idx, topk_weights = make_topk(shape, ctx.rank, 0, device)
-        routing = dict(topk_idx=topk_idx, topk_weights=topk_weights)
-    hidden = make_hidden(shape, ctx.rank, device, torch.bfloat16)
-    if args.constant_hidden:  # same bytes moved; tells data-dependent memory rates apart
-        hidden.fill_(1.0)
-
-    def step():
-        if args.in_place:
-            out = backend.dispatch(hidden, **routing, in_place=True)
-            backend.combine(backend.combine_input(out.handle), out.handle)
-        else:
-            out = backend.dispatch(hidden, **routing)
-            backend.combine(out.hidden, out.handle)
-
+    step = eager_step(backend, shape, ctx.rank, device, in_place=args.in_place, constant_hidden=args.constant_hidden)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -78,6 +61,33 @@ def profile_rank(ctx, args) -> str | None:
     if trace:
         lines.append(timeline_summary(trace, args.iters))
     return "\n".join(lines)
+
+
+def eager_step(backend, shape, rank: int, device: torch.device, *, in_place: bool = False,
+               constant_hidden: bool = False):
+    """One eager dispatch + combine of ``shape`` on ``backend`` (this rank's bench inputs), as a callable.
+    ``in_place``: elastic's rows pushed into the receivers' buffers and combined from its own."""
+    from ep_plugin.bench.workload import make_hidden, make_routing, make_topk
+
+    if "routing_map" in backend.capabilities.routing_forms:
+        routing_map, probs = make_routing(shape, rank, 0, device)
+        routing = dict(routing_map=routing_map, probs=probs)
+    else:
+        topk_idx, topk_weights = make_topk(shape, rank, 0, device)
+        routing = dict(topk_idx=topk_idx, topk_weights=topk_weights)
+    hidden = make_hidden(shape, rank, device, torch.bfloat16)
+    if constant_hidden:  # same bytes moved; tells data-dependent memory rates apart
+        hidden.fill_(1.0)
+
+    def step():
+        if in_place:
+            out = backend.dispatch(hidden, **routing, in_place=True)
+            backend.combine(backend.combine_input(out.handle), out.handle)
+        else:
+            out = backend.dispatch(hidden, **routing)
+            backend.combine(out.hidden, out.handle)
+
+    return step
 
 
 def timeline_summary(trace_path: str, iters: int, widest: int = 8) -> str:
