@@ -45,6 +45,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("REPORT_MISMATCH") = static_cast<int>(ep::kReportMismatch);
   m.attr("MAX_RANKS") = ep::kMaxRanks;
   m.attr("MAX_LOCAL_EXPERTS") = ep::kMaxLocalExperts;
+  m.attr("UNBOUNDED_ROWS") = ep::kUnboundedRows;
 
   py::class_<ep::SymmetricBuffer>(m, "SymmetricBuffer",
                                   "one rank's symmetric buffer and sync state (see csrc/include/ep/transport.h)")
@@ -77,7 +78,9 @@ PYBIND11_MODULE(_C, m) {
       .ptr("real_per_expert", &ep::ExchangeArgs::real_per_expert)
       .ptr("num_packets", &ep::ExchangeArgs::num_packets)
       .ptr("total_rows", &ep::ExchangeArgs::total_rows)
-      .ptr("total_packets", &ep::ExchangeArgs::total_packets);
+      .ptr("total_packets", &ep::ExchangeArgs::total_packets)
+      .val("receive_budget", &ep::ExchangeArgs::receive_budget)
+      .ptr("peer_row_base", &ep::ExchangeArgs::peer_row_base);
   m.def("exchange", &ep::launch_exchange, py::arg("buffer"), py::arg("args"), py::arg("stream"),
         "the op prologue: handshake with fingerprint check, and the count exchange when counts are given");
 

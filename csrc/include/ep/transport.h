@@ -43,6 +43,9 @@ struct RankState {
   int abort;               // sticky: a wait of this rank failed; kernels leave peers untouched
 };
 
+// A receive budget that drops nothing (blocking mode: the output has exactly the received rows).
+constexpr int64_t kUnboundedRows = 0x7fffffff;
+
 enum ReportKind : int { kReportNone = 0, kReportTimeout = 1, kReportMismatch = 2 };
 
 // Mailbox words of the last count exchange: [0] total expert rows (segments padded), [1] total
@@ -146,6 +149,10 @@ class SymmetricBuffer {
 // rank_counts[p] (packets), then this rank's input flags (the OR over input_flags[0..R)), so
 // W = L + 2. Every rank thus learns every rank's flags in the same op, and a blocking dispatch
 // that any rank flagged is refused on all of them at the one host read of the counts.
+// A backend that declared W >= L + 4 also gets word L + 2 = this rank's receive budget (rows of
+// its expert-grouped output; rows at or past it are dropped) and word L + 3 = its pad_multiple:
+// with them every rank can derive where its own tokens land in every peer's output
+// (peer_row_base), which a combine that reads expert rows in the peers' buffers needs.
 struct ExchangeArgs {
   int phase;                            // named in a timeout report
   unsigned long long fingerprint;       // this rank's op fingerprint (equal on every rank)
@@ -161,7 +168,13 @@ struct ExchangeArgs {
   int32_t* num_packets;                 // out [R]: packets (tokens) received from each source
   int64_t* total_rows;                  // out [1]: sum of padded lengths (also to the mailbox)
   int64_t* total_packets;               // out [1] or null: sum of num_packets (also to the mailbox)
+  int64_t receive_budget = kUnboundedRows;  // rows of this rank's expert-grouped output (W >= L + 4)
+  // out [R, L + 1] or null (needs W >= L + 4): for each rank p, columns j < L = the row at p of this
+  // rank's first token of p's local expert j (p's row_base[this rank][j]); column L = p's budget.
+  int32_t* peer_row_base = nullptr;
 };
+// Count words per (source, op) that carry the budget and pad_multiple too (see ExchangeArgs).
+constexpr int count_words_with_budget(int num_local_experts) { return num_local_experts + 4; }
 void launch_exchange(const SymmetricBuffer& buffer, const ExchangeArgs& args, uintptr_t stream);
 
 }  // namespace ep
