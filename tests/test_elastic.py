@@ -690,8 +690,9 @@ def test_elastic_missing_rank_times_out():
 
 def disagreeing_ranks(ctx, backend_name: str) -> dict:
     """Two ways ranks disagree, each on a fresh backend: every rank must get EPError naming the op and
-    the field (no hang, no wrong rows). 1) combine on two handles in opposite orders; 2) an FP8
-    dispatch on rank 0 while the others send bf16."""
+    the field (no hang, no wrong rows). 1) combine on two handles in opposite orders; 2) rank 0
+    combines a copy while the others combine in place; 3) an FP8 dispatch on rank 0 while the others
+    send bf16."""
     hidden = 256
     errors = {}
     config = Config.from_env(max_tokens_per_rank=MAX_TOKENS, timeout_s=10.0, num_sms=8)
@@ -699,9 +700,9 @@ def disagreeing_ranks(ctx, backend_name: str) -> dict:
                                                 skewed=False, drop_some=False)
     routing = dict(topk_idx=idx, topk_weights=w)
 
-    def build():
+    def build(**options):
         return ep_plugin.get_backend(backend_name)(hidden_size=hidden, num_experts=NUM_EXPERTS, device=ctx.device,
-                                                   config=config)
+                                                   config=config, **options)
 
     backend = build()
     first, second = backend.dispatch(x, **routing), backend.dispatch(x * 2, **routing)
@@ -715,18 +716,18 @@ def disagreeing_ranks(ctx, backend_name: str) -> dict:
         errors["order"] = str(error)
     backend.destroy()
 
-    if backend_name == "elastic":  # 3) rank 0 combines a copy while the others combine in place
-        backend = build()
-        out = backend.dispatch(x, **routing)
-        rows = backend.combine_input(out.handle)
-        rows.copy_(out.hidden)
-        try:
-            backend.combine(rows.clone() if ctx.rank == 0 else rows, out.handle)
-            backend.check_errors()
-            errors["in_place"] = None
-        except ep_plugin.EPError as error:
-            errors["in_place"] = str(error)
-        backend.destroy()
+    # 3) rank 0 combines a copy while the others combine in place
+    backend = build(combine_input_rows=4096) if backend_name == "hybrid" else build()
+    out = backend.dispatch(x, **routing)
+    rows = backend.combine_input(out.handle)
+    rows.copy_(out.hidden)
+    try:
+        backend.combine(rows.clone() if ctx.rank == 0 else rows, out.handle)
+        backend.check_errors()
+        errors["in_place"] = None
+    except ep_plugin.EPError as error:
+        errors["in_place"] = str(error)
+    backend.destroy()
 
     backend = build()
     data = x if ctx.rank != 0 else (x.to(torch.float8_e4m3fn), torch.ones(x.shape[0], hidden // 128,
@@ -749,8 +750,7 @@ def test_ranks_that_disagree_get_an_error_on_every_rank(backend_name):
             (rank, errors)
         assert errors["dtype"] is not None and "dispatch" in errors["dtype"] and "dtype" in errors["dtype"], \
             (rank, errors)
-        if backend_name == "elastic":
-            assert errors["in_place"] is not None and "combine_in_place" in errors["in_place"], (rank, errors)
+        assert errors["in_place"] is not None and "combine_in_place" in errors["in_place"], (rank, errors)
 
 
 def co_residency(ctx) -> str:

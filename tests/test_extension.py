@@ -44,7 +44,9 @@ def test_region_layouts_and_argument_structs_need_no_gpu():
     for name, regions in layouts.items():
         # Every rank's data alone (the combine rows, R x T x H bf16) bounds the total from below.
         assert regions.total_bytes >= 8 * 4096 * 7168 * 2 and regions.total_bytes % 256 == 0, name
-        assert regions.count_words == 32 + 2, name  # per expert, the packet count, the input flags
+    # Count words per source: per expert, the packet count, the input flags (hybrid: also the
+    # receive budget and pad_multiple, from which peers derive where their rows land).
+    assert layouts["elastic"].count_words == 32 + 2 and layouts["hybrid"].count_words == 32 + 4
     for field, bad in (("num_ranks", 33), ("hidden", 12), ("num_local_experts", 257), ("max_blocks", 0)):
         with pytest.raises(ValueError, match=field if field != "max_blocks" else "max_blocks"):
             C.hybrid.Regions(**{**shape, field: bad})
@@ -57,6 +59,12 @@ def test_region_layouts_and_argument_structs_need_no_gpu():
     assert in_place.total_bytes - plain.total_bytes == rows + scales
     assert in_place.off_recv_scales - in_place.off_recv_rows == rows
     assert in_place.off_recv_rows >= in_place.off_comb_data + 8 * 4096 * 7168 * 2
+    # Room for an in-place combine input (rows x 2H) comes last; none by default.
+    plain, room = layouts["hybrid"], C.hybrid.Regions(**shape, combine_input_rows=1000)
+    assert plain.combine_input_rows == 0 and room.combine_input_rows == 1000
+    assert room.total_bytes - plain.total_bytes == 1000 * 7168 * 2 and room.off_comb_input == plain.total_bytes
+    with pytest.raises(ValueError, match="combine_input_rows"):
+        C.hybrid.Regions(**shape, combine_input_rows=-1)
     with pytest.raises(TypeError, match="no field 'hiden'"):
         C.elastic.SendArgs(hiden=0)
     args = C.elastic.ReceiveArgs(capacity=5, expand=True, out=None)

@@ -15,8 +15,10 @@ void bind(py::module_& parent) {
 
   py::class_<Regions>(m, "Regions", "the hybrid region layout on the transport (see csrc/hybrid/hybrid.h)")
       .def(py::init(&make_regions), py::arg("num_ranks"), py::arg("max_tokens"), py::arg("hidden"),
-           py::arg("num_local_experts"), py::arg("max_blocks"))
+           py::arg("num_local_experts"), py::arg("max_blocks"), py::arg("combine_input_rows") = 0)
       .def_readonly("total_bytes", &Regions::total_bytes)
+      .def_readonly("combine_input_rows", &Regions::combine_input_rows)
+      .def_readonly("off_comb_input", &Regions::off_comb_input)
       .def_readonly("max_tokens", &Regions::max_tokens)
       .def_property_readonly("count_words", &Regions::count_words);
 
@@ -67,7 +69,9 @@ void bind(py::module_& parent) {
       .ptr("out_probs", &CombineRecvArgs::out_probs)
       .ptr("send_slot", &CombineRecvArgs::send_slot)
       .ptr("k_index", &CombineRecvArgs::k_index)
-      .val("num_tokens", &CombineRecvArgs::num_tokens);
+      .val("num_tokens", &CombineRecvArgs::num_tokens)
+      .ptr("peer_rows", &CombineRecvArgs::peer_rows)
+      .val("wait_for_send", &CombineRecvArgs::wait_for_send);
   m.def("combine_recv", &launch_combine_recv, py::arg("buffer"), py::arg("regions"), py::arg("args"),
         py::arg("num_blocks"), py::arg("stream"));
 }

@@ -9,6 +9,13 @@
 // combine_recv: waits for comb_done[p][b] >= n from every block of every rank p (acquire), then
 // warp w takes tokens t and sums, in fp32 and rank order, the rows returned for the token by each
 // rank it was sent to (send_slot), writing bf16 [T, H]; scalars land in the dense [T, E] output.
+//
+// In place (the expert ranks' rows are in their comb_input): combine_send runs only when scalars
+// travel (rows == null), and combine_recv reads every expert row of the token where it is:
+// row peer_rows[p][j] + k_index[t][p L + j] of rank p's comb_input, for the token's ranks p in
+// rank order and their local experts j in order, all summed in fp32 and rounded once. Without
+// scalars there is nothing to wait for but the handshake before it: every rank has arrived at
+// this op, so the rows its earlier kernels wrote are complete.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -54,21 +61,84 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(TransportView t,
       }
       __syncwarp();
       const int4* input = static_cast<const int4*>(a.rows);
-      sum_rows(reinterpret_cast<int4*>(comb_row(v, r, v.t.rank, s)), H / 8, count,
-               [=](int n) { return input + static_cast<int64_t>(rows[n]) * (H / 8); }, lane);
+      if (input != nullptr) {
+        sum_rows(reinterpret_cast<int4*>(comb_row(v, r, v.t.rank, s)), H / 8, count,
+                 [=](int n) { return input + static_cast<int64_t>(rows[n]) * (H / 8); }, lane);
+      }
       __syncwarp();
     }
   }
   signal_block_done(t, combine_done(v), seq);
 }
 
+// In place: the rows of a token that a warp lists in shared memory before summing them (more go
+// through sum_rows_by_group, which lists none).
+constexpr int kListedRows = 32;
+
+// Warp-cooperative, in place: the address of rank p's row for the token's local experts j0 + lane
+// (null where the token does not go to that expert, or its row fell past p's budget).
+__device__ __forceinline__ const int4* expert_row_at(const View& v, const CombineRecvArgs& a, int token, int p, int j0,
+                                                     int lane) {
+  const int L = v.g.num_local_experts;
+  const int j = j0 + lane;
+  if (j >= L) return nullptr;
+  const int32_t* base = a.peer_rows + p * (L + 1);
+  const int k = a.k_index[static_cast<int64_t>(token) * v.g.num_ranks * L + p * L + j];
+  const int row = k >= 0 ? base[j] + k : -1;
+  if (row < 0 || row >= base[L]) return nullptr;
+  return reinterpret_cast<const int4*>(region(v, p, v.g.off_comb_input) + static_cast<int64_t>(row) * 2 * v.g.hidden);
+}
+
+// Warp-cooperative, in place: lists the token's rows (ranks in `sources` order, then local-expert
+// order) in `list`, at most kListedRows of them; returns how many there are (also past the limit).
+__device__ __forceinline__ int list_token_rows(const View& v, const CombineRecvArgs& a, int token, unsigned sources,
+                                               const int4** list, int lane) {
+  int count = 0;
+  for (unsigned mask = sources; mask; mask &= mask - 1) {
+    const int p = __ffs(mask) - 1;
+    for (int j0 = 0; j0 < v.g.num_local_experts; j0 += 32) {
+      const int4* row = expert_row_at(v, a, token, p, j0, lane);
+      const unsigned ballot = __ballot_sync(0xffffffffu, row != nullptr);
+      const int at = count + __popc(ballot & ((1u << lane) - 1));
+      if (row != nullptr && at < kListedRows) list[at] = row;
+      count += __popc(ballot);
+    }
+  }
+  return count;
+}
+
+// Warp-cooperative, in place, for a token with more than kListedRows rows: the same sums in the
+// same order, with no list: the hidden words in warp-uniform steps, and in each step the rows of
+// one group of 32 local experts at a time, their addresses shuffled from the lanes that found them.
+__device__ void sum_rows_by_group(const View& v, const CombineRecvArgs& a, int token, unsigned sources, int4* out,
+                                  int lane) {
+  const int words = v.g.hidden / 8;
+  for (int step = 0; step < words; step += 32 * kSumUnroll) {
+    float acc[kSumUnroll][8] = {};
+    for (unsigned mask = sources; mask; mask &= mask - 1) {
+      const int p = __ffs(mask) - 1;
+      for (int j0 = 0; j0 < v.g.num_local_experts; j0 += 32) {
+        const int4* mine = expert_row_at(v, a, token, p, j0, lane);
+        const unsigned ballot = __ballot_sync(0xffffffffu, mine != nullptr);
+        const auto address = reinterpret_cast<unsigned long long>(mine);
+        add_rows(acc, step + lane, words, __popc(ballot), [=](int n) {  // n is warp-uniform here
+          return reinterpret_cast<const int4*>(__shfl_sync(0xffffffffu, address, __fns(ballot, 0, n + 1)));
+        });
+      }
+    }
+    store_sums(out, acc, step + lane, words);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) combine_recv_kernel(TransportView t, Regions g, CombineRecvArgs a) {
   __shared__ int s_slots[kWarps][kMaxRanks];
   __shared__ int s_ranks[kWarps][kMaxRanks];
+  __shared__ const int4* s_listed[kWarps][kListedRows];
   const View v{t, g};
   if (block_aborted(t)) return;
   const unsigned long long seq = current_seq(t);
-  if (!wait_all_blocks(t, combine_done(v), seq, gridDim.x, kPhaseCombineReceive)) return;
+  if (a.wait_for_send && !wait_all_blocks(t, combine_done(v), seq, gridDim.x, kPhaseCombineReceive)) return;
+  const bool in_place = a.peer_rows != nullptr;
   const int R = v.g.num_ranks;
   const int L = v.g.num_local_experts;
   const int E = R * L;
@@ -77,22 +147,34 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(TransportView t,
   const int warps = gridDim.x * kWarps;
   int* slots = s_slots[threadIdx.x / 32];
   int* ranks = s_ranks[threadIdx.x / 32];
+  const int4** listed = s_listed[threadIdx.x / 32];
   for (int t = blockIdx.x * kWarps + threadIdx.x / 32; t < a.num_tokens; t += warps) {
     const int my_slot = lane < R ? a.send_slot[static_cast<int64_t>(t) * R + lane] : -1;
     const unsigned sources = __ballot_sync(0xffffffffu, my_slot >= 0);
-    // Every lane needs every rank's slot: stage them in shared memory (lanes may leave the
-    // hidden loop at different times, so no shuffles inside it).
-    if (lane < R) slots[lane] = my_slot;
-    __syncwarp();
-    // Rank order of the sum: the n-th set bit of `sources`.
-    if (lane == 0) {
-      int n = 0;
-      for (unsigned mask = sources; mask; mask &= mask - 1) ranks[n++] = __ffs(mask) - 1;
+    int4* out_row = static_cast<int4*>(a.out) + static_cast<int64_t>(t) * (H / 8);
+    if (in_place) {
+      const int count = list_token_rows(v, a, t, sources, listed, lane);
+      __syncwarp();
+      if (count <= kListedRows) {
+        sum_rows(out_row, H / 8, count, [=](int n) { return listed[n]; }, lane);
+      } else {
+        sum_rows_by_group(v, a, t, sources, out_row, lane);
+      }
+    } else {
+      // Every lane needs every rank's slot: stage them in shared memory (lanes may leave the
+      // hidden loop at different times, so no shuffles inside it).
+      if (lane < R) slots[lane] = my_slot;
+      __syncwarp();
+      // Rank order of the sum: the n-th set bit of `sources`.
+      if (lane == 0) {
+        int n = 0;
+        for (unsigned mask = sources; mask; mask &= mask - 1) ranks[n++] = __ffs(mask) - 1;
+      }
+      __syncwarp();
+      sum_rows(out_row, H / 8, __popc(sources),
+               [=](int n) { return reinterpret_cast<const int4*>(comb_row(v, v.t.rank, ranks[n], slots[ranks[n]])); },
+               lane);
     }
-    __syncwarp();
-    sum_rows(static_cast<int4*>(a.out) + static_cast<int64_t>(t) * (H / 8), H / 8, __popc(sources),
-             [=](int n) { return reinterpret_cast<const int4*>(comb_row(v, v.t.rank, ranks[n], slots[ranks[n]])); },
-             lane);
     if (a.out_probs != nullptr) {
       for (unsigned mask = sources; mask; mask &= mask - 1) {
         const int p = __ffs(mask) - 1;
@@ -116,6 +198,10 @@ void launch_combine_send(const SymmetricBuffer& buffer, const Regions& regions, 
 }
 
 void launch_combine_recv(const SymmetricBuffer& buffer, const Regions& regions, const CombineRecvArgs& args, int num_blocks, uintptr_t stream) {
+  if (args.peer_rows != nullptr && regions.combine_input_rows == 0)
+    throw std::invalid_argument("ep_plugin hybrid: an in-place combine needs a buffer with combine_input_rows > 0");
+  if (args.out_probs != nullptr && !args.wait_for_send)
+    throw std::invalid_argument("ep_plugin hybrid: scalars routed back need combine_send (wait_for_send)");
   EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
   combine_recv_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), regions, args);
   EP_CUDA_CHECK(cudaGetLastError());

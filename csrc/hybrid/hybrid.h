@@ -23,6 +23,11 @@ namespace hybrid {
 //   disp_p      f32 [R][max_tokens][L]  prob of (token, local expert)
 //   comb_data   bf16 [R][max_tokens][H] from expert rank r: the sum of its rows for send slot s
 //   comb_p      f32 [R][max_tokens][L]  from expert rank r: per-row scalars (backward of probs)
+//   comb_input  bf16 [combine_input_rows][H]  the combine input handed to the caller (in place)
+//
+// comb_input exists only in a buffer built with combine_input_rows > 0: the expert writes its
+// output rows there (in the dispatch output's row order) and the sources read them where they
+// are, summing a token's rows in one pass (no expert-side partial sums, no comb_data).
 struct Regions {
   int num_ranks;
   int max_tokens;
@@ -32,13 +37,16 @@ struct Regions {
   int64_t slot_bytes;  // bytes per staged token (2 * hidden: bf16, or fp8 + scales)
   int64_t off_disp_done, off_comb_done;
   int64_t off_disp_stage, off_disp_token, off_disp_k, off_disp_p, off_comb_data, off_comb_p;
+  int64_t combine_input_rows;  // rows of comb_input (0: no in-place combine)
+  int64_t off_comb_input;
   int64_t total_bytes;
-  // Count words per (source, op) in the transport's exchange: L expert counts, the packet count and
-  // the source's input flags.
-  int count_words() const { return num_local_experts + 2; }
+  // Count words per (source, op) in the transport's exchange: L expert counts, the packet count,
+  // the source's input flags, its receive budget and pad_multiple (for in-place combines).
+  int count_words() const { return count_words_with_budget(num_local_experts); }
 };
 // Throws std::invalid_argument on sizes the kernels do not support.
-Regions make_regions(int num_ranks, int max_tokens, int hidden, int num_local_experts, int max_blocks);
+Regions make_regions(int num_ranks, int max_tokens, int hidden, int num_local_experts, int max_blocks,
+                     int64_t combine_input_rows);
 
 // Phases named in timeout reports (the Python backend has their names).
 enum Phase : int {
@@ -90,9 +98,9 @@ void launch_permute(const SymmetricBuffer& buffer, const Regions& regions, const
                     uintptr_t stream);
 
 // Stage 4 (expert side): sum each packet's rows (fp32), push one bf16 row per packet back to its
-// source, with per-row scalars unsummed when asked.
+// source, with per-row scalars unsummed when asked. rows == null (in place): only the scalars travel.
 struct CombineSendArgs {
-  const void* rows = nullptr;           // [budget, H] bf16
+  const void* rows = nullptr;           // [budget, H] bf16, or null
   const float* row_probs = nullptr;     // [budget] or null
   const int32_t* packet_rows = nullptr; // [R * max_tokens, L]
   const int32_t* num_packets = nullptr; // [R]
@@ -102,12 +110,17 @@ void launch_combine_send(const SymmetricBuffer& buffer, const Regions& regions, 
                          int num_blocks, uintptr_t stream);
 
 // Stage 5 (source side): wait for every expert rank, sum the returned rows per token (fp32).
+// In place (peer_rows given): read each of the token's expert rows in its rank's comb_input, at
+// peer_rows[p][j] + k_index, and sum them all in fp32 (rank order, then local-expert order),
+// rounding once; rows at or past p's budget (peer_rows[p][L]) were dropped and count as zero.
 struct CombineRecvArgs {
   void* out = nullptr;                  // [T, H] bf16
   float* out_probs = nullptr;           // [T, E] (zero-filled by the caller) or null
   const int32_t* send_slot = nullptr;   // [T, R]
   const int32_t* k_index = nullptr;     // [T, E]
   int num_tokens = 0;
+  const int32_t* peer_rows = nullptr;   // [R, L + 1] (the exchange's peer_row_base) or null: pushed rows
+  bool wait_for_send = true;            // combine_send ran (it signals comb_done)
 };
 void launch_combine_recv(const SymmetricBuffer& buffer, const Regions& regions, const CombineRecvArgs& args,
                          int num_blocks, uintptr_t stream);

@@ -5,6 +5,7 @@ the barrier and teardown. Each backend adds its own regions and stages.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -201,6 +202,21 @@ class CompiledBackend(Backend):
         send_slot.masked_fill_(~to_rank, -1)
         rank_counts = sent.sum(0, dtype=torch.int32)
         return send_slot, k_index, expert_counts, rank_counts, dense_probs, input_flags
+
+    # ---- rows in the buffer: the combine input handed to the caller ---------------------------
+
+    def _combine_input_view(self, layout, offset: int, rows: int) -> torch.Tensor:
+        """[rows, H] bf16 over this rank's buffer at region ``offset``, remembered on ``layout`` (its
+        ``combine_input`` field) as the combine input handed out for that dispatch."""
+        view = self.buffer.region_tensor(offset, (rows, self.hidden_size), torch.bfloat16)
+        layout.combine_input = weakref.ref(view)
+        return view
+
+    def _is_combine_input(self, rows: torch.Tensor, layout, offset: int) -> bool:
+        """Whether ``rows`` is the combine input at region ``offset`` (then combine reads it in place)."""
+        if layout.combine_input is not None and layout.combine_input() is rows:
+            return True  # also decides an empty input, whose address says nothing
+        return rows.numel() > 0 and rows.data_ptr() == self.buffer.raw.region_address + offset
 
     # ---- helpers the stages use -------------------------------------------------------------
 

@@ -151,6 +151,11 @@ class ElasticBackend(CompiledBackend):
                                                in_place_dispatch=in_place_dispatch)
         self._open_buffer(self.regions.total_bytes, self.regions.count_words)
 
+    @classmethod
+    def in_place_options(cls, *, num_ranks: int, max_tokens_per_rank: int, num_experts: int, topk: int) -> dict:
+        """Constructor options for ``dispatch(..., in_place=True)`` (the combine input is always there)."""
+        return {"in_place_dispatch": True}
+
     def _construction_facts(self) -> dict:
         # Both size the buffer's regions, whose offsets must be equal on every rank.
         return {**super()._construction_facts(), "max_topk": self.max_topk, "in_place_dispatch": self.in_place_dispatch}
@@ -409,17 +414,11 @@ class ElasticBackend(CompiledBackend):
         if layout.expand:
             raise ValueError("combine_input needs a compact dispatch (expand=False): expanded rows are summed "
                              "per packet on the expert rank before they travel")
-        rows = self._buffer_rows(self.regions.off_comb_data, layout.capacity, self.hidden_size, torch.bfloat16)
-        layout.combine_input = weakref.ref(rows)
-        return rows
+        return self._combine_input_view(layout, self.regions.off_comb_data, layout.capacity)
 
     def _in_place(self, rows: torch.Tensor, layout: ElasticLayout) -> bool:
         """Whether ``rows`` is the combine input in this rank's buffer (then it is read in place)."""
-        if layout.expand:
-            return False
-        if layout.combine_input is not None and layout.combine_input() is rows:
-            return True  # also decides an empty input, whose address says nothing
-        return rows.numel() > 0 and rows.data_ptr() == self.buffer.raw.region_address + self.regions.off_comb_data
+        return not layout.expand and self._is_combine_input(rows, layout, self.regions.off_comb_data)
 
     def _combine(self, rows, handle: Handle, row_probs, bias=None) -> CombineOutput:
         self.buffer.raise_if_failed()

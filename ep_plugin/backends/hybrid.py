@@ -18,14 +18,29 @@ symmetric buffer (``csrc/hybrid/hybrid.h``):
 4. permute (``permute.cu``): each packet is pulled from its source and expands into its expert
    rows; padding zeroed.
 5. combine (``combine.cu``): the expert side sums a packet's rows (fp32, rounded once to bf16)
-   and sends one row per (token, source rank) back; the source sums those in fp32.
+   and sends one row per (token, source rank) back; the source sums those in fp32. In place (the
+   expert output already in the buffer, see below), the source reads every expert row of its
+   tokens where it is and sums them in one pass.
 
 Row order of the dispatch output is the reference contract (local expert, source rank, source
 token), bitwise equal to ``reference``. Combine tolerance: each expert rank's partial sum is
 rounded to bf16 before the source adds the partials, so a token whose experts live on several
 ranks can differ from the reference (which rounds once) by about one bf16 ulp per rank of the
 result's magnitude (|err| <= R * 2**-8 * max|partial|); a token whose experts are all on one rank
-matches exactly.
+matches exactly. An in-place combine adds all of a token's rows in fp32 and rounds once.
+
+Combine in place (a backend built with ``combine_input_rows=N > 0``): ``combine_input(handle)`` is a
+[num_rows, H] bf16 tensor inside the backend's buffer, in the dispatch output's row order. Write the
+expert output there and pass that tensor to ``combine``: each source then reads its tokens' expert
+rows straight from the expert ranks' buffers and sums them (one pass: the rows are read once, no
+partial sums are written and read back), which on one GPU moves about half the bytes of the
+two-stage combine. It is valid from the dispatch of ``handle`` until that handle's combine; the
+buffer holds one combine input, so write it for one handle at a time. Ranks must agree on whether
+a combine is in place (the handshake checks it). ``N`` bounds the rows of a dispatch that can be
+combined so (``combine_input`` refuses more): the largest blocking output expected, or
+``num_permuted_tokens`` in non-blocking mode; ``worst_case_rows(...)`` gives the bound that always
+fits. It costs ``N * 2H`` bytes of buffer per rank. Megatron's experts write their own output
+tensors, so its dispatcher uses the two-stage combine.
 
 Blocking mode (``config.blocking``): the output has exactly the received rows; the host reads the
 total from pinned memory owned by the buffer after waiting (with a timeout) on an event recorded
@@ -63,13 +78,14 @@ Rules and limits:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from .. import streams
-from ..agreement import OP_COMBINE, OP_DISPATCH, OP_DISPATCH_AGAIN, OpFingerprint
+from ..agreement import OP_COMBINE, OP_COMBINE_IN_PLACE, OP_DISPATCH, OP_DISPATCH_AGAIN, OpFingerprint
 from ..handle import CombineOutput, DispatchOutput, Handle
 from ..routing import ROUTING_MAP, Routing, route_counts
 from .base import Capabilities
@@ -102,6 +118,8 @@ class HybridLayout:
     input_flags: Optional[torch.Tensor]  # [R] int32 (top-k form): bad ids seen by the layout (see _layout)
     budget: int  # rows of the dispatch output
     fp8: bool
+    peer_rows: Optional[torch.Tensor] = None  # [R, L + 1] int32 (combine_input_rows > 0): see ExchangeArgs
+    combine_input: Optional[weakref.ref] = None  # the tensor combine_input() handed out for this handle
 
 
 class HybridBackend(CompiledBackend):
@@ -119,14 +137,38 @@ class HybridBackend(CompiledBackend):
     phase_names = PHASE_NAMES
     barrier_phase = PHASE_BARRIER
 
-    def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None) -> None:
+    def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None,
+                 combine_input_rows: int = 0) -> None:
+        """Args as every backend, plus ``combine_input_rows``: room in the buffer for that many rows of
+        ``combine_input`` (0 = no in-place combine; see the module docstring). Equal on every rank."""
+        if isinstance(combine_input_rows, bool) or not isinstance(combine_input_rows, int) or combine_input_rows < 0:
+            raise ValueError(f"combine_input_rows must be an int >= 0, got {combine_input_rows!r}")
+        self.combine_input_rows = combine_input_rows  # before the base constructor: its check includes it
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
                          topology=topology)
         self.regions = self._C.hybrid.Regions(num_ranks=self.num_ranks, max_tokens=self.config.max_tokens_per_rank,
                                               hidden=hidden_size, num_local_experts=self.num_local_experts,
-                                              max_blocks=self.num_blocks)
+                                              max_blocks=self.num_blocks, combine_input_rows=combine_input_rows)
         self._open_buffer(self.regions.total_bytes, self.regions.count_words)
         self.over_budget: Optional[torch.Tensor] = None  # overflow flag of the latest dispatch
+
+    def _construction_facts(self) -> dict:
+        # It sizes a region of the buffer, whose offsets must be equal on every rank.
+        return {**super()._construction_facts(), "combine_input_rows": self.combine_input_rows}
+
+    @staticmethod
+    def worst_case_rows(num_ranks: int, max_tokens_per_rank: int, num_local_experts: int, experts_per_token: int,
+                        pad_multiple: int = 1) -> int:
+        """Rows of the largest dispatch output a rank can receive: every rank's every token on
+        ``experts_per_token`` of this rank's experts (top-k, at most the local experts), plus padding."""
+        per_token = min(experts_per_token, num_local_experts)
+        return num_ranks * max_tokens_per_rank * per_token + num_local_experts * (pad_multiple - 1)
+
+    @classmethod
+    def in_place_options(cls, *, num_ranks: int, max_tokens_per_rank: int, num_experts: int, topk: int) -> dict:
+        """Constructor options that let every dispatch of that shape be combined in place."""
+        local = num_experts // num_ranks
+        return {"combine_input_rows": cls.worst_case_rows(num_ranks, max_tokens_per_rank, local, topk)}
 
     @classmethod
     def wire_bytes(cls, routing_maps, num_ranks, *, row_bytes, hidden, topk, with_probs, **options):
@@ -140,10 +182,9 @@ class HybridBackend(CompiledBackend):
     # ---- stages ----------------------------------------------------------------------
 
     def _worst_case_rows(self, routing: Routing, pad_multiple: int) -> int:
-        per_token = self.num_local_experts if routing.form == ROUTING_MAP else min(
-            routing.topk_idx.shape[1], self.num_local_experts)
-        return (self.num_ranks * self.config.max_tokens_per_rank * per_token
-                + self.num_local_experts * (pad_multiple - 1))
+        per_token = self.num_local_experts if routing.form == ROUTING_MAP else routing.topk_idx.shape[1]
+        return self.worst_case_rows(self.num_ranks, self.config.max_tokens_per_rank, self.num_local_experts,
+                                    per_token, pad_multiple)
 
     # ---- Backend protocol ---------------------------------------------------------------
 
@@ -168,13 +209,19 @@ class HybridBackend(CompiledBackend):
             real_per_expert = torch.empty(L, dtype=torch.int64, device=dev)
             num_packets = torch.empty(R, dtype=torch.int32, device=dev)
             total_rows = torch.empty(1, dtype=torch.int64, device=dev)
+            # Where this rank's tokens land in every rank's output: what an in-place combine reads.
+            peer_rows = torch.empty(R, L + 1, dtype=torch.int32, device=dev) if self.combine_input_rows else None
+        # Non-blocking: the budget is known now (and tells peers which of their rows were dropped).
+        budget = None if self.config.blocking else (
+            self.config.num_permuted_tokens or self._worst_case_rows(routing, pad_multiple))
         with nvtx_range("ep.hybrid.dispatch.notify"):
             self._exchange(PHASE_DISPATCH, self._fingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None,
                                                              routing=routing),
                            expert_counts=expert_counts, rank_counts=rank_counts, pad_multiple=pad_multiple,
                            row_base=row_base, expert_start=expert_start, tokens_per_expert=tokens_per_expert,
                            real_per_expert=real_per_expert, num_packets=num_packets, total_rows=total_rows,
-                           input_flags=input_flags)
+                           input_flags=input_flags, receive_budget=self._C.UNBOUNDED_ROWS if budget is None else budget,
+                           peer_row_base=peer_rows)
             counted = self._mark() if self.config.blocking else None
         # The send needs no host count: in blocking mode it runs while the host reads the counts.
         with nvtx_range("ep.hybrid.dispatch.send"):
@@ -188,8 +235,6 @@ class HybridBackend(CompiledBackend):
         if self.config.blocking:
             with nvtx_range("ep.hybrid.dispatch.wait_count"):
                 budget = self._dispatch_counts(counted, routing)[self._C.MAILBOX_TOTAL_ROWS]
-        else:
-            budget = self.config.num_permuted_tokens or self._worst_case_rows(routing, pad_multiple)
         with nvtx_range("ep.hybrid.dispatch.permute"):
             out = self._empty(budget, H, dtype=data.dtype)
             out_scales = self._empty(budget, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
@@ -206,7 +251,7 @@ class HybridBackend(CompiledBackend):
                               topk_idx=routing.topk_idx if routing.form != ROUTING_MAP else None, row_base=row_base,
                               expert_start=expert_start, num_packets=num_packets, total_rows=total_rows,
                               packet_rows=packet_rows, overflow=overflow, input_flags=input_flags, budget=budget,
-                              fp8=fp8)
+                              fp8=fp8, peer_rows=peer_rows)
         handle = Handle(
             backend=self, num_tokens=T, hidden_size=H, hidden_dtype=torch.bfloat16,
             probs_shape=routing.probs_shape if probs is not None else None, num_experts=self.num_experts,
@@ -244,24 +289,52 @@ class HybridBackend(CompiledBackend):
             self._C.hybrid.permute(self.buffer.raw, self.regions, permute, self.num_blocks, self._stream())
         return out
 
+    def combine_input(self, handle: Handle) -> torch.Tensor:
+        """The combine input of ``handle`` inside this rank's buffer: [num_rows, H] bf16, in the row order
+        of the dispatch output (see the module docstring).
+
+        Write the expert output there and pass this tensor to ``combine(rows, handle)``: the sources
+        then read each row where it is. Valid from the dispatch of ``handle`` until its combine; the
+        buffer holds one combine input at a time, and the memory goes with ``destroy()``. Every rank
+        of the combine must pass its own.
+        """
+        self.check_handle(handle)
+        room = self.regions.combine_input_rows
+        if handle.num_rows > room:
+            built = ("was built without room for it (combine_input_rows=0)" if room == 0 else
+                     f"has room for {room} (combine_input_rows)")
+            raise ValueError(f"combine_input: this dispatch output has {handle.num_rows} rows but the backend "
+                             f"{built}; build it with combine_input_rows >= {handle.num_rows} (worst_case_rows() "
+                             "always fits), or combine a tensor of your own")
+        return self._combine_input_view(handle.layout, self.regions.off_comb_input, handle.num_rows)
+
     def _combine(self, rows, handle: Handle, row_probs) -> CombineOutput:
         self.buffer.raise_if_failed()
         layout: HybridLayout = handle.layout
         T, dev = handle.num_tokens, self.device
+        in_place = layout.peer_rows is not None and self._is_combine_input(rows, layout, self.regions.off_comb_input)
         with nvtx_range("ep.hybrid.combine.notify"):
-            self._exchange(PHASE_COMBINE, self._fingerprint(OP_COMBINE, dtype=rows.dtype, probs=row_probs is not None,
+            self._exchange(PHASE_COMBINE, self._fingerprint(OP_COMBINE_IN_PLACE if in_place else OP_COMBINE,
+                                                            dtype=rows.dtype, probs=row_probs is not None,
                                                             handle=handle))
-        with nvtx_range("ep.hybrid.combine.send"):
-            self._keep_on_stream(rows, row_probs)
-            send = self._C.hybrid.CombineSendArgs(rows=rows, row_probs=row_probs, packet_rows=layout.packet_rows,
-                                                  num_packets=layout.num_packets, budget=layout.budget)
-            self._C.hybrid.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
+        # In place the sources read the rows in the buffer: only the scalars (if any) travel ahead.
+        send_needed = not in_place or row_probs is not None
+        if send_needed:
+            with nvtx_range("ep.hybrid.combine.send"):
+                rows_in = None if in_place else rows
+                self._keep_on_stream(rows_in, row_probs)
+                send = self._C.hybrid.CombineSendArgs(rows=rows_in, row_probs=row_probs,
+                                                      packet_rows=layout.packet_rows, num_packets=layout.num_packets,
+                                                      budget=layout.budget)
+                self._C.hybrid.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
         with nvtx_range("ep.hybrid.combine.receive"):
             out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
             dense_probs = torch.zeros(T, self.num_experts, dtype=torch.float32, device=dev) \
                 if row_probs is not None else None
             receive = self._C.hybrid.CombineRecvArgs(out=out, out_probs=dense_probs, send_slot=layout.send_slot,
-                                                     k_index=layout.k_index, num_tokens=T)
+                                                     k_index=layout.k_index, num_tokens=T,
+                                                     peer_rows=layout.peer_rows if in_place else None,
+                                                     wait_for_send=send_needed)
             self._C.hybrid.combine_recv(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
         probs = None
         if dense_probs is not None:

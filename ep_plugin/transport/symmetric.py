@@ -74,7 +74,9 @@ class SymmetricBuffer:
     def region_tensor(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor over this rank's backend regions at byte ``offset`` (no copy). It keeps the
         extension's buffer object alive, but its memory is valid only until ``destroy()``. Tensors
-        of one region alias one another (and share torch's version counter)."""
+        of one region alias one another (and share torch's version counter), but autograd sees no
+        link between them: a write that autograd records (``rows.copy_(y)`` with ``y`` requiring
+        grad) stays on that tensor and does not attach its history to every later one."""
         # torch.as_tensor over __cuda_array_interface__ costs ~10 µs, on every in-place op: keep one
         # tensor per (offset, row shape, dtype), as tall as the tallest asked for, and hand out a
         # row slice of it (a new tensor object over the same memory, ~1.5 µs).
@@ -89,7 +91,7 @@ class SymmetricBuffer:
             whole = torch.as_tensor(memory, device=self.device)
             whole = whole.view(dtype) if dtype == torch.bfloat16 else whole
             self._region_tensors[key] = whole
-        return whole[:rows]
+        return whole[:rows].detach()  # detached: not an autograd view of the cached tensor
 
     def mailbox(self, first: int, count: int = 1) -> list[int]:
         """Values a kernel published for the host (read after an event wait on that kernel)."""

@@ -1,0 +1,248 @@
+"""``hybrid`` combine in place: the expert output written into ``combine_input(handle)`` (the backend's
+buffer) and read by the sources where it is, on 2 and 8 ranks (ranks share the GPU under MPS where
+there are fewer GPUs).
+
+The oracle is exact: each expert scales its rows by a factor of its own, so a source knows every
+row it should read (bf16(x_t * c_e) for each chosen expert e) and the sum the kernel must produce:
+all of a token's rows added in fp32 in expert order (rank order, then local-expert order), rounded
+once. A wrong row, a missing or extra one, another order or an intermediate rounding changes bits.
+All tests need a GPU and the compiled extension; without them they skip (fail under --require-gpu).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_hybrid import assert_combine_close, make_inputs, routing_kwargs, tokens_of
+
+import ep_plugin
+from ep_plugin.backends.hybrid import HybridBackend
+from ep_plugin.config import Config
+from ep_plugin.testing import run_ranks
+
+pytestmark = pytest.mark.gpu
+
+MAX_TOKENS = 128
+HIDDEN = 1024
+LAUNCH_TIMEOUT_S = 420
+
+
+def expert_scales(num_experts: int, device) -> torch.Tensor:
+    """c_e = 1 + e / 16: a factor per expert, exact in fp32."""
+    return 1 + torch.arange(num_experts, device=device, dtype=torch.float32) / 16
+
+
+def expert_of_rows(tokens_per_expert: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The local expert of each of ``num_rows`` expert-grouped rows (no host sync: graph-safe;
+    rows past the segments get the last expert)."""
+    ends = torch.cumsum(tokens_per_expert, 0)
+    rows = torch.arange(num_rows, device=tokens_per_expert.device)
+    return torch.searchsorted(ends, rows, right=True).clamp_(max=tokens_per_expert.numel() - 1)
+
+
+def expert_output(out, rank: int, scales: torch.Tensor) -> torch.Tensor:
+    """What expert e of this rank returns for its rows: bf16(row * c_e)."""
+    local = out.tokens_per_expert.numel()
+    experts = rank * local + expert_of_rows(out.tokens_per_expert, out.hidden.shape[0])
+    return (out.hidden.float() * scales[experts].unsqueeze(1)).to(torch.bfloat16)
+
+
+def chosen_experts(form: str, inputs, num_experts: int) -> torch.Tensor:
+    """[T, E] bool: the experts each token is dispatched to."""
+    _, topk_idx, _, routing_map, _ = inputs
+    if form == "routing_map":
+        return routing_map
+    chosen = torch.zeros(topk_idx.shape[0], num_experts + 1, dtype=torch.bool, device=topk_idx.device)
+    return chosen.scatter_(1, torch.where(topk_idx < 0, num_experts, topk_idx), True)[:, :num_experts]
+
+
+def one_pass_sum(x: torch.Tensor, chosen: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The in-place combine's result: bf16 of the fp32 sum, in expert order, of bf16(x * c_e)."""
+    total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(chosen.shape[1]):
+        row = (x.float() * scales[e]).to(torch.bfloat16).float()
+        total += torch.where(chosen[:, e:e + 1], row, 0.0)
+    return total.to(torch.bfloat16)
+
+
+def make_backends(ctx, num_experts: int, combine_input_rows: int, **config):
+    config = Config.from_env(**{"max_tokens_per_rank": MAX_TOKENS, "timeout_s": 20.0, "num_sms": 8, **config})
+    reference = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=num_experts, device=ctx.device,
+                                                   config=config)
+    hybrid = HybridBackend(hidden_size=HIDDEN, num_experts=num_experts, device=ctx.device, config=config,
+                           combine_input_rows=combine_input_rows)
+    return reference, hybrid
+
+
+def check_peer_rows(ctx, out, pad: int, budget: int) -> None:
+    """peer_rows[p] (derived by this rank in the exchange) is p's own row_base[this rank], and p's budget."""
+    layout = out.handle.layout
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, layout.row_base.cpu())
+    peer_rows = layout.peer_rows.cpu()
+    for p, row_base in enumerate(everyone):
+        assert torch.equal(peer_rows[p, :-1], row_base[ctx.rank]), (pad, p, peer_rows[p], row_base[ctx.rank])
+        assert int(peer_rows[p, -1]) == budget, (p, int(peer_rows[p, -1]), budget)
+
+
+def blocking_sweep(ctx) -> int:
+    """Blocking mode: every routing form, top-k, padding and skew; with and without scalars routed
+    back; top-k 40 of 64 experts lists more rows per token than a warp keeps (the unlisted path)."""
+    checked = 0
+    for num_experts in (32, 64):
+        local = num_experts // ctx.world_size
+        room = HybridBackend.worst_case_rows(ctx.world_size, MAX_TOKENS, local, 40, 16)
+        reference, hybrid = make_backends(ctx, num_experts, room)
+        scales = expert_scales(num_experts, ctx.device)
+        topks = (1, 3, 8) if num_experts == 32 else (40,)
+        for case, (topk, pad, skewed, form) in enumerate(
+                itertools.product(topks, (1, 16), (False, True), ("routing_map", "topk"))):
+            name = f"E={num_experts} R={ctx.world_size} topk={topk} pad={pad} skewed={skewed} form={form}"
+            inputs = make_inputs(700 + case, ctx.rank, ctx.world_size, tokens_of(ctx.rank, case), HIDDEN,
+                                 num_experts, topk, skewed=skewed, drop_some=case % 3 == 0)
+            kwargs = routing_kwargs(form, inputs)
+            out = hybrid.dispatch(inputs[0], pad_multiple=pad, **kwargs)
+            ref = reference.dispatch(inputs[0], pad_multiple=pad, **kwargs)
+            check_peer_rows(ctx, out, pad, hybrid._C.UNBOUNDED_ROWS)
+            rows = hybrid.combine_input(out.handle)
+            assert rows.shape == out.hidden.shape and rows.dtype == torch.bfloat16, name
+            rows.copy_(expert_output(out, ctx.rank, scales))
+            row_probs = out.probs * 3 + 1 if case % 2 else None
+            back = hybrid.combine(rows, out.handle, row_probs=row_probs)
+            expected = one_pass_sum(inputs[0], chosen_experts(form, inputs, num_experts), scales)
+            assert torch.equal(back.hidden, expected), f"{name}: in-place combine"
+            if row_probs is not None:
+                ref_back = reference.combine(expert_output(ref, ctx.rank, scales), ref.handle,
+                                             row_probs=ref.probs * 3 + 1)
+                assert torch.equal(back.probs, ref_back.probs), f"{name}: scalars routed back"
+            # The same handle again through the two-stage combine (a tensor of the caller's own).
+            staged = hybrid.combine(rows.clone(), out.handle)
+            assert_combine_close(staged.hidden, expected, f"{name}: two-stage combine")
+            checked += 1
+        torch.cuda.synchronize()
+        hybrid.destroy()
+    return checked
+
+
+def over_budget(ctx) -> int:
+    """Non-blocking with a budget of 48 rows (most ranks receive more): rows a rank dropped are not
+    read. The buffer past the budget holds NaN, so reading a dropped row would show; the result
+    equals the two-stage combine's, which drops the same rows (up to its partial-sum rounding)."""
+    num_experts = 32
+    budget = 48
+    reference, hybrid = make_backends(ctx, num_experts, 4 * budget, blocking=False, num_permuted_tokens=budget)
+    scales = expert_scales(num_experts, ctx.device)
+    inputs = make_inputs(800, ctx.rank, ctx.world_size, 60, HIDDEN, num_experts, 4, skewed=True, drop_some=False)
+    out = hybrid.dispatch(inputs[0], pad_multiple=16, **routing_kwargs("topk", inputs))
+    check_peer_rows(ctx, out, 16, budget)
+    whole = hybrid.buffer.region_tensor(hybrid.regions.off_comb_input, (4 * budget, HIDDEN), torch.bfloat16)
+    whole.fill_(float("nan"))
+    rows = hybrid.combine_input(out.handle)
+    rows.copy_(expert_output(out, ctx.rank, scales))
+    back = hybrid.combine(rows, out.handle)
+    staged = hybrid.combine(rows.clone(), out.handle)
+    assert not bool(back.hidden.isnan().any()), "a row past a rank's budget was read"
+    assert_combine_close(back.hidden, staged.hidden, "over budget: in place vs two-stage")
+    needed = int(reference.dispatch(inputs[0], pad_multiple=16, **routing_kwargs("topk", inputs))
+                 .tokens_per_expert.sum())
+    assert int(out.handle.layout.overflow) == int(needed > budget)
+    torch.cuda.synchronize()
+    hybrid.destroy()
+    return 1
+
+
+def graph_replays(ctx) -> int:
+    """Non-blocking, worst-case budget: dispatch, the expert's write into combine_input and the
+    in-place combine captured in one CUDA graph and replayed with new inputs."""
+    num_experts = 32
+    local = num_experts // ctx.world_size
+    _, hybrid = make_backends(ctx, num_experts, HybridBackend.worst_case_rows(ctx.world_size, MAX_TOKENS, local, 2, 8),
+                              blocking=False, num_permuted_tokens=0)
+    scales = expert_scales(num_experts, ctx.device)
+    static = [t.clone() for t in make_inputs(900, ctx.rank, ctx.world_size, 40 + ctx.rank, HIDDEN, num_experts, 2,
+                                             skewed=False, drop_some=False)]
+
+    def step():
+        out = hybrid.dispatch(static[0], pad_multiple=8, **routing_kwargs("topk", static))
+        rows = hybrid.combine_input(out.handle)
+        rows.copy_(expert_output(out, ctx.rank, scales))
+        return hybrid.combine(rows, out.handle)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_back = step()
+    checked = 0
+    for replay in range(6):
+        fresh = make_inputs(950 + replay, ctx.rank, ctx.world_size, 40 + ctx.rank, HIDDEN, num_experts, 2,
+                            skewed=replay % 2 == 1, drop_some=replay % 3 == 0)
+        for dst, src in zip(static, fresh, strict=True):
+            dst.copy_(src)
+        graph.replay()
+        expected = one_pass_sum(fresh[0], chosen_experts("topk", fresh, num_experts), scales)
+        assert torch.equal(graph_back.hidden, expected), f"replay {replay}"
+        checked += 1
+    torch.cuda.synchronize()
+    hybrid.destroy()
+    return checked
+
+
+def autograd_and_misuse(ctx) -> int:
+    """ep_plugin.combine of the combine input: forward in place, gradients as through the reference.
+    combine_input is refused (before any launch) without room or with too little, and the backend
+    goes on."""
+    num_experts = 32
+    inputs = make_inputs(1000, ctx.rank, ctx.world_size, tokens_of(ctx.rank, 0), HIDDEN, num_experts, 4,
+                         skewed=False, drop_some=True)
+    reference, hybrid = make_backends(ctx, num_experts, 2048)
+    grads = []
+    for backend in (reference, hybrid):
+        x = inputs[0].clone().requires_grad_(True)
+        out = ep_plugin.dispatch(backend, x, **routing_kwargs("topk", inputs, with_probs=False))
+        y = out.hidden * 2
+        if backend is hybrid:
+            rows = hybrid.combine_input(out.handle)
+            rows.copy_(y)  # the expert's write: autograd records the copy
+            y = rows
+        z = ep_plugin.combine(y, out.handle)
+        z.float().square().sum().backward()
+        grads.append((z.detach(), x.grad))
+    (z_ref, gx_ref), (z, gx) = grads
+    assert_combine_close(z, z_ref, "autograd: forward")
+    assert_combine_close(gx, gx_ref, "autograd: hidden grad")
+    # The recorded write stays with that tensor: a later combine input carries no history.
+    again = hybrid.combine_input(out.handle)
+    assert again.grad_fn is None and not again.requires_grad, "the combine input kept the last write's history"
+
+    small, none = make_backends(ctx, num_experts, 8)[1], make_backends(ctx, num_experts, 0)[1]
+    for backend, match in ((small, "has room for 8"), (none, "without room")):
+        out = backend.dispatch(inputs[0], **routing_kwargs("topk", inputs))
+        if out.hidden.shape[0] > 8 or backend is none:
+            with pytest.raises(ValueError, match=match):
+                backend.combine_input(out.handle)
+        back = backend.combine(out.hidden, out.handle)  # still usable: the two-stage combine
+        ref = reference.dispatch(inputs[0], **routing_kwargs("topk", inputs))
+        assert_combine_close(back.hidden, reference.combine(ref.hidden, ref.handle).hidden, f"after refusal {match}")
+        backend.destroy()
+    hybrid.destroy()
+    return 1
+
+
+def run_suite(ctx) -> dict:
+    return {"blocking": blocking_sweep(ctx), "over_budget": over_budget(ctx), "graph": graph_replays(ctx),
+            "autograd": autograd_and_misuse(ctx)}
+
+
+@pytest.mark.parametrize("num_ranks", [2, 8])
+def test_hybrid_combine_in_place_is_the_one_pass_sum(num_ranks):
+    results = run_ranks(run_suite, num_ranks, device="cuda", timeout_s=LAUNCH_TIMEOUT_S)
+    assert results[0] == {"blocking": 3 * 8 + 8, "over_budget": 1, "graph": 6, "autograd": 1}, results[0]
+    assert all(r == results[0] for r in results)
