@@ -88,7 +88,7 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("gloo", rank=0, world_size=1)
-    for backend in ("hybrid", "elastic+in_place"):
+    for backend in ("hybrid", "hybrid+in_place", "elastic+in_place"):
         print(backend_step_costs(backend, device, args.steps, per_line=args.lines), flush=True)
     dist.destroy_process_group()
 
@@ -166,8 +166,9 @@ def backend_step_costs(variant: str, device: torch.device, steps: int, per_line:
     name, _, option = variant.partition("+")
     in_place = option == "in_place"
     config = Config.from_env(num_sms=16, blocking=False, max_tokens_per_rank=128)
-    backend = ep_plugin.get_backend(name)(hidden_size=7168, num_experts=256, config=config, device=device,
-                                          **(dict(in_place_dispatch=True) if in_place else {}))
+    cls = ep_plugin.get_backend(name)
+    options = cls.in_place_options(num_ranks=1, max_tokens_per_rank=128, num_experts=256, topk=8) if in_place else {}
+    backend = cls(hidden_size=7168, num_experts=256, config=config, device=device, **options)
     step = eager_step(backend, Shape(128, 7168, 8, 256, "bf16", "balanced"), 0, device, in_place=in_place)
     for _ in range(50):
         step()

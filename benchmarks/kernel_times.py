@@ -5,7 +5,7 @@ combine send / receive, torch's own kernels) to show which one bounds an op. Ran
 is printed; spin-waiting kernels include the time they waited for the slowest rank.
 
   python benchmarks/kernel_times.py --backend elastic --ranks 8 --tokens 4096 --hidden 7168 --sms 16 [--nonblocking]
-      [--in-place]   (elastic: dispatch rows pushed into the receivers' buffers, combine rows read in place)
+      [--in-place]   (combine rows read in place; elastic also pushes dispatch rows into the receivers' buffers)
       [--host-profile]  (cProfile of rank 0's host calls per step, for eager latency at small token counts)
       [--trace DIR]  (each rank's chrome trace to DIR/rank<r>.json; rank 0 also prints how busy its stream
                       was: kernel time against the span from the first kernel to the last, and the widest gaps)
@@ -28,9 +28,10 @@ def profile_rank(ctx, args) -> str | None:
 
     device = torch.device(ctx.device)
     config = Config.from_env(num_sms=args.sms, blocking=not args.nonblocking, max_tokens_per_rank=args.tokens)
-    options = dict(in_place_dispatch=True) if args.in_place else {}
-    backend = ep_plugin.get_backend(args.backend)(hidden_size=args.hidden, num_experts=args.experts, config=config,
-                                                  device=device, **options)
+    cls = ep_plugin.get_backend(args.backend)
+    options = cls.in_place_options(num_ranks=ctx.world_size, max_tokens_per_rank=args.tokens, num_experts=args.experts,
+                                   topk=args.topk) if args.in_place else {}
+    backend = cls(hidden_size=args.hidden, num_experts=args.experts, config=config, device=device, **options)
     shape = Shape(args.tokens, args.hidden, args.topk, args.experts, "bf16", "balanced")
     step = eager_step(backend, shape, ctx.rank, device, in_place=args.in_place, constant_hidden=args.constant_hidden)
     for _ in range(3):
@@ -66,7 +67,9 @@ def profile_rank(ctx, args) -> str | None:
 def eager_step(backend, shape, rank: int, device: torch.device, *, in_place: bool = False,
                constant_hidden: bool = False):
     """One eager dispatch + combine of ``shape`` on ``backend`` (this rank's bench inputs), as a callable.
-    ``in_place``: elastic's rows pushed into the receivers' buffers and combined from its own."""
+    ``in_place``: combined from the backend's own buffer (``combine_input``), and where the backend can
+    (elastic) the rows pushed into the receivers' buffers."""
+    from ep_plugin.bench.runner import in_place_dispatch
     from ep_plugin.bench.workload import make_hidden, make_routing, make_topk
 
     if "routing_map" in backend.capabilities.routing_forms:
@@ -81,7 +84,7 @@ def eager_step(backend, shape, rank: int, device: torch.device, *, in_place: boo
 
     def step():
         if in_place:
-            out = backend.dispatch(hidden, **routing, in_place=True)
+            out = backend.dispatch(hidden, **routing, **in_place_dispatch(backend, True))
             backend.combine(backend.combine_input(out.handle), out.handle)
         else:
             out = backend.dispatch(hidden, **routing)

@@ -154,7 +154,8 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
         if problem:
             return f"--backends: {problem}"
         if plus and (variant != "in_place" or not hasattr(ep_plugin.get_backend(base), "combine_input")):
-            return f"--backends: {name}: '+in_place' is the only variant, for a backend with combine_input (elastic)"
+            return (f"--backends: {name}: '+in_place' is the only variant, for a backend with combine_input "
+                    "(hybrid, elastic)")
     allowed = {"payloads": {"bf16", "fp8"}, "routings": {"balanced", "skewed"}, "modes": {"blocking", "nonblocking"}}
     for key, choices in allowed.items():
         unknown = set(_words(getattr(args, key))) - choices

@@ -111,11 +111,17 @@ class _Timer:
         return (self.marks[end] - self.marks[start]) * 1e6
 
 
+def in_place_dispatch(backend, in_place: bool) -> dict:
+    """The dispatch options of an in-place case: rows into the receivers' buffers where the backend
+    can write them there (elastic); an empty dict otherwise (hybrid's in-place mode is its combine)."""
+    return dict(in_place=True) if in_place and "in_place" in backend.capabilities.dispatch_options else {}
+
+
 class _Calls:
     """One case's inputs and its two ops; combine consumes the latest dispatch's output. ``in_place``:
-    dispatch writes its rows into the receivers' buffers (``in_place=True``) and combine reads rows
-    from the backend's own buffer (``combine_input``), filled once; the expert's write of its output
-    there belongs to the expert, not to the combine."""
+    combine reads rows from the backend's own buffer (``combine_input``), filled once: the expert's
+    write of its output there belongs to the expert, not to the combine; and where the backend can,
+    dispatch writes its rows into the receivers' buffers too (elastic's ``in_place=True``)."""
 
     def __init__(self, backend, shape: Shape, rank: int, seed: int, device: torch.device,
                  in_place: bool = False) -> None:
@@ -132,8 +138,7 @@ class _Calls:
 
     def dispatch(self) -> None:
         self.out = None  # free the previous output first: non-blocking outputs are worst-case sized
-        options = dict(in_place=True) if self.in_place else {}
-        self.out = self.backend.dispatch(self.hidden, **self.routing, **options)
+        self.out = self.backend.dispatch(self.hidden, **self.routing, **in_place_dispatch(self.backend, self.in_place))
 
     def combine(self) -> None:
         self.combined = None
@@ -390,7 +395,7 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
         progress = tqdm(total=total, desc="bench", unit="case")
     ceiling_cache: dict[int, float] = {}
     for name, hidden, experts, sms, mode, scaleup in plan:
-        base_name, _, variant = name.partition("+")  # "elastic+in_place": combine rows in the buffer
+        base_name, _, variant = name.partition("+")  # "hybrid+in_place": combine rows in the buffer
         cls = ep_plugin.get_backend(base_name)
         config = Config.from_env(num_sms=sms, blocking=(mode == "blocking"), max_tokens_per_rank=max(spec.tokens),
                                  **{"scaleup_size": scaleup, **spec.extra_config})
@@ -403,7 +408,9 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                 continue
             if backend is None:  # built lazily: a backend owns large buffers
                 try:
-                    options = dict(in_place_dispatch=True) if variant == "in_place" else {}
+                    options = cls.in_place_options(num_ranks=ctx.world_size, max_tokens_per_rank=max(spec.tokens),
+                                                   num_experts=experts, topk=max(spec.topk)) \
+                        if variant == "in_place" else {}
                     backend = cls(hidden_size=hidden, num_experts=experts, config=config, device=device, **options)
                 except ValueError as error:  # e.g. 8 ranks x 24 SMs do not fit one GPU: same on every rank
                     if ctx.rank == 0:
