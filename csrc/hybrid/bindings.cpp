@@ -31,7 +31,8 @@ void bind(py::module_& parent) {
       .ptr("k_index", &SendArgs::k_index)
       .ptr("probs", &SendArgs::probs)
       .val("num_tokens", &SendArgs::num_tokens)
-      .val("bulk_copy", &SendArgs::bulk_copy);
+      .val("bulk_copy", &SendArgs::bulk_copy)
+      .ptr("overflow", &SendArgs::overflow);
   m.def("dispatch_send", &launch_dispatch_send, py::arg("buffer"), py::arg("regions"), py::arg("args"),
         py::arg("num_blocks"), py::arg("stream"));
 

@@ -62,9 +62,15 @@ __device__ __forceinline__ int prepare_token(const View& v, const SendArgs& a, i
   return __popc(destinations);
 }
 
+// The permute's overflow flag starts at 0 (also when this op was aborted: the host may read it).
+__device__ __forceinline__ void clear_overflow(const SendArgs& a) {
+  if (a.overflow != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *a.overflow = 0;
+}
+
 __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(TransportView t, Regions g, SendArgs a) {
   __shared__ int s_slots[kThreads / 32][kMaxRanks];
   const View v{t, g};
+  clear_overflow(a);
   if (block_aborted(t)) return;  // a wait of this op already failed: leave peers untouched
   const unsigned long long seq = current_seq(t);
   int* slots = s_slots[threadIdx.x / 32];
@@ -79,6 +85,7 @@ __global__ void __launch_bounds__(kBulkWarps * 32) dispatch_send_bulk_kernel(Tra
   __shared__ int s_slots[kBulkWarps][kMaxRanks];
   __shared__ uint64_t s_bars[kBulkWarps][kBulkMaxStages];
   const View v{t, g};
+  clear_overflow(a);
   if (block_aborted(t)) return;
   const unsigned long long seq = current_seq(t);
   const int warp_in_block = threadIdx.x / 32;

@@ -71,6 +71,7 @@ struct SendArgs {
   const float* probs = nullptr;         // [T, E] or null
   int num_tokens = 0;
   bool bulk_copy = true;                // bulk (TMA) copies where the GPU has them; else register copies
+  int32_t* overflow = nullptr;          // [1] or null: zeroed here for the permute that follows (no fill launch)
 };
 void launch_dispatch_send(const SymmetricBuffer& buffer, const Regions& regions, const SendArgs& args,
                           int num_blocks, uintptr_t stream);

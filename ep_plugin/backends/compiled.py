@@ -88,6 +88,7 @@ class CompiledBackend(Backend):
         # ids out of range were dropped, not indexed; check_errors() raises for them.
         self.invalid_expert_ids: Optional[torch.Tensor] = None
         self.buffer: Optional[SymmetricBuffer] = None
+        self._handshakes: dict = {}  # phase -> the handshake-only ExchangeArgs (see _exchange)
 
     def _construction_facts(self) -> dict:
         # Kernels wait for as many blocks of every peer as they run themselves, and the regions hold
@@ -243,8 +244,16 @@ class CompiledBackend(Backend):
     def _exchange(self, phase: int, fingerprint: OpFingerprint, **counts) -> None:
         """The op prologue on the current stream: handshake with the op fingerprint, plus the count
         exchange when ``counts`` are given (see ``_C.ExchangeArgs`` for the fields)."""
-        fields = {"num_local_experts": self.num_local_experts, "pad_multiple": 1, **counts}
-        args = self._C.ExchangeArgs(phase=phase, fingerprint=fingerprint.pack(), **fields)
+        if counts:
+            fields = {"num_local_experts": self.num_local_experts, "pad_multiple": 1, **counts}
+            args = self._C.ExchangeArgs(phase=phase, fingerprint=fingerprint.pack(), **fields)
+        else:  # a handshake: the launch copies the struct, so one per phase serves every op (~4 µs a build)
+            args = self._handshakes.get(phase)
+            if args is None:
+                args = self._handshakes[phase] = self._C.ExchangeArgs(phase=phase, fingerprint=0,
+                                                                      num_local_experts=self.num_local_experts,
+                                                                      pad_multiple=1)
+            args.fingerprint = fingerprint.pack()
         self._C.exchange(self.buffer.raw, args, self._stream())
 
     def _mark(self) -> torch.cuda.Event:

@@ -71,7 +71,8 @@ Rules and limits:
   scales. FP8 goes through ``backend.dispatch`` only (not the autograd ``ep_plugin.dispatch``);
   combine and dispatch_again of its handle are bf16.
 - Buffer per rank: about ``R * max_tokens_per_rank * (4 * H + 12 * L)`` bytes (dispatch packets,
-  their k/prob metadata, combine rows); up to 32 ranks and 256 local experts; H % 8 == 0.
+  their k/prob metadata, combine rows), plus ``combine_input_rows * 2H``; up to 32 ranks and 256 local
+  experts; H % 8 == 0.
 - Co-residency: (ranks sharing a GPU) x num_sms must not exceed the GPU's SMs
   (``max_sms_per_gpu`` overrides the detected count); the constructor refuses otherwise.
 """
@@ -228,9 +229,10 @@ class HybridBackend(CompiledBackend):
             row_bytes = H if fp8 else 2 * H
             scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
             self._keep_on_stream(data, scales, dense_probs)
+            overflow = torch.empty(1, dtype=torch.int32, device=dev)  # the send zeroes it, the permute sets it
             send = self._C.hybrid.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
                                            send_slot=send_slot, k_index=k_index, probs=dense_probs, num_tokens=T,
-                                           bulk_copy=self._bulk)
+                                           bulk_copy=self._bulk, overflow=overflow)
             self._C.hybrid.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
         if self.config.blocking:
             with nvtx_range("ep.hybrid.dispatch.wait_count"):
@@ -240,7 +242,6 @@ class HybridBackend(CompiledBackend):
             out_scales = self._empty(budget, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
             out_probs = self._empty(budget, dtype=torch.float32) if probs is not None else None
             packet_rows = torch.empty(R * self.config.max_tokens_per_rank, L, dtype=torch.int32, device=dev)
-            overflow = torch.zeros(1, dtype=torch.int32, device=dev)
             permute = self._C.hybrid.PermuteArgs(
                 out=out, row_bytes=row_bytes, out_scales=out_scales, scale_bytes=scale_bytes, out_probs=out_probs,
                 budget=budget, row_base=row_base, expert_start=expert_start, tokens_per_expert=tokens_per_expert,
