@@ -165,11 +165,13 @@ def backend_step_costs(variant: str, device: torch.device, steps: int, per_line:
 
     name, _, option = variant.partition("+")
     in_place = option == "in_place"
-    config = Config.from_env(num_sms=16, blocking=False, max_tokens_per_rank=128)
+    shape = Shape(128, 7168, 8, 256, "bf16", "balanced")
+    config = Config.from_env(num_sms=16, blocking=False, max_tokens_per_rank=128,
+                             num_permuted_tokens=128 * 8)  # what top-8 of 128 tokens can produce, as kernel_times.py
     cls = ep_plugin.get_backend(name)
     options = cls.in_place_options(num_ranks=1, max_tokens_per_rank=128, num_experts=256, topk=8) if in_place else {}
     backend = cls(hidden_size=7168, num_experts=256, config=config, device=device, **options)
-    step = eager_step(backend, Shape(128, 7168, 8, 256, "bf16", "balanced"), 0, device, in_place=in_place)
+    step = eager_step(backend, shape, 0, device, in_place=in_place)
     for _ in range(50):
         step()
     torch.cuda.synchronize()

@@ -27,12 +27,16 @@ def profile_rank(ctx, args) -> str | None:
     from ep_plugin.config import Config
 
     device = torch.device(ctx.device)
-    config = Config.from_env(num_sms=args.sms, blocking=not args.nonblocking, max_tokens_per_rank=args.tokens)
+    shape = Shape(args.tokens, args.hidden, args.topk, args.experts, "bf16", "balanced")
+    # Non-blocking hybrid: a budget of the rows the step's top-k routing can produce, as a Megatron user
+    # sets it (the routing-map worst case, every local expert, would not fit an in-place combine input).
+    budget = ctx.world_size * args.tokens * min(args.topk, args.experts // ctx.world_size) if args.nonblocking else 0
+    config = Config.from_env(num_sms=args.sms, blocking=not args.nonblocking, max_tokens_per_rank=args.tokens,
+                             num_permuted_tokens=budget)
     cls = ep_plugin.get_backend(args.backend)
     options = cls.in_place_options(num_ranks=ctx.world_size, max_tokens_per_rank=args.tokens, num_experts=args.experts,
                                    topk=args.topk) if args.in_place else {}
     backend = cls(hidden_size=args.hidden, num_experts=args.experts, config=config, device=device, **options)
-    shape = Shape(args.tokens, args.hidden, args.topk, args.experts, "bf16", "balanced")
     step = eager_step(backend, shape, ctx.rank, device, in_place=args.in_place, constant_hidden=args.constant_hidden)
     for _ in range(3):
         step()
@@ -140,6 +144,8 @@ def host_profile(ctx, step, iters: int) -> str | None:
     plain_us = (time.perf_counter() - start) * 1e6 / iters
     end.synchronize()
     gpu_us = begin.elapsed_time(end) * 1e3 / iters
+    paces = [None] * ctx.world_size  # every rank's (host, GPU) µs per step: the slowest host paces all
+    dist.all_gather_object(paces, (plain_us, gpu_us))
     profiler = cProfile.Profile()
     dist.barrier()
     start = time.perf_counter()
@@ -157,8 +163,11 @@ def host_profile(ctx, step, iters: int) -> str | None:
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("tottime").print_stats(30)
     stats.sort_stats("cumulative").print_stats("ep_plugin", 40)  # inclusive time of our own functions
+    hosts = sorted(host for host, _ in paces)
     return (f"host wall per step (dispatch + combine): {plain_us:.1f} us plain, GPU {gpu_us:.1f} us per step; "
-            f"{wall_us:.1f} us under cProfile\n" + text.getvalue())
+            f"{wall_us:.1f} us under cProfile\nevery rank's host per step: min {hosts[0]:.1f}, median "
+            f"{hosts[len(hosts) // 2]:.1f}, max {hosts[-1]:.1f} us; GPU per step "
+            f"{', '.join(f'{gpu:.0f}' for _, gpu in paces)} us\n" + text.getvalue())
 
 
 def main() -> None:
@@ -172,7 +181,8 @@ def main() -> None:
     parser.add_argument("--sms", type=int, default=16)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--nonblocking", action="store_true")
-    parser.add_argument("--in-place", action="store_true", help="elastic: in-place dispatch and combine")
+    parser.add_argument("--in-place", action="store_true",
+                        help="combine from combine_input (elastic: in-place dispatch too)")
     parser.add_argument("--constant-hidden", action="store_true", help="every activation 1.0 instead of random")
     parser.add_argument("--host-profile", action="store_true", help="cProfile rank 0's host calls instead")
     parser.add_argument("--trace", help="folder for each rank's chrome trace (rank 0 prints a timeline summary)")
