@@ -197,8 +197,8 @@ def graph_replays(ctx) -> int:
 
 def autograd_and_misuse(ctx) -> int:
     """ep_plugin.combine of the combine input: forward in place, gradients as through the reference.
-    combine_input is refused (before any launch) without room or with too little, and the backend
-    goes on."""
+    A combine_input_rows that is no int >= 0 is refused at construction; combine_input is refused
+    (before any launch) without room or with too little, and the backend goes on."""
     num_experts = 32
     inputs = make_inputs(1000, ctx.rank, ctx.world_size, tokens_of(ctx.rank, 0), HIDDEN, num_experts, 4,
                          skewed=False, drop_some=True)
@@ -222,6 +222,9 @@ def autograd_and_misuse(ctx) -> int:
     again = hybrid.combine_input(out.handle)
     assert again.grad_fn is None and not again.requires_grad, "the combine input kept the last write's history"
 
+    for bad, error in (("8", TypeError), (True, TypeError), (-1, ValueError)):  # refused before anything is built
+        with pytest.raises(error, match="combine_input_rows"):
+            HybridBackend(hidden_size=HIDDEN, num_experts=num_experts, device=ctx.device, combine_input_rows=bad)
     small, none = make_backends(ctx, num_experts, 8)[1], make_backends(ctx, num_experts, 0)[1]
     for backend, match in ((small, "has room for 8"), (none, "without room")):
         out = backend.dispatch(inputs[0], **routing_kwargs("topk", inputs))

@@ -142,8 +142,10 @@ class HybridBackend(CompiledBackend):
                  combine_input_rows: int = 0) -> None:
         """Args as every backend, plus ``combine_input_rows``: room in the buffer for that many rows of
         ``combine_input`` (0 = no in-place combine; see the module docstring). Equal on every rank."""
-        if isinstance(combine_input_rows, bool) or not isinstance(combine_input_rows, int) or combine_input_rows < 0:
-            raise ValueError(f"combine_input_rows must be an int >= 0, got {combine_input_rows!r}")
+        if isinstance(combine_input_rows, bool) or not isinstance(combine_input_rows, int):
+            raise TypeError(f"combine_input_rows must be an int, got {combine_input_rows!r}")
+        if combine_input_rows < 0:
+            raise ValueError(f"combine_input_rows must be >= 0, got {combine_input_rows}")
         self.combine_input_rows = combine_input_rows  # before the base constructor: its check includes it
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
                          topology=topology)
