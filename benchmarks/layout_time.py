@@ -58,7 +58,8 @@ def main() -> None:
         for blocks in (16, 32, 64, sms):
             backend = stand_in(args.ranks, args.experts, blocks)
             for with_probs in (False, True):
-                layout = functools.partial(CompiledBackend._layout, backend, routing, probs if with_probs else None)
+                layout = functools.partial(CompiledBackend._layout_tensors, backend, routing,
+                                           probs if with_probs else None)
                 us = kernel_us(layout)
                 print(f"{tokens:>6} {blocks:>10} {str(with_probs):>5} {us:>9.1f}", flush=True)
 

@@ -81,8 +81,8 @@ def check_peer_rows(ctx, out, pad: int, budget: int) -> None:
     """peer_rows[p] (derived by this rank in the exchange) is p's own row_base[this rank], and p's budget."""
     layout = out.handle.layout
     everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, layout.row_base.cpu())
-    peer_rows = layout.peer_rows.cpu()
+    dist.all_gather_object(everyone, layout.scratch.tensor("row_base").cpu())
+    peer_rows = layout.scratch.tensor("peer_rows").cpu()
     for p, row_base in enumerate(everyone):
         assert torch.equal(peer_rows[p, :-1], row_base[ctx.rank]), (pad, p, peer_rows[p], row_base[ctx.rank])
         assert int(peer_rows[p, -1]) == budget, (p, int(peer_rows[p, -1]), budget)

@@ -38,7 +38,7 @@ def stand_in(num_ranks: int, num_local_experts: int, blocking: bool = True) -> S
 
 
 def kernel_and_oracle(backend, routing: Routing, probs):
-    got = HybridBackend._layout(backend, routing, probs)
+    got = HybridBackend._layout_tensors(backend, routing, probs)
     want = HybridBackend._layout_torch(backend, routing, probs)
     return got, want
 
@@ -243,11 +243,11 @@ def test_layout_replays_in_a_cuda_graph():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        HybridBackend._layout(backend, routing, probs)  # warm up outside the capture
+        HybridBackend._layout_tensors(backend, routing, probs)  # warm up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outputs = HybridBackend._layout(backend, routing, probs)
+        outputs = HybridBackend._layout_tensors(backend, routing, probs)
     for replay in range(3):
         idx.copy_(random_topk(T, E, topk, "random", gen))
         probs.copy_(random_probs((T, topk), gen))

@@ -5,8 +5,9 @@ the barrier and teardown. Each backend adds its own regions and stages.
 
 from __future__ import annotations
 
+import math
 import weakref
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,7 @@ class CompiledBackend(Backend):
         self.invalid_expert_ids: Optional[torch.Tensor] = None
         self.buffer: Optional[SymmetricBuffer] = None
         self._handshakes: dict = {}  # phase -> the handshake-only ExchangeArgs (see _exchange)
+        self._scratch_plans: dict = {}  # op shape -> ScratchPlan (see _scratch)
 
     def _construction_facts(self) -> dict:
         # Kernels wait for as many blocks of every peer as they run themselves, and the regions hold
@@ -133,42 +135,72 @@ class CompiledBackend(Backend):
 
     # ---- the send-side layout (both backends) -----------------------------------------------
 
-    def _layout(self, routing: Routing, probs: Optional[torch.Tensor]):
+    def _scratch(self, key, fields: Callable[[], Iterable[tuple]]) -> "Scratch":
+        """A fresh ``Scratch`` for an op, its plan cached under ``key`` (``fields()`` runs on a miss)."""
+        plan = self._scratch_plans.get(key)
+        if plan is None:
+            if len(self._scratch_plans) >= 64:  # token counts that vary from step to step
+                self._scratch_plans.clear()
+            plan = self._scratch_plans[key] = ScratchPlan(fields())
+        return Scratch(plan, self.device)
+
+    @staticmethod
+    def layout_fields(routing: Routing, probs: Optional[torch.Tensor], num_ranks: int) -> list[tuple]:
+        """The scratch pieces ``_layout`` writes (see there), for ``ScratchPlan``."""
+        T, E, R = routing.num_tokens, routing.num_experts, num_ranks
+        fields = [("send_slot", (T, R), torch.int32), ("k_index", (T, E), torch.int32),
+                  ("expert_counts", (E,), torch.int32), ("rank_counts", (R,), torch.int32)]
+        if routing.form != ROUTING_MAP:
+            fields.append(("input_flags", (R,), torch.int32))
+            if probs is not None:
+                fields.append(("dense_probs", (T, E), torch.float32))
+        return fields
+
+    def _layout(self, routing: Routing, probs: Optional[torch.Tensor], scratch: "Scratch"):
         """Send-side layout: one kernel (``csrc/layout.cu``) on the current stream, no host sync.
 
         Args:
             routing: ``routing_map`` [T, E] bool or ``topk_idx`` [T, K] int64 (-1 = none), contiguous on
                 this device (``make_routing`` checked dtype, shape and contiguity).
-            probs: [T, E] float32 (routing map: returned as is), [T, K] float32 (top-k), or None.
-        Returns: (send_slot [T, R] int32 (-1 = not sent), k_index [T, E] int32 (-1 = not routed),
-            expert_counts [E] int32, rank_counts [R] int32, dense_probs [T, E] float32 or None,
-            input_flags [R] int32 or None). input_flags (top-k form), per destination rank p:
-            ``_C.INPUT_ID_OUT_OF_RANGE`` when some id was < -1 or >= E (such ids were dropped, never
-            indexed), ``_C.INPUT_ID_REPEATED`` when a token named one of p's experts twice (it chose
-            it once, with the prob of its last such slot). The count exchange carries them to every
-            rank; blocking mode then refuses the dispatch everywhere, non-blocking mode goes on.
+            probs: [T, E] float32 (routing map: used as is), [T, K] float32 (top-k), or None.
+            scratch: holds the pieces of ``layout_fields``, which the kernel writes: send_slot [T, R]
+                int32 (-1 = not sent), k_index [T, E] int32 (-1 = not routed), expert_counts [E] int32,
+                rank_counts [R] int32, and in the top-k form input_flags [R] int32 and (with probs)
+                dense_probs [T, E] float32. input_flags, per destination rank p:
+                ``_C.INPUT_ID_OUT_OF_RANGE`` when some id was < -1 or >= E (such ids were dropped, never
+                indexed), ``_C.INPUT_ID_REPEATED`` when a token named one of p's experts twice (it chose
+                it once, with the prob of its last such slot). The count exchange carries them to every
+                rank; blocking mode then refuses the dispatch everywhere, non-blocking mode goes on.
+        Returns: the dense probs the send reads: ``probs`` itself (routing map), the address of
+            dense_probs (top-k with probs), or None.
         """
-        T, E, R, L = routing.num_tokens, self.num_experts, self.num_ranks, self.num_local_experts
-        dev = self.device
-        send_slot = torch.empty(T, R, dtype=torch.int32, device=dev)
-        k_index = torch.empty(T, E, dtype=torch.int32, device=dev)
-        expert_counts = torch.empty(E, dtype=torch.int32, device=dev)
-        rank_counts = torch.empty(R, dtype=torch.int32, device=dev)
-        args = self._C.LayoutArgs(num_tokens=T, num_ranks=R, num_local_experts=L, send_slot=send_slot,
-                                  k_index=k_index, expert_counts=expert_counts, rank_counts=rank_counts,
-                                  max_blocks=self.num_blocks)
-        dense_probs = input_flags = None
+        T, R, L = routing.num_tokens, self.num_ranks, self.num_local_experts
+        at = scratch.address
+        args = self._C.LayoutArgs(num_tokens=T, num_ranks=R, num_local_experts=L, send_slot=at("send_slot"),
+                                  k_index=at("k_index"), expert_counts=at("expert_counts"),
+                                  rank_counts=at("rank_counts"), max_blocks=self.num_blocks)
+        dense_probs = None
         if routing.form == ROUTING_MAP:
             args.routing_map, dense_probs = routing.routing_map, probs  # probs are dense already
         else:
             args.topk_idx, args.topk = routing.topk_idx, routing.topk_idx.shape[1]
             if probs is not None:
-                dense_probs = torch.empty(T, E, dtype=torch.float32, device=dev)
+                dense_probs = at("dense_probs")
                 args.probs, args.dense_probs = probs, dense_probs
-            input_flags = torch.empty(R, dtype=torch.int32, device=dev)
-            args.input_flags = input_flags
-        self._C.layout(args, dev.index, self._stream())
-        return send_slot, k_index, expert_counts, rank_counts, dense_probs, input_flags
+            args.input_flags = at("input_flags")
+        self._C.layout(args, self.device.index, self._stream())
+        return dense_probs
+
+    def _layout_tensors(self, routing: Routing, probs: Optional[torch.Tensor]):
+        """``_layout`` into a scratch of its own, as tensors: (send_slot, k_index, expert_counts,
+        rank_counts, dense_probs or None, input_flags or None), the form ``_layout_torch`` returns."""
+        scratch = Scratch(ScratchPlan(CompiledBackend.layout_fields(routing, probs, self.num_ranks)), self.device)
+        dense_probs = CompiledBackend._layout(self, routing, probs, scratch)
+        if isinstance(dense_probs, int):
+            dense_probs = scratch.tensor("dense_probs")
+        return (scratch.tensor("send_slot"), scratch.tensor("k_index"), scratch.tensor("expert_counts"),
+                scratch.tensor("rank_counts"), dense_probs,
+                scratch.tensor("input_flags") if scratch.has("input_flags") else None)
 
     def _layout_torch(self, routing: Routing, probs: Optional[torch.Tensor]):
         """``_layout`` with torch ops (about 15 kernels): the oracle of ``tests/test_layout_gpu.py``.
@@ -321,6 +353,59 @@ class CompiledBackend(Backend):
     def destroy(self) -> None:
         if self.buffer is not None:
             self.buffer.destroy()
+
+
+SCRATCH_ALIGN_BYTES = 64  # every piece starts on its own 64-byte boundary (the kernels' vector loads need 16)
+
+
+class ScratchPlan:
+    """Where each of an op's small device tensors lies in one allocation (see ``Scratch``).
+
+    ``fields``: (name, shape, dtype) for each piece; dtypes of 4 or 8 bytes.
+    """
+
+    __slots__ = ("pieces", "words")
+
+    def __init__(self, fields: Iterable[tuple]) -> None:
+        self.pieces: dict[str, tuple] = {}  # name -> (first int32 word, words, shape, dtype)
+        size = 0
+        for name, shape, dtype in fields:
+            size = -(-size // SCRATCH_ALIGN_BYTES) * SCRATCH_ALIGN_BYTES
+            nbytes = math.prod(shape) * dtype.itemsize
+            self.pieces[name] = (size // 4, nbytes // 4, tuple(shape), dtype)
+            size += nbytes
+        self.words = max(1, size // 4)
+
+
+class Scratch:
+    """An op's small device tensors (layout, counts, row bases) carved from one int32 allocation.
+
+    A dispatch needs a dozen of them and each ``torch.empty`` costs ~4 µs of host time on the H200
+    bed (a view ~1.6): the kernels take the pieces' addresses, and a tensor view is made only for
+    what Python hands out or reads (``tensor``). Whoever holds the scratch (the op's handle) keeps
+    every piece alive; stream order makes reuse after that safe, as for any torch allocation.
+    """
+
+    __slots__ = ("memory", "base", "plan")
+
+    def __init__(self, plan: ScratchPlan, device: torch.device) -> None:
+        self.memory = torch.empty(plan.words, dtype=torch.int32, device=device)
+        self.base = self.memory.data_ptr()
+        self.plan = plan
+
+    def has(self, name: str) -> bool:
+        return name in self.plan.pieces
+
+    def address(self, name: str) -> int:
+        return self.base + 4 * self.plan.pieces[name][0]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The piece as a tensor of its shape and dtype (a view of the allocation)."""
+        start, words, shape, dtype = self.plan.pieces[name]
+        piece = self.memory[start:start + words]
+        if dtype != torch.int32:
+            piece = piece.view(dtype)
+        return piece.view(shape) if len(shape) != 1 else piece
 
 
 def input_flags_torch(extension, idx: torch.Tensor, num_ranks: int, num_local_experts: int) -> torch.Tensor:

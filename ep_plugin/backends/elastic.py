@@ -75,7 +75,7 @@ from ..agreement import OP_COMBINE, OP_COMBINE_IN_PLACE, OP_DISPATCH, OP_DISPATC
 from ..handle import COMPACT, EXPERT_ROWS, CombineOutput, DispatchOutput, Handle
 from ..routing import ROUTING_MAP, Routing, check_tensor, route_counts
 from .base import Capabilities, merge_alignment
-from .compiled import CompiledBackend, nvtx_range
+from .compiled import CompiledBackend, Scratch, nvtx_range
 
 PHASE_NAMES = {
     1: "dispatch/exchange (handshake + count exchange)",
@@ -90,18 +90,21 @@ PHASE_DISPATCH, PHASE_COMBINE, PHASE_CACHED, PHASE_BARRIER = 1, 2, 3, 6
 
 @dataclass(eq=False)
 class ElasticLayout:
-    """Device tensors of one dispatch; combine, cached dispatches and both backwards read them."""
+    """What combine, cached dispatches and both backwards read of one dispatch.
 
-    send_slot: torch.Tensor  # [T, R] int32: packet slot at each rank, -1 = not sent
+    The device tensors of the layout and the count exchange are pieces of ``scratch`` (kernels take
+    their addresses; ``scratch.tensor(name)`` gives a view): send_slot [T, R] int32 (packet slot at
+    each rank, -1 = not sent), num_packets [R] int32 (packets received from each source), row_base
+    [R, L] int32 (first expanded row of (source rank, local expert)), expert_start [L] int32, and in
+    the compact form dest_base [R] int32 (row of this rank's first packet at each rank).
+    """
+
+    scratch: Scratch
     topk_idx: torch.Tensor  # [T, k] int64: the source's top-k ids (routing weights back)
-    num_packets: torch.Tensor  # [R] int32: packets received from each source
     total_packets: torch.Tensor  # [1] int64: compact rows
     total_rows: torch.Tensor  # [1] int64: expanded rows (segments padded)
-    row_base: torch.Tensor  # [R, L] int32: first expanded row of (source rank, local expert)
-    expert_start: torch.Tensor  # [L] int32
     packet_rows: Optional[torch.Tensor]  # expanded: [packets, k] int32 row of each (packet, slot), -1
     input_flags: Optional[torch.Tensor]  # [R] int32: bad top-k ids seen by the layout (see _layout)
-    dest_base: Optional[torch.Tensor]  # compact: [R] int32 row of this rank's first packet at each rank
     topk: int
     expand: bool
     zero_padding: bool
@@ -246,6 +249,17 @@ class ElasticBackend(CompiledBackend):
         rows = R * T * min(topk, L) + (pad_multiple - 1) * L
         return -(-rows // pad_multiple) * pad_multiple
 
+    def _dispatch_fields(self, routing: Routing, expand: bool) -> list[tuple]:
+        """The scratch pieces of a dispatch: the layout's and the count exchange's."""
+        R, L = self.num_ranks, self.num_local_experts
+        fields = self.layout_fields(routing, None, R) + [
+            ("tokens_per_expert", (L,), torch.int64), ("real_per_expert", (L,), torch.int64),
+            ("total_rows", (1,), torch.int64), ("total_packets", (1,), torch.int64),
+            ("row_base", (R, L), torch.int32), ("expert_start", (L,), torch.int32), ("num_packets", (R,), torch.int32)]
+        if not expand:
+            fields.append(("dest_base", (R,), torch.int32))
+        return fields
+
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple, *, expand: bool = False,
                   zero_padding: bool = False, in_place: bool = False) -> DispatchOutput:
         assert routing.form != ROUTING_MAP  # dispatch() rejects the routing map
@@ -257,22 +271,18 @@ class ElasticBackend(CompiledBackend):
         k = routing.topk_idx.shape[1]
         dev = self.device
         with nvtx_range("ep.elastic.dispatch.layout"):
-            send_slot, k_index, expert_counts, rank_counts, _, input_flags = self._layout(routing, None)
-            row_base = torch.empty(R, L, dtype=torch.int32, device=dev)
-            expert_start = torch.empty(L, dtype=torch.int32, device=dev)
-            tokens_per_expert = torch.empty(L, dtype=torch.int64, device=dev)
-            real_per_expert = torch.empty(L, dtype=torch.int64, device=dev)
-            num_packets = torch.empty(R, dtype=torch.int32, device=dev)
-            totals = torch.empty(2, dtype=torch.int64, device=dev)  # expanded rows, compact rows
-            dest_base = None if expand else torch.empty(R, dtype=torch.int32, device=dev)
+            scratch = self._scratch(("dispatch", T, k, expand), lambda: self._dispatch_fields(routing, expand))
+            at = scratch.address
+            self._layout(routing, None, scratch)
         with nvtx_range("ep.elastic.dispatch.exchange"):
             fingerprint = self._fingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, topk=k,
                                             expand=expand, in_place=in_place)
-            self._exchange(PHASE_DISPATCH, fingerprint, expert_counts=expert_counts, rank_counts=rank_counts,
-                           pad_multiple=pad_multiple, row_base=row_base, expert_start=expert_start,
-                           tokens_per_expert=tokens_per_expert, real_per_expert=real_per_expert,
-                           num_packets=num_packets, total_rows=totals[0:1], total_packets=totals[1:2],
-                           input_flags=input_flags)
+            self._exchange(PHASE_DISPATCH, fingerprint, expert_counts=at("expert_counts"),
+                           rank_counts=at("rank_counts"), pad_multiple=pad_multiple, row_base=at("row_base"),
+                           expert_start=at("expert_start"), tokens_per_expert=at("tokens_per_expert"),
+                           real_per_expert=at("real_per_expert"), num_packets=at("num_packets"),
+                           total_rows=at("total_rows"), total_packets=at("total_packets"),
+                           input_flags=at("input_flags"))
             counted = self._mark() if self.config.blocking else None
         # What needs no host count is enqueued before the blocking mode's count read, and runs
         # meanwhile: the send, and in place (rows in the buffer, metadata at worst-case size) the receive.
@@ -281,15 +291,17 @@ class ElasticBackend(CompiledBackend):
             scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
             self._keep_on_stream(data, scales, routing.topk_idx, probs)
             send = self._C.elastic.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
-                                            send_slot=send_slot, topk_idx=routing.topk_idx, topk_weights=probs,
-                                            k_index=k_index if expand else None, dest_base=dest_base,
+                                            send_slot=at("send_slot"), topk_idx=routing.topk_idx, topk_weights=probs,
+                                            k_index=at("k_index") if expand else None,
+                                            dest_base=None if expand else at("dest_base"),
                                             push_payload=in_place, topk=k, num_tokens=T, bulk_copy=self._bulk)
             self._C.elastic.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
         packet_capacity = R * self.config.max_tokens_per_rank
         worst_case = self._capacity(k, expand, pad_multiple)
-        receive = dict(row_bytes=row_bytes, scale_bytes=scale_bytes, num_packets=num_packets, topk=k, expand=expand,
-                       row_base=row_base, expert_start=expert_start, tokens_per_expert=tokens_per_expert,
-                       real_per_expert=real_per_expert, zero_padding=zero_padding)
+        receive = dict(row_bytes=row_bytes, scale_bytes=scale_bytes, num_packets=at("num_packets"), topk=k,
+                       expand=expand, row_base=at("row_base"), expert_start=at("expert_start"),
+                       tokens_per_expert=at("tokens_per_expert"), real_per_expert=at("real_per_expert"),
+                       zero_padding=zero_padding)
         if in_place:
             with nvtx_range("ep.elastic.dispatch.receive"):
                 out_idx, out_weights = self._receive_in_place(worst_case, probs is not None, receive)
@@ -326,16 +338,20 @@ class ElasticBackend(CompiledBackend):
                     packet_rows=packet_rows, bulk_copy=self._bulk, **receive)
                 self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, args, self.num_blocks,
                                                  self._stream())
-        layout = ElasticLayout(send_slot=send_slot, topk_idx=routing.topk_idx, num_packets=num_packets,
-                               total_packets=totals[1:2], total_rows=totals[0:1], row_base=row_base,
-                               expert_start=expert_start, packet_rows=packet_rows, input_flags=input_flags,
-                               dest_base=dest_base, topk=k, expand=expand, zero_padding=zero_padding,
+        # Views only of what is handed out: the handle's counts, the flags, the valid-row counts.
+        tokens_per_expert = scratch.tensor("tokens_per_expert")
+        input_flags = scratch.tensor("input_flags")
+        layout = ElasticLayout(scratch=scratch, topk_idx=routing.topk_idx,
+                               total_packets=scratch.tensor("total_packets"), total_rows=scratch.tensor("total_rows"),
+                               packet_rows=packet_rows,
+                               input_flags=input_flags, topk=k, expand=expand, zero_padding=zero_padding,
                                capacity=capacity)
         handle = Handle(
             backend=self, num_tokens=T, hidden_size=H, hidden_dtype=torch.bfloat16,
             probs_shape=routing.probs_shape if probs is not None else None, num_experts=self.num_experts,
             num_local_experts=L, pad_multiple=pad_multiple, num_rows=capacity, tokens_per_expert=tokens_per_expert,
-            num_real_tokens_per_expert=real_per_expert, layout=layout, handle_id=self._next_handle_id(),
+            num_real_tokens_per_expert=scratch.tensor("real_per_expert"), layout=layout,
+            handle_id=self._next_handle_id(),
             output_form=EXPERT_ROWS if expand else COMPACT, row_probs_shape=(capacity,) if expand else (capacity, k))
         if input_flags is not None and not self.config.blocking:
             self.invalid_expert_ids = input_flags
@@ -364,6 +380,7 @@ class ElasticBackend(CompiledBackend):
         fp8 = isinstance(hidden, (tuple, list))
         self.buffer.raise_if_failed()
         layout: ElasticLayout = handle.layout
+        at = layout.scratch.address
         scales = hidden[1] if fp8 else None
         data = self._aligned(data)
         H = self.hidden_size
@@ -374,7 +391,7 @@ class ElasticBackend(CompiledBackend):
             scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
             self._keep_on_stream(data, scales)
             send = self._C.elastic.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
-                                            send_slot=layout.send_slot, num_tokens=handle.num_tokens,
+                                            send_slot=at("send_slot"), num_tokens=handle.num_tokens,
                                             bulk_copy=self._bulk)
             self._C.elastic.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
         with nvtx_range("ep.elastic.cached_dispatch.receive"):
@@ -382,9 +399,9 @@ class ElasticBackend(CompiledBackend):
             out_scales = self._empty(layout.capacity, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
             receive = self._C.elastic.ReceiveArgs(
                 out=out, row_bytes=row_bytes, out_scales=out_scales, scale_bytes=scale_bytes,
-                capacity=layout.capacity, num_packets=layout.num_packets, topk=layout.topk, expand=layout.expand,
-                cached=True, expert_start=layout.expert_start, tokens_per_expert=handle.tokens_per_expert,
-                real_per_expert=handle.num_real_tokens_per_expert, packet_rows=layout.packet_rows,
+                capacity=layout.capacity, num_packets=at("num_packets"), topk=layout.topk, expand=layout.expand,
+                cached=True, expert_start=at("expert_start"), tokens_per_expert=at("tokens_per_expert"),
+                real_per_expert=at("real_per_expert"), packet_rows=layout.packet_rows,
                 zero_padding=layout.zero_padding, bulk_copy=self._bulk)
             self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
         valid_rows = None if self.config.blocking else layout.total_rows if layout.expand else layout.total_packets
@@ -423,6 +440,7 @@ class ElasticBackend(CompiledBackend):
     def _combine(self, rows, handle: Handle, row_probs, bias=None) -> CombineOutput:
         self.buffer.raise_if_failed()
         layout: ElasticLayout = handle.layout
+        at = layout.scratch.address
         T, k, dev = handle.num_tokens, layout.topk, self.device
         in_place = self._in_place(rows, layout)
         op = OP_COMBINE_IN_PLACE if in_place else OP_COMBINE
@@ -436,7 +454,7 @@ class ElasticBackend(CompiledBackend):
         if send_needed:
             with nvtx_range("ep.elastic.combine.send"):
                 send = self._C.elastic.CombineSendArgs(rows=rows_in, slot_values=row_probs,
-                                                       num_packets=layout.num_packets,
+                                                       num_packets=at("num_packets"),
                                                        packet_rows=layout.packet_rows if layout.expand else None,
                                                        topk=k)
                 self._C.elastic.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
@@ -444,8 +462,8 @@ class ElasticBackend(CompiledBackend):
             out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
             values = torch.empty(T, k, dtype=torch.float32, device=dev) if row_probs is not None else None
             receive = self._C.elastic.CombineRecvArgs(out=out, bias=bias, out_topk_values=values,
-                                                      send_slot=layout.send_slot, topk_idx=layout.topk_idx, topk=k,
-                                                      num_tokens=T, dest_base=layout.dest_base if in_place else None,
+                                                      send_slot=at("send_slot"), topk_idx=layout.topk_idx, topk=k,
+                                                      num_tokens=T, dest_base=at("dest_base") if in_place else None,
                                                       wait_for_send=send_needed)
             self._C.elastic.combine_recv(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
         return CombineOutput(out, values)

@@ -90,7 +90,7 @@ from ..agreement import OP_COMBINE, OP_COMBINE_IN_PLACE, OP_DISPATCH, OP_DISPATC
 from ..handle import CombineOutput, DispatchOutput, Handle
 from ..routing import ROUTING_MAP, Routing, route_counts
 from .base import Capabilities
-from .compiled import CompiledBackend, nvtx_range
+from .compiled import CompiledBackend, Scratch, nvtx_range
 
 PHASE_NAMES = {
     1: "dispatch/notify (handshake + count exchange)",
@@ -105,22 +105,30 @@ PHASE_DISPATCH, PHASE_COMBINE, PHASE_DISPATCH_AGAIN, PHASE_BARRIER = 1, 2, 3, 6
 
 @dataclass(eq=False)
 class HybridLayout:
-    """Device tensors of one dispatch; combine and both backwards read them (owned by the Handle)."""
+    """What combine and both backwards read of one dispatch (owned by the Handle).
 
-    send_slot: torch.Tensor  # [T, R] int32: packet slot at each rank, -1 = not sent
-    k_index: torch.Tensor  # [T, E] int32: index of the token within (this rank, expert), -1 = not routed
+    The device tensors are pieces of ``scratch`` (kernels take their addresses; ``scratch.tensor(name)``
+    gives a view): send_slot [T, R] int32 (packet slot at each rank, -1 = not sent), k_index [T, E]
+    int32 (index of the token within (this rank, expert), -1 = not routed), row_base [R, L] int32
+    (first output row of (source rank, local expert)), expert_start [L] int32, num_packets [R] int32
+    (packets received from each source), packet_rows [R * max_tokens, L] int32 (output row of each
+    received (packet, expert)), and with combine_input_rows > 0 peer_rows [R, L + 1] int32 (see
+    ExchangeArgs.peer_row_base).
+    """
+
+    scratch: Scratch
     topk_idx: Optional[torch.Tensor]  # [T, k] int64 of a top-k dispatch (to shape the probs gradient)
-    row_base: torch.Tensor  # [R, L] int32: first output row of (source rank, local expert)
-    expert_start: torch.Tensor  # [L] int32
-    num_packets: torch.Tensor  # [R] int32: packets received from each source
     total_rows: torch.Tensor  # [1] int64: sum of padded segment lengths
-    packet_rows: torch.Tensor  # [R * max_tokens, L] int32: output row of each received (packet, expert)
     overflow: torch.Tensor  # [1] int32: 1 when rows fell past the budget (non-blocking)
     input_flags: Optional[torch.Tensor]  # [R] int32 (top-k form): bad ids seen by the layout (see _layout)
     budget: int  # rows of the dispatch output
     fp8: bool
-    peer_rows: Optional[torch.Tensor] = None  # [R, L + 1] int32 (combine_input_rows > 0): see ExchangeArgs
     combine_input: Optional[weakref.ref] = None  # the tensor combine_input() handed out for this handle
+
+    @property
+    def in_place_ready(self) -> bool:
+        """Whether the dispatch derived the peers' row bases an in-place combine reads."""
+        return self.scratch.has("peer_rows")
 
 
 class HybridBackend(CompiledBackend):
@@ -197,44 +205,52 @@ class HybridBackend(CompiledBackend):
         return OpFingerprint(op, dtype=dtype, probs=probs, form=routing.form if routing is not None else None,
                              topk=min(topk, 127), handle_id=handle.handle_id if handle is not None else 0)
 
+    def _dispatch_fields(self, routing: Routing, probs) -> list[tuple]:
+        """The scratch pieces of a dispatch: the layout's, the count exchange's, the permute's."""
+        R, L = self.num_ranks, self.num_local_experts
+        fields = self.layout_fields(routing, probs, R) + [
+            ("tokens_per_expert", (L,), torch.int64), ("real_per_expert", (L,), torch.int64),
+            ("total_rows", (1,), torch.int64), ("row_base", (R, L), torch.int32), ("expert_start", (L,), torch.int32),
+            ("num_packets", (R,), torch.int32), ("overflow", (1,), torch.int32),
+            ("packet_rows", (R * self.config.max_tokens_per_rank, L), torch.int32)]
+        if self.combine_input_rows:  # where this rank's tokens land in every rank's output (in-place combine)
+            fields.append(("peer_rows", (R, L + 1), torch.int32))
+        return fields
+
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple) -> DispatchOutput:
         self.buffer.raise_if_failed()
         fp8 = isinstance(hidden, (tuple, list))
         data, scales = (hidden[0], hidden[1]) if fp8 else (hidden, None)
         data = self._aligned(data)
-        T, H, R, L = routing.num_tokens, self.hidden_size, self.num_ranks, self.num_local_experts
-        dev = self.device
+        T, H, L = routing.num_tokens, self.hidden_size, self.num_local_experts
         with nvtx_range("ep.hybrid.dispatch.layout"):
-            send_slot, k_index, expert_counts, rank_counts, dense_probs, input_flags = self._layout(routing, probs)
-            row_base = torch.empty(R, L, dtype=torch.int32, device=dev)
-            expert_start = torch.empty(L, dtype=torch.int32, device=dev)
-            tokens_per_expert = torch.empty(L, dtype=torch.int64, device=dev)
-            real_per_expert = torch.empty(L, dtype=torch.int64, device=dev)
-            num_packets = torch.empty(R, dtype=torch.int32, device=dev)
-            total_rows = torch.empty(1, dtype=torch.int64, device=dev)
-            # Where this rank's tokens land in every rank's output: what an in-place combine reads.
-            peer_rows = torch.empty(R, L + 1, dtype=torch.int32, device=dev) if self.combine_input_rows else None
+            scratch = self._scratch(("dispatch", T, routing.form, probs is not None),
+                                    lambda: self._dispatch_fields(routing, probs))
+            at = scratch.address
+            dense_probs = self._layout(routing, probs, scratch)
         # Non-blocking: the budget is known now (and tells peers which of their rows were dropped).
         budget = None if self.config.blocking else (
             self.config.num_permuted_tokens or self._worst_case_rows(routing, pad_multiple))
         with nvtx_range("ep.hybrid.dispatch.notify"):
             self._exchange(PHASE_DISPATCH, self._fingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None,
                                                              routing=routing),
-                           expert_counts=expert_counts, rank_counts=rank_counts, pad_multiple=pad_multiple,
-                           row_base=row_base, expert_start=expert_start, tokens_per_expert=tokens_per_expert,
-                           real_per_expert=real_per_expert, num_packets=num_packets, total_rows=total_rows,
-                           input_flags=input_flags, receive_budget=self._C.UNBOUNDED_ROWS if budget is None else budget,
-                           peer_row_base=peer_rows)
+                           expert_counts=at("expert_counts"), rank_counts=at("rank_counts"), pad_multiple=pad_multiple,
+                           row_base=at("row_base"), expert_start=at("expert_start"),
+                           tokens_per_expert=at("tokens_per_expert"), real_per_expert=at("real_per_expert"),
+                           num_packets=at("num_packets"), total_rows=at("total_rows"),
+                           input_flags=at("input_flags") if scratch.has("input_flags") else None,
+                           receive_budget=self._C.UNBOUNDED_ROWS if budget is None else budget,
+                           peer_row_base=at("peer_rows") if self.combine_input_rows else None)
             counted = self._mark() if self.config.blocking else None
         # The send needs no host count: in blocking mode it runs while the host reads the counts.
         with nvtx_range("ep.hybrid.dispatch.send"):
             row_bytes = H if fp8 else 2 * H
             scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
-            self._keep_on_stream(data, scales, dense_probs)
-            overflow = torch.empty(1, dtype=torch.int32, device=dev)  # the send zeroes it, the permute sets it
+            self._keep_on_stream(data, scales, None if isinstance(dense_probs, int) else dense_probs)
+            # The send zeroes the overflow flag, the permute sets it.
             send = self._C.hybrid.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
-                                           send_slot=send_slot, k_index=k_index, probs=dense_probs, num_tokens=T,
-                                           bulk_copy=self._bulk, overflow=overflow)
+                                           send_slot=at("send_slot"), k_index=at("k_index"), probs=dense_probs,
+                                           num_tokens=T, bulk_copy=self._bulk, overflow=at("overflow"))
             self._C.hybrid.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
         if self.config.blocking:
             with nvtx_range("ep.hybrid.dispatch.wait_count"):
@@ -243,34 +259,39 @@ class HybridBackend(CompiledBackend):
             out = self._empty(budget, H, dtype=data.dtype)
             out_scales = self._empty(budget, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
             out_probs = self._empty(budget, dtype=torch.float32) if probs is not None else None
-            packet_rows = torch.empty(R * self.config.max_tokens_per_rank, L, dtype=torch.int32, device=dev)
             permute = self._C.hybrid.PermuteArgs(
                 out=out, row_bytes=row_bytes, out_scales=out_scales, scale_bytes=scale_bytes, out_probs=out_probs,
-                budget=budget, row_base=row_base, expert_start=expert_start, tokens_per_expert=tokens_per_expert,
-                real_per_expert=real_per_expert, num_packets=num_packets, total_rows=total_rows,
-                packet_rows=packet_rows, overflow=overflow, bulk_copy=self._bulk)
+                budget=budget, row_base=at("row_base"), expert_start=at("expert_start"),
+                tokens_per_expert=at("tokens_per_expert"), real_per_expert=at("real_per_expert"),
+                num_packets=at("num_packets"), total_rows=at("total_rows"), packet_rows=at("packet_rows"),
+                overflow=at("overflow"), bulk_copy=self._bulk)
             self._C.hybrid.permute(self.buffer.raw, self.regions, permute, self.num_blocks, self._stream())
-        layout = HybridLayout(send_slot=send_slot, k_index=k_index,
-                              topk_idx=routing.topk_idx if routing.form != ROUTING_MAP else None, row_base=row_base,
-                              expert_start=expert_start, num_packets=num_packets, total_rows=total_rows,
-                              packet_rows=packet_rows, overflow=overflow, input_flags=input_flags, budget=budget,
-                              fp8=fp8, peer_rows=peer_rows)
+        # Views only of what is handed out: the handle's counts, the flags, the valid-row count.
+        tokens_per_expert = scratch.tensor("tokens_per_expert")
+        overflow = scratch.tensor("overflow")
+        total_rows = scratch.tensor("total_rows")
+        input_flags = scratch.tensor("input_flags") if scratch.has("input_flags") else None
+        layout = HybridLayout(scratch=scratch, topk_idx=routing.topk_idx if routing.form != ROUTING_MAP else None,
+                              total_rows=total_rows, overflow=overflow, input_flags=input_flags, budget=budget,
+                              fp8=fp8)
         handle = Handle(
             backend=self, num_tokens=T, hidden_size=H, hidden_dtype=torch.bfloat16,
             probs_shape=routing.probs_shape if probs is not None else None, num_experts=self.num_experts,
             num_local_experts=L, pad_multiple=pad_multiple, num_rows=budget, tokens_per_expert=tokens_per_expert,
-            num_real_tokens_per_expert=real_per_expert, layout=layout, handle_id=self._next_handle_id())
+            num_real_tokens_per_expert=scratch.tensor("real_per_expert"), layout=layout,
+            handle_id=self._next_handle_id())
         self.over_budget = overflow
         if input_flags is not None and not self.config.blocking:
             self.invalid_expert_ids = input_flags
         rows = (out, out_scales) if fp8 else out
         return DispatchOutput(rows, out_probs, tokens_per_expert, handle,
                               num_valid_rows=None if self.config.blocking else total_rows,
-                              ready=streams.record_ready(dev))
+                              ready=streams.record_ready(self.device))
 
     def _dispatch_again(self, hidden, handle: Handle) -> torch.Tensor:
         self.buffer.raise_if_failed()
         layout: HybridLayout = handle.layout
+        at = layout.scratch.address
         H = self.hidden_size
         with nvtx_range("ep.hybrid.dispatch_again.notify"):
             fingerprint = self._fingerprint(OP_DISPATCH_AGAIN, dtype=hidden.dtype, handle=handle)
@@ -278,17 +299,17 @@ class HybridBackend(CompiledBackend):
         with nvtx_range("ep.hybrid.dispatch_again.send"):
             hidden = self._aligned(hidden)
             self._keep_on_stream(hidden)
-            send = self._C.hybrid.SendArgs(hidden=hidden, row_bytes=2 * H, send_slot=layout.send_slot,
+            send = self._C.hybrid.SendArgs(hidden=hidden, row_bytes=2 * H, send_slot=at("send_slot"),
                                            num_tokens=handle.num_tokens, bulk_copy=self._bulk)
             self._C.hybrid.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
         with nvtx_range("ep.hybrid.dispatch_again.permute"):
             out = self._empty(layout.budget, H, dtype=hidden.dtype)
             permute = self._C.hybrid.PermuteArgs(
-                out=out, row_bytes=2 * H, budget=layout.budget, row_base=layout.row_base,
-                expert_start=layout.expert_start, tokens_per_expert=handle.tokens_per_expert,
-                real_per_expert=handle.num_real_tokens_per_expert, num_packets=layout.num_packets,
-                total_rows=layout.total_rows, packet_rows=layout.packet_rows, use_cached_rows=True,
-                overflow=layout.overflow, bulk_copy=self._bulk)
+                out=out, row_bytes=2 * H, budget=layout.budget, row_base=at("row_base"),
+                expert_start=at("expert_start"), tokens_per_expert=at("tokens_per_expert"),
+                real_per_expert=at("real_per_expert"), num_packets=at("num_packets"),
+                total_rows=at("total_rows"), packet_rows=at("packet_rows"), use_cached_rows=True,
+                overflow=at("overflow"), bulk_copy=self._bulk)
             self._C.hybrid.permute(self.buffer.raw, self.regions, permute, self.num_blocks, self._stream())
         return out
 
@@ -314,8 +335,9 @@ class HybridBackend(CompiledBackend):
     def _combine(self, rows, handle: Handle, row_probs) -> CombineOutput:
         self.buffer.raise_if_failed()
         layout: HybridLayout = handle.layout
+        at = layout.scratch.address
         T, dev = handle.num_tokens, self.device
-        in_place = layout.peer_rows is not None and self._is_combine_input(rows, layout, self.regions.off_comb_input)
+        in_place = layout.in_place_ready and self._is_combine_input(rows, layout, self.regions.off_comb_input)
         with nvtx_range("ep.hybrid.combine.notify"):
             self._exchange(PHASE_COMBINE, self._fingerprint(OP_COMBINE_IN_PLACE if in_place else OP_COMBINE,
                                                             dtype=rows.dtype, probs=row_probs is not None,
@@ -327,16 +349,16 @@ class HybridBackend(CompiledBackend):
                 rows_in = None if in_place else rows
                 self._keep_on_stream(rows_in, row_probs)
                 send = self._C.hybrid.CombineSendArgs(rows=rows_in, row_probs=row_probs,
-                                                      packet_rows=layout.packet_rows, num_packets=layout.num_packets,
+                                                      packet_rows=at("packet_rows"), num_packets=at("num_packets"),
                                                       budget=layout.budget)
                 self._C.hybrid.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
         with nvtx_range("ep.hybrid.combine.receive"):
             out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
             dense_probs = torch.zeros(T, self.num_experts, dtype=torch.float32, device=dev) \
                 if row_probs is not None else None
-            receive = self._C.hybrid.CombineRecvArgs(out=out, out_probs=dense_probs, send_slot=layout.send_slot,
-                                                     k_index=layout.k_index, num_tokens=T,
-                                                     peer_rows=layout.peer_rows if in_place else None,
+            receive = self._C.hybrid.CombineRecvArgs(out=out, out_probs=dense_probs, send_slot=at("send_slot"),
+                                                     k_index=at("k_index"), num_tokens=T,
+                                                     peer_rows=at("peer_rows") if in_place else None,
                                                      wait_for_send=send_needed)
             self._C.hybrid.combine_recv(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
         probs = None

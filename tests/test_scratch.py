@@ -1,0 +1,41 @@
+"""``Scratch``: an op's small device tensors carved from one allocation (``backends/compiled.py``).
+
+The compiled backends hand the kernels the pieces' addresses and Python views of some of them; a
+piece that overlapped another, started off its alignment or viewed the wrong bytes would corrupt a
+dispatch. Runs on CPU memory: the carving is the same on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ep_plugin.backends.compiled import SCRATCH_ALIGN_BYTES, Scratch, ScratchPlan
+
+FIELDS = [("send_slot", (7, 3), torch.int32), ("tokens_per_expert", (5,), torch.int64),
+          ("empty", (0, 4), torch.int32), ("dense_probs", (7, 6), torch.float32), ("total_rows", (1,), torch.int64),
+          ("flag", (1,), torch.int32), ("packet_rows", (3, 5), torch.int32)]
+
+
+def test_pieces_are_aligned_disjoint_and_viewed_where_the_kernels_write():
+    scratch = Scratch(ScratchPlan(FIELDS), torch.device("cpu"))
+    views = {name: scratch.tensor(name) for name, _, _ in FIELDS}
+    for name, shape, dtype in FIELDS:
+        view = views[name]
+        assert view.shape == shape and view.dtype == dtype, name
+        assert scratch.address(name) % SCRATCH_ALIGN_BYTES == 0, name
+        if view.numel():
+            assert view.data_ptr() == scratch.address(name), name
+            assert view.is_contiguous(), name
+    for number, (name, _, _) in enumerate(FIELDS):  # each piece filled with its own number...
+        views[name].fill_(number + 1)
+    for number, (name, _, _) in enumerate(FIELDS):  # ...and none overwrote another
+        assert bool((views[name] == number + 1).all()), name
+    last_name, last_shape, last_dtype = FIELDS[-1]
+    end = scratch.address(last_name) + torch.Size(last_shape).numel() * last_dtype.itemsize
+    assert end <= scratch.base + 4 * scratch.plan.words  # the allocation holds every piece
+    assert scratch.has("flag") and not scratch.has("peer_rows")
+
+
+def test_an_empty_plan_still_allocates():
+    scratch = Scratch(ScratchPlan([]), torch.device("cpu"))
+    assert scratch.memory.numel() == 1
