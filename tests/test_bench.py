@@ -116,6 +116,12 @@ def test_wire_bytes_by_hand():
     assert hybrid["combine"] == [3 * row, 2 * row]
     assert model(HybridBackend)["combine"] == [3 * (row + local * 4), 2 * (row + local * 4)]
     assert model(HybridBackend, row_bytes=fp8_row)["dispatch"] == [2 * (fp8_row + 16), 3 * (fp8_row + 16)]
+    # In place each source reads its tokens' remote expert rows where they lie: rank 1 serves rank 0's
+    # 3 rows, rank 0 serves rank 1's 4; the routed-back probs still go once per packet.
+    in_place = model(HybridBackend, with_probs=False, combine_in_place=True)
+    assert in_place["combine"] == [4 * row, 3 * row]
+    assert in_place["dispatch"] == hybrid["dispatch"] and in_place["out_rows"] == hybrid["out_rows"]
+    assert model(HybridBackend, combine_in_place=True)["combine"] == [4 * row + 3 * local * 4, 3 * row + 2 * local * 4]
     # Output rows: one per (token, local expert) at each rank: rank 0 gets 2 + 4, rank 1 gets 3 + 1.
     assert hybrid["out_rows"] == [6, 4]
     # reference: one row per (token, remote expert): rank 0 sends 3 rows, rank 1 sends 4.

@@ -182,13 +182,22 @@ class HybridBackend(CompiledBackend):
         return {"combine_input_rows": cls.worst_case_rows(num_ranks, max_tokens_per_rank, local, topk)}
 
     @classmethod
-    def wire_bytes(cls, routing_maps, num_ranks, *, row_bytes, hidden, topk, with_probs, **options):
+    def wire_bytes(cls, routing_maps, num_ranks, *, row_bytes, hidden, topk, with_probs, combine_in_place=False,
+                   **options):
         """Each token goes once per remote rank holding any of its experts, with L x (int32 k index + fp32
         prob) that the kernel always fills; combine returns one bf16 row per such packet, plus L x fp32
-        when probs come back. Output rows: one per (token, local expert). See ``Backend.wire_bytes``."""
+        when probs come back. In place (``combine_in_place``) the source reads every remote expert row
+        of its tokens instead (one bf16 row per (token, remote expert)), and the L x fp32 still travel
+        per packet. Output rows: one per (token, local expert). See ``Backend.wire_bytes``."""
         packets, rows = route_counts(routing_maps, num_ranks)
         local = routing_maps[0].shape[1] // num_ranks
-        return cls._wire_totals(rows, packets, row_bytes + 8 * local, 2 * hidden + (4 * local if with_probs else 0))
+        probs_back = 4 * local if with_probs else 0
+        totals = cls._wire_totals(rows, packets, row_bytes + 8 * local, (0 if combine_in_place else 2 * hidden)
+                                  + probs_back)
+        if combine_in_place:
+            rows_read = cls._wire_totals(rows, rows, 0, 2 * hidden)["combine"]
+            totals["combine"] = [a + b for a, b in zip(totals["combine"], rows_read, strict=True)]
+        return totals
 
     # ---- stages ----------------------------------------------------------------------
 

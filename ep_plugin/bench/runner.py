@@ -307,12 +307,12 @@ def _gather(samples: list, world_size: int) -> list:
     return everyone
 
 
-def _case_bytes(backend_cls, shape: Shape, num_ranks: int, seed: int) -> dict:
-    """Byte counts of one case: algorithm bytes, this backend's output and link bytes (its own model),
-    and the link floor: the busiest rank's payload bytes to remote ranks, once per (token, remote rank),
-    the least any design moves."""
+def _case_bytes(backend_cls, shape: Shape, num_ranks: int, seed: int, in_place: bool = False) -> dict:
+    """Byte counts of one case: algorithm bytes, this backend's output and link bytes (its own model;
+    ``in_place``: the combine reads rows in the buffer), and the link floor: the busiest rank's payload
+    bytes to remote ranks, once per (token, remote rank), the least any design moves."""
     maps = list(_routing_maps(shape, num_ranks, seed))
-    common = dict(row_bytes=shape.row_bytes(), hidden=shape.hidden, topk=shape.topk)
+    common = dict(row_bytes=shape.row_bytes(), hidden=shape.hidden, topk=shape.topk, combine_in_place=in_place)
     # The bench dispatches with probs and combines without.
     dispatch = backend_cls.wire_bytes(maps, num_ranks, with_probs=True, **common)
     combine = backend_cls.wire_bytes(maps, num_ranks, with_probs=False, **common)
@@ -352,7 +352,7 @@ def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, 
     # Across domains the outputs are the domain backend's flat ones (its byte model); the rails' bytes
     # are reported apart (_scaleout_fields).
     case_bytes = _case_bytes(getattr(backend, "domain_backend_class", type(backend)), shape, ctx.world_size,
-                             spec.seed)
+                             spec.seed, in_place)
     out_bytes = case_bytes["bytes"]["out_bytes"]
     combine_bytes = sum(out_bytes) // shape.row_bytes() * 2 * shape.hidden  # bf16 rows back
     ceilings = {}
