@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Same-call A/B of a change on the lent GPU machine: the machine's speed varies between sessions and
+# its host pace between rounds of one call, so "before" and "after" must run interleaved in one call.
+#
+#   scripts/gpu_ab.sh prepare REF            here: export commit REF's tree into .ab/base (ignored by
+#                                            git; carry ".ab" to the device)
+#   scripts/gpu_ab.sh run OUT ROUNDS CMD...  on the device: build the working tree ("new") and .ab/base
+#                                            ("base", in /tmp/ab_base), then run CMD in each tree,
+#                                            alternating new, base, new, base, ... ROUNDS times each;
+#                                            CMD's output goes to OUT/{new,base}_{round}.log and its last
+#                                            lines to the terminal. CMD runs with the tree as its working
+#                                            folder and first on PYTHONPATH, so `python3 -m ep_plugin.bench`
+#                                            and `python3 benchmarks/host_costs.py` time that tree's code.
+# Example (decode round trips, three rounds each):
+#   scripts/gpu_ab.sh prepare main     # then, on the device, with carry [".ab"]:
+#   scripts/gpu_ab.sh run "$OUT" 3 python3 -m ep_plugin.bench --preset decode --ranks 8 --graph --backends hybrid
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODE=${1:?mode: prepare or run}
+shift
+case "$MODE" in
+  prepare)
+    REF=${1:?commit to compare against}
+    rm -rf .ab/base && mkdir -p .ab/base
+    git archive "$REF" | tar -x -C .ab/base
+    grep -qx "/.ab/" .git/info/exclude 2>/dev/null || echo "/.ab/" >> .git/info/exclude
+    echo "base = $(git rev-parse --short "$REF") in .ab/base ($(du -sh .ab/base | cut -f1)); carry \".ab\""
+    ;;
+  run)
+    OUT=${1:?output folder}
+    ROUNDS=${2:?rounds}
+    shift 2
+    [[ $# -gt 0 ]] || { echo "no command to run"; exit 2; }
+    [[ -d .ab/base ]] || { echo "no .ab/base: run 'scripts/gpu_ab.sh prepare REF' here and carry .ab"; exit 2; }
+    mkdir -p "$OUT"
+    export PYTHONUNBUFFERED=1
+    rm -rf /tmp/ab_base && cp -r .ab/base /tmp/ab_base
+    (cd /tmp/ab_base && python3 setup.py -q build_ext --inplace > /tmp/ab_base_build.log 2>&1) &
+    python3 -m pip install -q --no-build-isolation --no-deps -e . > /tmp/ab_new_build.log 2>&1
+    NEW_RC=$?
+    wait $!
+    BASE_RC=$?
+    if [[ $NEW_RC -ne 0 || $BASE_RC -ne 0 ]]; then
+      echo "build failed (new rc=$NEW_RC, base rc=$BASE_RC)"
+      tail -5 /tmp/ab_new_build.log /tmp/ab_base_build.log
+      exit 1
+    fi
+    for tree in "$PWD" /tmp/ab_base; do  # which package each side imports (a wrong one would void the A/B)
+      (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
+        'import ep_plugin, ep_plugin._C; print("imports", ep_plugin.__file__)')
+    done
+    for round in $(seq 1 "$ROUNDS"); do
+      for side in new base; do
+        tree=$PWD
+        [[ $side == base ]] && tree=/tmp/ab_base
+        (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" "$@") > "$OUT/${side}_$round.log" 2>&1
+        echo "== $side, round $round (rc $?)"
+        grep -v "case/s" "$OUT/${side}_$round.log" | tail -12 | cut -c1-160
+      done
+    done
+    ;;
+  *) echo "unknown mode $MODE (prepare or run)"; exit 2 ;;
+esac
