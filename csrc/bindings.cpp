@@ -101,6 +101,8 @@ PYBIND11_MODULE(_C, m) {
       .val("max_blocks", &ep::LayoutArgs::max_blocks);
   m.def("layout", &ep::launch_layout, py::arg("args"), py::arg("device"), py::arg("stream"),
         "stage 0 of a dispatch: send slots, k indices and counts in one kernel (no host sync)");
+  m.def("layout_exchange", &ep::launch_layout_exchange, py::arg("buffer"), py::arg("layout"), py::arg("exchange"),
+        py::arg("stream"), "a first dispatch's layout and count exchange in one launch (the fused prologue)");
 
   ep::hybrid::bind(m);
   ep::elastic::bind(m);

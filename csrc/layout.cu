@@ -29,7 +29,9 @@
 // K > 32), and in pass B slots land in the tile in increasing k, so the prob of the last one wins.
 // Loads in the counting loops are unrolled so that each lane has ~16 in flight.
 //
-// Waits on nothing. Cost: the kernel is bound by instruction issue, not by bytes (ncu, with
+// Waits on nothing, except in the fused prologue (launch_layout_exchange): there the last block of
+// the grid to finish runs the count exchange (csrc/exchange.cu) and waits in its handshake, after
+// every other block of the grid has exited. Cost: the kernel is bound by instruction issue, not by bytes (ncu, with
 // __match_any_sync still in: 0.4 instructions per cycle per scheduler, 60% of stalls on the
 // short scoreboard, 3% of DRAM bandwidth). Measured alone on
 // an H200 (benchmarks/layout_time.py, R = 8, E = 256, top-8): 8.8 us at T=128 and 43 us at T=4096
@@ -43,8 +45,10 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "ep/check.cuh"
+#include "ep/exchange.cuh"
 #include "ep/layout.h"
 
 namespace ep {
@@ -442,9 +446,30 @@ union CountsOrTiles {
   float tiles[kLayoutWarps][kTileEntries];    // pass B, top-k: each warp's tile of probs
 };
 
-// Grid (chunks, R); G = column groups of column lanes (L / V > 32 only).
-template <bool kTopk, int V, int G>
-__global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(const LayoutArgs a) {
+// The fused prologue (launch_layout_exchange): the last block of the launch to get here runs the
+// count exchange. Every block's outputs are written and fenced before it counts itself done; the
+// last one reads them past L1 (exchange_block) and puts the counter back to 0 for the next launch.
+// Only that block waits (in the handshake), after every other block of the grid has finished.
+__device__ __forceinline__ void exchange_if_last(const TransportView& t, const ExchangeArgs& x) {
+  __shared__ int s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned blocks = gridDim.x * gridDim.y;
+    s_last = atomicAdd(&t.state->layout_blocks_done, 1u) == blocks - 1 ? 1 : 0;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  if (threadIdx.x == 0) t.state->layout_blocks_done = 0;
+  exchange_block(t, x);
+}
+
+// Grid (chunks, R); G = column groups of column lanes (L / V > 32 only); kExchange: the fused
+// prologue (t and x are unused otherwise).
+template <bool kTopk, int V, int G, bool kExchange>
+__global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(const LayoutArgs a, const TransportView t,
+                                                                   const ExchangeArgs x) {
   __shared__ int s_prefix[kMaxLocalExperts + 1];  // column totals over tokens [0, t0)
   __shared__ CountsOrTiles s;
   __shared__ unsigned s_bits[kLayoutWarps][kTileEntries / 32];  // top-k: per-warp chosen bits
@@ -521,6 +546,7 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(const LayoutA
   } else {
     write_map(a, p, columns, runs, begin, end);
   }
+  if constexpr (kExchange) exchange_if_last(t, x);
 }
 
 // ---- host -------------------------------------------------------------------------------------------
@@ -538,41 +564,9 @@ int multiprocessors(int device) {
   return count;
 }
 
-template <bool kTopk, int V>
-void launch_with_groups(int groups, dim3 grid, const LayoutArgs& a, cudaStream_t stream) {
-  switch (groups) {
-    case 1:
-      layout_kernel<kTopk, V, 1><<<grid, kLayoutThreads, 0, stream>>>(a);
-      break;
-    case 2:
-      layout_kernel<kTopk, V, 2><<<grid, kLayoutThreads, 0, stream>>>(a);
-      break;
-    default:
-      if constexpr (V == 1) {
-        if (groups == 4) {
-          layout_kernel<kTopk, V, 4><<<grid, kLayoutThreads, 0, stream>>>(a);
-        } else {
-          layout_kernel<kTopk, V, 8><<<grid, kLayoutThreads, 0, stream>>>(a);
-        }
-      }
-      break;
-  }
-}
-
-template <bool kTopk>
-void launch_form(bool vectorized, int groups, dim3 grid, const LayoutArgs& a, cudaStream_t stream) {
-  if (vectorized) {
-    launch_with_groups<kTopk, 4>(groups, grid, a, stream);
-  } else {
-    launch_with_groups<kTopk, 1>(groups, grid, a, stream);
-  }
-}
-
 bool aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-}  // namespace
-
-void launch_layout(const LayoutArgs& a, int device, uintptr_t stream) {
+void check_layout_args(const LayoutArgs& a) {
   const int T = a.num_tokens, R = a.num_ranks, L = a.num_local_experts, K = a.topk;
   require(T >= 0, "num_tokens must be >= 0");
   require(R >= 1 && R <= kMaxRanks, "num_ranks must be in [1, 32]");
@@ -586,7 +580,12 @@ void launch_layout(const LayoutArgs& a, int device, uintptr_t stream) {
     require(K > 0 ? a.topk_idx != nullptr : a.routing_map != nullptr, "the routing input is missing");
     require(a.dense_probs == nullptr || a.probs != nullptr, "dense_probs needs probs");
   }
+}
 
+// The kernel instance and grid for `a` on `device`, launched with (t, x) for the fused prologue.
+template <bool kExchange>
+void launch_kernel(const LayoutArgs& a, int device, const TransportView& t, const ExchangeArgs& x, uintptr_t stream) {
+  const int T = a.num_tokens, R = a.num_ranks, L = a.num_local_experts, K = a.topk;
   // Four columns per lane when every row segment is 16-byte aligned (bytes of the map: 4-byte).
   const bool vectorized = L % 4 == 0 && aligned(a.k_index, 16) && aligned(a.dense_probs, 16) &&
                           (K > 0 || aligned(a.routing_map, 4));
@@ -600,12 +599,54 @@ void launch_layout(const LayoutArgs& a, int device, uintptr_t stream) {
   const int chunks = T == 0 ? 1 : std::min((T + kMinTokensPerBlock - 1) / kMinTokensPerBlock, per_sm);
   const dim3 grid(chunks, R);
   const auto s = reinterpret_cast<cudaStream_t>(stream);
+  // Instances: (top-k or map) x (4 columns per lane or 1) x column groups.
+  auto launch = [&](auto kernel) { kernel<<<grid, kLayoutThreads, 0, s>>>(a, t, x); };
+  auto with_groups = [&](auto topk, auto v) {
+    constexpr bool kTopk = decltype(topk)::value;
+    constexpr int V = decltype(v)::value;
+    if (groups == 1) {
+      launch(layout_kernel<kTopk, V, 1, kExchange>);
+    } else if (groups == 2) {
+      launch(layout_kernel<kTopk, V, 2, kExchange>);
+    } else if constexpr (V == 1) {
+      if (groups == 4) {
+        launch(layout_kernel<kTopk, V, 4, kExchange>);
+      } else {
+        launch(layout_kernel<kTopk, V, 8, kExchange>);
+      }
+    }
+  };
+  auto with_vectors = [&](auto topk) {
+    if (vectorized) {
+      with_groups(topk, std::integral_constant<int, 4>{});
+    } else {
+      with_groups(topk, std::integral_constant<int, 1>{});
+    }
+  };
   if (K > 0) {
-    launch_form<true>(vectorized, groups, grid, a, s);
+    with_vectors(std::true_type{});
   } else {
-    launch_form<false>(vectorized, groups, grid, a, s);
+    with_vectors(std::false_type{});
   }
   EP_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void launch_layout(const LayoutArgs& a, int device, uintptr_t stream) {
+  check_layout_args(a);
+  launch_kernel<false>(a, device, TransportView{}, ExchangeArgs{}, stream);
+}
+
+void launch_layout_exchange(const SymmetricBuffer& buffer, const LayoutArgs& a, const ExchangeArgs& exchange,
+                            uintptr_t stream) {
+  check_layout_args(a);
+  check_exchange_args(buffer, exchange);
+  require(exchange.expert_counts == a.expert_counts && exchange.rank_counts == a.rank_counts &&
+              exchange.input_flags == a.input_flags,
+          "the fused exchange must send this layout's counts and flags");
+  require(a.num_ranks == buffer.view().num_ranks, "num_ranks differs from the buffer's");
+  launch_kernel<true>(a, buffer.device(), buffer.view(), exchange, stream);
 }
 
 }  // namespace ep

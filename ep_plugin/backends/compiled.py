@@ -174,6 +174,12 @@ class CompiledBackend(Backend):
         Returns: the dense probs the send reads: ``probs`` itself (routing map), the address of
             dense_probs (top-k with probs), or None.
         """
+        args, dense_probs = self._layout_args(routing, probs, scratch)
+        self._C.layout(args, self.device.index, self._stream())
+        return dense_probs
+
+    def _layout_args(self, routing: Routing, probs: Optional[torch.Tensor], scratch: "Scratch"):
+        """(``_C.LayoutArgs`` writing into ``scratch``, the dense probs ``_layout`` returns)."""
         T, R, L = routing.num_tokens, self.num_ranks, self.num_local_experts
         at = scratch.address
         args = self._C.LayoutArgs(num_tokens=T, num_ranks=R, num_local_experts=L, send_slot=at("send_slot"),
@@ -188,7 +194,21 @@ class CompiledBackend(Backend):
                 dense_probs = at("dense_probs")
                 args.probs, args.dense_probs = probs, dense_probs
             args.input_flags = at("input_flags")
-        self._C.layout(args, self.device.index, self._stream())
+        return args, dense_probs
+
+    def _layout_and_exchange(self, routing: Routing, probs: Optional[torch.Tensor], scratch: "Scratch", phase: int,
+                             fingerprint: OpFingerprint, **counts):
+        """``_layout`` and then ``_exchange`` of its counts, in one launch (``_C.layout_exchange``: the last
+        layout block runs the exchange). ``counts``: the exchange's outputs and options (see
+        ``_exchange``); its inputs are the layout's pieces of ``scratch``. Returns what ``_layout`` does."""
+        args, dense_probs = self._layout_args(routing, probs, scratch)
+        at = scratch.address
+        exchange = self._C.ExchangeArgs(phase=phase, fingerprint=fingerprint.pack(),
+                                        num_local_experts=self.num_local_experts, expert_counts=at("expert_counts"),
+                                        rank_counts=at("rank_counts"),
+                                        input_flags=at("input_flags") if scratch.has("input_flags") else None,
+                                        **{"pad_multiple": 1, **counts})
+        self._C.layout_exchange(self.buffer.raw, args, exchange, self._stream())
         return dense_probs
 
     def _layout_tensors(self, routing: Routing, probs: Optional[torch.Tensor]):

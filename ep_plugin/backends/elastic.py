@@ -270,19 +270,16 @@ class ElasticBackend(CompiledBackend):
         T, H, R, L = routing.num_tokens, self.hidden_size, self.num_ranks, self.num_local_experts
         k = routing.topk_idx.shape[1]
         dev = self.device
-        with nvtx_range("ep.elastic.dispatch.layout"):
+        with nvtx_range("ep.elastic.dispatch.layout+exchange"):
             scratch = self._scratch(("dispatch", T, k, expand), lambda: self._dispatch_fields(routing, expand))
             at = scratch.address
-            self._layout(routing, None, scratch)
-        with nvtx_range("ep.elastic.dispatch.exchange"):
             fingerprint = self._fingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, topk=k,
                                             expand=expand, in_place=in_place)
-            self._exchange(PHASE_DISPATCH, fingerprint, expert_counts=at("expert_counts"),
-                           rank_counts=at("rank_counts"), pad_multiple=pad_multiple, row_base=at("row_base"),
-                           expert_start=at("expert_start"), tokens_per_expert=at("tokens_per_expert"),
-                           real_per_expert=at("real_per_expert"), num_packets=at("num_packets"),
-                           total_rows=at("total_rows"), total_packets=at("total_packets"),
-                           input_flags=at("input_flags"))
+            self._layout_and_exchange(routing, None, scratch, PHASE_DISPATCH, fingerprint, pad_multiple=pad_multiple,
+                                      row_base=at("row_base"), expert_start=at("expert_start"),
+                                      tokens_per_expert=at("tokens_per_expert"),
+                                      real_per_expert=at("real_per_expert"), num_packets=at("num_packets"),
+                                      total_rows=at("total_rows"), total_packets=at("total_packets"))
             counted = self._mark() if self.config.blocking else None
         # What needs no host count is enqueued before the blocking mode's count read, and runs
         # meanwhile: the send, and in place (rows in the buffer, metadata at worst-case size) the receive.

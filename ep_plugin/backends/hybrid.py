@@ -9,8 +9,9 @@ symmetric buffer (``csrc/hybrid/hybrid.h``):
    slot at every destination rank (``send_slot [T, R]``: tokens sent to a rank are numbered in
    token order, -1 = none), its index within each chosen expert (``k_index [T, E]``), and the
    counts per expert and per destination rank.
-2. exchange: advance the device-resident op number, push the counts into every peer's buffer,
-   handshake (with the op fingerprint: ranks that disagree on the op get ``EPError``); derive this
+2. exchange (in the layout's launch, run by its last block: ``_layout_and_exchange``; a handshake
+   alone is a one-block kernel): advance the device-resident op number, push the counts into every
+   peer's buffer, handshake (with the op fingerprint: ranks that disagree on the op get ``EPError``); derive this
    rank's receive layout (segment starts, row bases per (source, expert), padded
    ``tokens_per_expert``, total rows).
 3. dispatch_send (``dispatch.cu``): each token is staged once, and each destination rank gets its
@@ -232,24 +233,20 @@ class HybridBackend(CompiledBackend):
         data, scales = (hidden[0], hidden[1]) if fp8 else (hidden, None)
         data = self._aligned(data)
         T, H, L = routing.num_tokens, self.hidden_size, self.num_local_experts
-        with nvtx_range("ep.hybrid.dispatch.layout"):
-            scratch = self._scratch(("dispatch", T, routing.form, probs is not None),
-                                    lambda: self._dispatch_fields(routing, probs))
-            at = scratch.address
-            dense_probs = self._layout(routing, probs, scratch)
         # Non-blocking: the budget is known now (and tells peers which of their rows were dropped).
         budget = None if self.config.blocking else (
             self.config.num_permuted_tokens or self._worst_case_rows(routing, pad_multiple))
-        with nvtx_range("ep.hybrid.dispatch.notify"):
-            self._exchange(PHASE_DISPATCH, self._fingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None,
-                                                             routing=routing),
-                           expert_counts=at("expert_counts"), rank_counts=at("rank_counts"), pad_multiple=pad_multiple,
-                           row_base=at("row_base"), expert_start=at("expert_start"),
-                           tokens_per_expert=at("tokens_per_expert"), real_per_expert=at("real_per_expert"),
-                           num_packets=at("num_packets"), total_rows=at("total_rows"),
-                           input_flags=at("input_flags") if scratch.has("input_flags") else None,
-                           receive_budget=self._C.UNBOUNDED_ROWS if budget is None else budget,
-                           peer_row_base=at("peer_rows") if self.combine_input_rows else None)
+        with nvtx_range("ep.hybrid.dispatch.layout+notify"):
+            scratch = self._scratch(("dispatch", T, routing.form, probs is not None),
+                                    lambda: self._dispatch_fields(routing, probs))
+            at = scratch.address
+            fingerprint = self._fingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, routing=routing)
+            dense_probs = self._layout_and_exchange(
+                routing, probs, scratch, PHASE_DISPATCH, fingerprint, pad_multiple=pad_multiple,
+                row_base=at("row_base"), expert_start=at("expert_start"), tokens_per_expert=at("tokens_per_expert"),
+                real_per_expert=at("real_per_expert"), num_packets=at("num_packets"), total_rows=at("total_rows"),
+                receive_budget=self._C.UNBOUNDED_ROWS if budget is None else budget,
+                peer_row_base=at("peer_rows") if self.combine_input_rows else None)
             counted = self._mark() if self.config.blocking else None
         # The send needs no host count: in blocking mode it runs while the host reads the counts.
         with nvtx_range("ep.hybrid.dispatch.send"):

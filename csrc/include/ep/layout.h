@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "ep/limits.h"  // kMaxRanks, kMaxLocalExperts
+#include "ep/transport.h"  // SymmetricBuffer, ExchangeArgs (the fused prologue)
 
 namespace ep {
 
@@ -41,5 +42,13 @@ struct LayoutArgs {
 // One kernel launch on `stream` (no host sync, no allocation: capturable in a CUDA graph).
 // Throws std::invalid_argument on inconsistent arguments (before launching anything).
 void launch_layout(const LayoutArgs& args, int device, uintptr_t stream);
+
+// The layout and the count exchange of a first dispatch in one launch (one launch boundary and one
+// host launch less than launch_layout + launch_exchange): the layout grid as above, and the last
+// of its blocks to finish (a counter in the rank's state) runs the exchange with `exchange`, whose
+// count inputs must be this launch's outputs (expert_counts, rank_counts, input_flags). The device
+// is the buffer's. Checks both argument sets first (std::invalid_argument).
+void launch_layout_exchange(const SymmetricBuffer& buffer, const LayoutArgs& args, const ExchangeArgs& exchange,
+                            uintptr_t stream);
 
 }  // namespace ep

@@ -41,6 +41,9 @@ struct SyncLayout {
 struct RankState {
   unsigned long long seq;  // op sequence number, advanced by each op's first kernel
   int abort;               // sticky: a wait of this rank failed; kernels leave peers untouched
+  // Blocks of the fused layout + exchange launch that have finished their layout part; the last
+  // one runs the exchange and puts it back to 0 (so every launch and graph replay starts at 0).
+  unsigned int layout_blocks_done;
 };
 
 // A receive budget that drops nothing (blocking mode: the output has exactly the received rows).
@@ -176,5 +179,8 @@ struct ExchangeArgs {
 // Count words per (source, op) that carry the budget and pad_multiple too (see ExchangeArgs).
 constexpr int count_words_with_budget(int num_local_experts) { return num_local_experts + 4; }
 void launch_exchange(const SymmetricBuffer& buffer, const ExchangeArgs& args, uintptr_t stream);
+// The checks launch_exchange makes before launching (std::invalid_argument), for launchers that
+// run the exchange inside another kernel (launch_layout_exchange, ep/layout.h).
+void check_exchange_args(const SymmetricBuffer& buffer, const ExchangeArgs& args);
 
 }  // namespace ep
