@@ -56,6 +56,9 @@ void bind(py::module_& parent) {
   m.def("permute", &launch_permute, py::arg("buffer"), py::arg("regions"), py::arg("args"), py::arg("num_blocks"),
         py::arg("stream"));
 
+  m.def("dispatch_fused", &launch_dispatch_fused, py::arg("buffer"), py::arg("regions"), py::arg("send"),
+        py::arg("permute"), py::arg("num_blocks"), py::arg("stream"),
+        "stages 2 and 3 in one launch (non-blocking first dispatch)");
   ArgStruct<CombineSendArgs>(m, "CombineSendArgs", "stage 4: reduce each packet's rows, send them back")
       .ptr("rows", &CombineSendArgs::rows)
       .ptr("row_probs", &CombineSendArgs::row_probs)

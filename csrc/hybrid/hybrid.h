@@ -97,6 +97,11 @@ struct PermuteArgs {
 };
 void launch_permute(const SymmetricBuffer& buffer, const Regions& regions, const PermuteArgs& args, int num_blocks,
                     uintptr_t stream);
+// Stages 2 and 3 in one launch (the fused dispatch: a first dispatch whose budget is known before the
+// counts, i.e. non-blocking): each block sends its share, then permutes its share. Rows of one size
+// in both argument sets.
+void launch_dispatch_fused(const SymmetricBuffer& buffer, const Regions& regions, const SendArgs& send,
+                           const PermuteArgs& permute, int num_blocks, uintptr_t stream);
 
 // Stage 4 (expert side): sum each packet's rows (fp32), push one bf16 row per packet back to its
 // source, with per-row scalars unsummed when asked. rows == null (in place): only the scalars travel.

@@ -15,97 +15,21 @@
 // copies.
 #include <cuda_runtime.h>
 
+#include <stdexcept>
+
 #include "ep/check.cuh"
-#include "ep/copy.cuh"
-#include "ep/pipeline.cuh"
-#include "hybrid/regions.cuh"
+#include "hybrid/dispatch_stages.cuh"
 
 namespace ep {
 namespace hybrid {
 namespace {
-
-__device__ __forceinline__ void zero_row(const PermuteArgs& a, int64_t row, int lane) {
-  warp_zero16(static_cast<char*>(a.out) + row * a.row_bytes, a.row_bytes, lane);
-  if (a.out_scales != nullptr) warp_zero4(reinterpret_cast<char*>(a.out_scales) + row * a.scale_bytes, a.scale_bytes, lane);
-  if (a.out_probs != nullptr && lane == 0) a.out_probs[row] = 0.0f;
-}
-
-// Warp-cooperative: the output rows of packet (r, s), compacted in local-expert order into
-// `targets` (shared memory); also writes the rows' probs and fp8 scales (read from `payload`).
-// Returns the count.
-__device__ __forceinline__ int prepare_packet(const View& v, const PermuteArgs& a, int r, int s,
-                                              const char* payload, int32_t* targets, int lane) {
-  const int L = v.g.num_local_experts;
-  int32_t* cached = a.packet_rows + packet_index(v, r, s) * L;
-  int count = 0;
-  for (int j0 = 0; j0 < L; j0 += 32) {
-    const int j = j0 + lane;
-    int row = -1;
-    if (j < L) {
-      // Independent loads first, so that a packet costs one memory latency, not three.
-      const float prob = a.out_probs != nullptr ? disp_p(v, v.t.rank, r, s)[j] : 0.0f;
-      if (a.use_cached_rows) {
-        row = cached[j];
-      } else {
-        const int k = disp_k(v, v.t.rank, r, s)[j];
-        const int base = a.row_base[r * L + j];
-        row = k >= 0 ? base + k : -1;
-        cached[j] = row;
-      }
-      if (row >= 0 && a.out_probs != nullptr && row < a.budget) a.out_probs[row] = prob;
-      if (row >= a.budget) *a.overflow = 1;
-    }
-    const bool valid = row >= 0 && row < a.budget;
-    const unsigned ballot = __ballot_sync(0xffffffffu, valid);
-    if (valid) targets[count + __popc(ballot & ((1u << lane) - 1))] = row;
-    count += __popc(ballot);
-  }
-  __syncwarp();
-  if (a.out_scales != nullptr) {
-    for (int n = 0; n < count; ++n) {
-      warp_copy4(reinterpret_cast<char*>(a.out_scales) + static_cast<int64_t>(targets[n]) * a.scale_bytes,
-                 payload + a.row_bytes, a.scale_bytes, lane);
-    }
-  }
-  return count;
-}
-
-// After the packets: zero the padding rows of each segment (all warps of the grid).
-__device__ __forceinline__ void zero_padding(const View& v, const PermuteArgs& a) {
-  const int lane = threadIdx.x % 32;
-  const int warp = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  const int warps = gridDim.x * (blockDim.x / 32);
-  for (int e = 0; e < v.g.num_local_experts; ++e) {
-    const int64_t first = a.expert_start[e] + a.real_per_expert[e];
-    const int64_t end = min(static_cast<int64_t>(a.expert_start[e] + a.tokens_per_expert[e]), a.budget);
-    for (int64_t row = first + warp; row < end; row += warps) zero_row(a, row, lane);
-  }
-}
 
 __global__ void __launch_bounds__(kThreads) permute_kernel(TransportView t, Regions g, PermuteArgs a) {
   __shared__ int32_t s_targets[kThreads / 32][kMaxLocalExperts];  // output rows of the packet in hand
   __shared__ int s_prefix[kMaxRanks + 1];
   const View v{t, g};
   if (block_aborted(t)) return;
-  const unsigned long long seq = current_seq(t);
-  if (!wait_all_blocks(t, dispatch_done(v), seq, gridDim.x, kPhaseDispatchReceive)) return;
-  const int R = v.g.num_ranks;
-  int32_t* targets = s_targets[threadIdx.x / 32];
-  if (blockIdx.x == 0 && threadIdx.x == 0 && a.total_rows[0] > a.budget) *a.overflow = 1;
-  packet_prefix(R, a.num_packets, s_prefix);
-  auto payload = [&](int q) {
-    const int r = source_of(R, s_prefix, q);
-    return packet_payload(v, r, q - s_prefix[r]);
-  };
-  auto prepare = [&](int q, int lane) {
-    const int r = source_of(R, s_prefix, q);
-    const int s = q - s_prefix[r];
-    return prepare_packet(v, a, r, s, a.out_scales != nullptr ? packet_payload(v, r, s) : nullptr, targets, lane);
-  };
-  char* out = static_cast<char*>(a.out);
-  auto target = [=](int n) { return out + targets[n] * a.row_bytes; };
-  pull_packets_register(s_prefix[R], a.row_bytes, payload, prepare, target);
-  zero_padding(v, a);
+  permute_block(v, a, current_seq(t), s_targets[threadIdx.x / 32], s_prefix);
 }
 
 __global__ void __launch_bounds__(kBulkWarps * 32) permute_bulk_kernel(TransportView t, Regions g, PermuteArgs a,
@@ -116,27 +40,44 @@ __global__ void __launch_bounds__(kBulkWarps * 32) permute_bulk_kernel(Transport
   __shared__ int s_prefix[kMaxRanks + 1];
   const View v{t, g};
   if (block_aborted(t)) return;
-  const unsigned long long seq = current_seq(t);
-  if (!wait_all_blocks(t, dispatch_done(v), seq, gridDim.x, kPhaseDispatchReceive)) return;
-  const int R = v.g.num_ranks;
   const int warp_in_block = threadIdx.x / 32;
-  int32_t* targets = s_targets[warp_in_block];
-  if (blockIdx.x == 0 && threadIdx.x == 0 && a.total_rows[0] > a.budget) *a.overflow = 1;
-  packet_prefix(R, a.num_packets, s_prefix);
   const BulkRing ring = make_bulk_ring(s_stages, s_bars[warp_in_block], shape, warp_in_block, threadIdx.x % 32);
-  auto payload = [&](int q) {
-    const int r = source_of(R, s_prefix, q);
-    return packet_payload(v, r, q - s_prefix[r]);
-  };
-  auto prepare = [&](int q, int lane) {
-    const int r = source_of(R, s_prefix, q);
-    const int s = q - s_prefix[r];
-    return prepare_packet(v, a, r, s, a.out_scales != nullptr ? packet_payload(v, r, s) : nullptr, targets, lane);
-  };
-  char* out = static_cast<char*>(a.out);
-  auto target = [=](int n) { return out + targets[n] * a.row_bytes; };
-  pull_packets_bulk(ring, s_prefix[R], a.row_bytes, payload, prepare, target);
-  zero_padding(v, a);
+  permute_block(v, ring, a, current_seq(t), s_targets[warp_in_block], s_prefix);
+}
+
+// The fused dispatch: the send's part, then the permute's, in one launch. Every block of every
+// rank is resident (the co-residency rule), so a block waiting for the sends of others (its own
+// rank's blocks included) cannot wait for one that is not scheduled. The permute part runs its
+// bulk ring with barriers of its own: the send's have completed phases the permute must not see.
+__global__ void __launch_bounds__(kThreads) dispatch_fused_kernel(TransportView t, Regions g, SendArgs s,
+                                                                  PermuteArgs p) {
+  __shared__ int s_slots[kThreads / 32][kMaxRanks];
+  __shared__ int32_t s_targets[kThreads / 32][kMaxLocalExperts];
+  __shared__ int s_prefix[kMaxRanks + 1];
+  const View v{t, g};
+  clear_overflow(s);
+  if (block_aborted(t)) return;
+  const unsigned long long seq = current_seq(t);
+  send_block(v, s, seq, s_slots[threadIdx.x / 32]);
+  permute_block(v, p, seq, s_targets[threadIdx.x / 32], s_prefix);
+}
+
+__global__ void __launch_bounds__(kBulkWarps * 32) dispatch_fused_bulk_kernel(TransportView t, Regions g, SendArgs s,
+                                                                              PermuteArgs p, BulkShape shape) {
+  extern __shared__ __align__(128) char s_stages[];
+  __shared__ int s_slots[kBulkWarps][kMaxRanks];
+  __shared__ int32_t s_targets[kBulkWarps][kMaxLocalExperts];
+  __shared__ uint64_t s_send_bars[kBulkWarps][kBulkMaxStages];
+  __shared__ uint64_t s_pull_bars[kBulkWarps][kBulkMaxStages];
+  __shared__ int s_prefix[kMaxRanks + 1];
+  const View v{t, g};
+  clear_overflow(s);
+  if (block_aborted(t)) return;
+  const unsigned long long seq = current_seq(t);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  send_block(v, make_bulk_ring(s_stages, s_send_bars[warp], shape, warp, lane), s, seq, s_slots[warp]);
+  // The send's ring ended with every store landed, so its stages are free for the permute's.
+  permute_block(v, make_bulk_ring(s_stages, s_pull_bars[warp], shape, warp, lane), p, seq, s_targets[warp], s_prefix);
 }
 
 }  // namespace
@@ -146,6 +87,26 @@ void launch_permute(const SymmetricBuffer& buffer, const Regions& regions, const
   const bool bulk = args.bulk_copy && buffer.bulk_capable();
   launch_copy_kernel(bulk, permute_bulk_kernel, permute_kernel, buffer.view(), regions, args, args.row_bytes, num_blocks,
                      reinterpret_cast<cudaStream_t>(stream));
+}
+
+void launch_dispatch_fused(const SymmetricBuffer& buffer, const Regions& regions, const SendArgs& send,
+                           const PermuteArgs& permute, int num_blocks, uintptr_t stream) {
+  if (send.row_bytes != permute.row_bytes || send.scale_bytes != permute.scale_bytes)
+    throw std::invalid_argument("ep_plugin hybrid: the fused dispatch's send and permute move rows of one size");
+  if (permute.use_cached_rows)
+    throw std::invalid_argument("ep_plugin hybrid: the fused dispatch is a first dispatch (use_cached_rows)");
+  EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
+  const bool bulk = send.bulk_copy && permute.bulk_copy && buffer.bulk_capable();
+  const auto s = reinterpret_cast<cudaStream_t>(stream);
+  if (bulk) {
+    const BulkShape shape = make_bulk_shape(send.row_bytes);
+    const int smem = bulk_smem_bytes(shape);
+    allow_dynamic_smem(reinterpret_cast<const void*>(dispatch_fused_bulk_kernel), smem);
+    dispatch_fused_bulk_kernel<<<num_blocks, kBulkWarps * 32, smem, s>>>(buffer.view(), regions, send, permute, shape);
+  } else {
+    dispatch_fused_kernel<<<num_blocks, kThreads, 0, s>>>(buffer.view(), regions, send, permute);
+  }
+  EP_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace hybrid

@@ -17,7 +17,8 @@ symmetric buffer (``csrc/hybrid/hybrid.h``):
 3. dispatch_send (``dispatch.cu``): each token is staged once, and each destination rank gets its
    index and per-local-expert k index and prob.
 4. permute (``permute.cu``): each packet is pulled from its source and expands into its expert
-   rows; padding zeroed.
+   rows; padding zeroed. Non-blocking (the output size known before the counts), stages 3 and 4 run
+   in one launch (``dispatch_fused``): each block sends its share, then permutes its share.
 5. combine (``combine.cu``): the expert side sums a packet's rows (fp32, rounded once to bf16)
    and sends one row per (token, source rank) back; the source sums those in fp32. In place (the
    expert output already in the buffer, see below), the source reads every expert row of its
@@ -248,20 +249,21 @@ class HybridBackend(CompiledBackend):
                 receive_budget=self._C.UNBOUNDED_ROWS if budget is None else budget,
                 peer_row_base=at("peer_rows") if self.combine_input_rows else None)
             counted = self._mark() if self.config.blocking else None
-        # The send needs no host count: in blocking mode it runs while the host reads the counts.
-        with nvtx_range("ep.hybrid.dispatch.send"):
-            row_bytes = H if fp8 else 2 * H
-            scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
-            self._keep_on_stream(data, scales, None if isinstance(dense_probs, int) else dense_probs)
-            # The send zeroes the overflow flag, the permute sets it.
-            send = self._C.hybrid.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
-                                           send_slot=at("send_slot"), k_index=at("k_index"), probs=dense_probs,
-                                           num_tokens=T, bulk_copy=self._bulk, overflow=at("overflow"))
-            self._C.hybrid.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
+        # The send needs no host count: in blocking mode it runs while the host reads the counts, and
+        # in non-blocking mode (the budget known) it shares one launch with the permute.
+        row_bytes = H if fp8 else 2 * H
+        scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
+        self._keep_on_stream(data, scales, None if isinstance(dense_probs, int) else dense_probs)
+        # The send zeroes the overflow flag, the permute sets it.
+        send = self._C.hybrid.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
+                                       send_slot=at("send_slot"), k_index=at("k_index"), probs=dense_probs,
+                                       num_tokens=T, bulk_copy=self._bulk, overflow=at("overflow"))
         if self.config.blocking:
+            with nvtx_range("ep.hybrid.dispatch.send"):
+                self._C.hybrid.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
             with nvtx_range("ep.hybrid.dispatch.wait_count"):
                 budget = self._dispatch_counts(counted, routing)[self._C.MAILBOX_TOTAL_ROWS]
-        with nvtx_range("ep.hybrid.dispatch.permute"):
+        with nvtx_range("ep.hybrid.dispatch.permute" if self.config.blocking else "ep.hybrid.dispatch.send+permute"):
             out = self._empty(budget, H, dtype=data.dtype)
             out_scales = self._empty(budget, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
             out_probs = self._empty(budget, dtype=torch.float32) if probs is not None else None
@@ -271,7 +273,11 @@ class HybridBackend(CompiledBackend):
                 tokens_per_expert=at("tokens_per_expert"), real_per_expert=at("real_per_expert"),
                 num_packets=at("num_packets"), total_rows=at("total_rows"), packet_rows=at("packet_rows"),
                 overflow=at("overflow"), bulk_copy=self._bulk)
-            self._C.hybrid.permute(self.buffer.raw, self.regions, permute, self.num_blocks, self._stream())
+            if self.config.blocking:
+                self._C.hybrid.permute(self.buffer.raw, self.regions, permute, self.num_blocks, self._stream())
+            else:
+                self._C.hybrid.dispatch_fused(self.buffer.raw, self.regions, send, permute, self.num_blocks,
+                                              self._stream())
         # Views only of what is handed out: the handle's counts, the flags, the valid-row count.
         tokens_per_expert = scratch.tensor("tokens_per_expert")
         overflow = scratch.tensor("overflow")
