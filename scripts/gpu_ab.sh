@@ -11,6 +11,9 @@
 #                                            lines to the terminal. CMD runs with the tree as its working
 #                                            folder and first on PYTHONPATH, so `python3 -m ep_plugin.bench`
 #                                            and `python3 benchmarks/host_costs.py` time that tree's code.
+#                                            The device returns at most 8 files of a call's $OUT, so
+#                                            keep ROUNDS <= 4 (or pack OUT into one .tgz before the
+#                                            call ends); files past the limit are lost.
 # Example (decode round trips, three rounds each):
 #   scripts/gpu_ab.sh prepare main     # then, on the device, with carry [".ab"]:
 #   scripts/gpu_ab.sh run "$OUT" 3 python3 -m ep_plugin.bench --preset decode --ranks 8 --graph --backends hybrid
