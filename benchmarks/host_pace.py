@@ -1,0 +1,139 @@
+"""What paces eager decode when ranks share a GPU: each rank's host time per step, four ways.
+
+Eager decode (128 tokens) is bound by the host: the kernels of a step wait for every rank, so the
+GPU runs at the pace of the slowest rank's host. This times every rank's eager steps (dispatch +
+combine, no sync inside the loop) with a host clock stamp before each step, in four settings:
+
+  coupled      the N-rank backend, what ``python -m ep_plugin.bench --preset decode`` times
+  coupled+nogc the same with Python's garbage collector off during the loop
+  independent  every rank a one-rank backend of its own, all at once: host contention alone, no
+               rank waits for another
+  alone        rank 0's one-rank backend while the other ranks sleep in a barrier
+
+and prints, per setting, every rank's median / p90 / max host µs per step, the median over steps of
+the slowest rank's step (what the GPU follows), and the GPU µs per step. When ranks differ by
+much in ``independent`` and ``alone`` too, the difference is the machine's CPUs, not our code.
+
+  python benchmarks/host_pace.py [--ranks 8] [--backends hybrid+in_place,elastic+in_place] [--steps 300]
+      [--pin 0,2,4,...]   (pin rank r to CPU pin[r % len(pin)])
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+WARMUP = 30
+
+
+def build(variant: str, group, num_ranks: int, device: torch.device, tokens: int):
+    """The bench's decode backend (16 SMs, non-blocking, H=7168, top-8 of 256) on ``group``."""
+    import ep_plugin
+    from ep_plugin.config import Config
+
+    name, _, option = variant.partition("+")
+    cls = ep_plugin.get_backend(name)
+    budget = num_ranks * tokens * min(8, 256 // num_ranks)  # what top-8 routing can produce, as kernel_times.py
+    config = Config.from_env(num_sms=16, blocking=False, max_tokens_per_rank=tokens, num_permuted_tokens=budget)
+    options = cls.in_place_options(num_ranks=num_ranks, max_tokens_per_rank=tokens, num_experts=256, topk=8) \
+        if option == "in_place" else {}
+    return cls(group, hidden_size=7168, num_experts=256, config=config, device=device, **options)
+
+
+def timed_steps(step, steps: int, run: bool = True, nogc: bool = False):
+    """(host stamps before each step and after the last, GPU µs per step); all ranks start together.
+    ``run=False``: warm up and meet the others at the barrier, but time nothing."""
+    for _ in range(WARMUP):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    if not run:
+        return None, 0.0
+    stamps = []
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if nogc:
+        gc.disable()
+    try:
+        begin.record()
+        for _ in range(steps):
+            stamps.append(time.perf_counter())
+            step()
+        stamps.append(time.perf_counter())
+        end.record()
+    finally:
+        if nogc:
+            gc.enable()
+    end.synchronize()
+    return stamps, begin.elapsed_time(end) * 1e3 / steps
+
+
+def report(ctx, label: str, stamps, gpu_us: float) -> None:
+    """Rank 0 prints every timed rank's host pace (perf_counter is one clock for all processes)."""
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, (stamps, gpu_us))
+    if ctx.rank != 0:
+        return
+    lines, per_rank = [f"== {label}"], []
+    for rank, (rank_stamps, gpu) in enumerate(everyone):
+        if rank_stamps is None:
+            continue
+        steps = [(b - a) * 1e6 for a, b in zip(rank_stamps[:-1], rank_stamps[1:], strict=True)]
+        per_rank.append(steps)
+        ordered = sorted(steps)
+        lines.append(f"  rank {rank}: host µs per step median {ordered[len(ordered) // 2]:6.1f}, p90 "
+                     f"{ordered[int(len(ordered) * 0.9)]:6.1f}, max {ordered[-1]:8.1f}; GPU {gpu:6.1f} µs per step")
+    if len(per_rank) > 1:
+        slowest = sorted(max(step) for step in zip(*per_rank, strict=True))
+        lines.append(f"  slowest rank's step, median over steps: {slowest[len(slowest) // 2]:.1f} µs")
+    print("\n".join(lines), flush=True)
+
+
+def rank_main(ctx, args) -> None:
+    from kernel_times import eager_step  # this folder: the step kernel_times.py times
+
+    from ep_plugin.bench.workload import Shape
+
+    if args.pin:
+        cpus = [int(cpu) for cpu in args.pin.split(",")]
+        os.sched_setaffinity(0, {cpus[ctx.rank % len(cpus)]})
+    device = torch.device(ctx.device)
+    torch.cuda.set_device(device)
+    shape = Shape(args.tokens, 7168, 8, 256, "bf16", "balanced")
+    own_groups = [dist.new_group([rank], backend="gloo") for rank in range(ctx.world_size)]  # a collective
+    for variant in args.backends.split(","):
+        in_place = variant.endswith("+in_place")
+        backend = build(variant, None, ctx.world_size, device, args.tokens)
+        step = eager_step(backend, shape, ctx.rank, device, in_place=in_place)
+        report(ctx, f"{variant} coupled ({ctx.world_size} ranks)", *timed_steps(step, args.steps))
+        report(ctx, f"{variant} coupled+nogc", *timed_steps(step, args.steps, nogc=True))
+        backend.destroy()
+        own = build(variant, own_groups[ctx.rank], 1, device, args.tokens)
+        step = eager_step(own, shape, 0, device, in_place=in_place)
+        report(ctx, f"{variant} independent ({ctx.world_size} one-rank backends at once)",
+               *timed_steps(step, args.steps))
+        report(ctx, f"{variant} alone (rank 0's one-rank backend)", *timed_steps(step, args.steps, run=ctx.rank == 0))
+        own.destroy()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--backends", default="hybrid,hybrid+in_place,elastic+in_place")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--pin", default="", help="comma list of CPUs; rank r runs on pin[r % len(pin)]")
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ep_plugin.testing import run_ranks
+
+    run_ranks(rank_main, args.ranks, args, device="cuda", timeout_s=600)
+
+
+if __name__ == "__main__":
+    main()
