@@ -56,6 +56,7 @@ PYBIND11_MODULE(_C, m) {
       .def("open_peers", &ep::SymmetricBuffer::open_peers, py::arg("handles"))
       .def("destroy", &ep::SymmetricBuffer::destroy)
       .def("report", &ep::SymmetricBuffer::report)
+      .def("failed", &ep::SymmetricBuffer::failed)
       .def("mailbox", &ep::SymmetricBuffer::mailbox, py::arg("first"), py::arg("count"))
       .def("set_timeout", &ep::SymmetricBuffer::set_timeout, py::arg("timeout_s"))
       .def("peer_region_address", &ep::SymmetricBuffer::peer_region_address, py::arg("rank"))

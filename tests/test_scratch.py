@@ -39,3 +39,30 @@ def test_pieces_are_aligned_disjoint_and_viewed_where_the_kernels_write():
 def test_an_empty_plan_still_allocates():
     scratch = Scratch(ScratchPlan([]), torch.device("cpu"))
     assert scratch.memory.numel() == 1
+
+
+def test_tensors_of_a_run_are_the_pieces_themselves():
+    fields = [("a", (3,), torch.int64), ("b", (4, 2), torch.int32), ("c", (5,), torch.int64), ("d", (1,), torch.int64),
+              ("e", (2,), torch.int32)]
+    scratch = Scratch(ScratchPlan(fields), torch.device("cpu"))
+    a, c, d = scratch.tensors(("a", "c", "d"))  # a gap (b) between a and c, none between c and d
+    for name, view in (("a", a), ("c", c), ("d", d)):
+        single = scratch.tensor(name)
+        assert view.dtype == single.dtype and view.shape == single.shape, name
+        assert view.data_ptr() == scratch.address(name), name
+    scratch.memory.zero_()
+    scratch.tensor("c").fill_(7)
+    assert a.tolist() == [0, 0, 0] and c.tolist() == [7] * 5 and d.tolist() == [0]
+    assert scratch.tensors(("a", "c", "d"))[1].data_ptr() == c.data_ptr()  # the cached cut, reused
+
+
+def test_tensors_refuses_pieces_it_cannot_cut_in_one_run():
+    fields = [("a", (3,), torch.int64), ("b", (4, 2), torch.int32), ("c", (5,), torch.int64)]
+    scratch = Scratch(ScratchPlan(fields), torch.device("cpu"))
+    for names in (("a", "b"), ("c", "a"), ("b", "c")):  # dtypes differ, out of order, not 1-D
+        try:
+            scratch.tensors(names)
+        except ValueError as error:
+            assert "Scratch.tensors" in str(error)
+        else:
+            raise AssertionError(f"tensors{names} should have been refused")

@@ -5,6 +5,7 @@ the barrier and teardown. Each backend adds its own regions and stages.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import Callable, Iterable, Optional
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _cuda, streams
-from ..agreement import OP_BARRIER, OpFingerprint
+from ..agreement import OP_BARRIER, fingerprint_code
 from ..errors import BackendUnavailableError
 from ..routing import ROUTING_MAP, Routing, check_topk_values
 from ..transport.fabric import gpu_link_bandwidths
@@ -42,6 +43,26 @@ except ImportError:  # pragma: no cover - depends on the environment
 
         def __exit__(self, *exc) -> None:
             torch.cuda.nvtx.range_pop()
+
+
+def op_range(op: str):
+    """Decorate a compiled backend's op: one NVTX range, ``ep.<backend>.<op>``, around the whole op.
+
+    One per op, not one per stage: an op is one to three launches whose kernels a profile names
+    anyway, and each range costs ~1.5 µs of the host time that paces eager decode. Host waits
+    inside an op (blocking mode's count read) keep a range of their own."""
+    def decorate(method):
+        names: dict[str, str] = {}  # backend name -> range name, built once
+
+        @functools.wraps(method)
+        def ranged(self, *args, **kwargs):
+            name = names.get(self.name)
+            if name is None:
+                name = names[self.name] = f"ep.{self.name}.{op}"
+            with nvtx_range(name):
+                return method(self, *args, **kwargs)
+        return ranged
+    return decorate
 
 
 class CompiledBackend(Backend):
@@ -197,13 +218,13 @@ class CompiledBackend(Backend):
         return args, dense_probs
 
     def _layout_and_exchange(self, routing: Routing, probs: Optional[torch.Tensor], scratch: "Scratch", phase: int,
-                             fingerprint: OpFingerprint, **counts):
+                             fingerprint: int, **counts):
         """``_layout`` and then ``_exchange`` of its counts, in one launch (``_C.layout_exchange``: the last
         layout block runs the exchange). ``counts``: the exchange's outputs and options (see
         ``_exchange``); its inputs are the layout's pieces of ``scratch``. Returns what ``_layout`` does."""
         args, dense_probs = self._layout_args(routing, probs, scratch)
         at = scratch.address
-        exchange = self._C.ExchangeArgs(phase=phase, fingerprint=fingerprint.pack(),
+        exchange = self._C.ExchangeArgs(phase=phase, fingerprint=fingerprint,
                                         num_local_experts=self.num_local_experts, expert_counts=at("expert_counts"),
                                         rank_counts=at("rank_counts"),
                                         input_flags=at("input_flags") if scratch.has("input_flags") else None,
@@ -293,19 +314,20 @@ class CompiledBackend(Backend):
         self._dispatch_count += 1
         return self._dispatch_count
 
-    def _exchange(self, phase: int, fingerprint: OpFingerprint, **counts) -> None:
-        """The op prologue on the current stream: handshake with the op fingerprint, plus the count
-        exchange when ``counts`` are given (see ``_C.ExchangeArgs`` for the fields)."""
+    def _exchange(self, phase: int, fingerprint: int, **counts) -> None:
+        """The op prologue on the current stream: handshake with the op fingerprint (packed, see
+        ``agreement.fingerprint_code``), plus the count exchange when ``counts`` are given (see
+        ``_C.ExchangeArgs`` for the fields)."""
         if counts:
             fields = {"num_local_experts": self.num_local_experts, "pad_multiple": 1, **counts}
-            args = self._C.ExchangeArgs(phase=phase, fingerprint=fingerprint.pack(), **fields)
+            args = self._C.ExchangeArgs(phase=phase, fingerprint=fingerprint, **fields)
         else:  # a handshake: the launch copies the struct, so one per phase serves every op (~4 µs a build)
             args = self._handshakes.get(phase)
             if args is None:
                 args = self._handshakes[phase] = self._C.ExchangeArgs(phase=phase, fingerprint=0,
                                                                       num_local_experts=self.num_local_experts,
                                                                       pad_multiple=1)
-            args.fingerprint = fingerprint.pack()
+            args.fingerprint = fingerprint
         self._C.exchange(self.buffer.raw, args, self._stream())
 
     def _mark(self) -> torch.cuda.Event:
@@ -367,7 +389,7 @@ class CompiledBackend(Backend):
         """Every rank of the domain reaches this point (a device handshake; the host waits for it)."""
         self.buffer.raise_if_failed()
         with nvtx_range(f"ep.{self.name}.barrier"):
-            self._exchange(self.barrier_phase, OpFingerprint(OP_BARRIER))
+            self._exchange(self.barrier_phase, fingerprint_code(OP_BARRIER))
             self._wait_for_host("the barrier")
 
     def destroy(self) -> None:
@@ -384,7 +406,7 @@ class ScratchPlan:
     ``fields``: (name, shape, dtype) for each piece; dtypes of 4 or 8 bytes.
     """
 
-    __slots__ = ("pieces", "words")
+    __slots__ = ("pieces", "words", "splits")
 
     def __init__(self, fields: Iterable[tuple]) -> None:
         self.pieces: dict[str, tuple] = {}  # name -> (first int32 word, words, shape, dtype)
@@ -395,6 +417,25 @@ class ScratchPlan:
             self.pieces[name] = (size // 4, nbytes // 4, tuple(shape), dtype)
             size += nbytes
         self.words = max(1, size // 4)
+        self.splits: dict[tuple, tuple] = {}  # names -> how Scratch.tensors cuts them (see split_of)
+
+    def split_of(self, names: tuple[str, ...]) -> tuple:
+        """(first word, end word, dtype, sizes) for ``Scratch.tensors(names)``: the run of words from the
+        first piece to the end of the last, in elements of their dtype, cut into piece, gap, piece, ...
+        The pieces must be 1-D, of one dtype and in plan order."""
+        pieces = [self.pieces[name] for name in names]
+        dtype = pieces[0][3]
+        words_per_element = dtype.itemsize // 4
+        sizes, end = [], pieces[0][0]
+        for name, (start, words, shape, piece_dtype) in zip(names, pieces, strict=True):
+            if piece_dtype != dtype or len(shape) != 1 or start < end:
+                raise ValueError(f"Scratch.tensors{names}: {name!r} is not a 1-D {dtype} piece after the ones "
+                                 "before it")
+            if sizes:
+                sizes.append((start - end) // words_per_element)  # the gap before this piece
+            sizes.append(words // words_per_element)
+            end = start + words
+        return pieces[0][0], end, dtype, sizes
 
 
 class Scratch:
@@ -426,6 +467,19 @@ class Scratch:
         if dtype != torch.int32:
             piece = piece.view(dtype)
         return piece.view(shape) if len(shape) != 1 else piece
+
+    def tensors(self, names: tuple[str, ...]) -> list[torch.Tensor]:
+        """Views of several 1-D pieces of one dtype, in plan order, made by one split of the run they
+        lie in: a dispatch hands out three or four such counts, and each separate view costs two or
+        three torch calls (~1.5-3 µs each) of the host time that paces eager decode."""
+        split = self.plan.splits.get(names)
+        if split is None:
+            split = self.plan.splits[names] = self.plan.split_of(names)
+        start, end, dtype, sizes = split
+        run = self.memory[start:end]
+        if dtype != torch.int32:
+            run = run.view(dtype)
+        return run.split_with_sizes(sizes)[::2]  # the pieces, without the gaps between them
 
 
 def input_flags_torch(extension, idx: torch.Tensor, num_ranks: int, num_local_experts: int) -> torch.Tensor:

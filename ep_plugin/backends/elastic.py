@@ -45,11 +45,12 @@ What a DeepEP user knows, under our names (DeepEP's in parentheses):
 - Backward of dispatch is combine; backward of combine is a cached dispatch, through
   ``ep_plugin.dispatch`` / ``ep_plugin.combine``.
 
-Stages (each a kernel on the caller's current stream; NVTX range per stage): the send-side layout
-(``csrc/layout.cu``) and the count exchange with the op handshake (``csrc/exchange.cu``), both shared
-with ``hybrid``; then elastic's own (``csrc/elastic/``): send (stage each token once, push its
-per-destination metadata), receive (pull each packet into its row or rows), and for combine: send
-(each packet's row or row sum back to its source) and receive (sum per token).
+Stages (each a kernel on the caller's current stream; one NVTX range per op, ``ep.elastic.<op>``):
+the send-side layout (``csrc/layout.cu``) and the count exchange with the op handshake
+(``csrc/exchange.cu``), both shared with ``hybrid``; then elastic's own (``csrc/elastic/``): send
+(stage each token once, push its per-destination metadata), receive (pull each packet into its row
+or rows), and for combine: send (each packet's row or row sum back to its source) and receive (sum
+per token).
 
 Rules and limits: ranks must agree on every op (kind, dtype, probs, top-k, form, handle; the
 handshake checks it and a mismatch raises ``EPError`` on every rank at its next sync point); one op
@@ -71,11 +72,11 @@ from typing import Optional
 import torch
 
 from .. import streams
-from ..agreement import OP_COMBINE, OP_COMBINE_IN_PLACE, OP_DISPATCH, OP_DISPATCH_AGAIN, OpFingerprint
+from ..agreement import OP_COMBINE, OP_COMBINE_IN_PLACE, OP_DISPATCH, OP_DISPATCH_AGAIN, fingerprint_code
 from ..handle import COMPACT, EXPERT_ROWS, CombineOutput, DispatchOutput, Handle
 from ..routing import ROUTING_MAP, Routing, check_tensor, route_counts
 from .base import Capabilities, merge_alignment
-from .compiled import CompiledBackend, Scratch, nvtx_range
+from .compiled import CompiledBackend, Scratch, nvtx_range, op_range
 
 PHASE_NAMES = {
     1: "dispatch/exchange (handshake + count exchange)",
@@ -86,6 +87,8 @@ PHASE_NAMES = {
     6: "barrier",
 }
 PHASE_DISPATCH, PHASE_COMBINE, PHASE_CACHED, PHASE_BARRIER = 1, 2, 3, 6
+# The int64 counts a dispatch hands out, adjacent in its scratch so one split views them all.
+HANDED_OUT_COUNTS = ("tokens_per_expert", "real_per_expert", "total_rows", "total_packets")
 
 
 @dataclass(eq=False)
@@ -236,10 +239,10 @@ class ElasticBackend(CompiledBackend):
     # ---- stages ---------------------------------------------------------------------------------
 
     def _fingerprint(self, op: str, *, dtype, probs: bool = False, topk: int = 0, expand: bool = False,
-                     in_place: bool = False, handle: Optional[Handle] = None) -> OpFingerprint:
+                     in_place: bool = False, handle: Optional[Handle] = None) -> int:
+        """The op's packed fingerprint (``agreement.fingerprint_code``), as the handshake takes it."""
         form = None if op != OP_DISPATCH else "topk+expand" if expand else "topk+in_place" if in_place else "topk"
-        return OpFingerprint(op, dtype=dtype, probs=probs, form=form, topk=topk,
-                             handle_id=handle.handle_id if handle is not None else 0)
+        return fingerprint_code(op, dtype, probs, form, topk, handle.handle_id if handle is not None else 0)
 
     def _capacity(self, topk: int, expand: bool, pad_multiple: int) -> int:
         """Rows of a non-blocking output: the most any rank can receive."""
@@ -260,6 +263,7 @@ class ElasticBackend(CompiledBackend):
             fields.append(("dest_base", (R,), torch.int32))
         return fields
 
+    @op_range("dispatch")
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple, *, expand: bool = False,
                   zero_padding: bool = False, in_place: bool = False) -> DispatchOutput:
         assert routing.form != ROUTING_MAP  # dispatch() rejects the routing map
@@ -270,29 +274,27 @@ class ElasticBackend(CompiledBackend):
         T, H, R, L = routing.num_tokens, self.hidden_size, self.num_ranks, self.num_local_experts
         k = routing.topk_idx.shape[1]
         dev = self.device
-        with nvtx_range("ep.elastic.dispatch.layout+exchange"):
-            scratch = self._scratch(("dispatch", T, k, expand), lambda: self._dispatch_fields(routing, expand))
-            at = scratch.address
-            fingerprint = self._fingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, topk=k,
-                                            expand=expand, in_place=in_place)
-            self._layout_and_exchange(routing, None, scratch, PHASE_DISPATCH, fingerprint, pad_multiple=pad_multiple,
-                                      row_base=at("row_base"), expert_start=at("expert_start"),
-                                      tokens_per_expert=at("tokens_per_expert"),
-                                      real_per_expert=at("real_per_expert"), num_packets=at("num_packets"),
-                                      total_rows=at("total_rows"), total_packets=at("total_packets"))
-            counted = self._mark() if self.config.blocking else None
+        scratch = self._scratch(("dispatch", T, k, expand), lambda: self._dispatch_fields(routing, expand))
+        at = scratch.address
+        fingerprint = self._fingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, topk=k,
+                                        expand=expand, in_place=in_place)
+        self._layout_and_exchange(routing, None, scratch, PHASE_DISPATCH, fingerprint, pad_multiple=pad_multiple,
+                                  row_base=at("row_base"), expert_start=at("expert_start"),
+                                  tokens_per_expert=at("tokens_per_expert"),
+                                  real_per_expert=at("real_per_expert"), num_packets=at("num_packets"),
+                                  total_rows=at("total_rows"), total_packets=at("total_packets"))
+        counted = self._mark() if self.config.blocking else None
         # What needs no host count is enqueued before the blocking mode's count read, and runs
         # meanwhile: the send, and in place (rows in the buffer, metadata at worst-case size) the receive.
-        with nvtx_range("ep.elastic.dispatch.send"):
-            row_bytes = H if fp8 else 2 * H
-            scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
-            self._keep_on_stream(data, scales, routing.topk_idx, probs)
-            send = self._C.elastic.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
-                                            send_slot=at("send_slot"), topk_idx=routing.topk_idx, topk_weights=probs,
-                                            k_index=at("k_index") if expand else None,
-                                            dest_base=None if expand else at("dest_base"),
-                                            push_payload=in_place, topk=k, num_tokens=T, bulk_copy=self._bulk)
-            self._C.elastic.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
+        row_bytes = H if fp8 else 2 * H
+        scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
+        self._keep_on_stream(data, scales, routing.topk_idx, probs)
+        send = self._C.elastic.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
+                                        send_slot=at("send_slot"), topk_idx=routing.topk_idx, topk_weights=probs,
+                                        k_index=at("k_index") if expand else None,
+                                        dest_base=None if expand else at("dest_base"),
+                                        push_payload=in_place, topk=k, num_tokens=T, bulk_copy=self._bulk)
+        self._C.elastic.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
         packet_capacity = R * self.config.max_tokens_per_rank
         worst_case = self._capacity(k, expand, pad_multiple)
         receive = dict(row_bytes=row_bytes, scale_bytes=scale_bytes, num_packets=at("num_packets"), topk=k,
@@ -300,8 +302,7 @@ class ElasticBackend(CompiledBackend):
                        tokens_per_expert=at("tokens_per_expert"), real_per_expert=at("real_per_expert"),
                        zero_padding=zero_padding)
         if in_place:
-            with nvtx_range("ep.elastic.dispatch.receive"):
-                out_idx, out_weights = self._receive_in_place(worst_case, probs is not None, receive)
+            out_idx, out_weights = self._receive_in_place(worst_case, probs is not None, receive)
         tokens_list = None
         if self.config.blocking:
             with nvtx_range("ep.elastic.dispatch.wait_count"):
@@ -319,35 +320,33 @@ class ElasticBackend(CompiledBackend):
             out_idx = out_idx[:capacity]
             out_weights = out_weights[:capacity] if out_weights is not None else None
         else:
-            with nvtx_range("ep.elastic.dispatch.receive"):
-                out = self._empty(capacity, H, dtype=data.dtype)
-                out_scales = self._empty(capacity, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
-                out_idx = None
-                if expand:
-                    out_weights = self._empty(capacity, dtype=torch.float32) if probs is not None else None
-                    packet_rows = torch.empty(packet_capacity, k, dtype=torch.int32, device=dev)
-                else:
-                    out_idx = self._empty(capacity, k, dtype=torch.int64)
-                    out_weights = self._empty(capacity, k, dtype=torch.float32) if probs is not None else None
-                args = self._C.elastic.ReceiveArgs(
-                    out=out, out_scales=out_scales, capacity=capacity, out_topk_idx=out_idx,
-                    out_topk_weights=None if expand else out_weights, out_row_weights=out_weights if expand else None,
-                    packet_rows=packet_rows, bulk_copy=self._bulk, **receive)
-                self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, args, self.num_blocks,
-                                                 self._stream())
+            out = self._empty(capacity, H, dtype=data.dtype)
+            out_scales = self._empty(capacity, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
+            out_idx = None
+            if expand:
+                out_weights = self._empty(capacity, dtype=torch.float32) if probs is not None else None
+                packet_rows = torch.empty(packet_capacity, k, dtype=torch.int32, device=dev)
+            else:
+                out_idx = self._empty(capacity, k, dtype=torch.int64)
+                out_weights = self._empty(capacity, k, dtype=torch.float32) if probs is not None else None
+            args = self._C.elastic.ReceiveArgs(
+                out=out, out_scales=out_scales, capacity=capacity, out_topk_idx=out_idx,
+                out_topk_weights=None if expand else out_weights, out_row_weights=out_weights if expand else None,
+                packet_rows=packet_rows, bulk_copy=self._bulk, **receive)
+            self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, args, self.num_blocks,
+                                             self._stream())
         # Views only of what is handed out: the handle's counts, the flags, the valid-row counts.
-        tokens_per_expert = scratch.tensor("tokens_per_expert")
+        tokens_per_expert, real_per_expert, total_rows, total_packets = scratch.tensors(HANDED_OUT_COUNTS)
         input_flags = scratch.tensor("input_flags")
-        layout = ElasticLayout(scratch=scratch, topk_idx=routing.topk_idx,
-                               total_packets=scratch.tensor("total_packets"), total_rows=scratch.tensor("total_rows"),
-                               packet_rows=packet_rows,
+        layout = ElasticLayout(scratch=scratch, topk_idx=routing.topk_idx, total_packets=total_packets,
+                               total_rows=total_rows, packet_rows=packet_rows,
                                input_flags=input_flags, topk=k, expand=expand, zero_padding=zero_padding,
                                capacity=capacity)
         handle = Handle(
             backend=self, num_tokens=T, hidden_size=H, hidden_dtype=torch.bfloat16,
             probs_shape=routing.probs_shape if probs is not None else None, num_experts=self.num_experts,
             num_local_experts=L, pad_multiple=pad_multiple, num_rows=capacity, tokens_per_expert=tokens_per_expert,
-            num_real_tokens_per_expert=scratch.tensor("real_per_expert"), layout=layout,
+            num_real_tokens_per_expert=real_per_expert, layout=layout,
             handle_id=self._next_handle_id(),
             output_form=EXPERT_ROWS if expand else COMPACT, row_probs_shape=(capacity,) if expand else (capacity, k))
         if input_flags is not None and not self.config.blocking:
@@ -371,6 +370,7 @@ class ElasticBackend(CompiledBackend):
         self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, args, self.num_blocks, self._stream())
         return out_idx, out_weights
 
+    @op_range("cached_dispatch")
     def _cached_dispatch(self, hidden, handle: Handle) -> DispatchOutput:
         """Send new rows along a previous dispatch's layout: no layout, no count exchange."""
         data = self.check_cached_input(hidden, handle)
@@ -381,26 +381,23 @@ class ElasticBackend(CompiledBackend):
         scales = hidden[1] if fp8 else None
         data = self._aligned(data)
         H = self.hidden_size
-        with nvtx_range("ep.elastic.cached_dispatch.handshake"):
-            self._exchange(PHASE_CACHED, self._fingerprint(OP_DISPATCH_AGAIN, dtype=data.dtype, handle=handle))
-        with nvtx_range("ep.elastic.cached_dispatch.send"):
-            row_bytes = H if fp8 else 2 * H
-            scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
-            self._keep_on_stream(data, scales)
-            send = self._C.elastic.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
-                                            send_slot=at("send_slot"), num_tokens=handle.num_tokens,
-                                            bulk_copy=self._bulk)
-            self._C.elastic.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
-        with nvtx_range("ep.elastic.cached_dispatch.receive"):
-            out = self._empty(layout.capacity, H, dtype=data.dtype)
-            out_scales = self._empty(layout.capacity, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
-            receive = self._C.elastic.ReceiveArgs(
-                out=out, row_bytes=row_bytes, out_scales=out_scales, scale_bytes=scale_bytes,
-                capacity=layout.capacity, num_packets=at("num_packets"), topk=layout.topk, expand=layout.expand,
-                cached=True, expert_start=at("expert_start"), tokens_per_expert=at("tokens_per_expert"),
-                real_per_expert=at("real_per_expert"), packet_rows=layout.packet_rows,
-                zero_padding=layout.zero_padding, bulk_copy=self._bulk)
-            self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
+        self._exchange(PHASE_CACHED, self._fingerprint(OP_DISPATCH_AGAIN, dtype=data.dtype, handle=handle))
+        row_bytes = H if fp8 else 2 * H
+        scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
+        self._keep_on_stream(data, scales)
+        send = self._C.elastic.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
+                                        send_slot=at("send_slot"), num_tokens=handle.num_tokens,
+                                        bulk_copy=self._bulk)
+        self._C.elastic.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
+        out = self._empty(layout.capacity, H, dtype=data.dtype)
+        out_scales = self._empty(layout.capacity, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
+        receive = self._C.elastic.ReceiveArgs(
+            out=out, row_bytes=row_bytes, out_scales=out_scales, scale_bytes=scale_bytes,
+            capacity=layout.capacity, num_packets=at("num_packets"), topk=layout.topk, expand=layout.expand,
+            cached=True, expert_start=at("expert_start"), tokens_per_expert=at("tokens_per_expert"),
+            real_per_expert=at("real_per_expert"), packet_rows=layout.packet_rows,
+            zero_padding=layout.zero_padding, bulk_copy=self._bulk)
+        self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
         valid_rows = None if self.config.blocking else layout.total_rows if layout.expand else layout.total_packets
         rows = (out, out_scales) if fp8 else out
         return DispatchOutput(rows, None, handle.tokens_per_expert, handle, num_valid_rows=valid_rows,
@@ -434,6 +431,7 @@ class ElasticBackend(CompiledBackend):
         """Whether ``rows`` is the combine input in this rank's buffer (then it is read in place)."""
         return not layout.expand and self._is_combine_input(rows, layout, self.regions.off_comb_data)
 
+    @op_range("combine")
     def _combine(self, rows, handle: Handle, row_probs, bias=None) -> CombineOutput:
         self.buffer.raise_if_failed()
         layout: ElasticLayout = handle.layout
@@ -441,26 +439,23 @@ class ElasticBackend(CompiledBackend):
         T, k, dev = handle.num_tokens, layout.topk, self.device
         in_place = self._in_place(rows, layout)
         op = OP_COMBINE_IN_PLACE if in_place else OP_COMBINE
-        with nvtx_range("ep.elastic.combine.handshake"):
-            self._exchange(PHASE_COMBINE, self._fingerprint(op, dtype=rows.dtype, probs=row_probs is not None,
-                                                            handle=handle))
+        self._exchange(PHASE_COMBINE, self._fingerprint(op, dtype=rows.dtype, probs=row_probs is not None,
+                                                        handle=handle))
         rows_in = None if in_place else self._aligned(rows)  # in place: the buffer is read, not the tensor
         self._keep_on_stream(rows_in, row_probs, bias)
         # In place, only the routed-back values (if any) travel ahead of the receive.
         send_needed = not in_place or row_probs is not None
         if send_needed:
-            with nvtx_range("ep.elastic.combine.send"):
-                send = self._C.elastic.CombineSendArgs(rows=rows_in, slot_values=row_probs,
-                                                       num_packets=at("num_packets"),
-                                                       packet_rows=layout.packet_rows if layout.expand else None,
-                                                       topk=k)
-                self._C.elastic.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
-        with nvtx_range("ep.elastic.combine.receive"):
-            out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
-            values = torch.empty(T, k, dtype=torch.float32, device=dev) if row_probs is not None else None
-            receive = self._C.elastic.CombineRecvArgs(out=out, bias=bias, out_topk_values=values,
-                                                      send_slot=at("send_slot"), topk_idx=layout.topk_idx, topk=k,
-                                                      num_tokens=T, dest_base=at("dest_base") if in_place else None,
-                                                      wait_for_send=send_needed)
-            self._C.elastic.combine_recv(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
+            send = self._C.elastic.CombineSendArgs(rows=rows_in, slot_values=row_probs,
+                                                   num_packets=at("num_packets"),
+                                                   packet_rows=layout.packet_rows if layout.expand else None,
+                                                   topk=k)
+            self._C.elastic.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
+        out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
+        values = torch.empty(T, k, dtype=torch.float32, device=dev) if row_probs is not None else None
+        receive = self._C.elastic.CombineRecvArgs(out=out, bias=bias, out_topk_values=values,
+                                                  send_slot=at("send_slot"), topk_idx=layout.topk_idx, topk=k,
+                                                  num_tokens=T, dest_base=at("dest_base") if in_place else None,
+                                                  wait_for_send=send_needed)
+        self._C.elastic.combine_recv(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
         return CombineOutput(out, values)

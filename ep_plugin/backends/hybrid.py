@@ -1,9 +1,9 @@
 """``hybrid``: compiled dispatch/combine within one NVLink domain (Megatron ``hybridep`` semantics).
 
-Stages (each a kernel, run on the caller's current stream; NVTX range per stage). The layout and
-the exchange are shared with the other compiled backend (``csrc/layout.cu``, ``csrc/exchange.cu``);
-the data stages are hybrid's own (``csrc/hybrid/``), over regions it lays out on the transport's
-symmetric buffer (``csrc/hybrid/hybrid.h``):
+Stages (each a kernel, run on the caller's current stream; one NVTX range per op,
+``ep.hybrid.<op>``). The layout and the exchange are shared with the other compiled backend
+(``csrc/layout.cu``, ``csrc/exchange.cu``); the data stages are hybrid's own (``csrc/hybrid/``),
+over regions it lays out on the transport's symmetric buffer (``csrc/hybrid/hybrid.h``):
 
 1. layout (``csrc/layout.cu``, one kernel, no host sync): from routing_map or topk_idx, each token's send
    slot at every destination rank (``send_slot [T, R]``: tokens sent to a rank are numbered in
@@ -88,11 +88,11 @@ from typing import Optional
 import torch
 
 from .. import streams
-from ..agreement import OP_COMBINE, OP_COMBINE_IN_PLACE, OP_DISPATCH, OP_DISPATCH_AGAIN, OpFingerprint
+from ..agreement import OP_COMBINE, OP_COMBINE_IN_PLACE, OP_DISPATCH, OP_DISPATCH_AGAIN, fingerprint_code
 from ..handle import CombineOutput, DispatchOutput, Handle
 from ..routing import ROUTING_MAP, Routing, route_counts
 from .base import Capabilities
-from .compiled import CompiledBackend, Scratch, nvtx_range
+from .compiled import CompiledBackend, Scratch, nvtx_range, op_range
 
 PHASE_NAMES = {
     1: "dispatch/notify (handshake + count exchange)",
@@ -103,6 +103,8 @@ PHASE_NAMES = {
     6: "barrier",
 }
 PHASE_DISPATCH, PHASE_COMBINE, PHASE_DISPATCH_AGAIN, PHASE_BARRIER = 1, 2, 3, 6
+# The int64 counts a dispatch hands out, adjacent in its scratch so one split views them all.
+HANDED_OUT_COUNTS = ("tokens_per_expert", "real_per_expert", "total_rows")
 
 
 @dataclass(eq=False)
@@ -211,10 +213,11 @@ class HybridBackend(CompiledBackend):
     # ---- Backend protocol ---------------------------------------------------------------
 
     def _fingerprint(self, op: str, *, dtype=torch.bfloat16, probs: bool = False, routing: Optional[Routing] = None,
-                     handle: Optional[Handle] = None) -> OpFingerprint:
+                     handle: Optional[Handle] = None) -> int:
+        """The op's packed fingerprint (``agreement.fingerprint_code``), as the handshake takes it."""
         topk = routing.topk_idx.shape[1] if routing is not None and routing.form != ROUTING_MAP else 0
-        return OpFingerprint(op, dtype=dtype, probs=probs, form=routing.form if routing is not None else None,
-                             topk=min(topk, 127), handle_id=handle.handle_id if handle is not None else 0)
+        return fingerprint_code(op, dtype, probs, routing.form if routing is not None else None, min(topk, 127),
+                                handle.handle_id if handle is not None else 0)
 
     def _dispatch_fields(self, routing: Routing, probs) -> list[tuple]:
         """The scratch pieces of a dispatch: the layout's, the count exchange's, the permute's."""
@@ -228,6 +231,7 @@ class HybridBackend(CompiledBackend):
             fields.append(("peer_rows", (R, L + 1), torch.int32))
         return fields
 
+    @op_range("dispatch")
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple) -> DispatchOutput:
         self.buffer.raise_if_failed()
         fp8 = isinstance(hidden, (tuple, list))
@@ -237,18 +241,17 @@ class HybridBackend(CompiledBackend):
         # Non-blocking: the budget is known now (and tells peers which of their rows were dropped).
         budget = None if self.config.blocking else (
             self.config.num_permuted_tokens or self._worst_case_rows(routing, pad_multiple))
-        with nvtx_range("ep.hybrid.dispatch.layout+notify"):
-            scratch = self._scratch(("dispatch", T, routing.form, probs is not None),
-                                    lambda: self._dispatch_fields(routing, probs))
-            at = scratch.address
-            fingerprint = self._fingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, routing=routing)
-            dense_probs = self._layout_and_exchange(
-                routing, probs, scratch, PHASE_DISPATCH, fingerprint, pad_multiple=pad_multiple,
-                row_base=at("row_base"), expert_start=at("expert_start"), tokens_per_expert=at("tokens_per_expert"),
-                real_per_expert=at("real_per_expert"), num_packets=at("num_packets"), total_rows=at("total_rows"),
-                receive_budget=self._C.UNBOUNDED_ROWS if budget is None else budget,
-                peer_row_base=at("peer_rows") if self.combine_input_rows else None)
-            counted = self._mark() if self.config.blocking else None
+        scratch = self._scratch(("dispatch", T, routing.form, probs is not None),
+                                lambda: self._dispatch_fields(routing, probs))
+        at = scratch.address
+        fingerprint = self._fingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, routing=routing)
+        dense_probs = self._layout_and_exchange(
+            routing, probs, scratch, PHASE_DISPATCH, fingerprint, pad_multiple=pad_multiple,
+            row_base=at("row_base"), expert_start=at("expert_start"), tokens_per_expert=at("tokens_per_expert"),
+            real_per_expert=at("real_per_expert"), num_packets=at("num_packets"), total_rows=at("total_rows"),
+            receive_budget=self._C.UNBOUNDED_ROWS if budget is None else budget,
+            peer_row_base=at("peer_rows") if self.combine_input_rows else None)
+        counted = self._mark() if self.config.blocking else None
         # The send needs no host count: in blocking mode it runs while the host reads the counts, and
         # in non-blocking mode (the budget known) it shares one launch with the permute.
         row_bytes = H if fp8 else 2 * H
@@ -259,29 +262,26 @@ class HybridBackend(CompiledBackend):
                                        send_slot=at("send_slot"), k_index=at("k_index"), probs=dense_probs,
                                        num_tokens=T, bulk_copy=self._bulk, overflow=at("overflow"))
         if self.config.blocking:
-            with nvtx_range("ep.hybrid.dispatch.send"):
-                self._C.hybrid.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
+            self._C.hybrid.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
             with nvtx_range("ep.hybrid.dispatch.wait_count"):
                 budget = self._dispatch_counts(counted, routing)[self._C.MAILBOX_TOTAL_ROWS]
-        with nvtx_range("ep.hybrid.dispatch.permute" if self.config.blocking else "ep.hybrid.dispatch.send+permute"):
-            out = self._empty(budget, H, dtype=data.dtype)
-            out_scales = self._empty(budget, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
-            out_probs = self._empty(budget, dtype=torch.float32) if probs is not None else None
-            permute = self._C.hybrid.PermuteArgs(
-                out=out, row_bytes=row_bytes, out_scales=out_scales, scale_bytes=scale_bytes, out_probs=out_probs,
-                budget=budget, row_base=at("row_base"), expert_start=at("expert_start"),
-                tokens_per_expert=at("tokens_per_expert"), real_per_expert=at("real_per_expert"),
-                num_packets=at("num_packets"), total_rows=at("total_rows"), packet_rows=at("packet_rows"),
-                overflow=at("overflow"), bulk_copy=self._bulk)
-            if self.config.blocking:
-                self._C.hybrid.permute(self.buffer.raw, self.regions, permute, self.num_blocks, self._stream())
-            else:
-                self._C.hybrid.dispatch_fused(self.buffer.raw, self.regions, send, permute, self.num_blocks,
-                                              self._stream())
+        out = self._empty(budget, H, dtype=data.dtype)
+        out_scales = self._empty(budget, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
+        out_probs = self._empty(budget, dtype=torch.float32) if probs is not None else None
+        permute = self._C.hybrid.PermuteArgs(
+            out=out, row_bytes=row_bytes, out_scales=out_scales, scale_bytes=scale_bytes, out_probs=out_probs,
+            budget=budget, row_base=at("row_base"), expert_start=at("expert_start"),
+            tokens_per_expert=at("tokens_per_expert"), real_per_expert=at("real_per_expert"),
+            num_packets=at("num_packets"), total_rows=at("total_rows"), packet_rows=at("packet_rows"),
+            overflow=at("overflow"), bulk_copy=self._bulk)
+        if self.config.blocking:
+            self._C.hybrid.permute(self.buffer.raw, self.regions, permute, self.num_blocks, self._stream())
+        else:
+            self._C.hybrid.dispatch_fused(self.buffer.raw, self.regions, send, permute, self.num_blocks,
+                                          self._stream())
         # Views only of what is handed out: the handle's counts, the flags, the valid-row count.
-        tokens_per_expert = scratch.tensor("tokens_per_expert")
+        tokens_per_expert, real_per_expert, total_rows = scratch.tensors(HANDED_OUT_COUNTS)
         overflow = scratch.tensor("overflow")
-        total_rows = scratch.tensor("total_rows")
         input_flags = scratch.tensor("input_flags") if scratch.has("input_flags") else None
         layout = HybridLayout(scratch=scratch, topk_idx=routing.topk_idx if routing.form != ROUTING_MAP else None,
                               total_rows=total_rows, overflow=overflow, input_flags=input_flags, budget=budget,
@@ -290,7 +290,7 @@ class HybridBackend(CompiledBackend):
             backend=self, num_tokens=T, hidden_size=H, hidden_dtype=torch.bfloat16,
             probs_shape=routing.probs_shape if probs is not None else None, num_experts=self.num_experts,
             num_local_experts=L, pad_multiple=pad_multiple, num_rows=budget, tokens_per_expert=tokens_per_expert,
-            num_real_tokens_per_expert=scratch.tensor("real_per_expert"), layout=layout,
+            num_real_tokens_per_expert=real_per_expert, layout=layout,
             handle_id=self._next_handle_id())
         self.over_budget = overflow
         if input_flags is not None and not self.config.blocking:
@@ -300,29 +300,27 @@ class HybridBackend(CompiledBackend):
                               num_valid_rows=None if self.config.blocking else total_rows,
                               ready=streams.record_ready(self.device))
 
+    @op_range("dispatch_again")
     def _dispatch_again(self, hidden, handle: Handle) -> torch.Tensor:
         self.buffer.raise_if_failed()
         layout: HybridLayout = handle.layout
         at = layout.scratch.address
         H = self.hidden_size
-        with nvtx_range("ep.hybrid.dispatch_again.notify"):
-            fingerprint = self._fingerprint(OP_DISPATCH_AGAIN, dtype=hidden.dtype, handle=handle)
-            self._exchange(PHASE_DISPATCH_AGAIN, fingerprint)
-        with nvtx_range("ep.hybrid.dispatch_again.send"):
-            hidden = self._aligned(hidden)
-            self._keep_on_stream(hidden)
-            send = self._C.hybrid.SendArgs(hidden=hidden, row_bytes=2 * H, send_slot=at("send_slot"),
-                                           num_tokens=handle.num_tokens, bulk_copy=self._bulk)
-            self._C.hybrid.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
-        with nvtx_range("ep.hybrid.dispatch_again.permute"):
-            out = self._empty(layout.budget, H, dtype=hidden.dtype)
-            permute = self._C.hybrid.PermuteArgs(
-                out=out, row_bytes=2 * H, budget=layout.budget, row_base=at("row_base"),
-                expert_start=at("expert_start"), tokens_per_expert=at("tokens_per_expert"),
-                real_per_expert=at("real_per_expert"), num_packets=at("num_packets"),
-                total_rows=at("total_rows"), packet_rows=at("packet_rows"), use_cached_rows=True,
-                overflow=at("overflow"), bulk_copy=self._bulk)
-            self._C.hybrid.permute(self.buffer.raw, self.regions, permute, self.num_blocks, self._stream())
+        fingerprint = self._fingerprint(OP_DISPATCH_AGAIN, dtype=hidden.dtype, handle=handle)
+        self._exchange(PHASE_DISPATCH_AGAIN, fingerprint)
+        hidden = self._aligned(hidden)
+        self._keep_on_stream(hidden)
+        send = self._C.hybrid.SendArgs(hidden=hidden, row_bytes=2 * H, send_slot=at("send_slot"),
+                                       num_tokens=handle.num_tokens, bulk_copy=self._bulk)
+        self._C.hybrid.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
+        out = self._empty(layout.budget, H, dtype=hidden.dtype)
+        permute = self._C.hybrid.PermuteArgs(
+            out=out, row_bytes=2 * H, budget=layout.budget, row_base=at("row_base"),
+            expert_start=at("expert_start"), tokens_per_expert=at("tokens_per_expert"),
+            real_per_expert=at("real_per_expert"), num_packets=at("num_packets"),
+            total_rows=at("total_rows"), packet_rows=at("packet_rows"), use_cached_rows=True,
+            overflow=at("overflow"), bulk_copy=self._bulk)
+        self._C.hybrid.permute(self.buffer.raw, self.regions, permute, self.num_blocks, self._stream())
         return out
 
     def combine_input(self, handle: Handle) -> torch.Tensor:
@@ -344,35 +342,33 @@ class HybridBackend(CompiledBackend):
                              "always fits), or combine a tensor of your own")
         return self._combine_input_view(handle.layout, self.regions.off_comb_input, handle.num_rows)
 
+    @op_range("combine")
     def _combine(self, rows, handle: Handle, row_probs) -> CombineOutput:
         self.buffer.raise_if_failed()
         layout: HybridLayout = handle.layout
         at = layout.scratch.address
         T, dev = handle.num_tokens, self.device
         in_place = layout.in_place_ready and self._is_combine_input(rows, layout, self.regions.off_comb_input)
-        with nvtx_range("ep.hybrid.combine.notify"):
-            self._exchange(PHASE_COMBINE, self._fingerprint(OP_COMBINE_IN_PLACE if in_place else OP_COMBINE,
-                                                            dtype=rows.dtype, probs=row_probs is not None,
-                                                            handle=handle))
+        self._exchange(PHASE_COMBINE, self._fingerprint(OP_COMBINE_IN_PLACE if in_place else OP_COMBINE,
+                                                        dtype=rows.dtype, probs=row_probs is not None,
+                                                        handle=handle))
         # In place the sources read the rows in the buffer: only the scalars (if any) travel ahead.
         send_needed = not in_place or row_probs is not None
         if send_needed:
-            with nvtx_range("ep.hybrid.combine.send"):
-                rows_in = None if in_place else rows
-                self._keep_on_stream(rows_in, row_probs)
-                send = self._C.hybrid.CombineSendArgs(rows=rows_in, row_probs=row_probs,
-                                                      packet_rows=at("packet_rows"), num_packets=at("num_packets"),
-                                                      budget=layout.budget)
-                self._C.hybrid.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
-        with nvtx_range("ep.hybrid.combine.receive"):
-            out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
-            dense_probs = torch.zeros(T, self.num_experts, dtype=torch.float32, device=dev) \
-                if row_probs is not None else None
-            receive = self._C.hybrid.CombineRecvArgs(out=out, out_probs=dense_probs, send_slot=at("send_slot"),
-                                                     k_index=at("k_index"), num_tokens=T,
-                                                     peer_rows=at("peer_rows") if in_place else None,
-                                                     wait_for_send=send_needed)
-            self._C.hybrid.combine_recv(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
+            rows_in = None if in_place else rows
+            self._keep_on_stream(rows_in, row_probs)
+            send = self._C.hybrid.CombineSendArgs(rows=rows_in, row_probs=row_probs,
+                                                  packet_rows=at("packet_rows"), num_packets=at("num_packets"),
+                                                  budget=layout.budget)
+            self._C.hybrid.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
+        out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
+        dense_probs = torch.zeros(T, self.num_experts, dtype=torch.float32, device=dev) \
+            if row_probs is not None else None
+        receive = self._C.hybrid.CombineRecvArgs(out=out, out_probs=dense_probs, send_slot=at("send_slot"),
+                                                 k_index=at("k_index"), num_tokens=T,
+                                                 peer_rows=at("peer_rows") if in_place else None,
+                                                 wait_for_send=send_needed)
+        self._C.hybrid.combine_recv(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
         probs = None
         if dense_probs is not None:
             if layout.topk_idx is None:

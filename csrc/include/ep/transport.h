@@ -110,6 +110,8 @@ class SymmetricBuffer {
   // (kind, rank, phase, peer, expected, seen, waited_ns); kind 0 = nothing failed. Reads mapped
   // host memory only: no CUDA call, no sync.
   std::vector<long long> report() const;
+  // Whether report() holds a failure: what every op checks first (a bool instead of a list).
+  bool failed() const { return report_ != nullptr && report_->kind != kReportNone; }
   // Mailbox words [first, first + count) (read after an event wait on the kernel that wrote them).
   std::vector<long long> mailbox(int first, int count) const;
   void set_timeout(double timeout_s);
