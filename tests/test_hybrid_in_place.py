@@ -198,7 +198,8 @@ def graph_replays(ctx) -> int:
 def autograd_and_misuse(ctx) -> int:
     """ep_plugin.combine of the combine input: forward in place, gradients as through the reference.
     A combine_input_rows that is no int >= 0 is refused at construction; combine_input is refused
-    (before any launch) without room or with too little, and the backend goes on."""
+    (before any launch) without room or with too little, and the backend goes on; so is a combine of
+    the buffer's combine input for a handle it was not handed out for (rows in another order)."""
     num_experts = 32
     inputs = make_inputs(1000, ctx.rank, ctx.world_size, tokens_of(ctx.rank, 0), HIDDEN, num_experts, 4,
                          skewed=False, drop_some=True)
@@ -221,6 +222,20 @@ def autograd_and_misuse(ctx) -> int:
     # The recorded write stays with that tensor: a later combine input carries no history.
     again = hybrid.combine_input(out.handle)
     assert again.grad_fn is None and not again.requires_grad, "the combine input kept the last write's history"
+
+    # The buffer holds one combine input: A's rows passed for B, or A's after B took the buffer, are refused.
+    first = hybrid.dispatch(inputs[0], **routing_kwargs("topk", inputs))
+    rows_first = hybrid.combine_input(first.handle)
+    second = hybrid.dispatch(inputs[0] * 2, **routing_kwargs("topk", inputs))
+    with pytest.raises(ValueError, match="holds it for another dispatch"):
+        hybrid.combine(rows_first, second.handle)
+    rows_second = hybrid.combine_input(second.handle)
+    with pytest.raises(ValueError, match="holds it for another dispatch"):
+        hybrid.combine(rows_first, first.handle)
+    rows_second.copy_(second.hidden)
+    back = hybrid.combine(rows_second, second.handle)  # still usable, and in place for its own handle
+    ref = reference.dispatch(inputs[0] * 2, **routing_kwargs("topk", inputs))
+    assert_combine_close(back.hidden, reference.combine(ref.hidden, ref.handle).hidden, "after the misuse")
 
     for bad, error in (("8", TypeError), (True, TypeError), (-1, ValueError)):  # refused before anything is built
         with pytest.raises(error, match="combine_input_rows"):

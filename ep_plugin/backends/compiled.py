@@ -112,6 +112,8 @@ class CompiledBackend(Backend):
         self.buffer: Optional[SymmetricBuffer] = None
         self._handshakes: dict = {}  # phase -> the handshake-only ExchangeArgs (see _exchange)
         self._scratch_plans: dict = {}  # op shape -> ScratchPlan (see _scratch)
+        # The layout of the dispatch whose combine input the buffer holds now (weak: see _is_combine_input).
+        self._combine_input_owner: Optional[weakref.ref] = None
 
     def _construction_facts(self) -> dict:
         # Kernels wait for as many blocks of every peer as they run themselves, and the regions hold
@@ -284,13 +286,26 @@ class CompiledBackend(Backend):
         ``combine_input`` field) as the combine input handed out for that dispatch."""
         view = self.buffer.region_tensor(offset, (rows, self.hidden_size), torch.bfloat16)
         layout.combine_input = weakref.ref(view)
+        self._combine_input_owner = weakref.ref(layout)  # the buffer holds one combine input
         return view
 
     def _is_combine_input(self, rows: torch.Tensor, layout, offset: int) -> bool:
-        """Whether ``rows`` is the combine input at region ``offset`` (then combine reads it in place)."""
+        """Whether ``rows`` is the combine input at region ``offset`` (then combine reads it in place).
+
+        Raises ValueError (before any launch) when it is, but the buffer's combine input was handed
+        out for another dispatch: its rows are in that dispatch's order, and read in place for this
+        one they would sum the wrong rows without a word."""
         if layout.combine_input is not None and layout.combine_input() is rows:
-            return True  # also decides an empty input, whose address says nothing
-        return rows.numel() > 0 and rows.data_ptr() == self.buffer.raw.region_address + offset
+            in_buffer = True  # also decides an empty input, whose address says nothing
+        else:
+            in_buffer = rows.numel() > 0 and rows.data_ptr() == self.buffer.raw.region_address + offset
+        owner = self._combine_input_owner() if self._combine_input_owner is not None else None
+        if in_buffer and owner is not layout:
+            raise ValueError(
+                "combine: these rows are the backend's combine input, but the buffer holds it for another "
+                "dispatch (combine_input was last called for another handle, or never for this one); it holds "
+                "one combine input at a time: call combine_input(handle) for this handle and write its rows there")
+        return in_buffer
 
     # ---- helpers the stages use -------------------------------------------------------------
 

@@ -40,7 +40,8 @@ What a DeepEP user knows, under our names (DeepEP's in parentheses):
   the expert output there and pass that tensor to ``combine``: the sources then read the rows where
   they are instead of receiving a copy (DeepEP's low-latency combine buffer, for the normal kernels).
   It is valid from the dispatch of ``handle`` until that handle's combine; any other op on the
-  backend in between may overwrite it. Ranks must agree on whether a combine is in place (the
+  backend in between may overwrite it, and a combine of it for a handle it was not last handed out
+  for raises ``ValueError`` (before any launch). Ranks must agree on whether a combine is in place (the
   handshake checks it).
 - Backward of dispatch is combine; backward of combine is a cached dispatch, through
   ``ep_plugin.dispatch`` / ``ep_plugin.combine``.

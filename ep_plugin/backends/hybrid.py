@@ -37,7 +37,8 @@ expert output there and pass that tensor to ``combine``: each source then reads 
 rows straight from the expert ranks' buffers and sums them (one pass: the rows are read once, no
 partial sums are written and read back), which on one GPU moves about half the bytes of the
 two-stage combine. It is valid from the dispatch of ``handle`` until that handle's combine; the
-buffer holds one combine input, so write it for one handle at a time. Ranks must agree on whether
+buffer holds one combine input, so write it for one handle at a time (a combine of it for a handle
+it was not last handed out for raises ``ValueError``, before any launch). Ranks must agree on whether
 a combine is in place (the handshake checks it). ``N`` bounds the rows of a dispatch that can be
 combined so (``combine_input`` refuses more): the largest blocking output expected, or
 ``num_permuted_tokens`` in non-blocking mode; ``worst_case_rows(...)`` gives the bound that always
@@ -329,8 +330,8 @@ class HybridBackend(CompiledBackend):
 
         Write the expert output there and pass this tensor to ``combine(rows, handle)``: the sources
         then read each row where it is. Valid from the dispatch of ``handle`` until its combine; the
-        buffer holds one combine input at a time, and the memory goes with ``destroy()``. Every rank
-        of the combine must pass its own.
+        buffer holds one combine input at a time (combining it for another handle raises ValueError),
+        and the memory goes with ``destroy()``. Every rank of the combine must pass its own.
         """
         self.check_handle(handle)
         room = self.regions.combine_input_rows
