@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--backends", default="hybrid,hybrid+in_place,elastic+in_place")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--pin", default="", help="comma list of CPUs; rank r runs on pin[r % len(pin)]")
+    parser.add_argument("--pin", default="", help="comma list of CPUs; rank r runs on pin[r %% len(pin)]")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ep_plugin.testing import run_ranks
