@@ -12,6 +12,7 @@ alone), and the times with the first eight CPUs and with all of them busy. Numbe
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import multiprocessing as mp
 import os
@@ -37,6 +38,7 @@ def worker(cpu: int, conn) -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     context = mp.get_context("fork")
     pipes, workers = {}, []
