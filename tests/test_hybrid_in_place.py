@@ -233,7 +233,7 @@ def autograd_and_misuse(ctx) -> int:
     with pytest.raises(ValueError, match="holds it for another dispatch"):
         hybrid.combine(rows_first, first.handle)
     rows_second.copy_(second.hidden)
-    back = hybrid.combine(rows_second, second.handle)  # still usable, and in place for its own handle
+    back = hybrid.combine(rows_second, second.handle)  # still usable: its own handle combines as before
     ref = reference.dispatch(inputs[0] * 2, **routing_kwargs("topk", inputs))
     assert_combine_close(back.hidden, reference.combine(ref.hidden, ref.handle).hidden, "after the misuse")
 
