@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ep_plugin import _cuda
+from ep_plugin.backends.compiled import CompiledBackend
 from ep_plugin.backends.hybrid import HybridBackend
 from ep_plugin.routing import ROUTING_MAP, TOPK, Routing
 
@@ -28,10 +29,17 @@ SENTINEL = -7
 CANARY = 67  # elements past each output that must stay untouched
 
 
-def stand_in(num_ranks: int, num_local_experts: int, blocking: bool = True) -> SimpleNamespace:
+class StandIn(SimpleNamespace):
+    """A backend's attributes without a process group or buffers, and the one method ``_layout`` calls
+    on ``self`` (bound here like on a backend)."""
+
+    _layout_args = CompiledBackend._layout_args
+
+
+def stand_in(num_ranks: int, num_local_experts: int, blocking: bool = True) -> StandIn:
     """The attributes ``_layout`` / ``_layout_torch`` use, without a process group or buffers."""
     device = torch.device("cuda", torch.cuda.current_device())
-    return SimpleNamespace(num_ranks=num_ranks, num_local_experts=num_local_experts,
+    return StandIn(num_ranks=num_ranks, num_local_experts=num_local_experts,
                            num_experts=num_ranks * num_local_experts, device=device,
                            config=SimpleNamespace(blocking=blocking), _C=_cuda.extension(), num_blocks=16,
                            _stream=lambda: torch.cuda.current_stream(device).cuda_stream)
