@@ -234,6 +234,12 @@ def test_nvlink_preset_and_reference_defaults():
     assert reference_limits(args, plan_launch(2, "cuda", 2)) == (0, args.iters)  # never skipped
     assert parse_args(["--device", "cpu", "--preset", "full"]).ranks == 8
     assert parse_args(["--device", "cpu"]).ranks == 4  # the cpu preset, the default without a GPU
+    cpu = parse_args(["--device", "cpu"])
+    assert (cpu.warmup, cpu.iters) == (3, 10)
+    # Decode steps are short: the preset times the steady pace, not the catch-up after the barrier.
+    decode = parse_args(["--device", "cpu", "--preset", "decode"])
+    assert (decode.warmup, decode.iters) == (50, 200)
+    assert parse_args(["--device", "cpu", "--preset", "decode", "--iters", "5"]).iters == 5  # explicit wins
     default = parse_args(["--device", "cpu", "--iters", "7"])
     assert reference_limits(default, plan_launch(2, "cuda", 2)) == (0, 7)  # NCCL: a real baseline
     assert reference_limits(default, plan_launch(8, "cuda", 1)) == (4096, 3)  # gloo + MPS: through the host

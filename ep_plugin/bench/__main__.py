@@ -62,8 +62,10 @@ PRESETS = {
     # The standard shape: 8 ranks sharing a GPU, 16 SMs, 4096 tokens, H=7168, top-8, 256 experts.
     "standard": dict(tokens="4096", hidden="7168", sms="16", payloads="bf16,fp8", routings="balanced",
                      modes="blocking"),
+    # A decode step is ~0.2-0.4 ms: 10 iterations after the case's barrier would time how ranks
+    # catch up from leaving it (gloo: hundreds of µs apart), not the steady pace of step after step.
     "decode": dict(tokens="128", hidden="7168", sms="16", payloads="bf16", routings="balanced",
-                   modes="nonblocking,blocking"),
+                   modes="nonblocking,blocking", warmup=50, iters=200),
     "full": dict(tokens="128,1024,4096,8192", hidden="4096,7168", sms="8,16,24,32", payloads="bf16,fp8",
                  routings="balanced,skewed", modes="blocking,nonblocking"),
     # Two ranks with a GPU each over real NVLink; NCCL's all_to_all is fast, so the reference
@@ -76,6 +78,7 @@ PRESETS = {
 }
 DEFAULT_OUT = "bench_out"  # relative to the current folder; the repository's .gitignore covers it
 DEFAULT_RANKS = 8
+DEFAULT_WARMUP, DEFAULT_ITERS = 3, 10
 # The reference over gloo (CPU, or ranks sharing a GPU) goes through host memory: keep it short there.
 GLOO_REFERENCE_MAX_TOKENS, GLOO_REFERENCE_ITERS = 4096, 3
 
@@ -105,8 +108,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="ranks per NVLink domain, comma list (default 0 = detected): e.g. 8,4 runs each "
                              "compiled backend as 1x8 and as 2x4 domains joined by scale-out rails, and reports "
                              "scale-out bytes per rank (scaleout_MB, scaleout_GB/s) next to the other figures")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10, help="timed iterations per case and rank")
+    parser.add_argument("--warmup", type=int, help=f"untimed iterations per case (default {DEFAULT_WARMUP}; "
+                                                      "decode preset 50)")
+    parser.add_argument("--iters", type=int, help=f"timed iterations per case and rank (default {DEFAULT_ITERS}; "
+                                                     "decode preset 200)")
     parser.add_argument("--reference-iters", type=int,
                         help=f"timed iterations of the reference (default: --iters over NCCL, "
                              f"{GLOO_REFERENCE_ITERS} over gloo, where it goes through host memory)")
@@ -132,6 +137,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             setattr(args, key, value)
     if args.ranks is None:
         args.ranks = DEFAULT_RANKS
+    if args.warmup is None:
+        args.warmup = DEFAULT_WARMUP
+    if args.iters is None:
+        args.iters = DEFAULT_ITERS
     if args.backends is None:
         args.backends = ",".join(available_backends(args.device))
     problem = _argument_problem(args)
