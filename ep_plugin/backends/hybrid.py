@@ -10,10 +10,10 @@ over regions it lays out on the transport's symmetric buffer (``csrc/hybrid/hybr
    token order, -1 = none), its index within each chosen expert (``k_index [T, E]``), and the
    counts per expert and per destination rank.
 2. exchange (in the layout's launch, run by its last block: ``_layout_and_exchange``; a handshake
-   alone is a one-block kernel, and a combine's runs in block 0 of its first kernel): advance the device-resident op number, push the counts into every
-   peer's buffer, handshake (with the op fingerprint: ranks that disagree on the op get ``EPError``); derive this
-   rank's receive layout (segment starts, row bases per (source, expert), padded
-   ``tokens_per_expert``, total rows).
+   alone is a one-block kernel, and a combine's runs in block 0 of its first kernel): advance the
+   device-resident op number, push the counts into every peer's buffer, handshake (with the op
+   fingerprint: ranks that disagree on the op get ``EPError``); derive this rank's receive layout
+   (segment starts, row bases per (source, expert), padded ``tokens_per_expert``, total rows).
 3. dispatch_send (``dispatch.cu``): each token is staged once, and each destination rank gets its
    index and per-local-expert k index and prob.
 4. permute (``permute.cu``): each packet is pulled from its source and expands into its expert
