@@ -156,21 +156,14 @@ def _line_table(step, steps: int) -> str:
 
 def backend_step_costs(variant: str, device: torch.device, steps: int, per_line: bool = False) -> str:
     """Host µs per eager step of one backend on a one-rank group, and where they go."""
-    from kernel_times import eager_step  # this folder: the step kernel_times.py times
+    from kernel_times import decode_backend, eager_step  # this folder: what kernel_times.py times
 
-    import ep_plugin
     from ep_plugin import _cuda
     from ep_plugin.bench.workload import Shape
-    from ep_plugin.config import Config
 
-    name, _, option = variant.partition("+")
-    in_place = option == "in_place"
+    in_place = variant.endswith("+in_place")
     shape = Shape(128, 7168, 8, 256, "bf16", "balanced")
-    config = Config.from_env(num_sms=16, blocking=False, max_tokens_per_rank=128,
-                             num_permuted_tokens=128 * 8)  # what top-8 of 128 tokens can produce, as kernel_times.py
-    cls = ep_plugin.get_backend(name)
-    options = cls.in_place_options(num_ranks=1, max_tokens_per_rank=128, num_experts=256, topk=8) if in_place else {}
-    backend = cls(hidden_size=7168, num_experts=256, config=config, device=device, **options)
+    backend = decode_backend(variant, None, 1, device)
     step = eager_step(backend, shape, 0, device, in_place=in_place)
     for _ in range(50):
         step()

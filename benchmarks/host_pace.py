@@ -32,20 +32,6 @@ import torch.distributed as dist
 WARMUP = 30
 
 
-def build(variant: str, group, num_ranks: int, device: torch.device, tokens: int):
-    """The bench's decode backend (16 SMs, non-blocking, H=7168, top-8 of 256) on ``group``."""
-    import ep_plugin
-    from ep_plugin.config import Config
-
-    name, _, option = variant.partition("+")
-    cls = ep_plugin.get_backend(name)
-    budget = num_ranks * tokens * min(8, 256 // num_ranks)  # what top-8 routing can produce, as kernel_times.py
-    config = Config.from_env(num_sms=16, blocking=False, max_tokens_per_rank=tokens, num_permuted_tokens=budget)
-    options = cls.in_place_options(num_ranks=num_ranks, max_tokens_per_rank=tokens, num_experts=256, topk=8) \
-        if option == "in_place" else {}
-    return cls(group, hidden_size=7168, num_experts=256, config=config, device=device, **options)
-
-
 def timed_steps(step, steps: int, run: bool = True, nogc: bool = False):
     """(host stamps before each step and after the last, GPU µs per step); all ranks start together.
     ``run=False``: warm up and meet the others at the barrier, but time nothing."""
@@ -95,7 +81,7 @@ def report(ctx, label: str, stamps, gpu_us: float) -> None:
 
 
 def rank_main(ctx, args) -> None:
-    from kernel_times import eager_step  # this folder: the step kernel_times.py times
+    from kernel_times import decode_backend, eager_step  # this folder: what kernel_times.py times
 
     from ep_plugin.bench.workload import Shape
 
@@ -108,12 +94,12 @@ def rank_main(ctx, args) -> None:
     own_groups = [dist.new_group([rank], backend="gloo") for rank in range(ctx.world_size)]  # a collective
     for variant in args.backends.split(","):
         in_place = variant.endswith("+in_place")
-        backend = build(variant, None, ctx.world_size, device, args.tokens)
+        backend = decode_backend(variant, None, ctx.world_size, device, args.tokens)
         step = eager_step(backend, shape, ctx.rank, device, in_place=in_place)
         report(ctx, f"{variant} coupled ({ctx.world_size} ranks)", *timed_steps(step, args.steps))
         report(ctx, f"{variant} coupled+nogc", *timed_steps(step, args.steps, nogc=True))
         backend.destroy()
-        own = build(variant, own_groups[ctx.rank], 1, device, args.tokens)
+        own = decode_backend(variant, own_groups[ctx.rank], 1, device, args.tokens)
         step = eager_step(own, shape, 0, device, in_place=in_place)
         report(ctx, f"{variant} independent ({ctx.world_size} one-rank backends at once)",
                *timed_steps(step, args.steps))

@@ -68,6 +68,21 @@ def profile_rank(ctx, args) -> str | None:
     return "\n".join(lines)
 
 
+def decode_backend(variant: str, group, num_ranks: int, device: torch.device, tokens: int = 128, hidden: int = 7168):
+    """The bench's decode backend on ``group`` (None: the default group): 16 SMs, non-blocking, top-8 of 256
+    experts, a budget of the rows top-8 routing can produce. ``variant``: "hybrid", "elastic+in_place", ..."""
+    import ep_plugin
+    from ep_plugin.config import Config
+
+    name, _, option = variant.partition("+")
+    cls = ep_plugin.get_backend(name)
+    budget = num_ranks * tokens * min(8, 256 // num_ranks)
+    config = Config.from_env(num_sms=16, blocking=False, max_tokens_per_rank=tokens, num_permuted_tokens=budget)
+    options = cls.in_place_options(num_ranks=num_ranks, max_tokens_per_rank=tokens, num_experts=256, topk=8) \
+        if option == "in_place" else {}
+    return cls(group, hidden_size=hidden, num_experts=256, config=config, device=device, **options)
+
+
 def eager_step(backend, shape, rank: int, device: torch.device, *, in_place: bool = False,
                constant_hidden: bool = False):
     """One eager dispatch + combine of ``shape`` on ``backend`` (this rank's bench inputs), as a callable.

@@ -75,10 +75,8 @@ __device__ void combine_send_block(const View& v, const CombineSendArgs& a, unsi
 __global__ void __launch_bounds__(kThreads) combine_send_kernel(TransportView t, Regions g, CombineSendArgs a) {
   const View v{t, g};
   if (block_aborted(t)) return;
-  if (!a.handshake) return combine_send_block(v, a, current_seq(t));
-  unsigned long long seq;
-  if (enter_op(t, a.fingerprint, kPhaseCombineHandshake, &seq)) combine_send_block(v, a, seq);
-  leave_op(t, seq);
+  run_op_kernel(t, a.handshake, a.fingerprint, kPhaseCombineHandshake,
+                [&](unsigned long long seq) { combine_send_block(v, a, seq); });
 }
 
 // In place: the rows of a token that a warp lists in shared memory before summing them (more go
@@ -200,10 +198,8 @@ __device__ void combine_recv_block(const View& v, const CombineRecvArgs& a, unsi
 __global__ void __launch_bounds__(kThreads) combine_recv_kernel(TransportView t, Regions g, CombineRecvArgs a) {
   const View v{t, g};
   if (block_aborted(t)) return;
-  if (!a.handshake) return combine_recv_block(v, a, current_seq(t));
-  unsigned long long seq;
-  if (enter_op(t, a.fingerprint, kPhaseCombineHandshake, &seq)) combine_recv_block(v, a, seq);
-  leave_op(t, seq);
+  run_op_kernel(t, a.handshake, a.fingerprint, kPhaseCombineHandshake,
+                [&](unsigned long long seq) { combine_recv_block(v, a, seq); });
 }
 
 }  // namespace

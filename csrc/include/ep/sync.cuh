@@ -184,6 +184,17 @@ __device__ __forceinline__ void leave_op(const TransportView& t, unsigned long l
   }
 }
 
+// The body of a data kernel that may be its op's first: with `handshake`, enter_op, body(n) when it
+// said yes, leave_op; else body(the op number an earlier kernel of the op advanced to).
+template <typename Body>
+__device__ __forceinline__ void run_op_kernel(const TransportView& t, bool handshake, unsigned long long fingerprint,
+                                              int phase, Body body) {
+  if (!handshake) return body(current_seq(t));
+  unsigned long long seq;
+  if (enter_op(t, fingerprint, phase, &seq)) body(seq);
+  leave_op(t, seq);
+}
+
 // ---- per-block completion flags -----------------------------------------------------------------
 //
 // A backend region of u64 [R][max_blocks]: flags[source][block] = the last op for which block
