@@ -456,12 +456,12 @@ __device__ __forceinline__ void exchange_if_last(const TransportView& t, const E
   __syncthreads();
   if (threadIdx.x == 0) {
     const unsigned blocks = gridDim.x * gridDim.y;
-    s_last = atomicAdd(&t.state->launch_blocks_done, 1u) == blocks - 1 ? 1 : 0;
+    s_last = atomicAdd(&t.state->layout_blocks_done, 1u) == blocks - 1 ? 1 : 0;
   }
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  if (threadIdx.x == 0) t.state->launch_blocks_done = 0;
+  if (threadIdx.x == 0) t.state->layout_blocks_done = 0;
   exchange_block(t, x);
 }
 

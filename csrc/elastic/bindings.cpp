@@ -73,9 +73,7 @@ void bind(py::module_& parent) {
       .ptr("slot_values", &CombineSendArgs::slot_values)
       .ptr("num_packets", &CombineSendArgs::num_packets)
       .ptr("packet_rows", &CombineSendArgs::packet_rows)
-      .val("topk", &CombineSendArgs::topk)
-      .val("handshake", &CombineSendArgs::handshake)
-      .val("fingerprint", &CombineSendArgs::fingerprint);
+      .val("topk", &CombineSendArgs::topk);
   m.def("combine_send", &launch_combine_send, py::arg("buffer"), py::arg("regions"), py::arg("args"),
         py::arg("num_blocks"), py::arg("stream"));
 
@@ -88,9 +86,7 @@ void bind(py::module_& parent) {
       .val("topk", &CombineRecvArgs::topk)
       .val("num_tokens", &CombineRecvArgs::num_tokens)
       .ptr("dest_base", &CombineRecvArgs::dest_base)
-      .val("wait_for_send", &CombineRecvArgs::wait_for_send)
-      .val("handshake", &CombineRecvArgs::handshake)
-      .val("fingerprint", &CombineRecvArgs::fingerprint);
+      .val("wait_for_send", &CombineRecvArgs::wait_for_send);
   m.def("combine_recv", &launch_combine_recv, py::arg("buffer"), py::arg("regions"), py::arg("args"),
         py::arg("num_blocks"), py::arg("stream"));
 }

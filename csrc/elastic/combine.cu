@@ -1,9 +1,6 @@
 // Elastic combine: stage 4 on the expert side, stage 5 on the source side.
 //
-// Either kernel can be the combine's first (args.handshake): its block 0 then runs the op's
-// handshake and the other blocks wait for it (ep::enter_op); otherwise an exchange launch ran it.
-//
-// combine_send: (after the handshake) warp w takes received packets q = (r, s) in the
+// combine_send: (after the handshake kernel) warp w takes received packets q = (r, s) in the
 // order of the dispatch. Compact form: the packet's row is row q. Expanded form: its rows are
 // packet_rows[q][j] for its valid slots j, summed in fp32 in slot order. The result is rounded once
 // to bf16 and pushed to rank r's comb_data[this rank][s]. Per-slot values (the gradient of the
@@ -18,7 +15,7 @@
 // rank it was sent to (send_slot), plus the bias row when given, writing bf16 [T, H]. Slot j of the
 // token gets the value its expert's rank returned (0 for -1, out-of-range and repeated ids).
 // In place, the row of (token, rank p) is p's comb_data row dest_base[p] + slot; without values
-// to wait for, the handshake (then run by combine_recv itself) is the only sync: every rank has arrived at
+// to wait for, the handshake kernel before this one is the only sync: every rank has arrived at
 // this op, so its rows (written by its earlier kernels) are complete.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -35,10 +32,12 @@ namespace {
 
 constexpr int kWarps = kThreads / 32;
 
-__device__ void combine_send_block(const View& v, const CombineSendArgs& a, unsigned long long seq) {
+__global__ void __launch_bounds__(kThreads) combine_send_kernel(TransportView t, Regions g, CombineSendArgs a) {
   __shared__ int32_t s_rows[kWarps][kMaxTopk];
   __shared__ int s_prefix[kMaxRanks + 1];
-  const TransportView& t = v.t;
+  const View v{t, g};
+  if (block_aborted(t)) return;
+  const unsigned long long seq = current_seq(t);
   const int R = v.g.num_ranks;
   const int H = v.g.hidden;
   const int me = v.t.rank;
@@ -74,18 +73,13 @@ __device__ void combine_send_block(const View& v, const CombineSendArgs& a, unsi
   signal_block_done(t, combine_done(v), seq);
 }
 
-__global__ void __launch_bounds__(kThreads) combine_send_kernel(TransportView t, Regions g, CombineSendArgs a) {
-  const View v{t, g};
-  if (block_aborted(t)) return;
-  run_op_kernel(t, a.handshake, a.fingerprint, kPhaseCombineHandshake,
-                [&](unsigned long long seq) { combine_send_block(v, a, seq); });
-}
-
-__device__ void combine_recv_block(const View& v, const CombineRecvArgs& a, unsigned long long seq) {
+__global__ void __launch_bounds__(kThreads) combine_recv_kernel(TransportView t, Regions g, CombineRecvArgs a) {
   __shared__ int s_slots[kWarps][kMaxRanks];
   __shared__ int s_ranks[kWarps][kMaxRanks];
   __shared__ int s_dest_base[kMaxRanks];
-  const TransportView& t = v.t;
+  const View v{t, g};
+  if (block_aborted(t)) return;
+  const unsigned long long seq = current_seq(t);
   if (a.wait_for_send && !wait_all_blocks(t, combine_done(v), seq, gridDim.x, kPhaseCombineReceive)) return;
   const bool in_place = a.dest_base != nullptr;
   if (in_place && static_cast<int>(threadIdx.x) < v.g.num_ranks) s_dest_base[threadIdx.x] = a.dest_base[threadIdx.x];
@@ -137,13 +131,6 @@ __device__ void combine_recv_block(const View& v, const CombineRecvArgs& a, unsi
   }
 }
 
-__global__ void __launch_bounds__(kThreads) combine_recv_kernel(TransportView t, Regions g, CombineRecvArgs a) {
-  const View v{t, g};
-  if (block_aborted(t)) return;
-  run_op_kernel(t, a.handshake, a.fingerprint, kPhaseCombineHandshake,
-                [&](unsigned long long seq) { combine_recv_block(v, a, seq); });
-}
-
 }  // namespace
 
 void launch_combine_send(const SymmetricBuffer& buffer, const Regions& regions, const CombineSendArgs& args,
@@ -158,8 +145,6 @@ void launch_combine_send(const SymmetricBuffer& buffer, const Regions& regions, 
 
 void launch_combine_recv(const SymmetricBuffer& buffer, const Regions& regions, const CombineRecvArgs& args,
                          int num_blocks, uintptr_t stream) {
-  if (args.handshake && args.wait_for_send)
-    throw std::invalid_argument("ep_plugin elastic: combine_recv runs the handshake only when no combine_send ran");
   if (args.out_topk_values != nullptr && (args.topk < 1 || args.topk > regions.max_topk || !args.topk_idx))
     throw std::invalid_argument("ep_plugin elastic: routing values back needs topk_idx and a topk in range");
   EP_CUDA_CHECK(cudaSetDevice(buffer.device()));

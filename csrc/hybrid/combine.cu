@@ -1,9 +1,6 @@
 // Combine: stage 4 on the expert side, stage 5 on the source side.
 //
-// Either kernel can be the combine's first (args.handshake): its block 0 then runs the op's
-// handshake and the other blocks wait for it (ep::enter_op); otherwise an exchange launch ran it.
-//
-// combine_send: (after the handshake) warp w takes received packets (r, s); the packet's
+// combine_send: (after the handshake kernel) warp w takes received packets (r, s); the packet's
 // rows (packet_rows, recorded by permute; rows past the budget were dropped and count as zero)
 // are summed in fp32 in local-expert order, rounded once to bf16, and pushed to rank r's
 // comb_data[this rank][s]; with row_probs, each row's scalar goes unsummed to comb_p[this rank][s].
@@ -17,8 +14,8 @@
 // travel (rows == null), and combine_recv reads every expert row of the token where it is:
 // row peer_rows[p][j] + k_index[t][p L + j] of rank p's comb_input, for the token's ranks p in
 // rank order and their local experts j in order, all summed in fp32 and rounded once. Without
-// scalars there is nothing to wait for but the handshake (then run by combine_recv itself): every
-// rank has arrived at this op, so the rows its earlier kernels wrote are complete.
+// scalars there is nothing to wait for but the handshake before it: every rank has arrived at
+// this op, so the rows its earlier kernels wrote are complete.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -33,9 +30,11 @@ namespace {
 
 constexpr int kWarps = kThreads / 32;
 
-__device__ void combine_send_block(const View& v, const CombineSendArgs& a, unsigned long long seq) {
+__global__ void __launch_bounds__(kThreads) combine_send_kernel(TransportView t, Regions g, CombineSendArgs a) {
   __shared__ int32_t s_rows[kWarps][kMaxLocalExperts];
-  const TransportView& t = v.t;
+  const View v{t, g};
+  if (block_aborted(t)) return;
+  const unsigned long long seq = current_seq(t);
   const int R = v.g.num_ranks;
   const int L = v.g.num_local_experts;
   const int H = v.g.hidden;
@@ -70,13 +69,6 @@ __device__ void combine_send_block(const View& v, const CombineSendArgs& a, unsi
     }
   }
   signal_block_done(t, combine_done(v), seq);
-}
-
-__global__ void __launch_bounds__(kThreads) combine_send_kernel(TransportView t, Regions g, CombineSendArgs a) {
-  const View v{t, g};
-  if (block_aborted(t)) return;
-  run_op_kernel(t, a.handshake, a.fingerprint, kPhaseCombineHandshake,
-                [&](unsigned long long seq) { combine_send_block(v, a, seq); });
 }
 
 // In place: the rows of a token that a warp lists in shared memory before summing them (more go
@@ -138,11 +130,13 @@ __device__ void sum_rows_by_group(const View& v, const CombineRecvArgs& a, int t
   }
 }
 
-__device__ void combine_recv_block(const View& v, const CombineRecvArgs& a, unsigned long long seq) {
+__global__ void __launch_bounds__(kThreads) combine_recv_kernel(TransportView t, Regions g, CombineRecvArgs a) {
   __shared__ int s_slots[kWarps][kMaxRanks];
   __shared__ int s_ranks[kWarps][kMaxRanks];
   __shared__ const int4* s_listed[kWarps][kListedRows];
-  const TransportView& t = v.t;
+  const View v{t, g};
+  if (block_aborted(t)) return;
+  const unsigned long long seq = current_seq(t);
   if (a.wait_for_send && !wait_all_blocks(t, combine_done(v), seq, gridDim.x, kPhaseCombineReceive)) return;
   const bool in_place = a.peer_rows != nullptr;
   const int R = v.g.num_ranks;
@@ -195,13 +189,6 @@ __device__ void combine_recv_block(const View& v, const CombineRecvArgs& a, unsi
   }
 }
 
-__global__ void __launch_bounds__(kThreads) combine_recv_kernel(TransportView t, Regions g, CombineRecvArgs a) {
-  const View v{t, g};
-  if (block_aborted(t)) return;
-  run_op_kernel(t, a.handshake, a.fingerprint, kPhaseCombineHandshake,
-                [&](unsigned long long seq) { combine_recv_block(v, a, seq); });
-}
-
 }  // namespace
 
 void launch_combine_send(const SymmetricBuffer& buffer, const Regions& regions, const CombineSendArgs& args, int num_blocks, uintptr_t stream) {
@@ -215,8 +202,6 @@ void launch_combine_recv(const SymmetricBuffer& buffer, const Regions& regions, 
     throw std::invalid_argument("ep_plugin hybrid: an in-place combine needs a buffer with combine_input_rows > 0");
   if (args.out_probs != nullptr && !args.wait_for_send)
     throw std::invalid_argument("ep_plugin hybrid: scalars routed back need combine_send (wait_for_send)");
-  if (args.handshake && args.wait_for_send)
-    throw std::invalid_argument("ep_plugin hybrid: combine_recv runs the handshake only when no combine_send ran");
   EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
   combine_recv_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), regions, args);
   EP_CUDA_CHECK(cudaGetLastError());

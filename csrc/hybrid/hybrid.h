@@ -111,10 +111,6 @@ struct CombineSendArgs {
   const int32_t* packet_rows = nullptr; // [R * max_tokens, L]
   const int32_t* num_packets = nullptr; // [R]
   int64_t budget = 0;
-  // This launch is the combine's first kernel and runs its handshake (ep::enter_op) with this
-  // fingerprint; otherwise an exchange launch ran it before.
-  bool handshake = false;
-  unsigned long long fingerprint = 0;
 };
 void launch_combine_send(const SymmetricBuffer& buffer, const Regions& regions, const CombineSendArgs& args,
                          int num_blocks, uintptr_t stream);
@@ -131,8 +127,6 @@ struct CombineRecvArgs {
   int num_tokens = 0;
   const int32_t* peer_rows = nullptr;   // [R, L + 1] (the exchange's peer_row_base) or null: pushed rows
   bool wait_for_send = true;            // combine_send ran (it signals comb_done)
-  bool handshake = false;               // the combine's first kernel (no send): runs the handshake,
-  unsigned long long fingerprint = 0;   // as in CombineSendArgs
 };
 void launch_combine_recv(const SymmetricBuffer& buffer, const Regions& regions, const CombineRecvArgs& args,
                          int num_blocks, uintptr_t stream);

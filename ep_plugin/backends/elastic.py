@@ -51,7 +51,7 @@ the send-side layout (``csrc/layout.cu``) and the count exchange with the op han
 (``csrc/exchange.cu``), both shared with ``hybrid``; then elastic's own (``csrc/elastic/``): send
 (stage each token once, push its per-destination metadata), receive (pull each packet into its row
 or rows), and for combine: send (each packet's row or row sum back to its source) and receive (sum
-per token), the first of them running the combine's handshake in its block 0.
+per token).
 
 Rules and limits: ranks must agree on every op (kind, dtype, probs, top-k, form, handle; the
 handshake checks it and a mismatch raises ``EPError`` on every rank at its next sync point); one op
@@ -440,24 +440,23 @@ class ElasticBackend(CompiledBackend):
         T, k, dev = handle.num_tokens, layout.topk, self.device
         in_place = self._in_place(rows, layout)
         op = OP_COMBINE_IN_PLACE if in_place else OP_COMBINE
-        fingerprint = self._fingerprint(op, dtype=rows.dtype, probs=row_probs is not None, handle=handle)
+        self._exchange(PHASE_COMBINE, self._fingerprint(op, dtype=rows.dtype, probs=row_probs is not None,
+                                                        handle=handle))
         rows_in = None if in_place else self._aligned(rows)  # in place: the buffer is read, not the tensor
         self._keep_on_stream(rows_in, row_probs, bias)
-        # In place, only the routed-back values (if any) travel ahead of the receive. The combine's
-        # first kernel runs its handshake (no exchange launch of its own).
+        # In place, only the routed-back values (if any) travel ahead of the receive.
         send_needed = not in_place or row_probs is not None
         if send_needed:
             send = self._C.elastic.CombineSendArgs(rows=rows_in, slot_values=row_probs,
                                                    num_packets=at("num_packets"),
                                                    packet_rows=layout.packet_rows if layout.expand else None,
-                                                   topk=k, handshake=True, fingerprint=fingerprint)
+                                                   topk=k)
             self._C.elastic.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
         out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
         values = torch.empty(T, k, dtype=torch.float32, device=dev) if row_probs is not None else None
         receive = self._C.elastic.CombineRecvArgs(out=out, bias=bias, out_topk_values=values,
                                                   send_slot=at("send_slot"), topk_idx=layout.topk_idx, topk=k,
                                                   num_tokens=T, dest_base=at("dest_base") if in_place else None,
-                                                  wait_for_send=send_needed, handshake=not send_needed,
-                                                  fingerprint=fingerprint)
+                                                  wait_for_send=send_needed)
         self._C.elastic.combine_recv(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
         return CombineOutput(out, values)

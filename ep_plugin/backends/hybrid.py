@@ -10,10 +10,10 @@ over regions it lays out on the transport's symmetric buffer (``csrc/hybrid/hybr
    token order, -1 = none), its index within each chosen expert (``k_index [T, E]``), and the
    counts per expert and per destination rank.
 2. exchange (in the layout's launch, run by its last block: ``_layout_and_exchange``; a handshake
-   alone is a one-block kernel, and a combine's runs in block 0 of its first kernel): advance the
-   device-resident op number, push the counts into every peer's buffer, handshake (with the op
-   fingerprint: ranks that disagree on the op get ``EPError``); derive this rank's receive layout
-   (segment starts, row bases per (source, expert), padded ``tokens_per_expert``, total rows).
+   alone is a one-block kernel): advance the device-resident op number, push the counts into every
+   peer's buffer, handshake (with the op fingerprint: ranks that disagree on the op get ``EPError``); derive this
+   rank's receive layout (segment starts, row bases per (source, expert), padded
+   ``tokens_per_expert``, total rows).
 3. dispatch_send (``dispatch.cu``): each token is staged once, and each destination rank gets its
    index and per-local-expert k index and prob.
 4. permute (``permute.cu``): each packet is pulled from its source and expands into its expert
@@ -350,17 +350,17 @@ class HybridBackend(CompiledBackend):
         at = layout.scratch.address
         T, dev = handle.num_tokens, self.device
         in_place = layout.in_place_ready and self._is_combine_input(rows, layout, self.regions.off_comb_input)
-        fingerprint = self._fingerprint(OP_COMBINE_IN_PLACE if in_place else OP_COMBINE, dtype=rows.dtype,
-                                        probs=row_probs is not None, handle=handle)
+        self._exchange(PHASE_COMBINE, self._fingerprint(OP_COMBINE_IN_PLACE if in_place else OP_COMBINE,
+                                                        dtype=rows.dtype, probs=row_probs is not None,
+                                                        handle=handle))
         # In place the sources read the rows in the buffer: only the scalars (if any) travel ahead.
-        # The combine's first kernel runs its handshake (no exchange launch of its own).
         send_needed = not in_place or row_probs is not None
         if send_needed:
             rows_in = None if in_place else rows
             self._keep_on_stream(rows_in, row_probs)
             send = self._C.hybrid.CombineSendArgs(rows=rows_in, row_probs=row_probs,
                                                   packet_rows=at("packet_rows"), num_packets=at("num_packets"),
-                                                  budget=layout.budget, handshake=True, fingerprint=fingerprint)
+                                                  budget=layout.budget)
             self._C.hybrid.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
         out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
         dense_probs = torch.zeros(T, self.num_experts, dtype=torch.float32, device=dev) \
@@ -368,8 +368,7 @@ class HybridBackend(CompiledBackend):
         receive = self._C.hybrid.CombineRecvArgs(out=out, out_probs=dense_probs, send_slot=at("send_slot"),
                                                  k_index=at("k_index"), num_tokens=T,
                                                  peer_rows=at("peer_rows") if in_place else None,
-                                                 wait_for_send=send_needed, handshake=not send_needed,
-                                                 fingerprint=fingerprint)
+                                                 wait_for_send=send_needed)
         self._C.hybrid.combine_recv(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
         probs = None
         if dense_probs is not None:

@@ -139,62 +139,6 @@ __device__ __forceinline__ bool handshake(const TransportView& t, unsigned long 
   return s_failed == 0;
 }
 
-// ---- the handshake inside an op's first data kernel ---------------------------------------------
-//
-// An op whose first kernel is a data kernel (a combine's send or receive) runs its handshake there
-// instead of in an exchange launch of its own: block 0 runs it while the other blocks wait for its
-// word in the rank state. That is one launch less per op (~8 µs of host time eager, a launch
-// boundary in a graph); only block 0 publishes to and polls the peers (every block doing it cost
-// more than the launch it saved). state->seq stays at n - 1 during the launch, so every block reads
-// the same n = seq + 1 whenever it is scheduled; the last block to leave (leave_op) advances it.
-
-// Block-cooperative, every block of the launch, first thing: sets *seq = n and returns whether the
-// op may go on (false: the handshake failed or timed out; reported, the block writes nothing and
-// goes straight to leave_op).
-__device__ __forceinline__ bool enter_op(const TransportView& t, unsigned long long fingerprint, int phase,
-                                         unsigned long long* seq) {
-  __shared__ int s_ok;
-  *seq = current_seq(t) + 1;
-  if (blockIdx.x == 0) {
-    const bool ok = handshake(t, *seq, fingerprint, phase);  // block-uniform
-    if (threadIdx.x == 0) {
-      s_ok = ok ? 1 : 0;
-      if (ok) {  // what the peers wrote before arriving is visible to the blocks that see this word
-        __threadfence_system();
-        st_release_sys(&t.state->handshake_done, *seq);
-      }
-    }
-  } else if (threadIdx.x == 0) {
-    // Block 0 times out first (it started waiting first) and reports the peer; this wait gives up
-    // when it sees that abort, or after the same timeout.
-    s_ok = wait_flag(t, &t.state->handshake_done, *seq, phase, t.rank) ? 1 : 0;
-  }
-  __syncthreads();
-  return s_ok != 0;
-}
-
-// Every block of a launch that began with enter_op, last thing (also when enter_op said no): the
-// last block to leave advances state->seq to n for the kernels after this one and puts the counter
-// back to 0.
-__device__ __forceinline__ void leave_op(const TransportView& t, unsigned long long seq) {
-  __syncthreads();
-  if (threadIdx.x == 0 && atomicAdd(&t.state->launch_blocks_done, 1u) == gridDim.x - 1) {
-    t.state->launch_blocks_done = 0;
-    t.state->seq = seq;
-  }
-}
-
-// The body of a data kernel that may be its op's first: with `handshake`, enter_op, body(n) when it
-// said yes, leave_op; else body(the op number an earlier kernel of the op advanced to).
-template <typename Body>
-__device__ __forceinline__ void run_op_kernel(const TransportView& t, bool handshake, unsigned long long fingerprint,
-                                              int phase, Body body) {
-  if (!handshake) return body(current_seq(t));
-  unsigned long long seq;
-  if (enter_op(t, fingerprint, phase, &seq)) body(seq);
-  leave_op(t, seq);
-}
-
 // ---- per-block completion flags -----------------------------------------------------------------
 //
 // A backend region of u64 [R][max_blocks]: flags[source][block] = the last op for which block

@@ -41,13 +41,9 @@ struct SyncLayout {
 struct RankState {
   unsigned long long seq;  // op sequence number, advanced by each op's first kernel
   int abort;               // sticky: a wait of this rank failed; kernels leave peers untouched
-  // Blocks of the current launch that have finished their part, for launches whose last block has
-  // more to do: the fused layout + exchange (the last runs the exchange) and a data kernel that runs
-  // its op's handshake (the last advances seq, see enter_op in sync.cuh). That last block puts it
-  // back to 0, so every launch and graph replay starts at 0.
-  unsigned int launch_blocks_done;
-  // The op whose handshake block 0 of a data kernel completed (the other blocks wait for it).
-  unsigned long long handshake_done;
+  // Blocks of the fused layout + exchange launch that have finished their layout part; the last
+  // one runs the exchange and puts it back to 0 (so every launch and graph replay starts at 0).
+  unsigned int layout_blocks_done;
 };
 
 // A receive budget that drops nothing (blocking mode: the output has exactly the received rows).
