@@ -236,7 +236,7 @@ def test_nvlink_preset_and_reference_defaults():
     assert parse_args(["--device", "cpu"]).ranks == 4  # the cpu preset, the default without a GPU
     cpu = parse_args(["--device", "cpu"])
     assert (cpu.warmup, cpu.iters) == (3, 10)
-    # Decode steps are short: the preset times the steady pace, not the catch-up after the barrier.
+    # Decode steps are short: the preset takes more samples of them.
     decode = parse_args(["--device", "cpu", "--preset", "decode"])
     assert (decode.warmup, decode.iters) == (50, 200)
     assert parse_args(["--device", "cpu", "--preset", "decode", "--iters", "5"]).iters == 5  # explicit wins
