@@ -1,11 +1,13 @@
-"""What paces eager decode when ranks share a GPU: each rank's host time per step, four ways.
+"""What paces eager decode when ranks share a GPU: each rank's host time per step, four or five ways.
 
 Eager decode (128 tokens) is bound by the host: the kernels of a step wait for every rank, so the
 GPU runs at the pace of the slowest rank's host. This times every rank's eager steps (dispatch +
-combine, no sync inside the loop) with a host clock stamp before each step, in four settings:
+combine, no sync inside the loop) with a host clock stamp before each step, in these settings:
 
   coupled      the N-rank backend, what ``python -m ep_plugin.bench --preset decode`` times
   coupled+nogc the same with Python's garbage collector off during the loop
+  coupled+N timing events per step   (with --marks N) the same with N CUDA timing events recorded
+               before every step, the way the bench marks each op: whether they slow the step
   independent  every rank a one-rank backend of its own, all at once: host contention alone, no
                rank waits for another
   alone        rank 0's one-rank backend while the other ranks sleep in a barrier
@@ -15,7 +17,7 @@ the slowest rank's step (what the GPU follows), and the GPU µs per step. When r
 much in ``independent`` and ``alone`` too, the difference is the machine's CPUs, not our code.
 
   python benchmarks/host_pace.py [--ranks 8] [--backends hybrid+in_place,elastic+in_place] [--steps 300]
-      [--pin 0,2,4,...]   (pin rank r to CPU pin[r % len(pin)])
+      [--pin 0,2,4,...]   (pin rank r to CPU pin[r % len(pin)])   [--marks 3]
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ import torch.distributed as dist
 WARMUP = 30
 
 
-def timed_steps(step, steps: int, run: bool = True, nogc: bool = False):
+def timed_steps(step, steps: int, run: bool = True, nogc: bool = False, marks: int = 0):
     """(host stamps before each step and after the last, GPU µs per step); all ranks start together.
-    ``run=False``: warm up and meet the others at the barrier, but time nothing."""
+    ``run=False``: warm up and meet the others at the barrier, but time nothing. ``marks``: record that
+    many timing events before every step, as the bench does (three per iteration) to time each op."""
     for _ in range(WARMUP):
         step()
     torch.cuda.synchronize()
@@ -43,12 +46,15 @@ def timed_steps(step, steps: int, run: bool = True, nogc: bool = False):
         return None, 0.0
     stamps = []
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps * marks)]  # made up front, as the bench
     if nogc:
         gc.disable()
     try:
         begin.record()
-        for _ in range(steps):
+        for index in range(steps):
             stamps.append(time.perf_counter())
+            for event in events[index * marks:(index + 1) * marks]:
+                event.record()
             step()
         stamps.append(time.perf_counter())
         end.record()
@@ -98,6 +104,9 @@ def rank_main(ctx, args) -> None:
         step = eager_step(backend, shape, ctx.rank, device, in_place=in_place)
         report(ctx, f"{variant} coupled ({ctx.world_size} ranks)", *timed_steps(step, args.steps))
         report(ctx, f"{variant} coupled+nogc", *timed_steps(step, args.steps, nogc=True))
+        if args.marks:
+            report(ctx, f"{variant} coupled+{args.marks} timing events per step",
+                   *timed_steps(step, args.steps, marks=args.marks))
         backend.destroy()
         own = decode_backend(variant, own_groups[ctx.rank], 1, device, args.tokens)
         step = eager_step(own, shape, 0, device, in_place=in_place)
@@ -114,6 +123,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--pin", default="", help="comma list of CPUs; rank r runs on pin[r %% len(pin)]")
+    parser.add_argument("--marks", type=int, default=0,
+                        help="also the coupled case with this many timing events recorded before every step "
+                             "(the bench records 3 per iteration): what they cost the step")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ep_plugin.testing import run_ranks
