@@ -291,3 +291,34 @@ def test_scaleout_bytes_and_the_scaleup_option():
     assert parse_args(["--device", "cpu", "--ranks", "4", "--scaleup-size", "4,2"]).scaleup_size == "4,2"
     with pytest.raises(SystemExit):
         parse_args(["--device", "cpu", "--ranks", "4", "--scaleup-size", "3"])
+
+
+def test_compare_flags_the_slower_case_only(tmp_path, capsys):
+    """A real CPU run as the base; the new side is that run with one case 20% slower (and, in a second
+    file, 50% faster: the median of the two files' figures decides), plus a case base lacks."""
+    from ep_plugin.bench import compare
+
+    report, _ = _run_main(tmp_path, capsys, "--modes", "blocking")
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(report))
+    assert compare.main(["--new", str(base), "--base", str(base)]) == 0
+    same = capsys.readouterr().out
+    assert "0 slower" in same and "geomean new/base roundtrip: 1.000" in same
+
+    def variant(name, scale):
+        copy = json.loads(json.dumps(report))
+        copy["summary"][0]["median_us"] *= scale
+        copy["summary"].append({**copy["summary"][1], "tokens": 999})
+        path = tmp_path / name
+        path.write_text(json.dumps(copy))
+        return str(path)
+
+    slower_twice = [variant("new_1.json", 1.2), variant("new_2.json", 1.3), variant("new_3.json", 0.5)]
+    assert compare.main(["--new", *slower_twice, "--base", str(base)]) == 1
+    out = capsys.readouterr().out
+    flagged = [line for line in out.splitlines() if line.endswith("SLOWER")]
+    first = report["summary"][0]
+    assert len(flagged) == 1 and flagged[0].startswith("   1.200") and first["op"] in flagged[0], out
+    assert "only in new" in out and "T=999" in out and "1 slower than base by more than 5%" in out
+    # Allowing 25% it passes; a 20% slower case is then within bounds.
+    assert compare.main(["--new", *slower_twice, "--base", str(base), "--worse", "0.25"]) == 0

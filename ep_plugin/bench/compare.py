@@ -1,0 +1,89 @@
+"""Compare bench runs: which shapes got slower. ``python -m ep_plugin.bench.compare --help``.
+
+Each side is one or more ``bench.json`` files of the same sweep (rounds of an A/B run in one call,
+``scripts/gpu_ab.sh``); a case's figure on a side is the median over its files of the case's
+median µs. Cases are matched by everything that names them (backend, mode, payload, shape, SMs,
+routing, ranks, domains, op). Prints one line per case, slowest first, the geometric mean of the
+ratios per op, and the cases found on one side only; exits 1 when any case is slower than
+``--worse`` allows (default 5%), so a script can stop on a regression.
+
+  python -m ep_plugin.bench.compare --new new_1/bench.json new_2/bench.json --base base_1/bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from typing import Optional
+
+# What names a case in a bench.json summary row (its figures are the other keys).
+CASE_KEYS = ("backend", "mode", "payload", "tokens", "hidden", "topk", "experts", "sms", "routing", "ranks",
+             "domains", "op")
+
+
+def case_medians(paths: list[str]) -> dict[tuple, float]:
+    """Case -> the median over the files of the case's median µs (cases with an error or no median are
+    left out)."""
+    per_case: dict[tuple, list[float]] = {}
+    for path in paths:
+        with open(path) as f:
+            rows = json.load(f)["summary"]
+        for row in rows:
+            if row.get("error") or not row.get("median_us"):
+                continue
+            per_case.setdefault(tuple(row.get(key) for key in CASE_KEYS), []).append(row["median_us"])
+    return {case: statistics.median(values) for case, values in per_case.items()}
+
+
+def compare(new: dict[tuple, float], base: dict[tuple, float], worse: float) -> tuple[list[tuple], list[tuple]]:
+    """(rows for the cases on both sides: (ratio new / base, new µs, base µs, case, slower) sorted slowest
+    first, the cases on one side only as (side, case))."""
+    rows = []
+    for case in new.keys() & base.keys():
+        ratio = new[case] / base[case]
+        rows.append((ratio, new[case], base[case], case, ratio > 1.0 + worse))
+    rows.sort(key=lambda row: -row[0])
+    alone = sorted([("new", case) for case in new.keys() - base.keys()] +
+                   [("base", case) for case in base.keys() - new.keys()], key=str)
+    return rows, alone
+
+
+def _describe(case: tuple) -> str:
+    named = dict(zip(CASE_KEYS, case, strict=True))
+    return (f"{named['backend']} {named['mode']} {named['payload']} T={named['tokens']} H={named['hidden']} "
+            f"sms={named['sms']} {named['routing']} {named['op']}")
+
+
+def geomeans(rows: list[tuple]) -> dict[str, float]:
+    """Op -> geometric mean of its cases' ratios."""
+    logs: dict[str, list[float]] = {}
+    for ratio, _, _, case, _ in rows:
+        logs.setdefault(case[CASE_KEYS.index("op")], []).append(math.log(ratio))
+    return {op: math.exp(sum(values) / len(values)) for op, values in sorted(logs.items())}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--new", nargs="+", required=True, help="bench.json file(s) of the tree under test")
+    parser.add_argument("--base", nargs="+", required=True, help="bench.json file(s) of the tree to compare against")
+    parser.add_argument("--worse", type=float, default=0.05,
+                        help="a case slower than base by more than this fraction counts as a regression (default 0.05)")
+    args = parser.parse_args(argv)
+    rows, alone = compare(case_medians(args.new), case_medians(args.base), args.worse)
+    print(f"{'new/base':>8s} {'new µs':>10s} {'base µs':>10s}  case")
+    for ratio, new_us, base_us, case, slower in rows:
+        print(f"{ratio:8.3f} {new_us:10.1f} {base_us:10.1f}  {_describe(case)}{'  SLOWER' if slower else ''}")
+    for op, mean in geomeans(rows).items():
+        print(f"geomean new/base {op}: {mean:.3f}")
+    for side, case in alone:
+        print(f"only in {side}: {_describe(case)}")
+    slower = sum(1 for row in rows if row[4])
+    print(f"{len(rows)} cases compared, {slower} slower than base by more than {args.worse:.0%}")
+    return 1 if slower else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
