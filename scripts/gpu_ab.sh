@@ -11,9 +11,15 @@
 #                                            lines to the terminal. CMD runs with the tree as its working
 #                                            folder and first on PYTHONPATH, so `python3 -m ep_plugin.bench`
 #                                            and `python3 benchmarks/host_costs.py` time that tree's code.
+#                                            A bench run's bench.json (the tree's ./bench_out, the
+#                                            default --out) moves to OUT/{new,base}_{round}.json, and
+#                                            once every round ran, bench.compare prints new against
+#                                            base (python3 -m ep_plugin.bench.compare: per case, per op;
+#                                            the script then exits 1 if a case got more than 5% slower).
 #                                            The device returns at most 8 files of a call's $OUT, so
-#                                            keep ROUNDS <= 4 (or pack OUT into one .tgz before the
-#                                            call ends); files past the limit are lost.
+#                                            keep ROUNDS <= 4 (2 with bench.json files; or pack OUT
+#                                            into one .tgz before the call ends); files past the limit
+#                                            are lost.
 # Example (decode round trips, three rounds each):
 #   scripts/gpu_ab.sh prepare main     # then, on the device, with carry [".ab"]:
 #   scripts/gpu_ab.sh run "$OUT" 3 python3 -m ep_plugin.bench --preset decode --ranks 8 --graph --backends hybrid
@@ -56,11 +62,17 @@ case "$MODE" in
       for side in new base; do
         tree=$PWD
         [[ $side == base ]] && tree=/tmp/ab_base
+        rm -rf "$tree/bench_out"
         (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" "$@") > "$OUT/${side}_$round.log" 2>&1
         echo "== $side, round $round (rc $?)"
         grep -v "case/s" "$OUT/${side}_$round.log" | tail -12 | cut -c1-160
+        [[ -f "$tree/bench_out/bench.json" ]] && mv "$tree/bench_out/bench.json" "$OUT/${side}_$round.json"
       done
     done
+    if ls "$OUT"/new_*.json "$OUT"/base_*.json >/dev/null 2>&1; then
+      echo "== bench.compare, new against base"
+      python3 -m ep_plugin.bench.compare --new "$OUT"/new_*.json --base "$OUT"/base_*.json | tail -40 | cut -c1-160
+    fi
     ;;
   *) echo "unknown mode $MODE (prepare or run)"; exit 2 ;;
 esac
