@@ -53,8 +53,9 @@ def timed_steps(step, steps: int, run: bool = True, nogc: bool = False, marks: i
         begin.record()
         for index in range(steps):
             stamps.append(time.perf_counter())
-            for event in events[index * marks:(index + 1) * marks]:
-                event.record()
+            if marks:
+                for event in events[index * marks:(index + 1) * marks]:
+                    event.record()
             step()
         stamps.append(time.perf_counter())
         end.record()
