@@ -40,9 +40,9 @@ def stand_in(num_ranks: int, num_local_experts: int, blocking: bool = True) -> S
     """The attributes ``_layout`` / ``_layout_torch`` use, without a process group or buffers."""
     device = torch.device("cuda", torch.cuda.current_device())
     return StandIn(num_ranks=num_ranks, num_local_experts=num_local_experts,
-                           num_experts=num_ranks * num_local_experts, device=device,
-                           config=SimpleNamespace(blocking=blocking), _C=_cuda.extension(), num_blocks=16,
-                           _stream=lambda: torch.cuda.current_stream(device).cuda_stream)
+                   num_experts=num_ranks * num_local_experts, device=device,
+                   config=SimpleNamespace(blocking=blocking), _C=_cuda.extension(), num_blocks=16,
+                   _stream=lambda: torch.cuda.current_stream(device).cuda_stream)
 
 
 def kernel_and_oracle(backend, routing: Routing, probs):
