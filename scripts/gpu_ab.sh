@@ -12,7 +12,8 @@
 #                                            folder and first on PYTHONPATH, so `python3 -m ep_plugin.bench`
 #                                            and `python3 benchmarks/host_costs.py` time that tree's code.
 #                                            A bench run's bench.json (the tree's ./bench_out, the
-#                                            default --out) moves to OUT/{new,base}_{round}.json, and
+#                                            default --out, which is cleared before each run) moves
+#                                            to OUT/{new,base}_{round}.json, and
 #                                            once every round ran, bench.compare prints new against
 #                                            base (python3 -m ep_plugin.bench.compare: per case, per op;
 #                                            the script then exits 1 if a case got more than 5% slower).
