@@ -2,6 +2,10 @@
 # What a session runs on the lent GPU machine; each stage fits one device call (< 10 min):
 #   scripts/gpu_validate.sh tests OUT [pytest args]   build, then the test suite (GPU tests included), or
 #                                                     only the tests named in the pytest args
+#   scripts/gpu_validate.sh gpu1 OUT [pytest args]    the GPU and Megatron tests (-m "gpu or megatron") in two
+#   scripts/gpu_validate.sh gpu2 OUT [pytest args]    calls: gpu1 = test_elastic and test_hybrid, gpu2 = those
+#                                                     of every other file (about 5-6 min of pytest each on one
+#                                                     H200); pytest gets what is left of the call after the build
 #   scripts/gpu_validate.sh bench OUT                 the standard and decode presets on one GPU (8 ranks sharing it,
 #                                                     bulk and register copies), and the nvlink
 #                                                     preset (one rank per GPU) when there are 2+ GPUs
@@ -22,7 +26,7 @@
 # returns at most 8 files).
 set -uo pipefail
 RC=0  # the exit status: pytest's in the tests stage
-STAGE=${1:?stage: tests, bench, sweep, megatron, nemo, scaleout or scaleout_bench}
+STAGE=${1:?stage: tests, gpu1, gpu2, bench, sweep, megatron, nemo, scaleout or scaleout_bench}
 OUT=${2:?output folder}
 shift 2
 cd "$(dirname "$0")/.."
@@ -66,6 +70,15 @@ case "$STAGE" in
     nvidia-smi topo -m | head -4
     python3 -m ep_plugin info | head -3
     timeout 500 python3 -m pytest -q -p no:cacheprovider --require-gpu --durations=6 "${@:-tests}" 2>&1 | tee "$OUT/pytest.log" | tail -25
+    RC=${PIPESTATUS[0]}
+    echo "pytest rc=$RC"
+    ;;
+  gpu1|gpu2)
+    HEAVY=(tests/test_elastic.py tests/test_hybrid.py)  # the two longest GPU files, about half the GPU time
+    if [[ $STAGE == gpu1 ]]; then FILES=("${HEAVY[@]}"); else FILES=(tests "${HEAVY[@]/#/--ignore=}"); fi
+    timeout $((585 - SECONDS)) python3 -m pytest -q -p no:cacheprovider --require-gpu --durations=8 \
+      -m "gpu or megatron" \
+      "${FILES[@]}" "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
     RC=${PIPESTATUS[0]}
     echo "pytest rc=$RC"
     ;;
