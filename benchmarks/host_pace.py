@@ -128,6 +128,8 @@ def main() -> None:
                         help="also the coupled case with this many timing events recorded before every step "
                              "(the bench records 3 per iteration): what they cost the step")
     args = parser.parse_args()
+    if args.marks < 0:
+        parser.error(f"--marks must be >= 0, got {args.marks}")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ep_plugin.testing import run_ranks
 

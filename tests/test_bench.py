@@ -322,3 +322,12 @@ def test_compare_flags_the_slower_case_only(tmp_path, capsys):
     assert "only in new" in out and "T=999" in out and "1 slower than base by more than 5%" in out
     # Allowing 25% it passes; a 20% slower case is then within bounds.
     assert compare.main(["--new", *slower_twice, "--base", str(base), "--worse", "0.25"]) == 0
+    capsys.readouterr()
+    # Files that are no bench.json, and a threshold that is no fraction: one line (exit status 2), no traceback.
+    (tmp_path / "other.json").write_text("[1, 2]")
+    for argv, message in ((["--new", str(tmp_path / "missing.json")], "cannot read a bench.json"),
+                          (["--new", str(tmp_path / "other.json")], "no 'summary' list"),
+                          (["--new", str(base), "--worse", "-0.1"], "--worse is a fraction")):
+        with pytest.raises(SystemExit) as stop:
+            compare.main([*argv, "--base", str(base)])
+        assert stop.value.code == 2 and message in capsys.readouterr().err, argv

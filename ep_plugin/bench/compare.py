@@ -24,14 +24,25 @@ CASE_KEYS = ("backend", "mode", "payload", "tokens", "hidden", "topk", "experts"
              "domains", "op")
 
 
+def read_summary(path: str) -> list[dict]:
+    """The summary rows of one bench.json; ValueError naming the file when it is none."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: cannot read a bench.json ({error})") from error
+    rows = report.get("summary") if isinstance(report, dict) else None
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: no 'summary' list: not a bench.json written by python -m ep_plugin.bench")
+    return rows
+
+
 def case_medians(paths: list[str]) -> dict[tuple, float]:
     """Case -> the median over the files of the case's median µs (cases with an error or no median are
     left out)."""
     per_case: dict[tuple, list[float]] = {}
     for path in paths:
-        with open(path) as f:
-            rows = json.load(f)["summary"]
-        for row in rows:
+        for row in read_summary(path):
             if row.get("error") or not row.get("median_us"):
                 continue
             per_case.setdefault(tuple(row.get(key) for key in CASE_KEYS), []).append(row["median_us"])
@@ -54,7 +65,8 @@ def compare(new: dict[tuple, float], base: dict[tuple, float], worse: float) -> 
 def _describe(case: tuple) -> str:
     named = dict(zip(CASE_KEYS, case, strict=True))
     return (f"{named['backend']} {named['mode']} {named['payload']} T={named['tokens']} H={named['hidden']} "
-            f"sms={named['sms']} {named['routing']} {named['op']}")
+            f"top{named['topk']}/{named['experts']} sms={named['sms']} {named['routing']} ranks={named['ranks']} "
+            f"{named['domains']} {named['op']}")
 
 
 def geomeans(rows: list[tuple]) -> dict[str, float]:
@@ -72,7 +84,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--worse", type=float, default=0.05,
                         help="a case slower than base by more than this fraction counts as a regression (default 0.05)")
     args = parser.parse_args(argv)
-    rows, alone = compare(case_medians(args.new), case_medians(args.base), args.worse)
+    if not 0 <= args.worse < 10:
+        parser.error(f"--worse is a fraction (0.05 = 5%), got {args.worse}")
+    try:
+        new, base = case_medians(args.new), case_medians(args.base)
+    except ValueError as error:
+        parser.error(str(error))
+    rows, alone = compare(new, base, args.worse)
     print(f"{'new/base':>8s} {'new µs':>10s} {'base µs':>10s}  case")
     for ratio, new_us, base_us, case, slower in rows:
         print(f"{ratio:8.3f} {new_us:10.1f} {base_us:10.1f}  {_describe(case)}{'  SLOWER' if slower else ''}")
