@@ -7,6 +7,7 @@ dispatch. Runs on CPU memory: the carving is the same on any device.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ep_plugin.backends.compiled import SCRATCH_ALIGN_BYTES, Scratch, ScratchPlan
@@ -60,9 +61,5 @@ def test_tensors_refuses_pieces_it_cannot_cut_in_one_run():
     fields = [("a", (3,), torch.int64), ("b", (4, 2), torch.int32), ("c", (5,), torch.int64)]
     scratch = Scratch(ScratchPlan(fields), torch.device("cpu"))
     for names in (("a", "b"), ("c", "a"), ("b", "c")):  # dtypes differ, out of order, not 1-D
-        try:
+        with pytest.raises(ValueError, match="Scratch.tensors"):
             scratch.tensors(names)
-        except ValueError as error:
-            assert "Scratch.tensors" in str(error)
-        else:
-            raise AssertionError(f"tensors{names} should have been refused")
