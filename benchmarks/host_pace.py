@@ -6,8 +6,8 @@ combine, no sync inside the loop) with a host clock stamp before each step, in t
 
   coupled      the N-rank backend, what ``python -m ep_plugin.bench --preset decode`` times
   coupled+nogc the same with Python's garbage collector off during the loop
-  coupled+N timing events per step   (with --marks N) the same with N CUDA timing events recorded
-               before every step, the way the bench marks each op: whether they slow the step
+  coupled+N timing events per step   (with --marks N[,M...]) the same with N CUDA timing events
+               recorded before every step, the way the bench marks each op: whether they slow the step
   independent  every rank a one-rank backend of its own, all at once: host contention alone, no
                rank waits for another
   alone        rank 0's one-rank backend while the other ranks sleep in a barrier
@@ -17,7 +17,7 @@ the slowest rank's step (what the GPU follows), and the GPU µs per step. When r
 much in ``independent`` and ``alone`` too, the difference is the machine's CPUs, not our code.
 
   python benchmarks/host_pace.py [--ranks 8] [--backends hybrid+in_place,elastic+in_place] [--steps 300]
-      [--pin 0,2,4,...]   (pin rank r to CPU pin[r % len(pin)])   [--marks 3]
+      [--pin 0,2,4,...]   (pin rank r to CPU pin[r % len(pin)])   [--marks 1,3]
 """
 
 from __future__ import annotations
@@ -105,9 +105,9 @@ def rank_main(ctx, args) -> None:
         step = eager_step(backend, shape, ctx.rank, device, in_place=in_place)
         report(ctx, f"{variant} coupled ({ctx.world_size} ranks)", *timed_steps(step, args.steps))
         report(ctx, f"{variant} coupled+nogc", *timed_steps(step, args.steps, nogc=True))
-        if args.marks:
-            report(ctx, f"{variant} coupled+{args.marks} timing events per step",
-                   *timed_steps(step, args.steps, marks=args.marks))
+        for marks in args.marks:
+            report(ctx, f"{variant} coupled+{marks} timing events per step",
+                   *timed_steps(step, args.steps, marks=marks))
         backend.destroy()
         own = decode_backend(variant, own_groups[ctx.rank], 1, device, args.tokens)
         step = eager_step(own, shape, 0, device, in_place=in_place)
@@ -124,12 +124,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--pin", default="", help="comma list of CPUs; rank r runs on pin[r %% len(pin)]")
-    parser.add_argument("--marks", type=int, default=0,
-                        help="also the coupled case with this many timing events recorded before every step "
-                             "(the bench records 3 per iteration): what they cost the step")
+    parser.add_argument("--marks", default="",
+                        help="comma list: also the coupled case with each many timing events recorded before every "
+                             "step (the bench records 3 per iteration): what they cost the step")
     args = parser.parse_args()
-    if args.marks < 0:
-        parser.error(f"--marks must be >= 0, got {args.marks}")
+    try:
+        args.marks = [int(marks) for marks in args.marks.split(",") if marks]
+    except ValueError:
+        parser.error(f"--marks takes a comma list of counts, got {args.marks!r}")
+    if any(marks < 1 for marks in args.marks):
+        parser.error(f"--marks counts must be >= 1, got {args.marks}")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ep_plugin.testing import run_ranks
 

@@ -33,7 +33,7 @@ def test_bench_cli_writes_table_json_and_plot(tmp_path):
         # Every (token, expert) pair lands as one output row somewhere.
         assert sum(record["bytes"]["out_bytes"]) == 2 * record["tokens"] * 2 * (2 * 64)
     ops = {(row["tokens"], row["routing"], row["op"]) for row in report["summary"]}
-    assert len(ops) == 12
+    assert len(ops) == 16  # dispatch, combine, roundtrip and step of each case
     assert (out / "gbps_vs_tokens.png").stat().st_size > 1000
 
 
@@ -63,6 +63,20 @@ def test_ceiling_per_gpu_link_uses_the_busiest_ranks_remote_bytes():
     assert rows["dispatch"]["ceiling_us"] == 1500 / 1e9 * 1e6
     assert rows["dispatch"]["median_us"] == 20.0 and rows["roundtrip"]["median_us"] == 50.0
     assert rows["dispatch"]["ceiling_ratio"] == rows["dispatch"]["ceiling_us"] / 20.0
+    assert "step" not in rows  # a record written before the step row existed has none
+
+
+def test_step_row_is_the_median_over_ranks_of_the_loop_figure():
+    record = dict(backend="hybrid", mode="nonblocking", payload="bf16", tokens=4, hidden=8, topk=1, experts=2,
+                  sms=8, routing="balanced", ranks=3, samples_us=[[[10.0, 20.0]]] * 3, step_us=[25.0, 31.0, 40.0],
+                  bytes={"recv_token_bytes": [1000] * 3, "out_bytes": [1000] * 3, "remote_bytes_in": [500] * 3},
+                  ceiling_us={"dispatch": 5.0, "combine": 10.0})
+    rows = {row["op"]: row for row in summarize(record, link_gbps=0.0)}
+    assert rows["roundtrip"]["median_us"] == 30.0  # the per-op events' sum
+    step = rows["step"]
+    assert (step["median_us"], step["p10_us"], step["p90_us"]) == (31.0, pytest.approx(26.2), pytest.approx(38.2))
+    assert step["ceiling_us"] == 15.0 and step["ceiling_ratio"] == pytest.approx(15.0 / 31.0)
+    assert step["algo_gbps"] is None  # no bytes per rank to rate: it is the round trip's time
 
 
 def test_skewed_routing_is_skewed():
@@ -212,7 +226,8 @@ def test_back_to_back_timing_through_main(tmp_path, capsys):
     assert len(record["samples_us"]) == 2 and all(len(s) == 3 for s in record["samples_us"])
     assert all(t > 0 for samples in record["samples_us"] for sample in samples for t in sample)
     assert record["one_gpu_per_rank"] is False and record["link_bytes"]["dispatch"][0] > 0
-    assert "roundtrip" in stdout.strip().splitlines()[-1]  # the table ends the output
+    assert len(record["step_us"]) == 2 and all(t > 0 for t in record["step_us"])  # a loop's µs per rank
+    assert " step " in stdout.strip().splitlines()[-1]  # the table ends the output, the step row last
 
 
 def test_sync_each_iter_and_explicit_reference_iters(tmp_path, capsys):
@@ -267,7 +282,7 @@ def capture_refused_on_rank_1(ctx):
 
 def test_a_capture_failure_on_one_rank_stops_every_rank():
     results = run_ranks(capture_refused_on_rank_1, 2, timeout_s=120)
-    assert results == [([], "rank 1: RuntimeError: capture refused")] * 2
+    assert results == [([], None, "rank 1: RuntimeError: capture refused")] * 2
 
 
 def test_scaleout_bytes_and_the_scaleup_option():

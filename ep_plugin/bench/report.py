@@ -8,7 +8,7 @@ import os
 import statistics
 from typing import Optional
 
-OPS = ("dispatch", "combine", "roundtrip")
+OPS = ("dispatch", "combine", "roundtrip")  # from the per-op events; "step" (a loop's µs per round trip) after them
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -36,7 +36,7 @@ def _ceilings(record: dict, link_gbps: float) -> dict[str, Optional[float]]:
         ceiling = record["ceiling_us"].get(op)  # timed in the run when ranks share a GPU
         ceilings[op] = ceiling if ceiling is not None else _link_ceiling_us(record, op, link_gbps)
     both = [ceilings["dispatch"], ceilings["combine"]]
-    ceilings["roundtrip"] = sum(both) if None not in both else None
+    ceilings["roundtrip"] = ceilings["step"] = sum(both) if None not in both else None
     return ceilings
 
 
@@ -45,7 +45,7 @@ def _link_sent_bytes(record: dict, op: str) -> Optional[int]:
     sent = record.get("link_bytes")
     if not record.get("one_gpu_per_rank") or not sent:
         return None
-    if op == "roundtrip":
+    if op in ("roundtrip", "step"):
         return max(d + c for d, c in zip(sent["dispatch"], sent["combine"], strict=True))
     return max(sent[op])
 
@@ -63,7 +63,7 @@ def _scaleout_columns(record: dict, op: str, median_us: float) -> dict:
     sent = record.get("scaleout_bytes")
     if not sent:
         return dict(domains=record.get("domains"), scaleout_mb=None, scaleout_gbps=None)
-    if op == "roundtrip":
+    if op in ("roundtrip", "step"):
         num_bytes = max(d + c for d, c in zip(sent["dispatch"], sent["combine"], strict=True))
     else:
         num_bytes = max(sent[op])
@@ -71,11 +71,11 @@ def _scaleout_columns(record: dict, op: str, median_us: float) -> dict:
     return dict(domains=record.get("domains"), scaleout_mb=num_bytes / 1e6, scaleout_gbps=rate)
 
 
-def summarize(record: dict, link_gbps: float) -> list[dict]:
-    """One row per op: µs median/p10/p90 over ranks x iterations, algorithm GB/s per rank, ceiling, link use."""
-    rows = []
+def _op_times(record: dict) -> list[tuple[str, list[float], list[float]]]:
+    """(op, µs samples, GB/s per sample) for each op of a record: the per-op events' samples over ranks x
+    iterations, and the step row's one figure per rank (records written before it existed have none)."""
     recv_bytes = record["bytes"]["recv_token_bytes"]
-    ceilings = _ceilings(record, link_gbps)
+    ops = []
     for op_index, op in enumerate(OPS):
         times, rates = [], []
         for rank, samples in enumerate(record["samples_us"]):
@@ -84,6 +84,18 @@ def summarize(record: dict, link_gbps: float) -> list[dict]:
                 times.append(t)
                 if op != "roundtrip" and t > 0:
                     rates.append(recv_bytes[rank] / (t * 1e-6) / 1e9)
+        ops.append((op, times, rates))
+    if record.get("step_us"):
+        ops.append(("step", list(record["step_us"]), []))
+    return ops
+
+
+def summarize(record: dict, link_gbps: float) -> list[dict]:
+    """One row per op: µs median/p10/p90 over ranks x iterations (step: over ranks), algorithm GB/s per rank,
+    ceiling, link use."""
+    rows = []
+    ceilings = _ceilings(record, link_gbps)
+    for op, times, rates in _op_times(record):
         ceiling = ceilings[op]
         median = statistics.median(times) if times else float("nan")
         rows.append(dict(

@@ -9,6 +9,11 @@ ranks inside the op's own handshake (that is part of the op), but no longer the 
 a host barrier (hundreds of µs with gloo and 8 processes). ``sync_each_iter`` restores the old
 method, a barrier before every iteration. On CPU the host clock marks the same points.
 
+Step (the "step" row): the same iterations again with no event between them, one event before and one
+after the loop (warm-up first, so the ranks' skew out of the barrier is not timed): µs per dispatch +
+combine as a training or decode loop runs them. The per-op events cost time of their own when ranks
+share a GPU, so this can be lower than the round trip summed from them.
+
 CUDA graphs (``graph``; non-blocking mode on CUDA, backends with ``capabilities.cuda_graphs``):
 after eager warm-up on a side stream, one dispatch is captured into a graph and one combine of
 its output (same backend, same handle) into a second; replays are timed like eager calls and
@@ -184,6 +189,24 @@ def _time_pairs(dispatch: Callable[[], None], combine: Callable[[], None], devic
             for i in range(warmup, warmup + iters)]
 
 
+def _time_loop(dispatch: Callable[[], None], combine: Callable[[], None], device: torch.device, warmup: int,
+               iters: int) -> float:
+    """µs per dispatch + combine over ``iters`` iterations with nothing recorded between them (the step
+    row); ``warmup`` untimed iterations after the barrier take up the ranks' skew in leaving it."""
+    _barrier(device)
+    for _ in range(warmup):
+        dispatch()
+        combine()
+    timer = _Timer(device, 2)
+    timer.mark(0)
+    for _ in range(iters):
+        dispatch()
+        combine()
+    timer.mark(1)
+    timer.finish()
+    return timer.elapsed_us(0, 1) / iters
+
+
 def _warm_up_for_capture(calls: _Calls, warmup: int, device: torch.device) -> torch.cuda.Stream:
     """Eager dispatch + combine on a fresh side stream (torch asks for warm-up there); returns it.
 
@@ -217,8 +240,9 @@ def _capture_graphs(calls: _Calls, side: torch.cuda.Stream) -> tuple:
 
 
 def _time_graph_replays(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device: torch.device,
-                        in_place: bool = False) -> tuple[list[list[float]], Optional[str]]:
-    """Samples of graph replays, or ([], the error) when capture failed on any rank."""
+                        in_place: bool = False) -> tuple[list[list[float]], Optional[float], Optional[str]]:
+    """(samples of graph replays, µs per step of them, None), or ([], None, the error) when capture
+    failed on any rank."""
     calls = _Calls(backend, shape, ctx.rank, spec.seed, device, in_place)
     side = _warm_up_for_capture(calls, spec.warmup, device)  # eager ops: their errors are real failures
     error = graphs = None
@@ -231,10 +255,12 @@ def _time_graph_replays(ctx: RankContext, spec: SweepSpec, backend, shape: Shape
     dist.all_gather_object(errors, error)
     failed = [f"rank {rank}: {message}" for rank, message in enumerate(errors) if message]
     if failed:
-        return [], "; ".join(failed)
+        return [], None, "; ".join(failed)
     dispatch_graph, combine_graph = graphs
-    return _time_pairs(dispatch_graph.replay, combine_graph.replay, device, spec.warmup, spec.iters,
-                       spec.sync_each_iter), None
+    samples = _time_pairs(dispatch_graph.replay, combine_graph.replay, device, spec.warmup, spec.iters,
+                          spec.sync_each_iter)
+    step_us = _time_loop(dispatch_graph.replay, combine_graph.replay, device, spec.warmup, spec.iters)
+    return samples, step_us, None
 
 
 COPY_CAP_BYTES = 2 << 30  # larger ceilings are timed on 2 GiB and scaled (linear far past the 60 MB L2)
@@ -347,6 +373,7 @@ def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, 
     iters = spec.reference_iters if backend.name == "reference" else spec.iters
     calls = _Calls(backend, shape, ctx.rank, spec.seed, device, in_place)
     samples = _time_pairs(calls.dispatch, calls.combine, device, spec.warmup, iters, spec.sync_each_iter)
+    step_us = _time_loop(calls.dispatch, calls.combine, device, spec.warmup, iters)
     del calls  # free the last outputs before the ceiling's copy
     all_samples = _gather(samples, ctx.world_size)
     # Across domains the outputs are the domain backend's flat ones (its byte model); the rails' bytes
@@ -365,15 +392,15 @@ def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, 
     one_gpu_per_rank = device.type == "cuda" and not shared_gpu and ctx.world_size > 1
     return dict(payload=shape.payload, tokens=shape.tokens, hidden=shape.hidden, topk=shape.topk,
                 experts=shape.experts, routing=shape.routing, ranks=ctx.world_size, samples_us=all_samples,
-                ceiling_us=ceilings, one_gpu_per_rank=one_gpu_per_rank, **case_bytes)
+                step_us=_gather(step_us, ctx.world_size), ceiling_us=ceilings, one_gpu_per_rank=one_gpu_per_rank, **case_bytes)
 
 
 def _run_graph_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, in_place: bool = False) -> dict:
     """Samples of CUDA-graph replays (all ranks) and the capture error, if any, for one shape."""
-    samples, error = _time_graph_replays(ctx, spec, backend, shape, device, in_place)
-    all_samples = _gather(samples, ctx.world_size)
+    samples, step_us, error = _time_graph_replays(ctx, spec, backend, shape, device, in_place)
+    all_samples, all_steps = _gather(samples, ctx.world_size), _gather(step_us, ctx.world_size)
     _barrier(device)
-    return dict(samples_us=all_samples, graph_error=error)
+    return dict(samples_us=all_samples, step_us=None if error else all_steps, graph_error=error)
 
 
 def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
