@@ -392,7 +392,8 @@ def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, 
     one_gpu_per_rank = device.type == "cuda" and not shared_gpu and ctx.world_size > 1
     return dict(payload=shape.payload, tokens=shape.tokens, hidden=shape.hidden, topk=shape.topk,
                 experts=shape.experts, routing=shape.routing, ranks=ctx.world_size, samples_us=all_samples,
-                step_us=_gather(step_us, ctx.world_size), ceiling_us=ceilings, one_gpu_per_rank=one_gpu_per_rank, **case_bytes)
+                step_us=_gather(step_us, ctx.world_size), ceiling_us=ceilings, one_gpu_per_rank=one_gpu_per_rank,
+                **case_bytes)
 
 
 def _run_graph_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, in_place: bool = False) -> dict:
