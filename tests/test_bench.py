@@ -346,3 +346,10 @@ def test_compare_flags_the_slower_case_only(tmp_path, capsys):
         with pytest.raises(SystemExit) as stop:
             compare.main([*argv, "--base", str(base)])
         assert stop.value.code == 2 and message in capsys.readouterr().err, argv
+    # A base run from before the bench reported domains (its rows have no "domains") is one domain.
+    old = json.loads(json.dumps(report))
+    for row in old["summary"]:
+        row.pop("domains")
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert compare.main(["--new", str(base), "--base", str(tmp_path / "old.json")]) == 0
+    assert f"{len(report['summary'])} cases compared" in capsys.readouterr().out
