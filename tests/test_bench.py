@@ -353,3 +353,15 @@ def test_compare_flags_the_slower_case_only(tmp_path, capsys):
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert compare.main(["--new", str(base), "--base", str(tmp_path / "old.json")]) == 0
     assert f"{len(report['summary'])} cases compared" in capsys.readouterr().out
+    # --ops roundtrip judges the round trips only: the slower case above is a per-op row; gzipped files read.
+    import gzip
+
+    zipped = tmp_path / "new_1.json.gz"
+    with gzip.open(zipped, "wt") as f:
+        f.write((tmp_path / "new_1.json").read_text())
+    assert compare.main(["--new", str(zipped), "--base", str(base), "--ops", "roundtrip"]) == 0
+    out = capsys.readouterr().out
+    assert "1 cases compared, 0 slower" in out and "geomean new/base roundtrip" in out and " dispatch" not in out
+    with pytest.raises(SystemExit) as stop:
+        compare.main(["--new", str(base), "--base", str(base), "--ops", "roundtrip,total"])
+    assert stop.value.code == 2 and "--ops takes" in capsys.readouterr().err

@@ -8,17 +8,24 @@ ratios per op, and the cases found on one side only; exits 1 when any case is sl
 ``--worse`` allows (default 5%), so a script can stop on a regression.
 
   python -m ep_plugin.bench.compare --new new_1/bench.json new_2/bench.json --base base_1/bench.json
+
+``--ops roundtrip`` judges only the round trips: in one run time moves between the dispatch and
+combine columns (a combine's interval starts where its dispatch's GPU work ended, so it takes up
+the waits a faster dispatch no longer has), and the round trip is what a layer pays. Files may be
+gzipped (``bench.json.gz``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import statistics
 import sys
 from typing import Optional
 
+OPS = ("dispatch", "combine", "roundtrip", "step")  # the ops a bench.json's rows name (report.py)
 # What names a case in a bench.json summary row (its figures are the other keys).
 CASE_KEYS = ("backend", "mode", "payload", "tokens", "hidden", "topk", "experts", "sms", "routing", "ranks",
              "domains", "op")
@@ -27,9 +34,9 @@ CASE_KEYS = ("backend", "mode", "payload", "tokens", "hidden", "topk", "experts"
 def read_summary(path: str) -> list[dict]:
     """The summary rows of one bench.json; ValueError naming the file when it is none."""
     try:
-        with open(path) as f:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
             report = json.load(f)
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, EOFError, json.JSONDecodeError) as error:
         raise ValueError(f"{path}: cannot read a bench.json ({error})") from error
     rows = report.get("summary") if isinstance(report, dict) else None
     if not isinstance(rows, list):
@@ -37,13 +44,13 @@ def read_summary(path: str) -> list[dict]:
     return rows
 
 
-def case_medians(paths: list[str]) -> dict[tuple, float]:
+def case_medians(paths: list[str], ops: Optional[set] = None) -> dict[tuple, float]:
     """Case -> the median over the files of the case's median µs (cases with an error or no median are
-    left out)."""
+    left out, and with ``ops`` those of other ops)."""
     per_case: dict[tuple, list[float]] = {}
     for path in paths:
         for row in read_summary(path):
-            if row.get("error") or not row.get("median_us"):
+            if row.get("error") or not row.get("median_us") or (ops and row.get("op") not in ops):
                 continue
             per_case.setdefault(tuple(row.get(key) for key in CASE_KEYS), []).append(row["median_us"])
     return {case: statistics.median(values) for case, values in per_case.items()}
@@ -99,11 +106,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--base", nargs="+", required=True, help="bench.json file(s) of the tree to compare against")
     parser.add_argument("--worse", type=float, default=0.05,
                         help="a case slower than base by more than this fraction counts as a regression (default 0.05)")
+    parser.add_argument("--ops", default="",
+                        help="comma list of the ops to compare (dispatch, combine, roundtrip, step; default all)")
     args = parser.parse_args(argv)
     if not 0 <= args.worse < 10:
         parser.error(f"--worse is a fraction (0.05 = 5%), got {args.worse}")
+    ops = {op.strip() for op in args.ops.split(",") if op.strip()}
+    if ops - set(OPS):
+        parser.error(f"--ops takes {', '.join(OPS)}; got {', '.join(sorted(ops - set(OPS)))}")
     try:
-        new, base = match_domains(case_medians(args.new), case_medians(args.base))
+        new, base = match_domains(case_medians(args.new, ops), case_medians(args.base, ops))
     except ValueError as error:
         parser.error(str(error))
     rows, alone = compare(new, base, args.worse)
