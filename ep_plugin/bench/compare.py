@@ -25,7 +25,8 @@ import statistics
 import sys
 from typing import Optional
 
-OPS = ("dispatch", "combine", "roundtrip", "step")  # the ops a bench.json's rows name (report.py)
+from .report import ROW_OPS
+
 # What names a case in a bench.json summary row (its figures are the other keys).
 CASE_KEYS = ("backend", "mode", "payload", "tokens", "hidden", "topk", "experts", "sms", "routing", "ranks",
              "domains", "op")
@@ -112,8 +113,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not 0 <= args.worse < 10:
         parser.error(f"--worse is a fraction (0.05 = 5%), got {args.worse}")
     ops = {op.strip() for op in args.ops.split(",") if op.strip()}
-    if ops - set(OPS):
-        parser.error(f"--ops takes {', '.join(OPS)}; got {', '.join(sorted(ops - set(OPS)))}")
+    if ops - set(ROW_OPS):
+        parser.error(f"--ops takes {', '.join(ROW_OPS)}; got {', '.join(sorted(ops - set(ROW_OPS)))}")
     try:
         new, base = match_domains(case_medians(args.new, ops), case_medians(args.base, ops))
     except ValueError as error:

@@ -8,7 +8,8 @@ import os
 import statistics
 from typing import Optional
 
-OPS = ("dispatch", "combine", "roundtrip")  # from the per-op events; "step" (a loop's µs per round trip) after them
+OPS = ("dispatch", "combine", "roundtrip")  # from the per-op events
+ROW_OPS = (*OPS, "step")  # every op a summary row can name; "step": a plain loop's µs per round trip
 
 
 def _percentile(values: list[float], q: float) -> float:
