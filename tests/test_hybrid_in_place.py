@@ -6,6 +6,8 @@ The oracle is exact: each expert scales its rows by a factor of its own, so a so
 row it should read (bf16(x_t * c_e) for each chosen expert e) and the sum the kernel must produce:
 all of a token's rows added in fp32 in expert order (rank order, then local-expert order), rounded
 once. A wrong row, a missing or extra one, another order or an intermediate rounding changes bits.
+The two-stage combine of the same rows has an exact oracle too: each rank's partial rounded to bf16
+(a source's own partial is summed by its receive, the others pushed back), added in rank order.
 All tests need a GPU and the compiled extension; without them they skip (fail under --require-gpu).
 """
 
@@ -68,6 +70,17 @@ def one_pass_sum(x: torch.Tensor, chosen: torch.Tensor, scales: torch.Tensor) ->
     return total.to(torch.bfloat16)
 
 
+def two_stage_sum(x: torch.Tensor, chosen: torch.Tensor, scales: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """The two-stage combine's result: each rank's partial (bf16 of the fp32 sum of its rows
+    bf16(x * c_e), local-expert order) added in fp32 in rank order, rounded once more."""
+    local = chosen.shape[1] // num_ranks
+    total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for p in range(num_ranks):
+        experts = range(p * local, (p + 1) * local)
+        total += one_pass_sum(x, chosen[:, experts.start:experts.stop], scales[experts.start:experts.stop]).float()
+    return total.to(torch.bfloat16)
+
+
 def make_backends(ctx, num_experts: int, combine_input_rows: int, **config):
     config = Config.from_env(**{"max_tokens_per_rank": MAX_TOKENS, "timeout_s": 20.0, "num_sms": 8, **config})
     reference = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=num_experts, device=ctx.device,
@@ -118,9 +131,14 @@ def blocking_sweep(ctx) -> int:
                 ref_back = reference.combine(expert_output(ref, ctx.rank, scales), ref.handle,
                                              row_probs=ref.probs * 3 + 1)
                 assert torch.equal(back.probs, ref_back.probs), f"{name}: scalars routed back"
-            # The same handle again through the two-stage combine (a tensor of the caller's own).
-            staged = hybrid.combine(rows.clone(), out.handle)
-            assert_combine_close(staged.hidden, expected, f"{name}: two-stage combine")
+            # The same handle again through the two-stage combine (a tensor of the caller's own):
+            # exact too, with every rank's partial rounded (this rank's own summed at its receive).
+            staged = hybrid.combine(rows.clone(), out.handle, row_probs=row_probs)
+            staged_expected = two_stage_sum(inputs[0], chosen_experts(form, inputs, num_experts), scales,
+                                            ctx.world_size)
+            assert torch.equal(staged.hidden, staged_expected), f"{name}: two-stage combine"
+            if row_probs is not None:
+                assert torch.equal(staged.probs, back.probs), f"{name}: two-stage scalars routed back"
             checked += 1
         torch.cuda.synchronize()
         hybrid.destroy()
