@@ -6,8 +6,8 @@ The oracle is exact: each expert scales its rows by a factor of its own, so a so
 row it should read (bf16(x_t * c_e) for each chosen expert e) and the sum the kernel must produce:
 all of a token's rows added in fp32 in expert order (rank order, then local-expert order), rounded
 once. A wrong row, a missing or extra one, another order or an intermediate rounding changes bits.
-The two-stage combine of the same rows has an exact oracle too: each rank's partial rounded to bf16
-(a source's own partial is summed by its receive, the others pushed back), added in rank order.
+The two-stage combine of the same rows has an exact oracle too: each rank's partial rounded to bf16,
+the partials added in fp32 in rank order and rounded once more.
 All tests need a GPU and the compiled extension; without them they skip (fail under --require-gpu).
 """
 
@@ -132,7 +132,7 @@ def blocking_sweep(ctx) -> int:
                                              row_probs=ref.probs * 3 + 1)
                 assert torch.equal(back.probs, ref_back.probs), f"{name}: scalars routed back"
             # The same handle again through the two-stage combine (a tensor of the caller's own):
-            # exact too, with every rank's partial rounded (this rank's own summed at its receive).
+            # exact too, with every rank's partial rounded to bf16 before the source adds them.
             staged = hybrid.combine(rows.clone(), out.handle, row_probs=row_probs)
             staged_expected = two_stage_sum(inputs[0], chosen_experts(form, inputs, num_experts), scales,
                                             ctx.world_size)

@@ -64,8 +64,7 @@ void bind(py::module_& parent) {
       .ptr("row_probs", &CombineSendArgs::row_probs)
       .ptr("packet_rows", &CombineSendArgs::packet_rows)
       .ptr("num_packets", &CombineSendArgs::num_packets)
-      .val("budget", &CombineSendArgs::budget)
-      .val("skip_own", &CombineSendArgs::skip_own);
+      .val("budget", &CombineSendArgs::budget);
   m.def("combine_send", &launch_combine_send, py::arg("buffer"), py::arg("regions"), py::arg("args"),
         py::arg("num_blocks"), py::arg("stream"));
 
@@ -76,10 +75,7 @@ void bind(py::module_& parent) {
       .ptr("k_index", &CombineRecvArgs::k_index)
       .val("num_tokens", &CombineRecvArgs::num_tokens)
       .ptr("peer_rows", &CombineRecvArgs::peer_rows)
-      .val("wait_for_send", &CombineRecvArgs::wait_for_send)
-      .ptr("own_rows", &CombineRecvArgs::own_rows)
-      .ptr("packet_rows", &CombineRecvArgs::packet_rows)
-      .val("budget", &CombineRecvArgs::budget);
+      .val("wait_for_send", &CombineRecvArgs::wait_for_send);
   m.def("combine_recv", &launch_combine_recv, py::arg("buffer"), py::arg("regions"), py::arg("args"),
         py::arg("num_blocks"), py::arg("stream"));
 }

@@ -30,24 +30,6 @@ namespace {
 
 constexpr int kWarps = kThreads / 32;
 
-// Warp-cooperative: lists a packet's rows that exist (>= 0 and below the budget) in `rows`, in
-// local-expert order, and returns how many; each(j, row, valid) sees every local expert j once.
-template <typename Each>
-__device__ __forceinline__ int list_packet_rows(const int32_t* packet_rows, int L, int64_t budget, int32_t* rows,
-                                                int lane, Each each) {
-  int count = 0;
-  for (int j0 = 0; j0 < L; j0 += 32) {
-    const int j = j0 + lane;
-    const int row = j < L ? packet_rows[j] : -1;
-    const bool valid = row >= 0 && row < budget;
-    if (j < L) each(j, row, valid);
-    const unsigned ballot = __ballot_sync(0xffffffffu, valid);
-    if (valid) rows[count + __popc(ballot & ((1u << lane) - 1))] = row;
-    count += __popc(ballot);
-  }
-  return count;
-}
-
 __global__ void __launch_bounds__(kThreads) combine_send_kernel(TransportView t, Regions g, CombineSendArgs a) {
   __shared__ int32_t s_rows[kWarps][kMaxLocalExperts];
   const View v{t, g};
@@ -63,18 +45,23 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(TransportView t,
   int32_t* rows = s_rows[warp_in_block];
 
   for (int r = 0; r < R; ++r) {
-    const bool own = a.skip_own && r == v.t.rank;  // combine_recv sums these where they are
-    if (own && a.row_probs == nullptr) continue;
     const int packets = a.num_packets[r];
     for (int s = warp; s < packets; s += warps) {
       const int32_t* packet_rows = a.packet_rows + packet_index(v, r, s) * L;
-      float* scalars = a.row_probs != nullptr ? comb_p(v, r, v.t.rank, s) : nullptr;
-      const int count = list_packet_rows(packet_rows, L, a.budget, rows, lane, [=](int j, int row, bool valid) {
-        if (scalars != nullptr) scalars[j] = valid ? a.row_probs[row] : 0.0f;
-      });
+      // Compact the packet's valid rows, in local-expert order, into shared memory.
+      int count = 0;
+      for (int j0 = 0; j0 < L; j0 += 32) {
+        const int j = j0 + lane;
+        int row = j < L ? packet_rows[j] : -1;
+        const bool valid = row >= 0 && row < a.budget;
+        if (j < L && a.row_probs != nullptr) comb_p(v, r, v.t.rank, s)[j] = valid ? a.row_probs[row] : 0.0f;
+        const unsigned ballot = __ballot_sync(0xffffffffu, valid);
+        if (valid) rows[count + __popc(ballot & ((1u << lane) - 1))] = row;
+        count += __popc(ballot);
+      }
       __syncwarp();
       const int4* input = static_cast<const int4*>(a.rows);
-      if (input != nullptr && !own) {
+      if (input != nullptr) {
         sum_rows(reinterpret_cast<int4*>(comb_row(v, r, v.t.rank, s)), H / 8, count,
                  [=](int n) { return input + static_cast<int64_t>(rows[n]) * (H / 8); }, lane);
       }
@@ -143,43 +130,10 @@ __device__ void sum_rows_by_group(const View& v, const CombineRecvArgs& a, int t
   }
 }
 
-// Two stages with the own partial summed here: out = bf16(sum, in the token's rank order, of each
-// rank's partial), where rank list[own_at]'s partial is bf16(fp32 sum of its `own_count` rows listed
-// in own_rows) and every other rank's was pushed into comb_data. The same sums in the same order as
-// combine_send followed by the plain receive, so the same bits.
-__device__ void sum_partials_with_own(const View& v, int4* out, const int* ranks, const int* slots, int count,
-                                      int own_at, const int4* input, const int32_t* own_rows, int own_count,
-                                      int lane) {
-  const int words = v.g.hidden / 8;
-  const auto partial = [=](int n) {
-    return reinterpret_cast<const int4*>(comb_row(v, v.t.rank, ranks[n], slots[ranks[n]]));
-  };
-  const auto own_row = [=](int n) { return input + static_cast<int64_t>(own_rows[n]) * words; };
-  if (count == 1 && own_count == 1) {  // the token went to this rank's experts alone, one row: a copy
-    warp_copy16(out, own_row(0), static_cast<int64_t>(words) * 16, lane);
-    return;
-  }
-  for (int i0 = lane; i0 < words; i0 += 32 * kSumUnroll) {
-    float acc[kSumUnroll][8] = {};
-    add_rows(acc, i0, words, own_at, partial);  // the ranks before this one
-    {
-      // This rank's partial, rounded to bf16 as combine_send would push it; two rows at a time, as
-      // acc is live (register room; a token has ~1 row per rank).
-      float own[kSumUnroll][8] = {};
-      add_rows<2>(own, i0, words, own_count, own_row);
-#pragma unroll
-      for (int u = 0; u < kSumUnroll; ++u) add_bf16x8(acc[u], pack_bf16x8(own[u]));
-    }
-    add_rows(acc, i0, words, count - own_at - 1, [=](int n) { return partial(own_at + 1 + n); });
-    store_sums(out, acc, i0, words);
-  }
-}
-
 __global__ void __launch_bounds__(kThreads) combine_recv_kernel(TransportView t, Regions g, CombineRecvArgs a) {
   __shared__ int s_slots[kWarps][kMaxRanks];
   __shared__ int s_ranks[kWarps][kMaxRanks];
   __shared__ const int4* s_listed[kWarps][kListedRows];
-  __shared__ int32_t s_own_rows[kWarps][kMaxLocalExperts];
   const View v{t, g};
   if (block_aborted(t)) return;
   const unsigned long long seq = current_seq(t);
@@ -194,8 +148,6 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(TransportView t,
   int* slots = s_slots[threadIdx.x / 32];
   int* ranks = s_ranks[threadIdx.x / 32];
   const int4** listed = s_listed[threadIdx.x / 32];
-  int32_t* own_rows = s_own_rows[threadIdx.x / 32];
-  const int me = v.t.rank;
   for (int t = blockIdx.x * kWarps + threadIdx.x / 32; t < a.num_tokens; t += warps) {
     const int my_slot = lane < R ? a.send_slot[static_cast<int64_t>(t) * R + lane] : -1;
     const unsigned sources = __ballot_sync(0xffffffffu, my_slot >= 0);
@@ -219,17 +171,9 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(TransportView t,
         for (unsigned mask = sources; mask; mask &= mask - 1) ranks[n++] = __ffs(mask) - 1;
       }
       __syncwarp();
-      if (a.own_rows != nullptr && (sources >> me & 1u)) {
-        const int32_t* packet_rows = a.packet_rows + packet_index(v, me, slots[me]) * L;
-        const int own_count = list_packet_rows(packet_rows, L, a.budget, own_rows, lane, [](int, int, bool) {});
-        __syncwarp();
-        sum_partials_with_own(v, out_row, ranks, slots, __popc(sources), __popc(sources & ((1u << me) - 1)),
-                              static_cast<const int4*>(a.own_rows), own_rows, own_count, lane);
-      } else {
-        sum_rows(out_row, H / 8, __popc(sources),
-                 [=](int n) { return reinterpret_cast<const int4*>(comb_row(v, me, ranks[n], slots[ranks[n]])); },
-                 lane);
-      }
+      sum_rows(out_row, H / 8, __popc(sources),
+               [=](int n) { return reinterpret_cast<const int4*>(comb_row(v, v.t.rank, ranks[n], slots[ranks[n]])); },
+               lane);
     }
     if (a.out_probs != nullptr) {
       for (unsigned mask = sources; mask; mask &= mask - 1) {

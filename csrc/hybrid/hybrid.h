@@ -105,23 +105,17 @@ void launch_dispatch_fused(const SymmetricBuffer& buffer, const Regions& regions
 
 // Stage 4 (expert side): sum each packet's rows (fp32), push one bf16 row per packet back to its
 // source, with per-row scalars unsummed when asked. rows == null (in place): only the scalars travel.
-// skip_own: the packets this rank sent itself are left to combine_recv (own_rows), which sums them
-// where they are instead of reading back a partial written here (two stages, ~7% fewer bytes at 8 ranks).
 struct CombineSendArgs {
   const void* rows = nullptr;           // [budget, H] bf16, or null
   const float* row_probs = nullptr;     // [budget] or null
   const int32_t* packet_rows = nullptr; // [R * max_tokens, L]
   const int32_t* num_packets = nullptr; // [R]
   int64_t budget = 0;
-  bool skip_own = false;                // no partial for this rank's own packets (combine_recv sums them)
 };
 void launch_combine_send(const SymmetricBuffer& buffer, const Regions& regions, const CombineSendArgs& args,
                          int num_blocks, uintptr_t stream);
 
 // Stage 5 (source side): wait for every expert rank, sum the returned rows per token (fp32).
-// With own_rows (the combine_send ran with skip_own): this rank's partial of a token is summed here,
-// from own_rows at its packet's packet_rows, in fp32 and local-expert order, and rounded to bf16 as
-// combine_send rounds it, so the result is bitwise that of the plain two-stage path.
 // In place (peer_rows given): read each of the token's expert rows in its rank's comb_input, at
 // peer_rows[p][j] + k_index, and sum them all in fp32 (rank order, then local-expert order),
 // rounding once; rows at or past p's budget (peer_rows[p][L]) were dropped and count as zero.
@@ -133,9 +127,6 @@ struct CombineRecvArgs {
   int num_tokens = 0;
   const int32_t* peer_rows = nullptr;   // [R, L + 1] (the exchange's peer_row_base) or null: pushed rows
   bool wait_for_send = true;            // combine_send ran (it signals comb_done)
-  const void* own_rows = nullptr;       // two stages: this rank's combine input [budget, H] bf16, or null
-  const int32_t* packet_rows = nullptr; // with own_rows: [R * max_tokens, L], as CombineSendArgs
-  int64_t budget = 0;                   // with own_rows: rows at or past it were dropped (count as zero)
 };
 void launch_combine_recv(const SymmetricBuffer& buffer, const Regions& regions, const CombineRecvArgs& args,
                          int num_blocks, uintptr_t stream);

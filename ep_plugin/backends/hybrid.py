@@ -20,9 +20,7 @@ over regions it lays out on the transport's symmetric buffer (``csrc/hybrid/hybr
    rows; padding zeroed. Non-blocking (the output size known before the counts), stages 3 and 4 run
    in one launch (``dispatch_fused``): each block sends its share, then permutes its share.
 5. combine (``combine.cu``): the expert side sums a packet's rows (fp32, rounded once to bf16)
-   and sends one row per (token, source rank) back; the source sums those in fp32. A rank's own
-   packets are summed in its receive instead, from its expert rows, with the same rounding: the
-   same bits, without writing and reading back a partial per own token. In place (the
+   and sends one row per (token, source rank) back; the source sums those in fp32. In place (the
    expert output already in the buffer, see below), the source reads every expert row of its
    tokens where it is and sums them in one pass.
 
@@ -360,10 +358,9 @@ class HybridBackend(CompiledBackend):
         if send_needed:
             rows_in = None if in_place else rows
             self._keep_on_stream(rows_in, row_probs)
-            # Two stages: the packets this rank sent itself are summed by its receive, where they are.
             send = self._C.hybrid.CombineSendArgs(rows=rows_in, row_probs=row_probs,
                                                   packet_rows=at("packet_rows"), num_packets=at("num_packets"),
-                                                  budget=layout.budget, skip_own=not in_place)
+                                                  budget=layout.budget)
             self._C.hybrid.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
         out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
         dense_probs = torch.zeros(T, self.num_experts, dtype=torch.float32, device=dev) \
@@ -371,8 +368,7 @@ class HybridBackend(CompiledBackend):
         receive = self._C.hybrid.CombineRecvArgs(out=out, out_probs=dense_probs, send_slot=at("send_slot"),
                                                  k_index=at("k_index"), num_tokens=T,
                                                  peer_rows=at("peer_rows") if in_place else None,
-                                                 wait_for_send=send_needed, own_rows=None if in_place else rows,
-                                                 packet_rows=at("packet_rows"), budget=layout.budget)
+                                                 wait_for_send=send_needed)
         self._C.hybrid.combine_recv(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
         probs = None
         if dense_probs is not None:

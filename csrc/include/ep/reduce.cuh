@@ -29,18 +29,18 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
 }
 
 // acc[u] += row(n)[i0 + 32 u] for n < count (16-byte words of 8 bf16, words < `words`), in n order,
-// in fp32. Each lane loads kSumUnroll words of Rows rows before adding them, so a warp keeps
-// 8 KiB of loads in flight with the default Rows (fewer rows: fewer registers).
+// in fp32. Each lane loads kSumUnroll words of kSumRows rows before adding them, so a warp keeps
+// 8 KiB of loads in flight.
 constexpr int kSumUnroll = 4;
 constexpr int kSumRows = 4;
 
-template <int Rows = kSumRows, typename Row>
+template <typename Row>
 __device__ __forceinline__ void add_rows(float (&acc)[kSumUnroll][8], int64_t i0, int words, int count, Row row) {
   const int4 zero = make_int4(0, 0, 0, 0);
-  for (int n0 = 0; n0 < count; n0 += Rows) {
-    int4 w[Rows][kSumUnroll];
+  for (int n0 = 0; n0 < count; n0 += kSumRows) {
+    int4 w[kSumRows][kSumUnroll];
 #pragma unroll
-    for (int m = 0; m < Rows; ++m) {
+    for (int m = 0; m < kSumRows; ++m) {
       const int4* r = n0 + m < count ? row(n0 + m) : nullptr;
 #pragma unroll
       for (int u = 0; u < kSumUnroll; ++u) {
@@ -49,7 +49,7 @@ __device__ __forceinline__ void add_rows(float (&acc)[kSumUnroll][8], int64_t i0
       }
     }
 #pragma unroll
-    for (int m = 0; m < Rows; ++m) {
+    for (int m = 0; m < kSumRows; ++m) {
       if (n0 + m < count) {
 #pragma unroll
         for (int u = 0; u < kSumUnroll; ++u) add_bf16x8(acc[u], w[m][u]);
