@@ -76,8 +76,8 @@ def two_stage_sum(x: torch.Tensor, chosen: torch.Tensor, scales: torch.Tensor, n
     local = chosen.shape[1] // num_ranks
     total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for p in range(num_ranks):
-        experts = range(p * local, (p + 1) * local)
-        total += one_pass_sum(x, chosen[:, experts.start:experts.stop], scales[experts.start:experts.stop]).float()
+        lo, hi = p * local, (p + 1) * local  # rank p's experts
+        total += one_pass_sum(x, chosen[:, lo:hi], scales[lo:hi]).float()
     return total.to(torch.bfloat16)
 
 
