@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
 WARMUP = 30
 SETTINGS = ((0, True), (1, True), (3, True), (3, False))  # (events per step, enable_timing)
@@ -29,6 +27,8 @@ def timed_loop(src: torch.Tensor, dst: torch.Tensor, kernels: int, steps: int, m
                timing: bool) -> tuple[float, float]:
     """(GPU µs per step, host µs per step) of ``steps`` steps, each ``kernels`` copies with ``marks`` events
     recorded between them (created up front, as the bench does)."""
+    from kernel_times import time_steps  # this folder
+
     events = iter([torch.cuda.Event(enable_timing=timing) for _ in range(steps * marks)])
     before = [0] * kernels  # how many events go before each copy of a step: spread evenly, the first at 0
     for index in range(marks):
@@ -36,20 +36,14 @@ def timed_loop(src: torch.Tensor, dst: torch.Tensor, kernels: int, steps: int, m
     for _ in range(WARMUP):
         for _ in range(kernels):
             dst.copy_(src)
-    torch.cuda.synchronize()
-    dist.barrier()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start = time.perf_counter()
-    begin.record()
-    for _ in range(steps):
+
+    def step():
         for copy in range(kernels):
             for _ in range(before[copy]):
                 next(events).record()
             dst.copy_(src)
-    end.record()
-    host_us = (time.perf_counter() - start) * 1e6 / steps
-    end.synchronize()
-    return begin.elapsed_time(end) * 1e3 / steps, host_us
+
+    return time_steps(step, steps)
 
 
 def rank_main(ctx, args) -> list[tuple]:

@@ -138,16 +138,12 @@ def timeline_summary(trace_path: str, iters: int, widest: int = 8) -> str:
     return "\n".join(lines)
 
 
-def host_profile(ctx, step, iters: int) -> str | None:
-    """Where the host's time goes in eager calls: cProfile of rank 0's steps (every rank runs them)."""
-    import cProfile
-    import io
-    import pstats
+def time_steps(step, iters: int) -> tuple[float, float]:
+    """(GPU µs per step, host µs per step) of ``iters`` calls of ``step``, timed from one barrier of all
+    ranks (so no rank's GPU time holds a wait for a rank still starting): two events around the loop,
+    and the host's time to enqueue it."""
     import time
 
-    # First without the profiler: the host's time to enqueue a step against the GPU's time per step.
-    # When they are about equal the host bounds eager calls (the GPU waits for launches). Every rank
-    # starts after one barrier, so rank 0's GPU time per step holds no wait for a rank still starting.
     torch.cuda.synchronize()
     dist.barrier()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -156,9 +152,21 @@ def host_profile(ctx, step, iters: int) -> str | None:
     for _ in range(iters):
         step()
     end.record()
-    plain_us = (time.perf_counter() - start) * 1e6 / iters
+    host_us = (time.perf_counter() - start) * 1e6 / iters
     end.synchronize()
-    gpu_us = begin.elapsed_time(end) * 1e3 / iters
+    return begin.elapsed_time(end) * 1e3 / iters, host_us
+
+
+def host_profile(ctx, step, iters: int) -> str | None:
+    """Where the host's time goes in eager calls: cProfile of rank 0's steps (every rank runs them)."""
+    import cProfile
+    import io
+    import pstats
+    import time
+
+    # First without the profiler: the host's time to enqueue a step against the GPU's time per step.
+    # When they are about equal the host bounds eager calls (the GPU waits for launches).
+    gpu_us, plain_us = time_steps(step, iters)
     paces = [None] * ctx.world_size  # every rank's (host, GPU) µs per step: the slowest host paces all
     dist.all_gather_object(paces, (plain_us, gpu_us))
     profiler = cProfile.Profile()
