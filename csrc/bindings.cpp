@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "bind_args.h"
+#include "ep/arena.h"
 #include "ep/device_info.h"
 #include "ep/layout.h"
 #include "ep/transport.h"
@@ -81,7 +82,9 @@ PYBIND11_MODULE(_C, m) {
       .ptr("total_rows", &ep::ExchangeArgs::total_rows)
       .ptr("total_packets", &ep::ExchangeArgs::total_packets)
       .val("receive_budget", &ep::ExchangeArgs::receive_budget)
-      .ptr("peer_row_base", &ep::ExchangeArgs::peer_row_base);
+      .ptr("peer_row_base", &ep::ExchangeArgs::peer_row_base)
+      .val("publish_op_word", &ep::ExchangeArgs::publish_op_word)
+      .val("op_word", &ep::ExchangeArgs::op_word);
   m.def("exchange", &ep::launch_exchange, py::arg("buffer"), py::arg("args"), py::arg("stream"),
         "the op prologue: handshake with fingerprint check, and the count exchange when counts are given");
 
@@ -104,6 +107,18 @@ PYBIND11_MODULE(_C, m) {
         "stage 0 of a dispatch: send slots, k indices and counts in one kernel (no host sync)");
   m.def("layout_exchange", &ep::launch_layout_exchange, py::arg("buffer"), py::arg("layout"), py::arg("exchange"),
         py::arg("stream"), "a first dispatch's layout and count exchange in one launch (the fused prologue)");
+
+  // The combine-input arena (ep/arena.h): torch's pluggable allocator finds the two C functions by
+  // these names in this library.
+  m.attr("ARENA_ALLOC_SYMBOL") = "ep_arena_alloc";
+  m.attr("ARENA_FREE_SYMBOL") = "ep_arena_free";
+  m.def("arena_register", &ep::arena::register_arena, py::arg("id"), py::arg("device"), py::arg("parts"),
+        "parts: [(address, bytes)] of a buffer that the arena's pool may take as segments");
+  m.def("arena_unregister", &ep::arena::unregister_arena, py::arg("id"));
+  m.def("arena_select", &ep::arena::select_arena, py::arg("id"),
+        "the arena this thread's segment requests go to (0 = none); returns the one selected before");
+  m.def("arena_lent_parts", &ep::arena::lent_parts, py::arg("id"));
+  m.def("arena_fallback_segments", &ep::arena::fallback_segments, py::arg("id"));
 
   ep::hybrid::bind(m);
   ep::elastic::bind(m);

@@ -2,7 +2,8 @@
 //
 // Data flow: one block. Thread 0 advances the rank's op sequence number n (device-resident, so
 // graph replays advance it too). For a dispatch, the block first writes this rank's count words
-// for destination p into p's counts slot [n % 2][this rank]; then the handshake publishes the op
+// for destination p into p's counts slot [n % 2][this rank] (another op may write one op word
+// there instead: where its combine input lies, say); then the handshake publishes the op
 // fingerprint and arrive = n into every rank p (release, system scope) and waits for every
 // rank's arrival at n in the own buffer (acquire), comparing fingerprints. Having arrived, a rank
 // has finished every earlier kernel on its stream, so its receive regions are free for op n and it
@@ -36,6 +37,8 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(TransportVie
 }  // namespace
 
 void check_exchange_args(const SymmetricBuffer& buffer, const ExchangeArgs& args) {
+  if (args.publish_op_word && (args.expert_counts != nullptr || buffer.view().sync.count_words < 1))
+    throw std::invalid_argument("ep_plugin: exchange: an op word needs a handshake without counts and count words");
   if (args.expert_counts != nullptr) {
     const int L = args.num_local_experts;
     if (L < 1 || L > kMaxLocalExperts || L + 2 > buffer.view().sync.count_words)

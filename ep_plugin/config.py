@@ -49,6 +49,11 @@ class Config:
     # each other's GPU memory; on CPU every rank is its own domain). A smaller value splits the world
     # into more domains joined by the scale-out rails (ep_plugin.topology), e.g. to test that path on one host.
     scaleup_size: int = field(default=0, metadata={"help": "ranks per NVLink domain (0 = detect from placement)"})
+    # hybrid: rows of combine input its buffer's combine-input arena has room for (0 = no arena). An
+    # expert output allocated there (combine_input(), combine_input_arena(), or Megatron's experts) is
+    # combined in place: the sources read the rows where they are, in one pass. Equal on every rank.
+    combine_input_rows: int = field(default=0, metadata={
+        "help": "hybrid: rows of expert output its combine-input arena holds (0 = none; combine in place)"})
     # Scale-out chunk: tokens the rail exchange moves per collective (0 = all in one). DeepEP's
     # kScaleoutUpdateInterval (tokens before a scale-out warp publishes its tail) is the same knob for an
     # engine with in-kernel puts: 6 -> 16 cut time by 22% on EFA. Equal on every rank (it shapes the wire).
@@ -66,6 +71,7 @@ class Config:
         _require(self.pad_multiple >= 1, "pad_multiple", ">= 1", self.pad_multiple)
         _require(self.num_permuted_tokens >= 0, "num_permuted_tokens", ">= 0", self.num_permuted_tokens)
         _require(self.max_sms_per_gpu >= 0, "max_sms_per_gpu", ">= 0", self.max_sms_per_gpu)
+        _require(self.combine_input_rows >= 0, "combine_input_rows", ">= 0 (0 = no arena)", self.combine_input_rows)
         _require(self.scaleup_size >= 0, "scaleup_size", ">= 0 (0 = detect)", self.scaleup_size)
         _require(self.scaleout_chunk_tokens >= 0, "scaleout_chunk_tokens", ">= 0 (0 = no chunking)",
                  self.scaleout_chunk_tokens)

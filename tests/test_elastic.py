@@ -689,10 +689,11 @@ def test_elastic_missing_rank_times_out():
 
 
 def disagreeing_ranks(ctx, backend_name: str) -> dict:
-    """Two ways ranks disagree, each on a fresh backend: every rank must get EPError naming the op and
+    """Three ways ranks disagree, each on a fresh backend: every rank must get EPError naming the op and
     the field (no hang, no wrong rows). 1) combine on two handles in opposite orders; 2) rank 0
-    combines a copy while the others combine in place; 3) an FP8 dispatch on rank 0 while the others
-    send bf16."""
+    combines a copy while the others combine in place (elastic; hybrid combines that: rank 0 pushes its
+    partial sums, and the result is the two-stage combine's up to its rounding); 3) an FP8 dispatch on
+    rank 0 while the others send bf16."""
     hidden = 256
     errors = {}
     config = Config.from_env(max_tokens_per_rank=MAX_TOKENS, timeout_s=10.0, num_sms=8)
@@ -722,9 +723,11 @@ def disagreeing_ranks(ctx, backend_name: str) -> dict:
     rows = backend.combine_input(out.handle)
     rows.copy_(out.hidden)
     try:
-        backend.combine(rows.clone() if ctx.rank == 0 else rows, out.handle)
+        back = backend.combine(rows.clone() if ctx.rank == 0 else rows, out.handle).hidden.float()
         backend.check_errors()
         errors["in_place"] = None
+        staged = backend.combine(out.hidden, out.handle).hidden.float()
+        errors["mixed_difference"] = float((back - staged).abs().max() / staged.abs().max())
     except ep_plugin.EPError as error:
         errors["in_place"] = str(error)
     backend.destroy()
@@ -750,7 +753,10 @@ def test_ranks_that_disagree_get_an_error_on_every_rank(backend_name):
             (rank, errors)
         assert errors["dtype"] is not None and "dispatch" in errors["dtype"] and "dtype" in errors["dtype"], \
             (rank, errors)
-        assert errors["in_place"] is not None and "combine_in_place" in errors["in_place"], (rank, errors)
+        if backend_name == "elastic":
+            assert errors["in_place"] is not None and "combine_in_place" in errors["in_place"], (rank, errors)
+        else:  # one pass rounds once, the two-stage combine once per rank: a few bf16 ulps apart at most
+            assert errors["in_place"] is None and errors["mixed_difference"] <= 4 * 2 ** -7, (rank, errors)
 
 
 def co_residency(ctx) -> str:

@@ -59,12 +59,13 @@ def test_region_layouts_and_argument_structs_need_no_gpu():
     assert in_place.total_bytes - plain.total_bytes == rows + scales
     assert in_place.off_recv_scales - in_place.off_recv_rows == rows
     assert in_place.off_recv_rows >= in_place.off_comb_data + 8 * 4096 * 7168 * 2
-    # Room for an in-place combine input (rows x 2H) comes last; none by default.
-    plain, room = layouts["hybrid"], C.hybrid.Regions(**shape, combine_input_rows=1000)
-    assert plain.combine_input_rows == 0 and room.combine_input_rows == 1000
-    assert room.total_bytes - plain.total_bytes == 1000 * 7168 * 2 and room.off_comb_input == plain.total_bytes
-    with pytest.raises(ValueError, match="combine_input_rows"):
-        C.hybrid.Regions(**shape, combine_input_rows=-1)
+    # The combine-input arena comes last; none by default. Its size travels in 16-byte words (int32).
+    plain, room = layouts["hybrid"], C.hybrid.Regions(**shape, combine_input_bytes=14 << 20)
+    assert plain.combine_input_bytes == 0 and room.combine_input_bytes == 14 << 20
+    assert room.total_bytes - plain.total_bytes == 14 << 20 and room.off_comb_input == plain.total_bytes
+    for bad in (-256, 1000, 32 << 30):
+        with pytest.raises(ValueError, match="combine_input_bytes"):
+            C.hybrid.Regions(**shape, combine_input_bytes=bad)
     with pytest.raises(TypeError, match="no field 'hiden'"):
         C.elastic.SendArgs(hiden=0)
     args = C.elastic.ReceiveArgs(capacity=5, expand=True, out=None)

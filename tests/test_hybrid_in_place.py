@@ -45,11 +45,16 @@ def expert_of_rows(tokens_per_expert: torch.Tensor, num_rows: int) -> torch.Tens
     return torch.searchsorted(ends, rows, right=True).clamp_(max=tokens_per_expert.numel() - 1)
 
 
-def expert_output(out, rank: int, scales: torch.Tensor) -> torch.Tensor:
-    """What expert e of this rank returns for its rows: bf16(row * c_e)."""
+def expert_product(out, rank: int, scales: torch.Tensor) -> torch.Tensor:
+    """row * c_e in fp32 for each row of local expert e (what expert_output rounds)."""
     local = out.tokens_per_expert.numel()
     experts = rank * local + expert_of_rows(out.tokens_per_expert, out.hidden.shape[0])
-    return (out.hidden.float() * scales[experts].unsqueeze(1)).to(torch.bfloat16)
+    return out.hidden.float() * scales[experts].unsqueeze(1)
+
+
+def expert_output(out, rank: int, scales: torch.Tensor) -> torch.Tensor:
+    """What expert e of this rank returns for its rows: bf16(row * c_e)."""
+    return expert_product(out, rank, scales).to(torch.bfloat16)
 
 
 def chosen_experts(form: str, inputs, num_experts: int) -> torch.Tensor:
@@ -61,24 +66,40 @@ def chosen_experts(form: str, inputs, num_experts: int) -> torch.Tensor:
     return chosen.scatter_(1, torch.where(topk_idx < 0, num_experts, topk_idx), True)[:, :num_experts]
 
 
+def add_expert_rows(total: torch.Tensor, x: torch.Tensor, chosen: torch.Tensor, scales: torch.Tensor,
+                    experts) -> torch.Tensor:
+    """total += bf16(x * c_e) of every chosen expert e of ``experts``, one after the other, in fp32."""
+    for e in experts:
+        row = (x.float() * scales[e]).to(torch.bfloat16).float()
+        total += torch.where(chosen[:, e:e + 1], row, 0.0)
+    return total
+
+
 def one_pass_sum(x: torch.Tensor, chosen: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The in-place combine's result: bf16 of the fp32 sum, in expert order, of bf16(x * c_e)."""
     total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in range(chosen.shape[1]):
-        row = (x.float() * scales[e]).to(torch.bfloat16).float()
-        total += torch.where(chosen[:, e:e + 1], row, 0.0)
-    return total.to(torch.bfloat16)
+    return add_expert_rows(total, x, chosen, scales, range(chosen.shape[1])).to(torch.bfloat16)
 
 
-def two_stage_sum(x: torch.Tensor, chosen: torch.Tensor, scales: torch.Tensor, num_ranks: int) -> torch.Tensor:
-    """The two-stage combine's result: each rank's partial (bf16 of the fp32 sum of its rows
-    bf16(x * c_e), local-expert order) added in fp32 in rank order, rounded once more."""
+def combine_sum(x: torch.Tensor, chosen: torch.Tensor, scales: torch.Tensor, num_ranks: int, pushed) -> torch.Tensor:
+    """A combine in which the ranks in ``pushed`` sent partial sums (bf16 of the fp32 sum of their rows,
+    local-expert order) and the others' rows were read where they lie: in rank order, a pushed rank's
+    partial or the other rank's rows one by one, all added in fp32 and rounded once."""
     local = chosen.shape[1] // num_ranks
     total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for p in range(num_ranks):
         lo, hi = p * local, (p + 1) * local  # rank p's experts
-        total += one_pass_sum(x, chosen[:, lo:hi], scales[lo:hi]).float()
+        if p in pushed:
+            total += one_pass_sum(x, chosen[:, lo:hi], scales[lo:hi]).float()
+        else:
+            add_expert_rows(total, x, chosen, scales, range(lo, hi))
     return total.to(torch.bfloat16)
+
+
+def two_stage_sum(x: torch.Tensor, chosen: torch.Tensor, scales: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """The two-stage combine's result: each rank's partial rounded to bf16, the partials added in fp32
+    in rank order, rounded once more."""
+    return combine_sum(x, chosen, scales, num_ranks, pushed=range(num_ranks))
 
 
 def make_backends(ctx, num_experts: int, combine_input_rows: int, **config):
@@ -156,8 +177,9 @@ def over_budget(ctx) -> int:
     inputs = make_inputs(800, ctx.rank, ctx.world_size, 60, HIDDEN, num_experts, 4, skewed=True, drop_some=False)
     out = hybrid.dispatch(inputs[0], pad_multiple=16, **routing_kwargs("topk", inputs))
     check_peer_rows(ctx, out, 16, budget)
-    whole = hybrid.buffer.region_tensor(hybrid.regions.off_comb_input, (4 * budget, HIDDEN), torch.bfloat16)
-    whole.fill_(float("nan"))
+    whole = hybrid.buffer.region_tensor(hybrid.regions.off_comb_input, (hybrid.regions.combine_input_bytes // 2,),
+                                        torch.bfloat16)
+    whole.fill_(float("nan"))  # the whole arena, wherever the combine input lands
     rows = hybrid.combine_input(out.handle)
     rows.copy_(expert_output(out, ctx.rank, scales))
     back = hybrid.combine(rows, out.handle)
@@ -272,13 +294,103 @@ def autograd_and_misuse(ctx) -> int:
     return 1
 
 
+def arena(ctx) -> int:
+    """Expert outputs computed by torch ops inside combine_input_arena() (at any offset of the arena),
+    ranks that combine from the arena next to ranks that push partial sums (by choice, or because the
+    arena was full), scalars routed back meanwhile: each result exactly the sum its ranks' forms give."""
+    num_experts = 32
+    room = HybridBackend.worst_case_rows(ctx.world_size, MAX_TOKENS, num_experts // ctx.world_size, 4, 16)
+    _, hybrid = make_backends(ctx, num_experts, room)
+    scales = expert_scales(num_experts, ctx.device)
+    everyone = range(ctx.world_size)
+    checked = 0
+    # (case name, ranks that compute their output outside the arena, ranks whose arena is full)
+    cases = (("all in the arena", (), ()), ("even ranks in the arena", everyone[1::2], ()),
+             ("rank 0's arena full", (), (0,)), ("none in the arena", everyone, ()))
+    for case, (name, outside, full) in enumerate(cases):
+        for with_probs in (False, True):
+            inputs = make_inputs(1100 + case, ctx.rank, ctx.world_size, tokens_of(ctx.rank, case), HIDDEN,
+                                 num_experts, 4, skewed=case % 2 == 1, drop_some=case == 1)
+            out = hybrid.dispatch(inputs[0], pad_multiple=16, **routing_kwargs("topk", inputs))
+            hogs = []
+            product = expert_product(out, ctx.rank, scales)
+            if ctx.rank in outside:
+                rows = expert_output(out, ctx.rank, scales)
+            else:
+                with hybrid.combine_input_arena() as usable:
+                    assert usable, f"{name}: the arena routes nothing ({hybrid.arena.unusable_reason})"
+                    if ctx.rank in full:  # the pool's two segments (2 MiB of small blocks, the rest) taken whole
+                        hogs = [torch.empty(1 << 20, dtype=torch.uint8, device=ctx.device) for _ in range(2)]
+                        hogs.append(torch.empty(hybrid.arena.nbytes - (2 << 20), dtype=torch.uint8,
+                                                device=ctx.device))
+                    hogs.append(torch.empty(1000, dtype=torch.uint8, device=ctx.device))  # the output lands past it
+                    rows = product.to(torch.bfloat16)  # the fp32 product (twice the bytes) stays outside
+            offset = hybrid.arena.offset_of(rows)
+            in_arena = ctx.rank not in outside and ctx.rank not in full
+            assert (offset is not None) == in_arena, f"{name}: rank {ctx.rank} output at arena offset {offset}"
+            assert offset is None or offset > 0, f"{name}: the output should lie past the other block"
+            assert hybrid.arena.lent_parts() == 2, hybrid.arena.lent_parts()
+            counts = dict(hybrid.combine_counts)
+            row_probs = out.probs * 3 + 1 if with_probs else None
+            back = hybrid.combine(rows, out.handle, row_probs=row_probs)
+            kind = "in_place" if in_arena else "pushed"
+            assert hybrid.combine_counts[kind] == counts.get(kind, 0) + 1, f"{name}: counted as {kind}"
+            expected = combine_sum(inputs[0], chosen_experts("topk", inputs, num_experts), scales, ctx.world_size,
+                                   pushed=set(outside) | set(full))
+            assert torch.equal(back.hidden, expected), f"{name}, probs={with_probs}: rank {ctx.rank}"
+            if with_probs:
+                staged = hybrid.combine(rows.clone(), out.handle, row_probs=row_probs)
+                assert torch.equal(back.probs, staged.probs), f"{name}: scalars routed back"
+            # Right after an in-place combine nothing goes to the arena until the next op (with probs,
+            # the two-stage combine of the copy was that op).
+            with hybrid.combine_input_arena() as usable:
+                assert usable == (not in_arena or with_probs), f"{name}: arena open while peers may read"
+            del hogs, rows, back, product  # the next case's hogs need the arena empty
+            torch.cuda.synchronize()  # and their frees retired (they were recorded on the stream)
+            checked += 1
+    # A combine inside a routing context is refused (a block freed there could be handed out again while
+    # the peers read it), and so is combine_input on a backend whose arena the context took; both
+    # before any launch, and the backend goes on.
+    inputs = make_inputs(1190, ctx.rank, ctx.world_size, 40, HIDDEN, num_experts, 4, skewed=False, drop_some=False)
+    out = hybrid.dispatch(inputs[0], **routing_kwargs("topk", inputs))
+    with pytest.raises(ValueError, match="serves combine_input_arena"):
+        hybrid.combine_input(out.handle)
+    product = expert_product(out, ctx.rank, scales)
+    with hybrid.combine_input_arena() as usable:
+        assert usable
+        rows = product.to(torch.bfloat16)
+        with pytest.raises(ValueError, match="inside combine_input_arena"):
+            hybrid.combine(rows, out.handle)
+    back = hybrid.combine(rows, out.handle)
+    assert torch.equal(back.hidden, one_pass_sum(inputs[0], chosen_experts("topk", inputs, num_experts), scales))
+    del rows, back
+    hybrid.barrier()
+    with hybrid.combine_input_arena() as usable:
+        assert usable, "the arena stays closed after the next op"
+        # Rank 0's pool took ordinary memory while its arena was full; empty now, it was made anew.
+        assert hybrid.arena.fallback_segments() == 0, hybrid.arena.fallback_segments()
+        probe = torch.empty(MAX_TOKENS, HIDDEN, dtype=torch.bfloat16, device=ctx.device)
+    assert hybrid.arena.offset_of(probe) is not None, "after the arena ran full, outputs no longer land there"
+    # torch gives a segment's blocks to one stream: once empty, the arena follows the current stream.
+    del probe
+    side = torch.cuda.Stream(ctx.device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), hybrid.combine_input_arena():
+        on_side = torch.empty(MAX_TOKENS, HIDDEN, dtype=torch.bfloat16, device=ctx.device)
+    assert hybrid.arena.offset_of(on_side) is not None, "an output on another stream missed the empty arena"
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    hybrid.destroy()
+    return checked
+
+
 def run_suite(ctx) -> dict:
     return {"blocking": blocking_sweep(ctx), "over_budget": over_budget(ctx), "graph": graph_replays(ctx),
-            "autograd": autograd_and_misuse(ctx)}
+            "autograd": autograd_and_misuse(ctx), "arena": arena(ctx)}
 
 
 @pytest.mark.parametrize("num_ranks", [2, 8])
 def test_hybrid_combine_in_place_is_the_one_pass_sum(num_ranks):
     results = run_ranks(run_suite, num_ranks, device="cuda", timeout_s=LAUNCH_TIMEOUT_S)
-    assert results[0] == {"blocking": 3 * 8 + 8, "over_budget": 1, "graph": 6, "autograd": 1}, results[0]
+    assert results[0] == {"blocking": 3 * 8 + 8, "over_budget": 1, "graph": 6, "autograd": 1, "arena": 8}, results[0]
     assert all(r == results[0] for r in results)

@@ -15,9 +15,9 @@ void bind(py::module_& parent) {
 
   py::class_<Regions>(m, "Regions", "the hybrid region layout on the transport (see csrc/hybrid/hybrid.h)")
       .def(py::init(&make_regions), py::arg("num_ranks"), py::arg("max_tokens"), py::arg("hidden"),
-           py::arg("num_local_experts"), py::arg("max_blocks"), py::arg("combine_input_rows") = 0)
+           py::arg("num_local_experts"), py::arg("max_blocks"), py::arg("combine_input_bytes") = 0)
       .def_readonly("total_bytes", &Regions::total_bytes)
-      .def_readonly("combine_input_rows", &Regions::combine_input_rows)
+      .def_readonly("combine_input_bytes", &Regions::combine_input_bytes)
       .def_readonly("off_comb_input", &Regions::off_comb_input)
       .def_readonly("max_tokens", &Regions::max_tokens)
       .def_property_readonly("count_words", &Regions::count_words);
@@ -68,6 +68,7 @@ void bind(py::module_& parent) {
   m.def("combine_send", &launch_combine_send, py::arg("buffer"), py::arg("regions"), py::arg("args"),
         py::arg("num_blocks"), py::arg("stream"));
 
+  m.attr("COMBINE_PUSHED") = kCombinePushed;
   ArgStruct<CombineRecvArgs>(m, "CombineRecvArgs", "stage 5: sum the returned rows per token")
       .ptr("out", &CombineRecvArgs::out)
       .ptr("out_probs", &CombineRecvArgs::out_probs)

@@ -10,12 +10,14 @@
 // warp w takes tokens t and sums, in fp32 and rank order, the rows returned for the token by each
 // rank it was sent to (send_slot), writing bf16 [T, H]; scalars land in the dense [T, E] output.
 //
-// In place (the expert ranks' rows are in their comb_input): combine_send runs only when scalars
-// travel (rows == null), and combine_recv reads every expert row of the token where it is:
-// row peer_rows[p][j] + k_index[t][p L + j] of rank p's comb_input, for the token's ranks p in
-// rank order and their local experts j in order, all summed in fp32 and rounded once. Without
-// scalars there is nothing to wait for but the handshake before it: every rank has arrived at
-// this op, so the rows its earlier kernels wrote are complete.
+// In place (a buffer with a combine-input arena; each rank's op word says where its input lies in
+// its arena, or that it pushed): a rank whose input is in its arena runs combine_send only when
+// scalars travel (rows == null), and combine_recv reads every expert row of the token where it is:
+// row peer_rows[p][j] + k_index[t][p L + j] of the input in rank p's arena; of a rank that pushed,
+// it reads the partial sum instead. Ranks in rank order, local experts j in order, all summed in
+// fp32 and rounded once. It waits for the ranks that ran combine_send only: for the others the
+// handshake before it suffices (every rank has arrived at this op, so the rows its earlier kernels
+// wrote are complete).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -75,10 +77,17 @@ __global__ void __launch_bounds__(kThreads) combine_send_kernel(TransportView t,
 // through sum_rows_by_group, which lists none).
 constexpr int kListedRows = 32;
 
-// Warp-cooperative, in place: the address of rank p's row for the token's local experts j0 + lane
-// (null where the token does not go to that expert, or its row fell past p's budget).
-__device__ __forceinline__ const int4* expert_row_at(const View& v, const CombineRecvArgs& a, int token, int p, int j0,
-                                                     int lane) {
+// Warp-cooperative, in place, for a rank p the token was sent to: the address of p's row for the
+// token's local experts j0 + lane (null where the token does not go to that expert, or its row fell
+// past p's budget); `input_at[p]` is where p's input starts (in p's arena), or null when p pushed
+// its partial sum of the token's rows (at slot `slots[p]`), which lane 0 of the first group then
+// returns instead.
+__device__ __forceinline__ const int4* expert_row_at(const View& v, const CombineRecvArgs& a, const char* const* input_at,
+                                                     const int* slots, int token, int p, int j0, int lane) {
+  const char* input = input_at[p];
+  if (input == nullptr) {
+    return j0 == 0 && lane == 0 ? reinterpret_cast<const int4*>(comb_row(v, v.t.rank, p, slots[p])) : nullptr;
+  }
   const int L = v.g.num_local_experts;
   const int j = j0 + lane;
   if (j >= L) return nullptr;
@@ -86,18 +95,19 @@ __device__ __forceinline__ const int4* expert_row_at(const View& v, const Combin
   const int k = a.k_index[static_cast<int64_t>(token) * v.g.num_ranks * L + p * L + j];
   const int row = k >= 0 ? base[j] + k : -1;
   if (row < 0 || row >= base[L]) return nullptr;
-  return reinterpret_cast<const int4*>(region(v, p, v.g.off_comb_input) + static_cast<int64_t>(row) * 2 * v.g.hidden);
+  return reinterpret_cast<const int4*>(input + static_cast<int64_t>(row) * 2 * v.g.hidden);
 }
 
 // Warp-cooperative, in place: lists the token's rows (ranks in `sources` order, then local-expert
 // order) in `list`, at most kListedRows of them; returns how many there are (also past the limit).
-__device__ __forceinline__ int list_token_rows(const View& v, const CombineRecvArgs& a, int token, unsigned sources,
-                                               const int4** list, int lane) {
+__device__ __forceinline__ int list_token_rows(const View& v, const CombineRecvArgs& a, const char* const* input_at,
+                                               const int* slots, int token, unsigned sources, const int4** list,
+                                               int lane) {
   int count = 0;
   for (unsigned mask = sources; mask; mask &= mask - 1) {
     const int p = __ffs(mask) - 1;
     for (int j0 = 0; j0 < v.g.num_local_experts; j0 += 32) {
-      const int4* row = expert_row_at(v, a, token, p, j0, lane);
+      const int4* row = expert_row_at(v, a, input_at, slots, token, p, j0, lane);
       const unsigned ballot = __ballot_sync(0xffffffffu, row != nullptr);
       const int at = count + __popc(ballot & ((1u << lane) - 1));
       if (row != nullptr && at < kListedRows) list[at] = row;
@@ -110,15 +120,15 @@ __device__ __forceinline__ int list_token_rows(const View& v, const CombineRecvA
 // Warp-cooperative, in place, for a token with more than kListedRows rows: the same sums in the
 // same order, with no list: the hidden words in warp-uniform steps, and in each step the rows of
 // one group of 32 local experts at a time, their addresses shuffled from the lanes that found them.
-__device__ void sum_rows_by_group(const View& v, const CombineRecvArgs& a, int token, unsigned sources, int4* out,
-                                  int lane) {
+__device__ void sum_rows_by_group(const View& v, const CombineRecvArgs& a, const char* const* input_at,
+                                  const int* slots, int token, unsigned sources, int4* out, int lane) {
   const int words = v.g.hidden / 8;
   for (int step = 0; step < words; step += 32 * kSumUnroll) {
     float acc[kSumUnroll][8] = {};
     for (unsigned mask = sources; mask; mask &= mask - 1) {
       const int p = __ffs(mask) - 1;
       for (int j0 = 0; j0 < v.g.num_local_experts; j0 += 32) {
-        const int4* mine = expert_row_at(v, a, token, p, j0, lane);
+        const int4* mine = expert_row_at(v, a, input_at, slots, token, p, j0, lane);
         const unsigned ballot = __ballot_sync(0xffffffffu, mine != nullptr);
         const auto address = reinterpret_cast<unsigned long long>(mine);
         add_rows(acc, step + lane, words, __popc(ballot), [=](int n) {  // n is warp-uniform here
@@ -130,15 +140,30 @@ __device__ void sum_rows_by_group(const View& v, const CombineRecvArgs& a, int t
   }
 }
 
+// One instance per form (kInPlace: a.peer_rows given), so that each gets registers for its own loop.
+template <bool kInPlace>
 __global__ void __launch_bounds__(kThreads) combine_recv_kernel(TransportView t, Regions g, CombineRecvArgs a) {
   __shared__ int s_slots[kWarps][kMaxRanks];
   __shared__ int s_ranks[kWarps][kMaxRanks];
   __shared__ const int4* s_listed[kWarps][kListedRows];
+  __shared__ const char* s_input_at[kMaxRanks];  // in place: where rank p's input starts; null = p pushed
   const View v{t, g};
   if (block_aborted(t)) return;
   const unsigned long long seq = current_seq(t);
-  if (a.wait_for_send && !wait_all_blocks(t, combine_done(v), seq, gridDim.x, kPhaseCombineReceive)) return;
-  const bool in_place = a.peer_rows != nullptr;
+  constexpr bool in_place = kInPlace;
+  unsigned senders = a.wait_for_send ? 0xffffffffu : 0u;  // ranks whose combine_send this waits for
+  if constexpr (in_place) {
+    for (int p = threadIdx.x; p < v.g.num_ranks; p += blockDim.x) {
+      const int32_t word = op_word(t, seq, p);
+      s_input_at[p] = word == kCombinePushed ? nullptr : region(v, p, v.g.off_comb_input) + static_cast<int64_t>(word) * 16;
+    }
+    __syncthreads();
+    senders = 0;
+    for (int p = 0; p < v.g.num_ranks; ++p) {
+      if (s_input_at[p] == nullptr || a.out_probs != nullptr) senders |= 1u << p;
+    }
+  }
+  if (senders && !wait_all_blocks(t, combine_done(v), seq, gridDim.x, kPhaseCombineReceive, senders)) return;
   const int R = v.g.num_ranks;
   const int L = v.g.num_local_experts;
   const int E = R * L;
@@ -152,19 +177,19 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(TransportView t,
     const int my_slot = lane < R ? a.send_slot[static_cast<int64_t>(t) * R + lane] : -1;
     const unsigned sources = __ballot_sync(0xffffffffu, my_slot >= 0);
     int4* out_row = static_cast<int4*>(a.out) + static_cast<int64_t>(t) * (H / 8);
-    if (in_place) {
-      const int count = list_token_rows(v, a, t, sources, listed, lane);
+    // Every lane needs every rank's slot: stage them in shared memory (lanes may leave the hidden
+    // loop at different times, so no shuffles inside it).
+    if (lane < R) slots[lane] = my_slot;
+    __syncwarp();
+    if constexpr (in_place) {
+      const int count = list_token_rows(v, a, s_input_at, slots, t, sources, listed, lane);
       __syncwarp();
       if (count <= kListedRows) {
         sum_rows(out_row, H / 8, count, [=](int n) { return listed[n]; }, lane);
       } else {
-        sum_rows_by_group(v, a, t, sources, out_row, lane);
+        sum_rows_by_group(v, a, s_input_at, slots, t, sources, out_row, lane);
       }
     } else {
-      // Every lane needs every rank's slot: stage them in shared memory (lanes may leave the
-      // hidden loop at different times, so no shuffles inside it).
-      if (lane < R) slots[lane] = my_slot;
-      __syncwarp();
       // Rank order of the sum: the n-th set bit of `sources`.
       if (lane == 0) {
         int n = 0;
@@ -198,12 +223,13 @@ void launch_combine_send(const SymmetricBuffer& buffer, const Regions& regions, 
 }
 
 void launch_combine_recv(const SymmetricBuffer& buffer, const Regions& regions, const CombineRecvArgs& args, int num_blocks, uintptr_t stream) {
-  if (args.peer_rows != nullptr && regions.combine_input_rows == 0)
-    throw std::invalid_argument("ep_plugin hybrid: an in-place combine needs a buffer with combine_input_rows > 0");
-  if (args.out_probs != nullptr && !args.wait_for_send)
+  if (args.peer_rows != nullptr && regions.combine_input_bytes == 0)
+    throw std::invalid_argument("ep_plugin hybrid: an in-place combine needs a buffer with combine_input_bytes > 0");
+  if (args.peer_rows == nullptr && args.out_probs != nullptr && !args.wait_for_send)
     throw std::invalid_argument("ep_plugin hybrid: scalars routed back need combine_send (wait_for_send)");
   EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
-  combine_recv_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), regions, args);
+  const auto kernel = args.peer_rows != nullptr ? combine_recv_kernel<true> : combine_recv_kernel<false>;
+  kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), regions, args);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

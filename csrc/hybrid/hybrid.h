@@ -23,11 +23,13 @@ namespace hybrid {
 //   disp_p      f32 [R][max_tokens][L]  prob of (token, local expert)
 //   comb_data   bf16 [R][max_tokens][H] from expert rank r: the sum of its rows for send slot s
 //   comb_p      f32 [R][max_tokens][L]  from expert rank r: per-row scalars (backward of probs)
-//   comb_input  bf16 [combine_input_rows][H]  the combine input handed to the caller (in place)
+//   comb_input  [combine_input_bytes]   the combine-input arena: torch allocates expert outputs here
 //
-// comb_input exists only in a buffer built with combine_input_rows > 0: the expert writes its
-// output rows there (in the dispatch output's row order) and the sources read them where they
-// are, summing a token's rows in one pass (no expert-side partial sums, no comb_data).
+// comb_input exists only in a buffer built with combine_input_bytes > 0. A rank whose combine input
+// (its expert output rows, in the dispatch output's row order) lies anywhere in it tells the peers
+// where with its arrival at the combine (the op word: the byte offset / 16), and the sources read
+// the rows where they are, summing a token's rows in one pass (no expert-side partial sums, no
+// comb_data). A rank whose input lies elsewhere says kCombinePushed and pushes partial sums instead.
 struct Regions {
   int num_ranks;
   int max_tokens;
@@ -37,7 +39,7 @@ struct Regions {
   int64_t slot_bytes;  // bytes per staged token (2 * hidden: bf16, or fp8 + scales)
   int64_t off_disp_done, off_comb_done;
   int64_t off_disp_stage, off_disp_token, off_disp_k, off_disp_p, off_comb_data, off_comb_p;
-  int64_t combine_input_rows;  // rows of comb_input (0: no in-place combine)
+  int64_t combine_input_bytes;  // bytes of comb_input (0: no in-place combine)
   int64_t off_comb_input;
   int64_t total_bytes;
   // Count words per (source, op) in the transport's exchange: L expert counts, the packet count,
@@ -46,7 +48,7 @@ struct Regions {
 };
 // Throws std::invalid_argument on sizes the kernels do not support.
 Regions make_regions(int num_ranks, int max_tokens, int hidden, int num_local_experts, int max_blocks,
-                     int64_t combine_input_rows);
+                     int64_t combine_input_bytes);
 
 // Phases named in timeout reports (the Python backend has their names).
 enum Phase : int {
@@ -115,10 +117,16 @@ struct CombineSendArgs {
 void launch_combine_send(const SymmetricBuffer& buffer, const Regions& regions, const CombineSendArgs& args,
                          int num_blocks, uintptr_t stream);
 
+// The combine's op word of a rank whose combine input is not in its arena: it pushed partial sums.
+constexpr int32_t kCombinePushed = -1;
+
 // Stage 5 (source side): wait for every expert rank, sum the returned rows per token (fp32).
-// In place (peer_rows given): read each of the token's expert rows in its rank's comb_input, at
-// peer_rows[p][j] + k_index, and sum them all in fp32 (rank order, then local-expert order),
-// rounding once; rows at or past p's budget (peer_rows[p][L]) were dropped and count as zero.
+// In place (peer_rows given; every rank published its op word): of a rank p whose input is in its
+// arena, read each of the token's expert rows where it is, at byte 16 x word + (peer_rows[p][j] +
+// k_index) x 2H of p's comb_input (rows at or past p's budget, peer_rows[p][L], were dropped and
+// count as zero); of a rank that pushed (kCombinePushed), its partial sum; add them all in fp32
+// (rank order, then local-expert order), rounding once. Waits only for the ranks that ran
+// combine_send (those that pushed, or all when scalars travel).
 struct CombineRecvArgs {
   void* out = nullptr;                  // [T, H] bf16
   float* out_probs = nullptr;           // [T, E] (zero-filled by the caller) or null
@@ -126,7 +134,7 @@ struct CombineRecvArgs {
   const int32_t* k_index = nullptr;     // [T, E]
   int num_tokens = 0;
   const int32_t* peer_rows = nullptr;   // [R, L + 1] (the exchange's peer_row_base) or null: pushed rows
-  bool wait_for_send = true;            // combine_send ran (it signals comb_done)
+  bool wait_for_send = true;            // without peer_rows: combine_send ran (it signals comb_done)
 };
 void launch_combine_recv(const SymmetricBuffer& buffer, const Regions& regions, const CombineRecvArgs& args,
                          int num_blocks, uintptr_t stream);

@@ -10,11 +10,11 @@ namespace ep {
 namespace hybrid {
 
 Regions make_regions(int num_ranks, int max_tokens, int hidden, int num_local_experts, int max_blocks,
-                     int64_t combine_input_rows) {
+                     int64_t combine_input_bytes) {
   check_backend_shape("hybrid", num_ranks, max_tokens, hidden, num_local_experts, max_blocks);
-  // Row indices are int32 on the device; a budget word of the exchange is, too.
-  if (combine_input_rows < 0 || combine_input_rows >= kUnboundedRows)
-    throw std::invalid_argument("ep_plugin hybrid: combine_input_rows must be in [0, 2**31 - 1)");
+  // A combine input's offset travels as an int32 count of 16-byte words (the combine's op word).
+  if (combine_input_bytes < 0 || combine_input_bytes % 256 || combine_input_bytes / 16 >= kUnboundedRows)
+    throw std::invalid_argument("ep_plugin hybrid: combine_input_bytes must be a multiple of 256 in [0, 32 GiB)");
   Regions g{};
   g.num_ranks = num_ranks;
   g.max_tokens = max_tokens;
@@ -32,8 +32,8 @@ Regions make_regions(int num_ranks, int max_tokens, int hidden, int num_local_ex
   g.off_disp_p = regions.take(R * T * L * 4);
   g.off_comb_data = regions.take(R * T * 2LL * hidden);
   g.off_comb_p = regions.take(R * T * L * 4);
-  g.combine_input_rows = combine_input_rows;
-  g.off_comb_input = regions.take(combine_input_rows * 2LL * hidden);
+  g.combine_input_bytes = combine_input_bytes;
+  g.off_comb_input = regions.take(combine_input_bytes);
   g.total_bytes = regions.size();
   return g;
 }

@@ -114,6 +114,10 @@ class CompiledBackend(Backend):
         self._scratch_plans: dict = {}  # op shape -> ScratchPlan (see _scratch)
         # The layout of the dispatch whose combine input the buffer holds now (weak: see _is_combine_input).
         self._combine_input_owner: Optional[weakref.ref] = None
+        # Whether peers may still read this rank's memory that an in-place combine named as its input:
+        # set by such a combine, cleared by the next op's handshake (every op starts with one, in
+        # _exchange or _layout_and_exchange), after which every peer has finished that combine.
+        self._peers_may_read_arena = False
 
     def _construction_facts(self) -> dict:
         # Kernels wait for as many blocks of every peer as they run themselves, and the regions hold
@@ -226,6 +230,7 @@ class CompiledBackend(Backend):
         ``_exchange``); its inputs are the layout's pieces of ``scratch``. Returns what ``_layout`` does."""
         args, dense_probs = self._layout_args(routing, probs, scratch)
         at = scratch.address
+        self._peers_may_read_arena = False
         exchange = self._C.ExchangeArgs(phase=phase, fingerprint=fingerprint,
                                         num_local_experts=self.num_local_experts, expert_counts=at("expert_counts"),
                                         rank_counts=at("rank_counts"),
@@ -329,10 +334,11 @@ class CompiledBackend(Backend):
         self._dispatch_count += 1
         return self._dispatch_count
 
-    def _exchange(self, phase: int, fingerprint: int, **counts) -> None:
+    def _exchange(self, phase: int, fingerprint: int, op_word: Optional[int] = None, **counts) -> None:
         """The op prologue on the current stream: handshake with the op fingerprint (packed, see
         ``agreement.fingerprint_code``), plus the count exchange when ``counts`` are given (see
-        ``_C.ExchangeArgs`` for the fields)."""
+        ``_C.ExchangeArgs`` for the fields), or the op word this rank tells every peer (an int32)."""
+        self._peers_may_read_arena = False
         if counts:
             fields = {"num_local_experts": self.num_local_experts, "pad_multiple": 1, **counts}
             args = self._C.ExchangeArgs(phase=phase, fingerprint=fingerprint, **fields)
@@ -343,6 +349,8 @@ class CompiledBackend(Backend):
                                                                       num_local_experts=self.num_local_experts,
                                                                       pad_multiple=1)
             args.fingerprint = fingerprint
+            args.publish_op_word = op_word is not None
+            args.op_word = 0 if op_word is None else op_word
         self._C.exchange(self.buffer.raw, args, self._stream())
 
     def _mark(self) -> torch.cuda.Event:

@@ -21,8 +21,8 @@ over regions it lays out on the transport's symmetric buffer (``csrc/hybrid/hybr
    in one launch (``dispatch_fused``): each block sends its share, then permutes its share.
 5. combine (``combine.cu``): the expert side sums a packet's rows (fp32, rounded once to bf16)
    and sends one row per (token, source rank) back; the source sums those in fp32. In place (the
-   expert output already in the buffer, see below), the source reads every expert row of its
-   tokens where it is and sums them in one pass.
+   expert output already in the buffer's arena, see below), the source reads every expert row of
+   its tokens where it is and sums them in one pass.
 
 Row order of the dispatch output is the reference contract (local expert, source rank, source
 token), bitwise equal to ``reference``. Combine tolerance: each expert rank's partial sum is
@@ -31,19 +31,32 @@ ranks can differ from the reference (which rounds once) by about one bf16 ulp pe
 result's magnitude (|err| <= R * 2**-8 * max|partial|); a token whose experts are all on one rank
 matches exactly. An in-place combine adds all of a token's rows in fp32 and rounds once.
 
-Combine in place (a backend built with ``combine_input_rows=N > 0``): ``combine_input(handle)`` is a
-[num_rows, H] bf16 tensor inside the backend's buffer, in the dispatch output's row order. Write the
-expert output there and pass that tensor to ``combine``: each source then reads its tokens' expert
-rows straight from the expert ranks' buffers and sums them (one pass: the rows are read once, no
-partial sums are written and read back), which on one GPU moves about half the bytes of the
-two-stage combine. It is valid from the dispatch of ``handle`` until that handle's combine; the
-buffer holds one combine input, so write it for one handle at a time (a combine of it for a handle
-it was not last handed out for raises ``ValueError``, before any launch). Ranks must agree on whether
-a combine is in place (the handshake checks it). ``N`` bounds the rows of a dispatch that can be
-combined so (``combine_input`` refuses more): the largest blocking output expected, or
-``num_permuted_tokens`` in non-blocking mode; ``worst_case_rows(...)`` gives the bound that always
-fits. It costs ``N * 2H`` bytes of buffer per rank. Megatron's experts write their own output
-tensors, so its dispatcher uses the two-stage combine.
+Combine in place (a backend built with ``combine_input_rows=N > 0``, or EP_PLUGIN_COMBINE_INPUT_ROWS=N):
+the buffer then has a combine-input arena (``transport/arena.py``), and an expert output that lies there
+is combined in place: with its arrival at the combine each rank tells the peers where its input lies in
+its arena, and each source reads its tokens' expert rows straight from the expert ranks' arenas and
+sums them (one pass: the rows are read once, no partial sums are written and read back), which on one
+GPU moves about half the bytes of the two-stage combine. A rank whose input lies elsewhere pushes
+partial sums as in the two-stage combine and says so instead; the sources add its partial where its
+rows would go. So ranks need not agree, and a miss costs speed, never an error. ``combine_counts``
+counts this rank's combines by kind ("in_place", "pushed").
+
+Two ways to put the output there, one per backend (the first used takes the arena):
+- ``combine_input(handle)``: the arena's first rows as a [num_rows, H] bf16 tensor, to write the expert
+  output into (``out=``). One combine input at a time (combining it for a handle it was not last
+  handed out for raises ``ValueError``, before any launch); valid from the dispatch of ``handle``
+  until its combine; its address never changes, so CUDA graphs capture it.
+- ``combine_input_arena()``: a context in which torch's caching allocator takes this thread's
+  allocations from the arena (a ``torch.cuda.MemPool`` over it), so an output computed there by any
+  torch op is in place; what does not fit gets ordinary memory. The peers read a rank's input until
+  the next op of the backend, so the context routes nothing (yields False) between an in-place combine
+  and the next op, and a combine inside a routing context is refused. torch gives a pool segment's
+  blocks to one stream: the arena serves the stream that was current when it was last empty.
+  Megatron's SequentialMLP experts allocate their output this way (``integrations/megatron``).
+
+``N`` sizes the arena for the largest combine input expected (the largest blocking output, or
+``num_permuted_tokens`` in non-blocking mode; ``worst_case_rows(...)`` always fits): about ``N * 2H``
+bytes per rank, plus 12 MiB for the allocator's segment rules.
 
 Blocking mode (``config.blocking``): the output has exactly the received rows; the host reads the
 total from pinned memory owned by the buffer after waiting (with a timeout) on an event recorded
@@ -74,24 +87,28 @@ Rules and limits:
   scales. FP8 goes through ``backend.dispatch`` only (not the autograd ``ep_plugin.dispatch``);
   combine and dispatch_again of its handle are bf16.
 - Buffer per rank: about ``R * max_tokens_per_rank * (4 * H + 12 * L)`` bytes (dispatch packets,
-  their k/prob metadata, combine rows), plus ``combine_input_rows * 2H``; up to 32 ranks and 256 local
-  experts; H % 8 == 0.
+  their k/prob metadata, combine rows), plus the arena (``arena_bytes(combine_input_rows * 2H)``);
+  up to 32 ranks and 256 local experts; H % 8 == 0.
 - Co-residency: (ranks sharing a GPU) x num_sms must not exceed the GPU's SMs
   (``max_sms_per_gpu`` overrides the detected count); the constructor refuses otherwise.
 """
 
 from __future__ import annotations
 
+import collections
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
 from .. import streams
-from ..agreement import OP_COMBINE, OP_COMBINE_IN_PLACE, OP_DISPATCH, OP_DISPATCH_AGAIN, fingerprint_code
+from ..agreement import OP_COMBINE, OP_DISPATCH, OP_DISPATCH_AGAIN, fingerprint_code
+from ..config import Config
 from ..handle import CombineOutput, DispatchOutput, Handle
 from ..routing import ROUTING_MAP, Routing, route_counts
+from ..transport.arena import CombineInputArena, arena_bytes
 from .base import Capabilities
 from .compiled import CompiledBackend, Scratch, nvtx_range, op_range
 
@@ -152,9 +169,13 @@ class HybridBackend(CompiledBackend):
     barrier_phase = PHASE_BARRIER
 
     def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None,
-                 combine_input_rows: int = 0) -> None:
-        """Args as every backend, plus ``combine_input_rows``: room in the buffer for that many rows of
-        ``combine_input`` (0 = no in-place combine; see the module docstring). Equal on every rank."""
+                 combine_input_rows: Optional[int] = None) -> None:
+        """Args as every backend, plus ``combine_input_rows``: room in the buffer's combine-input arena for
+        a combine input of that many rows (0 = no arena, no in-place combine; None = the config's
+        ``combine_input_rows``, whose env override is EP_PLUGIN_COMBINE_INPUT_ROWS; see the module
+        docstring). Equal on every rank."""
+        if combine_input_rows is None:
+            combine_input_rows = (config if config is not None else Config.from_env()).combine_input_rows
         if isinstance(combine_input_rows, bool) or not isinstance(combine_input_rows, int):
             raise TypeError(f"combine_input_rows must be an int, got {combine_input_rows!r}")
         if combine_input_rows < 0:
@@ -164,9 +185,18 @@ class HybridBackend(CompiledBackend):
                          topology=topology)
         self.regions = self._C.hybrid.Regions(num_ranks=self.num_ranks, max_tokens=self.config.max_tokens_per_rank,
                                               hidden=hidden_size, num_local_experts=self.num_local_experts,
-                                              max_blocks=self.num_blocks, combine_input_rows=combine_input_rows)
+                                              max_blocks=self.num_blocks,
+                                              combine_input_bytes=arena_bytes(combine_input_rows * 2 * hidden_size))
         self._open_buffer(self.regions.total_bytes, self.regions.count_words)
         self.over_budget: Optional[torch.Tensor] = None  # overflow flag of the latest dispatch
+        self.arena: Optional[CombineInputArena] = None
+        if combine_input_rows:
+            self.arena = CombineInputArena(self._C, self.device, self.buffer.raw.region_address +
+                                           self.regions.off_comb_input, self.regions.combine_input_bytes)
+        # Combines by how this rank's input travelled: "in_place" (read in the arena) or "pushed".
+        self.combine_counts: collections.Counter = collections.Counter()
+        self._arena_contexts = 0  # routing combine_input_arena() contexts open on this backend
+        self._arena_use: Optional[str] = None  # who took the arena: "combine_input" or "pool" (the context)
 
     def _construction_facts(self) -> dict:
         # It sizes a region of the buffer, whose offsets must be equal on every rank.
@@ -324,41 +354,90 @@ class HybridBackend(CompiledBackend):
         self._C.hybrid.permute(self.buffer.raw, self.regions, permute, self.num_blocks, self._stream())
         return out
 
+    @contextmanager
+    def combine_input_arena(self) -> Iterator[bool]:
+        """Inside, this thread's CUDA allocations come from the combine-input arena while it has room, so
+        that an expert output computed there (by any torch op) is combined in place.
+
+        Yields whether allocations go to the arena: not on a backend without one
+        (``combine_input_rows=0``), whose torch cannot pool it (``arena.unusable_reason``) or whose
+        arena ``combine_input`` took (the two ways exclude each other on one backend), and not while
+        the peers may still read this rank's last combine input there (an in-place combine with no
+        op of this backend since: open the context after the dispatch whose output you compute).
+        What lands elsewhere is combined the two-stage way. Combining inside a routing context
+        raises ValueError: a block freed there could be handed out again while the peers read it.
+        The memory goes with ``destroy()``.
+        """
+        if self.arena is None or self._peers_may_read_arena or self._arena_use == "combine_input":
+            yield False
+            return
+        with self.arena.allocating() as usable:
+            if usable:
+                self._arena_use = "pool"
+            self._arena_contexts += usable
+            try:
+                yield usable
+            finally:
+                self._arena_contexts -= usable
+
     def combine_input(self, handle: Handle) -> torch.Tensor:
         """The combine input of ``handle`` inside this rank's buffer: [num_rows, H] bf16, in the row order
-        of the dispatch output (see the module docstring).
+        of the dispatch output (the first rows of the combine-input arena; see the module docstring).
 
         Write the expert output there and pass this tensor to ``combine(rows, handle)``: the sources
         then read each row where it is. Valid from the dispatch of ``handle`` until its combine; the
         buffer holds one combine input at a time (combining it for another handle raises ValueError),
-        and the memory goes with ``destroy()``. Every rank of the combine must pass its own.
+        and the memory goes with ``destroy()``. Its address never changes, so CUDA graphs may capture
+        it. A backend whose arena ``combine_input_arena()`` routes allocations to refuses it
+        (ValueError): allocate the output inside that context instead.
         """
         self.check_handle(handle)
-        room = self.regions.combine_input_rows
+        room = self.combine_input_rows
         if handle.num_rows > room:
             built = ("was built without room for it (combine_input_rows=0)" if room == 0 else
                      f"has room for {room} (combine_input_rows)")
             raise ValueError(f"combine_input: this dispatch output has {handle.num_rows} rows but the backend "
                              f"{built}; build it with combine_input_rows >= {handle.num_rows} (worst_case_rows() "
                              "always fits), or combine a tensor of your own")
+        if self._arena_use == "pool":
+            raise ValueError("combine_input: this backend's combine-input arena serves combine_input_arena(), whose "
+                             "allocations may lie anywhere in it; allocate the expert output inside that context")
+        self._arena_use = "combine_input"
         return self._combine_input_view(handle.layout, self.regions.off_comb_input, handle.num_rows)
+
+    def _arena_offset(self, rows: torch.Tensor, layout: "HybridLayout") -> Optional[int]:
+        """Where ``rows`` lie in this rank's arena (then the peers read them there), or None (raises
+        ValueError for ``combine_input`` rows handed out for another dispatch, see there)."""
+        if self.arena is None or not layout.in_place_ready:
+            return None
+        if self._arena_use == "combine_input":
+            return 0 if self._is_combine_input(rows, layout, self.regions.off_comb_input) else None
+        return self.arena.offset_of(rows)
 
     @op_range("combine")
     def _combine(self, rows, handle: Handle, row_probs) -> CombineOutput:
         self.buffer.raise_if_failed()
+        if self._arena_contexts:
+            raise ValueError("combine inside combine_input_arena(): leave the context first (a block freed in it "
+                             "could be handed out again while the peers read it)")
         layout: HybridLayout = handle.layout
         at = layout.scratch.address
         T, dev = handle.num_tokens, self.device
-        in_place = layout.in_place_ready and self._is_combine_input(rows, layout, self.regions.off_comb_input)
-        self._exchange(PHASE_COMBINE, self._fingerprint(OP_COMBINE_IN_PLACE if in_place else OP_COMBINE,
-                                                        dtype=rows.dtype, probs=row_probs is not None,
-                                                        handle=handle))
+        offset = self._arena_offset(rows, layout)
+        in_place = offset is not None
+        # With an arena every rank tells the others where its input lies, or that it pushes partial
+        # sums (so ranks may differ); each source reads the rows in place, or the partial.
+        op_word = None if not layout.in_place_ready else (
+            offset // 16 if in_place else self._C.hybrid.COMBINE_PUSHED)
+        self._exchange(PHASE_COMBINE, self._fingerprint(OP_COMBINE, dtype=rows.dtype, probs=row_probs is not None,
+                                                        handle=handle), op_word=op_word)
+        self._peers_may_read_arena = in_place  # until the next op's handshake
+        self.combine_counts["in_place" if in_place else "pushed"] += 1
         # In place the sources read the rows in the buffer: only the scalars (if any) travel ahead.
         send_needed = not in_place or row_probs is not None
+        self._keep_on_stream(rows, row_probs)
         if send_needed:
-            rows_in = None if in_place else rows
-            self._keep_on_stream(rows_in, row_probs)
-            send = self._C.hybrid.CombineSendArgs(rows=rows_in, row_probs=row_probs,
+            send = self._C.hybrid.CombineSendArgs(rows=None if in_place else rows, row_probs=row_probs,
                                                   packet_rows=at("packet_rows"), num_packets=at("num_packets"),
                                                   budget=layout.budget)
             self._C.hybrid.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
@@ -367,7 +446,7 @@ class HybridBackend(CompiledBackend):
             if row_probs is not None else None
         receive = self._C.hybrid.CombineRecvArgs(out=out, out_probs=dense_probs, send_slot=at("send_slot"),
                                                  k_index=at("k_index"), num_tokens=T,
-                                                 peer_rows=at("peer_rows") if in_place else None,
+                                                 peer_rows=at("peer_rows") if op_word is not None else None,
                                                  wait_for_send=send_needed)
         self._C.hybrid.combine_recv(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
         probs = None

@@ -82,6 +82,8 @@ __device__ __forceinline__ void exchange_block(const TransportView& t, const Exc
                                     : a.pad_multiple;
       counts_slot(t, p, seq, t.rank)[j] = word;
     }
+  } else if (a.publish_op_word) {
+    for (int p = threadIdx.x; p < R; p += blockDim.x) counts_slot(t, p, seq, t.rank)[0] = a.op_word;
   }
   __syncthreads();
   if (!handshake(t, seq, a.fingerprint, a.phase) || a.expert_counts == nullptr) return;

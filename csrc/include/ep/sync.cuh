@@ -104,6 +104,12 @@ __device__ __forceinline__ int32_t* counts_slot(const TransportView& t, int owne
          (static_cast<int64_t>(seq & 1) * t.num_ranks + source) * t.sync.count_words;
 }
 
+// The word rank `peer` published with its arrival at op seq (ExchangeArgs::op_word), in this rank's
+// buffer; valid once this rank's handshake of op seq has seen that arrival (a later kernel of the op).
+__device__ __forceinline__ int32_t op_word(const TransportView& t, unsigned long long seq, int peer) {
+  return *reinterpret_cast<volatile int32_t*>(counts_slot(t, t.rank, seq, peer));
+}
+
 // ---- the op handshake -------------------------------------------------------------------------
 
 // Block-cooperative, every thread of one block: publish (fingerprint, arrival of op seq) to every
@@ -167,16 +173,17 @@ __device__ __forceinline__ void signal_block_done(const TransportView& t, const 
   }
 }
 
-// Wait until every block (of `num_blocks`) of every rank signalled op seq. Returns false on
-// timeout/abort (then the caller must write nothing).
+// Wait until every block (of `num_blocks`) of every rank in `sources` (a bit per rank; default all)
+// signalled op seq. Returns false on timeout/abort (then the caller must write nothing).
 __device__ __forceinline__ bool wait_all_blocks(const TransportView& t, const DoneFlags& f, unsigned long long seq,
-                                                int num_blocks, int phase) {
+                                                int num_blocks, int phase, unsigned sources = 0xffffffffu) {
   __shared__ int s_failed;
   if (threadIdx.x == 0) s_failed = 0;
   __syncthreads();
   const int total = t.num_ranks * num_blocks;
   for (int i = threadIdx.x; i < total; i += blockDim.x) {
     const int source = i / num_blocks;
+    if (!(sources >> source & 1u)) continue;
     if (!wait_flag(t, done_flag(t, f, t.rank, source, i % num_blocks), seq, phase, source)) s_failed = 1;
   }
   __syncthreads();

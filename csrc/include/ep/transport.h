@@ -177,6 +177,12 @@ struct ExchangeArgs {
   // out [R, L + 1] or null (needs W >= L + 4): for each rank p, columns j < L = the row at p of this
   // rank's first token of p's local expert j (p's row_base[this rank][j]); column L = p's budget.
   int32_t* peer_row_base = nullptr;
+  // A handshake without counts may tell every peer one word of this rank's for the op (into the
+  // count slot the op does not otherwise use), read there after the handshake with op_word()
+  // (ep/sync.cuh): what the peers' kernels of this op need to know of this rank, e.g. where its
+  // combine input lies. Needs W >= 1.
+  bool publish_op_word = false;
+  int32_t op_word = 0;
 };
 // Count words per (source, op) that carry the budget and pad_multiple too (see ExchangeArgs).
 constexpr int count_words_with_budget(int num_local_experts) { return num_local_experts + 4; }

@@ -1,0 +1,108 @@
+"""The combine-input arena's segment allocator (csrc/arena.cpp) and its sizing (transport/arena.py).
+
+torch calls ``ep_arena_alloc`` / ``ep_arena_free`` by name through ctypes; so do these tests, on the
+compiled library itself. Parts are registered at made-up addresses: handing a part out and taking it
+back never touches device memory, so this runs without a GPU. A request no part can serve goes to
+cudaMalloc, which fails without a GPU (null, as torch expects on an out-of-memory error). The pool
+that torch builds on top, and the combine that reads from it, are tested on the GPU
+(test_hybrid_in_place.py, test_megatron_arena.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import pytest
+import torch
+
+from ep_plugin import _cuda
+from ep_plugin.transport.arena import LARGE_PART_MIN_BYTES, SEGMENT_ROUND_BYTES, SMALL_PART_BYTES, arena_bytes
+
+MiB = 1 << 20
+
+
+def test_arena_bytes_fit_the_caching_allocators_segments():
+    assert arena_bytes(0) == 0
+    # A small input still gets the large part torch asks for exactly (>= 10 MiB).
+    assert arena_bytes(1) == SMALL_PART_BYTES + LARGE_PART_MIN_BYTES
+    # Larger ones round up to torch's 2 MiB segment granularity.
+    assert arena_bytes(10 * MiB + 1) == SMALL_PART_BYTES + 12 * MiB
+    assert arena_bytes(7168 * 2 * 32768) == SMALL_PART_BYTES + 7168 * 2 * 32768  # already a 2 MiB multiple
+    for size in (1, 3 * MiB, 10 * MiB, 123456789):
+        total = arena_bytes(size)
+        assert total - SMALL_PART_BYTES >= size and (total - SMALL_PART_BYTES) % SEGMENT_ROUND_BYTES == 0
+
+
+@pytest.fixture()
+def library():
+    if _cuda._module is None:
+        pytest.skip(f"extension not built here: {_cuda._import_error}")
+    lib = ctypes.CDLL(_cuda._module.__file__)
+    lib.ep_arena_alloc.restype = ctypes.c_void_p
+    lib.ep_arena_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.ep_arena_free.restype = None
+    lib.ep_arena_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    return _cuda._module, lib
+
+
+def test_segments_come_from_the_selected_arena_smallest_part_first(library):
+    C, lib = library
+    small, large = 0x7000_0000_0000, 0x7000_0020_0000  # never dereferenced
+    C.arena_register(9001, 0, [(large, 16 * MiB), (small, 2 * MiB)])
+    try:
+        assert C.arena_select(9001) == 0
+        assert lib.ep_arena_alloc(2 * MiB, 0, None) == small  # both fit: the smaller part
+        assert lib.ep_arena_alloc(2 * MiB, 0, None) == large  # the small one is lent now
+        assert C.arena_lent_parts(9001) == 2
+        if C.cuda_device_count() == 0:  # nothing left: cudaMalloc, which fails here (null, no exception)
+            assert lib.ep_arena_alloc(2 * MiB, 0, None) is None
+        lib.ep_arena_free(small, 2 * MiB, 0, None)  # given back: lent no more, never cudaFree'd
+        assert C.arena_lent_parts(9001) == 1
+        assert lib.ep_arena_alloc(1 * MiB, 0, None) == small
+        lib.ep_arena_free(small, 2 * MiB, 0, None)
+        lib.ep_arena_free(large, 16 * MiB, 0, None)
+        assert C.arena_lent_parts(9001) == 0
+        # Too big for any part, another device, or no arena selected: not from the arena.
+        for size, device, selected in ((17 * MiB, 0, 9001), (1 * MiB, 1, 9001), (1 * MiB, 0, 0)):
+            C.arena_select(selected)
+            if C.cuda_device_count() == 0:
+                assert lib.ep_arena_alloc(size, device, None) is None, (size, device, selected)
+        assert C.arena_lent_parts(9001) == 0
+    finally:
+        C.arena_select(0)
+        C.arena_unregister(9001)
+
+
+def test_selection_is_per_thread_and_nests(library):
+    C, lib = library
+    C.arena_register(9002, 0, [(0x7100_0000_0000, 2 * MiB)])
+    C.arena_register(9003, 0, [(0x7200_0000_0000, 2 * MiB)])
+    try:
+        outer = C.arena_select(9002)
+        assert C.arena_select(9003) == 9002  # an inner selection returns the outer one to restore
+        seen = []
+        worker = threading.Thread(target=lambda: seen.append(C.arena_select(0)))
+        worker.start()
+        worker.join()
+        assert seen == [0], "another thread saw this thread's selection"
+        assert lib.ep_arena_alloc(4096, 0, None) == 0x7200_0000_0000
+        assert C.arena_select(9002) == 9003
+        assert lib.ep_arena_alloc(4096, 0, None) == 0x7100_0000_0000
+        C.arena_select(outer)
+        # An unregistered arena's part given back by a pool later is dropped (never cudaFree'd).
+        C.arena_unregister(9003)
+        lib.ep_arena_free(0x7200_0000_0000, 2 * MiB, 0, None)
+        assert C.arena_lent_parts(9003) == 0 and C.arena_lent_parts(9002) == 1
+        lib.ep_arena_free(0x7100_0000_0000, 2 * MiB, 0, None)
+    finally:
+        C.arena_select(0)
+        C.arena_unregister(9002)
+        C.arena_unregister(9003)
+
+
+def test_arena_refuses_a_size_smaller_than_its_parts():
+    from ep_plugin.transport.arena import CombineInputArena
+
+    with pytest.raises(ValueError, match="arena_bytes"):
+        CombineInputArena(None, torch.device("cuda", 0), 0, SMALL_PART_BYTES)
