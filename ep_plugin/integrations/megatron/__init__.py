@@ -10,7 +10,7 @@ or, for an unmodified Megatron-LM script:
     python -m ep_plugin.integrations.megatron.run pretrain_gpt.py --moe-token-dispatcher-type flex \\
         --moe-flex-dispatcher-backend ep_hybrid ...
 
-``install()`` (idempotent) does four things:
+``install()`` (idempotent) does five things:
 
 1. wraps ``MoEFlexTokenDispatcher.__init__`` (the class attribute, so the name that
    moe_layer.py bound at import sees it): a plugin name builds an ``EPPluginManager``;
@@ -22,7 +22,9 @@ or, for an unmodified Megatron-LM script:
 3. makes the name-based spots (FP8 padding skip, fine-grained 1F1B callables, input
    freeing) see a plugin name as "hybridep": our manager has HybridEP's shape (permuted
    output, probs needed in backward, identity post-processing, in-dispatch padding);
-4. with ``replace_builtin=True``, routes "hybridep" itself to the plugin's hybrid backend.
+4. with ``replace_builtin=True``, routes "hybridep" itself to the plugin's hybrid backend;
+5. wraps ``SequentialMLP.forward`` so that, on a backend with a combine-input arena, the experts'
+   output is allocated there and combined in place (``arena.py``).
 
 Importing this package does not import Megatron; ``install()`` raises an ImportError naming
 the pip package ``megatron-core`` when it is missing. Version differences live in ``compat``.
@@ -57,6 +59,7 @@ class _State:
     replace_builtin = False
     builtin_names: tuple[str, ...] = ()  # Megatron's own names, read before we widen the type
     original_init = None
+    original_experts_forward = None
     original_functions: dict = {}  # (module, function) -> original callable
     original_parse_known_args = None
 
@@ -83,6 +86,7 @@ def install(replace_builtin: bool = False) -> None:
         _wrap_dispatcher_init()
         _wrap_name_spots()
         _widen_argparse_choices()
+        _wrap_experts_forward()
         _state.installed = True
 
 
@@ -96,6 +100,7 @@ def uninstall() -> None:
             _rebind(getattr(sys.modules[module_name], function_name), original)
         _state.original_functions = {}
         argparse.ArgumentParser.parse_known_args = _state.original_parse_known_args
+        compat.sequential_mlp_class().forward = _state.original_experts_forward
         compat.set_backend_names(_state.builtin_names)
         _state.installed = False
         _state.replace_builtin = False
@@ -200,6 +205,22 @@ def _rebind(old, new) -> None:
         for attribute, value in list(vars(module).items()):
             if value is old:
                 setattr(module, attribute, new)
+
+
+# ---- 5. the experts' output in the combine-input arena ------------------------------------------
+
+def _wrap_experts_forward() -> None:
+    from . import arena
+
+    experts_class = compat.sequential_mlp_class()
+    original = experts_class.forward
+    _state.original_experts_forward = original
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        return arena.run_experts(self, original, *args, **kwargs)
+
+    experts_class.forward = forward
 
 
 # ---- 2. the Megatron-LM argument parser -------------------------------------------------------

@@ -67,6 +67,12 @@ def dispatcher_base_class():
     return MoETokenDispatcher
 
 
+def sequential_mlp_class():
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    return SequentialMLP
+
+
 def transformer_config_class():
     from megatron.core.transformer.transformer_config import TransformerConfig
 

@@ -28,7 +28,7 @@ import torch
 import ep_plugin
 from ep_plugin.backends.base import Backend
 
-from . import compat
+from . import arena, compat
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,7 @@ class EPPluginManager:
         self.handle = out.handle
         self.dispatched_probs = out.probs
         self.tokens_per_expert = out.tokens_per_expert
+        arena.expect_expert_output(backend)  # the experts may put their output where combine reads it
         return out.hidden
 
     def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
@@ -151,6 +152,7 @@ class EPPluginManager:
         if self.handle is None:
             raise RuntimeError("EPPluginManager.combine called without a preceding dispatch")
         handle, self.handle = self.handle, None  # autograd keeps the Handle for backward
+        arena.forget_expert_output()
         return ep_plugin.combine(hidden_states.contiguous(), handle)
 
     def _routing_for(self, backend: Backend, probs: torch.Tensor) -> tuple[dict, dict]:

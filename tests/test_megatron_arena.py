@@ -1,0 +1,135 @@
+"""Megatron's SequentialMLP experts write their output into the hybrid backend's combine-input arena
+(EP_PLUGIN_COMBINE_INPUT_ROWS > 0), and the flex dispatcher's combine reads it in place.
+
+Each rank runs the MoE layer's own sequence (the flex dispatcher on ``ep_hybrid`` and real
+SequentialMLP experts, bf16, on the GPU; ranks share it where there are fewer GPUs) twice on the same
+inputs and weights: with an arena and without. With the arena the forward combine must be in place
+(the backend counts it) and without it pushed; the forward outputs may differ only by the two-stage
+combine's rounding of each rank's partial sum, and every gradient must be bitwise the same (the
+backward never reads the arena: the experts saw the same inputs, and the combine of gradients is
+pushed in both runs). Both experts shapes are covered: several local experts (the output is their
+concatenation) and one (the output is its fc2's).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.megatron,
+    pytest.mark.skipif(importlib.util.find_spec("megatron") is None
+                       or importlib.util.find_spec("megatron.core") is None,
+                       reason="megatron-core is not installed"),
+]
+
+HIDDEN = 256
+FFN = 128
+TOKENS = 64
+ROOM = 4096  # combine input rows the arena holds: more than any rank receives here
+
+
+def _run_layer(ctx, num_experts: int, topk: int, seed: int) -> dict:
+    """The layer once, on the backend the environment configures; returns output, gradients, counts."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from test_megatron_dispatcher import _moe_forward
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=2, num_moe_experts=num_experts,
+        moe_router_topk=topk, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ep_hybrid",
+        moe_router_dtype="fp32", add_bias_linear=False, use_cpu_initialization=True, bf16=True,
+        params_dtype=torch.bfloat16)
+    pg_collection = get_default_pg_collection()
+    num_local = num_experts // parallel_state.get_expert_model_parallel_world_size()
+    local_indices = [ctx.rank * num_local + i for i in range(num_local)]
+    dispatcher = MoEFlexTokenDispatcher(num_local, local_indices, config=config, pg_collection=pg_collection)
+    experts = SequentialMLP(num_local, config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                            linear_fc2=RowParallelLinear),
+                            pg_collection=pg_collection)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for expert in experts.local_experts:
+            expert.linear_fc1.weight.copy_(torch.randn(FFN, HIDDEN, generator=generator) * 0.1)
+            expert.linear_fc2.weight.copy_(torch.randn(HIDDEN, FFN, generator=generator) * 0.1)
+    experts.cuda()
+    generator.manual_seed(seed * 100 + ctx.rank)  # this rank's tokens
+    hidden = torch.randn(TOKENS, HIDDEN, generator=generator).to(torch.bfloat16).cuda().requires_grad_()
+    logits = torch.randn(TOKENS, num_experts, generator=generator)
+    top_logits, top_index = logits.topk(topk, dim=-1)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, top_index, True).cuda()
+    probs = torch.zeros_like(logits).scatter(-1, top_index, top_logits.softmax(-1)).cuda().requires_grad_()
+    grad_out = torch.randn(TOKENS, HIDDEN, generator=generator).to(torch.bfloat16).cuda()
+
+    out, *_ = _moe_forward(dispatcher, experts, hidden, routing_map, probs)
+    backend = dispatcher._comm_manager.backend
+    forward_counts = dict(backend.combine_counts)
+    (out.float() * grad_out.float()).sum().backward()
+    return {
+        "out": out.detach().float().cpu(),
+        "grads": [hidden.grad.cpu(), probs.grad.cpu()] + [p.grad.cpu() for p in experts.parameters()],
+        "forward_counts": forward_counts,
+        "arena": backend.arena is not None,
+    }
+
+
+def _rank_arena(ctx) -> dict:
+    import os
+
+    import torch
+    from megatron.core import parallel_state
+
+    import ep_plugin.integrations.megatron as ep_megatron
+    from ep_plugin.integrations.megatron.manager import clear_backend_cache
+
+    torch.cuda.set_device(ctx.device)
+    ep_megatron.install()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
+    results = {}
+    try:
+        for name, num_experts, topk in (("several local experts", 4 * ctx.world_size, 4),
+                                        ("one local expert", ctx.world_size, 2)):
+            runs = {}
+            for rows in (ROOM, 0):
+                os.environ["EP_PLUGIN_COMBINE_INPUT_ROWS"] = str(rows)
+                clear_backend_cache()  # the next dispatch builds the backend from the environment
+                runs[rows] = _run_layer(ctx, num_experts, topk, seed=7 + num_experts)
+            arena, plain = runs[ROOM], runs[0]
+            results[name] = {
+                "arena_built": (arena["arena"], plain["arena"]),
+                "forward_counts": (arena["forward_counts"], plain["forward_counts"]),
+                "out_difference": float((arena["out"] - plain["out"]).abs().max()),
+                "out_scale": float(plain["out"].abs().max()),
+                "grads_equal": all(torch.equal(a, b) for a, b in zip(arena["grads"], plain["grads"], strict=True)),
+            }
+    finally:
+        clear_backend_cache()
+        parallel_state.destroy_model_parallel()
+    return results
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_sequential_mlp_output_is_combined_in_place(num_ranks):
+    from ep_plugin.testing.launcher import run_ranks
+
+    results = run_ranks(_rank_arena, num_ranks, device="cuda", timeout_s=400)
+    for rank, per_rank in enumerate(results):
+        for name, result in per_rank.items():
+            label = f"rank {rank}/{num_ranks}, {name}"
+            assert result["arena_built"] == (True, False), label
+            arena_counts, plain_counts = result["forward_counts"]
+            assert arena_counts == {"in_place": 1}, f"{label}: the forward combine with an arena: {arena_counts}"
+            assert plain_counts == {"pushed": 1}, f"{label}: the forward combine without: {plain_counts}"
+            assert result["grads_equal"], f"{label}: a gradient differs between the runs"
+            # One pass rounds once; the two-stage combine rounds each rank's partial first: within a
+            # few bf16 ulps of the output's magnitude, never more.
+            assert result["out_difference"] <= num_ranks * 2 ** -7 * result["out_scale"], (label, result)
+            assert result["out_scale"] > 0, label
