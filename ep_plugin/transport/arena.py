@@ -142,10 +142,13 @@ class CombineInputArena:
 
     @staticmethod
     def _is_empty(pool) -> bool:
-        """Whether no block of ``pool`` is allocated or waiting on another stream (torch's snapshot)."""
-        if not hasattr(pool, "snapshot"):
+        """Whether no block of ``pool`` is allocated or waiting on another stream (torch's snapshot of
+        the pool; a torch that cannot take one says no, and the pool stays)."""
+        try:
+            segments = torch.cuda.memory_snapshot(pool.id)
+        except (TypeError, RuntimeError):
             return False
-        return all(block["state"] == "inactive" for segment in pool.snapshot() for block in segment["blocks"])
+        return all(block["state"] == "inactive" for segment in segments for block in segment["blocks"])
 
     def _make_pool(self):
         if not (hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")):
