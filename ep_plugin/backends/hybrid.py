@@ -405,6 +405,11 @@ class HybridBackend(CompiledBackend):
         self._arena_use = "combine_input"
         return self._combine_input_view(handle.layout, self.regions.off_comb_input, handle.num_rows)
 
+    def destroy(self) -> None:
+        if self.arena is not None:
+            self.arena.destroy()
+        super().destroy()
+
     def _arena_offset(self, rows: torch.Tensor, layout: "HybridLayout") -> Optional[int]:
         """Where ``rows`` lie in this rank's arena (then the peers read them there), or None (raises
         ValueError for ``combine_input`` rows handed out for another dispatch, see there)."""

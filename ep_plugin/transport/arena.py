@@ -124,9 +124,10 @@ class CombineInputArena:
         return self._C.arena_fallback_segments(self.id)
 
     def destroy(self) -> None:
-        """Forget the arena (before its buffer is freed); tensors still in it must not be used."""
+        """Drop the pool and forget the arena, before its buffer is freed (a later buffer may get the
+        same addresses); tensors still in it must not be used."""
+        self._pool = None  # torch gives the pool's free segments back now, while the arena is known
         self._C.arena_unregister(self.id)
-        self._pool = None
         self.unusable_reason = "the arena was destroyed with its buffer"
 
     # ---- the pool ------------------------------------------------------------------------------
