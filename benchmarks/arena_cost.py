@@ -2,18 +2,17 @@
 
     python3 benchmarks/arena_cost.py [--rows 4096] [--hidden 7168] [--calls 2000]
 
-Prints µs per call (median of 5 batches) of: an ordinary torch.empty of the rows; the same inside
-combine_input_arena() (what Megatron's experts pay per MoE layer for the context around their output);
-and combine_input(handle) (a view of the arena's first rows). No kernel runs while timing.
+Prints µs per call (host_costs.per_call_us: the median of 5 batches) of: an ordinary torch.empty of
+the rows; the same inside combine_input_arena() (what Megatron's experts pay per MoE layer for the
+context around their output); and combine_input(handle) (a view of the arena's first rows). No kernel
+runs while timing.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -24,16 +23,6 @@ from ep_plugin.backends.hybrid import HybridBackend  # noqa: E402
 from ep_plugin.config import Config  # noqa: E402
 
 
-def per_call_us(function, calls: int) -> float:
-    batches = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            function()
-        batches.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(batches)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=4096)
@@ -42,6 +31,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("arena_cost.py needs a CUDA GPU")
+    from host_costs import per_call_us  # this folder
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     dist.init_process_group("gloo", rank=0, world_size=1)
