@@ -63,12 +63,14 @@ def _should_free_input(node: str, config) -> bool:
 def _snapshot():
     """Everything install() touches, by identity."""
     from megatron.core.models.gpt import fine_grained_callables
+    from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     field = TransformerConfig.__dataclass_fields__["moe_flex_dispatcher_backend"]
     return {
         "init": MoEFlexTokenDispatcher.__init__,
+        "experts_forward": SequentialMLP.forward,
         "should_free_input": _should_free_input_module().should_free_input,
         "layer_callables": fine_grained_callables.build_transformer_layer_callables,
         "field_type": field.type,
