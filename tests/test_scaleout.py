@@ -73,7 +73,7 @@ def check_hierarchical_equals_flat(ctx) -> list[str]:
     blocking = ep_plugin.Config.from_env()
     # (ranks per domain, mode): 1x8 is one domain, so the constructor returns the flat backend.
     variants = {"blocking": blocking, "sync-free": blocking.replace(blocking=False),
-                "chunked": blocking.replace(scaleout_chunk_tokens=3), "staged": blocking,
+                "chunked": blocking.replace(scaleout_chunk_tokens=3, combine_input_rows=64), "staged": blocking,
                 "staged sync-free": blocking.replace(blocking=False)}
     plan = [(size, "blocking") for size in LAYOUTS] + [(size, "sync-free") for size in (4, 2, 1)] + [(2, "chunked")] \
         + [(2, "staged"), (4, "staged sync-free")]
@@ -85,6 +85,8 @@ def check_hierarchical_equals_flat(ctx) -> list[str]:
     for (size, _), backend in backends.items():
         expected_class = HierarchicalBackend if size < NUM_RANKS else type(flat)
         assert type(backend) is expected_class, (size, type(backend))
+        if expected_class is HierarchicalBackend:  # the domain's combine input is the reorder's: no arena there
+            assert backend.domain.config.combine_input_rows == 0, (size, backend.domain.config)
     # (form, pad_multiple, skewed): unequal token counts in both, one rank without tokens in the second.
     cases = [("routing_map", 1, False), ("topk", 16, True), ("topk", 1, False), ("routing_map", 4, True)]
     checked = []

@@ -123,7 +123,10 @@ class HierarchicalBackend(Backend):
         self.domain_level = f"domain {topology.domain_index} (global ranks {domain_global})"
         # A rank forwards up to D * max_tokens_per_rank rows into its domain; the domain backend's outputs
         # then have the flat backend's worst case (S * D * T = world * T rows), and so does its buffer.
-        changes: dict[str, Any] = {"max_tokens_per_rank": D * self.config.max_tokens_per_rank}
+        # No combine-input arena in the domain: combine's input is the reorder's output, never a tensor
+        # the user allocated there (an arena would be buffer memory that nothing uses).
+        changes: dict[str, Any] = {"max_tokens_per_rank": D * self.config.max_tokens_per_rank,
+                                   "combine_input_rows": 0}
         if self.config.forward_sms and domain_backend.needs_shared_memory:
             changes["num_sms"] = self.config.forward_sms  # the domain kernels are the forwarding
         self.domain = self._at_domain_level(lambda: domain_backend(
