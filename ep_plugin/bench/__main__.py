@@ -28,7 +28,9 @@ Defaults follow the machine: --device cuda with a GPU, else cpu (with the small 
 --backends every backend that can run there. A backend name with "+in_place" (e.g. elastic+in_place)
 times that backend with dispatch rows written by the sources into the receivers' buffers
 (``in_place=True``: views, valid until the next such dispatch) and combine rows already in the
-backend's buffer (``combine_input``: the expert wrote its output there).
+backend's buffer (``combine_input``: the expert wrote its output there). "hybrid+arena" allocates
+each combine's rows inside ``combine_input_arena()`` instead, as Megatron's experts do (no graph rows:
+a captured allocation is not redone by a replay).
 
 Writes a table to stdout (last), and under --out (default ./bench_out, which the repository's
 .gitignore covers): bench.json (every sample + environment) and PNG plots (GB/s vs tokens; GB/s
@@ -162,9 +164,11 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
         problem = backend_problem(base, args.device)
         if problem:
             return f"--backends: {problem}"
-        if plus and (variant != "in_place" or not hasattr(ep_plugin.get_backend(base), "combine_input")):
-            return (f"--backends: {name}: '+in_place' is the only variant, for a backend with combine_input "
-                    "(hybrid, elastic)")
+        cls = ep_plugin.get_backend(base)
+        if plus and not ((variant == "in_place" and hasattr(cls, "combine_input"))
+                         or (variant == "arena" and hasattr(cls, "combine_input_arena"))):
+            return (f"--backends: {name}: the variants are '+in_place', for a backend with combine_input "
+                    "(hybrid, elastic), and '+arena', for one with combine_input_arena (hybrid)")
     allowed = {"payloads": {"bf16", "fp8"}, "routings": {"balanced", "skewed"}, "modes": {"blocking", "nonblocking"}}
     for key, choices in allowed.items():
         unknown = set(_words(getattr(args, key))) - choices

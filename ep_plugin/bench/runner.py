@@ -116,6 +116,10 @@ class _Timer:
         return (self.marks[end] - self.marks[start]) * 1e6
 
 
+# Backend-name variants ("hybrid+arena") whose combine reads the rows where they lie in the buffer.
+IN_PLACE_VARIANTS = ("in_place", "arena")
+
+
 def in_place_dispatch(backend, in_place: bool) -> dict:
     """The dispatch options of an in-place case: rows into the receivers' buffers where the backend
     can write them there (elastic); an empty dict otherwise (hybrid's in-place mode is its combine)."""
@@ -123,14 +127,16 @@ def in_place_dispatch(backend, in_place: bool) -> dict:
 
 
 class _Calls:
-    """One case's inputs and its two ops; combine consumes the latest dispatch's output. ``in_place``:
-    combine reads rows from the backend's own buffer (``combine_input``), filled once: the expert's
-    write of its output there belongs to the expert, not to the combine; and where the backend can,
-    dispatch writes its rows into the receivers' buffers too (elastic's ``in_place=True``)."""
+    """One case's inputs and its two ops; combine consumes the latest dispatch's output. ``variant``
+    "in_place": combine reads rows from the backend's own buffer (``combine_input``), filled once: the
+    expert's write of its output there belongs to the expert, not to the combine; and where the
+    backend can, dispatch writes its rows into the receivers' buffers too (elastic's ``in_place=True``).
+    "arena": every combine's rows are allocated anew inside ``combine_input_arena()``, as Megatron's
+    experts allocate their output (hybrid), so the pool's host cost is timed with the combine."""
 
-    def __init__(self, backend, shape: Shape, rank: int, seed: int, device: torch.device,
-                 in_place: bool = False) -> None:
-        self.backend, self.shape, self.device, self.in_place = backend, shape, device, in_place
+    def __init__(self, backend, shape: Shape, rank: int, seed: int, device: torch.device, variant: str = "") -> None:
+        self.backend, self.shape, self.device = backend, shape, device
+        self.in_place, self.arena = variant in IN_PLACE_VARIANTS, variant == "arena"
         self._filled = False
         if "routing_map" in backend.capabilities.routing_forms:
             routing_map, probs = make_routing(shape, rank, seed, device)
@@ -151,6 +157,15 @@ class _Calls:
 
     def combine_rows(self) -> torch.Tensor:
         """The dispatch output, or for fp8 dispatch bf16 rows of the same count (what combine takes)."""
+        if self.arena:
+            with self.backend.combine_input_arena():
+                rows = torch.empty(self.out.handle.num_rows, self.shape.hidden, device=self.device,
+                                   dtype=torch.bfloat16)
+            # The pool hands the freed block out again: one fill serves (the values are not checked).
+            if not self._filled:
+                rows.copy_(self._separate_rows())
+                self._filled = True
+            return rows
         if self.in_place:
             rows = self.backend.combine_input(self.out.handle)
             if not self._filled:  # nothing else writes there in this mode: one fill serves every iteration
@@ -242,10 +257,10 @@ def _capture_graphs(calls: _Calls, side: torch.cuda.Stream) -> tuple:
 
 
 def _time_graph_replays(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device: torch.device,
-                        in_place: bool = False) -> tuple[list[list[float]], Optional[float], Optional[str]]:
+                        variant: str = "") -> tuple[list[list[float]], Optional[float], Optional[str]]:
     """(samples of graph replays, µs per step of them, None), or ([], None, the error) when capture
     failed on any rank."""
-    calls = _Calls(backend, shape, ctx.rank, spec.seed, device, in_place)
+    calls = _Calls(backend, shape, ctx.rank, spec.seed, device, variant)
     side = _warm_up_for_capture(calls, spec.warmup, device)  # eager ops: their errors are real failures
     error = graphs = None
     try:
@@ -370,18 +385,20 @@ def _scaleout_fields(backend, shape: Shape, num_ranks: int, seed: int) -> dict:
 
 
 def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, shared_gpu: bool,
-              ceiling_cache: dict[int, float], in_place: bool = False) -> dict:
+              ceiling_cache: dict[int, float], variant: str = "") -> dict:
     """Time one shape on every rank; rank 0 also times the ceiling. Returns the record (complete on rank 0)."""
     iters = spec.reference_iters if backend.name == "reference" else spec.iters
-    calls = _Calls(backend, shape, ctx.rank, spec.seed, device, in_place)
+    counts_before = dict(getattr(backend, "combine_counts", {}))  # hybrid: combines in place / pushed
+    calls = _Calls(backend, shape, ctx.rank, spec.seed, device, variant)
     samples = _time_pairs(calls.dispatch, calls.combine, device, spec.warmup, iters, spec.sync_each_iter)
     step_us = _time_loop(calls.dispatch, calls.combine, device, spec.warmup, iters)
     del calls  # free the last outputs before the ceiling's copy
     all_samples = _gather(samples, ctx.world_size)
+    counts = {way: n - counts_before.get(way, 0) for way, n in getattr(backend, "combine_counts", {}).items()}
     # Across domains the outputs are the domain backend's flat ones (its byte model); the rails' bytes
     # are reported apart (_scaleout_fields).
     case_bytes = _case_bytes(getattr(backend, "domain_backend_class", type(backend)), shape, ctx.world_size,
-                             spec.seed, in_place)
+                             spec.seed, in_place=variant in IN_PLACE_VARIANTS)
     out_bytes = case_bytes["bytes"]["out_bytes"]
     combine_bytes = sum(out_bytes) // shape.row_bytes() * 2 * shape.hidden  # bf16 rows back
     ceilings = {}
@@ -395,12 +412,12 @@ def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, 
     return dict(payload=shape.payload, tokens=shape.tokens, hidden=shape.hidden, topk=shape.topk,
                 experts=shape.experts, routing=shape.routing, ranks=ctx.world_size, samples_us=all_samples,
                 step_us=_gather(step_us, ctx.world_size), ceiling_us=ceilings, one_gpu_per_rank=one_gpu_per_rank,
-                **case_bytes)
+                combine_counts=_gather(counts, ctx.world_size), **case_bytes)
 
 
-def _run_graph_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, in_place: bool = False) -> dict:
+def _run_graph_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, variant: str = "") -> dict:
     """Samples of CUDA-graph replays (all ranks) and the capture error, if any, for one shape."""
-    samples, step_us, error = _time_graph_replays(ctx, spec, backend, shape, device, in_place)
+    samples, step_us, error = _time_graph_replays(ctx, spec, backend, shape, device, variant)
     all_samples, all_steps = _gather(samples, ctx.world_size), _gather(step_us, ctx.world_size)
     _barrier(device)
     return dict(samples_us=all_samples, step_us=None if error else all_steps, graph_error=error)
@@ -425,7 +442,7 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
         progress = tqdm(total=total, desc="bench", unit="case")
     ceiling_cache: dict[int, float] = {}
     for name, hidden, experts, sms, mode, scaleup in plan:
-        base_name, _, variant = name.partition("+")  # "hybrid+in_place": combine rows in the buffer
+        base_name, _, variant = name.partition("+")  # "hybrid+in_place", "hybrid+arena": combine rows in the buffer
         cls = ep_plugin.get_backend(base_name)
         config = Config.from_env(num_sms=sms, blocking=(mode == "blocking"), max_tokens_per_rank=max(spec.tokens),
                                  **{"scaleup_size": scaleup, **spec.extra_config})
@@ -440,13 +457,13 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                 try:
                     options = cls.in_place_options(num_ranks=ctx.world_size, max_tokens_per_rank=max(spec.tokens),
                                                    num_experts=experts, topk=max(spec.topk)) \
-                        if variant == "in_place" else {}
+                        if variant in IN_PLACE_VARIANTS else {}
                     backend = cls(hidden_size=hidden, num_experts=experts, config=config, device=device, **options)
                 except ValueError as error:  # e.g. 8 ranks x 24 SMs do not fit one GPU: same on every rank
                     if ctx.rank == 0:
                         print(f"skipped {name} sms={sms} {mode} H={hidden}: {error}", flush=True)
                     break
-                if variant == "in_place" and backend.topology.is_hierarchical:  # rows in a buffer: one domain
+                if variant in IN_PLACE_VARIANTS and backend.topology.is_hierarchical:  # rows in a buffer: one domain
                     if ctx.rank == 0:
                         print(f"skipped {name} at {backend.topology.describe()}: in-place rows live in one domain's "
                               f"buffer", flush=True)
@@ -461,14 +478,18 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                 budgeted = getattr(backend, "domain", backend)  # across domains the domain backend has the output
                 budgeted.config = budgeted.config.replace(num_permuted_tokens=_tight_budget(shape, ctx.world_size,
                                                                                             spec.seed))
-            record = _run_case(ctx, spec, backend, shape, device, shared_gpu, ceiling_cache,
-                               in_place=variant == "in_place")
+            record = _run_case(ctx, spec, backend, shape, device, shared_gpu, ceiling_cache, variant)
+            pushed = sum(counts.get("pushed", 0) for counts in record["combine_counts"])
+            if variant in IN_PLACE_VARIANTS and pushed and ctx.rank == 0:  # a rank's rows missed the buffer
+                print(f"note: {name} {mode} {shape}: {pushed} combines (all ranks) read pushed partial sums, "
+                      f"not rows in place (a rank without rows, or its input outside the arena)", flush=True)
             record.update(backend=name, mode=mode, sms=sms if name != "reference" else None,
                           **_scaleout_fields(backend, shape, ctx.world_size, spec.seed))
             records.append(record)
-            if _graph_applies(spec, backend, mode, device):  # the instance: none across domains
+            # The instance: none across domains. Not "arena": a capture records no allocation for a replay.
+            if _graph_applies(spec, backend, mode, device) and variant != "arena":
                 # Same shape, same backend: only the samples differ from the eager record.
-                graph = _run_graph_case(ctx, spec, backend, shape, device, in_place=variant == "in_place")
+                graph = _run_graph_case(ctx, spec, backend, shape, device, variant)
                 records.append({**record, **graph, "mode": GRAPH_MODE})
         if backend is not None:
             backend.destroy()
