@@ -30,6 +30,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from .. import streams
+
 SMALL_PART_BYTES = 2 << 20  # torch's segment for blocks of <= 1 MiB (kSmallBuffer)
 LARGE_PART_MIN_BYTES = 10 << 20  # torch asks for segments of >= 10 MiB exactly (kMinLargeAlloc) ...
 SEGMENT_ROUND_BYTES = 2 << 20  # ... rounded up to 2 MiB (kRoundLarge)
@@ -83,14 +85,14 @@ class CombineInputArena:
         In both cases, once nothing is allocated in the pool it is dropped (torch gives both kinds of
         segments back) and a new one takes the arena on the current stream. Until then allocations
         that miss the arena get ordinary memory (and their combine is two-stage)."""
+        stream = streams.stream_handle(self.device)  # every call: 0.2 µs where current_stream() costs 3-5
         if self._pool is not None:
-            stream = torch.cuda.current_stream(self.device).cuda_stream
             stale = stream != self._pool_stream or self._C.arena_fallback_segments(self.id)
             if stale and self._is_empty(self._pool):
                 self._pool = None
         if self._pool is None and self.unusable_reason is None:
             self._pool = self._make_pool()
-            self._pool_stream = torch.cuda.current_stream(self.device).cuda_stream
+            self._pool_stream = stream
         return self._pool
 
     @contextmanager
