@@ -16,7 +16,7 @@ and prints, per setting, every rank's median / p90 / max host µs per step, the 
 the slowest rank's step (what the GPU follows), and the GPU µs per step. When ranks differ by
 much in ``independent`` and ``alone`` too, the difference is the machine's CPUs, not our code.
 
-  python benchmarks/host_pace.py [--ranks 8] [--backends hybrid+in_place,elastic+in_place] [--steps 300]
+  python benchmarks/host_pace.py [--ranks 8] [--backends hybrid+in_place,hybrid+arena,elastic+in_place] [--steps 300]
       [--pin 0,2,4,...]   (pin rank r to CPU pin[r % len(pin)])   [--marks 1,3]
 """
 
@@ -100,9 +100,9 @@ def rank_main(ctx, args) -> None:
     shape = Shape(args.tokens, 7168, 8, 256, "bf16", "balanced")
     own_groups = [dist.new_group([rank], backend="gloo") for rank in range(ctx.world_size)]  # a collective
     for variant in args.backends.split(","):
-        in_place = variant.endswith("+in_place")
+        in_place, arena = variant.endswith("+in_place"), variant.endswith("+arena")
         backend = decode_backend(variant, None, ctx.world_size, device, args.tokens)
-        step = eager_step(backend, shape, ctx.rank, device, in_place=in_place)
+        step = eager_step(backend, shape, ctx.rank, device, in_place=in_place, arena=arena)
         report(ctx, f"{variant} coupled ({ctx.world_size} ranks)", *timed_steps(step, args.steps))
         report(ctx, f"{variant} coupled+nogc", *timed_steps(step, args.steps, nogc=True))
         for marks in args.marks:
@@ -110,7 +110,7 @@ def rank_main(ctx, args) -> None:
                    *timed_steps(step, args.steps, marks=marks))
         backend.destroy()
         own = decode_backend(variant, own_groups[ctx.rank], 1, device, args.tokens)
-        step = eager_step(own, shape, 0, device, in_place=in_place)
+        step = eager_step(own, shape, 0, device, in_place=in_place, arena=arena)
         report(ctx, f"{variant} independent ({ctx.world_size} one-rank backends at once)",
                *timed_steps(step, args.steps))
         report(ctx, f"{variant} alone (rank 0's one-rank backend)", *timed_steps(step, args.steps, run=ctx.rank == 0))

@@ -79,15 +79,17 @@ def decode_backend(variant: str, group, num_ranks: int, device: torch.device, to
     budget = num_ranks * tokens * min(8, 256 // num_ranks)
     config = Config.from_env(num_sms=16, blocking=False, max_tokens_per_rank=tokens, num_permuted_tokens=budget)
     options = cls.in_place_options(num_ranks=num_ranks, max_tokens_per_rank=tokens, num_experts=256, topk=8) \
-        if option == "in_place" else {}
+        if option in ("in_place", "arena") else {}
     return cls(group, hidden_size=hidden, num_experts=256, config=config, device=device, **options)
 
 
 def eager_step(backend, shape, rank: int, device: torch.device, *, in_place: bool = False,
-               constant_hidden: bool = False):
+               constant_hidden: bool = False, arena: bool = False):
     """One eager dispatch + combine of ``shape`` on ``backend`` (this rank's bench inputs), as a callable.
     ``in_place``: combined from the backend's own buffer (``combine_input``), and where the backend can
-    (elastic) the rows pushed into the receivers' buffers."""
+    (elastic) the rows pushed into the receivers' buffers. ``arena`` (hybrid): the combine input is
+    allocated anew in ``combine_input_arena()`` each step, as Megatron's experts allocate theirs (its
+    values are whatever the memory holds: the step is timed, not checked)."""
     from ep_plugin.bench.runner import in_place_dispatch
     from ep_plugin.bench.workload import make_hidden, make_routing, make_topk
 
@@ -102,7 +104,12 @@ def eager_step(backend, shape, rank: int, device: torch.device, *, in_place: boo
         hidden.fill_(1.0)
 
     def step():
-        if in_place:
+        if arena:
+            out = backend.dispatch(hidden, **routing)
+            with backend.combine_input_arena():
+                rows = torch.empty(out.handle.num_rows, shape.hidden, device=device, dtype=torch.bfloat16)
+            backend.combine(rows, out.handle)
+        elif in_place:
             out = backend.dispatch(hidden, **routing, **in_place_dispatch(backend, True))
             backend.combine(backend.combine_input(out.handle), out.handle)
         else:
