@@ -87,6 +87,16 @@ def report(ctx, label: str, stamps, gpu_us: float) -> None:
     print("\n".join(lines), flush=True)
 
 
+def report_arena(ctx, variant: str, backend) -> None:
+    """Rank 0, "+arena": how often the arena's pool was made and what it overflowed into (a pool made
+    again every step would cost the step its snapshot and its allocations)."""
+    arena = getattr(backend, "arena", None)
+    if ctx.rank == 0 and variant.endswith("+arena") and arena is not None:
+        print(f"  rank 0 arena: pools made {arena.pools_made}, snapshots {arena.snapshots_taken}, fallback "
+              f"segments {arena.fallback_segments()}, "
+              f"combines {dict(backend.combine_counts)}", flush=True)
+
+
 def rank_main(ctx, args) -> None:
     from kernel_times import decode_backend, eager_step  # this folder: what kernel_times.py times
 
@@ -108,12 +118,14 @@ def rank_main(ctx, args) -> None:
         for marks in args.marks:
             report(ctx, f"{variant} coupled+{marks} timing events per step",
                    *timed_steps(step, args.steps, marks=marks))
+        report_arena(ctx, variant, backend)
         backend.destroy()
         own = decode_backend(variant, own_groups[ctx.rank], 1, device, args.tokens)
         step = eager_step(own, shape, 0, device, in_place=in_place, arena=arena)
         report(ctx, f"{variant} independent ({ctx.world_size} one-rank backends at once)",
                *timed_steps(step, args.steps))
         report(ctx, f"{variant} alone (rank 0's one-rank backend)", *timed_steps(step, args.steps, run=ctx.rank == 0))
+        report_arena(ctx, variant, own)
         own.destroy()
 
 

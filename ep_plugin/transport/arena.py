@@ -73,6 +73,8 @@ class CombineInputArena:
                                                         (address + SMALL_PART_BYTES, self._large_bytes)])
         self._pool = None
         self._pool_stream = 0  # the stream the pool's segments belong to
+        self.pools_made = 0  # pools made over the arena so far (1 in a steady loop; more: see pool())
+        self.snapshots_taken = 0  # pool snapshots (each costs host time; 0 in a steady loop on one stream)
         self.unusable_reason: Optional[str] = None  # set when the pool could not take the arena
 
     def pool(self):
@@ -88,11 +90,15 @@ class CombineInputArena:
         stream = streams.stream_handle(self.device)  # every call: 0.2 µs where current_stream() costs 3-5
         if self._pool is not None:
             stale = stream != self._pool_stream or self._C.arena_fallback_segments(self.id)
-            if stale and self._is_empty(self._pool):
-                self._pool = None
+            if stale:
+                self.snapshots_taken += 1
+                if self._is_empty(self._pool):
+                    self._pool = None
         if self._pool is None and self.unusable_reason is None:
             self._pool = self._make_pool()
             self._pool_stream = stream
+            if self._pool is not None:
+                self.pools_made += 1
         return self._pool
 
     @contextmanager
