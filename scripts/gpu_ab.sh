@@ -6,7 +6,9 @@
 #                                            git; carry ".ab" to the device)
 #   scripts/gpu_ab.sh run OUT ROUNDS CMD...  on the device: build the working tree ("new") and .ab/base
 #                                            ("base", in /tmp/ab_base), then run CMD in each tree,
-#                                            alternating new, base, new, base, ... ROUNDS times each;
+#                                            ROUNDS times each, the first tree alternating (new, base,
+#                                            base, new, new, base, ...: a side that always ran first
+#                                            would get the machine's drift over the call);
 #                                            CMD's output goes to OUT/{new,base}_{round}.log and its last
 #                                            lines to the terminal. CMD runs with the tree as its working
 #                                            folder and first on PYTHONPATH, so `python3 -m ep_plugin.bench`
@@ -63,7 +65,9 @@ case "$MODE" in
         'import ep_plugin, ep_plugin._C; print("imports", ep_plugin.__file__)')
     done
     for round in $(seq 1 "$ROUNDS"); do
-      for side in new base; do
+      order="new base"
+      (( round % 2 == 0 )) && order="base new"
+      for side in $order; do
         tree=$PWD
         [[ $side == base ]] && tree=/tmp/ab_base
         rm -rf "$tree/bench_out"
