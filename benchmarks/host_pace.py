@@ -17,14 +17,19 @@ the slowest rank's step (what the GPU follows), and the GPU µs per step. When r
 much in ``independent`` and ``alone`` too, the difference is the machine's CPUs, not our code.
 
   python benchmarks/host_pace.py [--ranks 8] [--backends hybrid+in_place,hybrid+arena,elastic+in_place] [--steps 300]
-      [--pin 0,2,4,...]   (pin rank r to CPU pin[r % len(pin)])   [--marks 1,3]
+      [--pin 0,2,4,...]   (pin rank r to CPU pin[r % len(pin)])   [--marks 1,3]   [--profile]
+
+``--profile``: after the ``alone`` setting, rank 0 also runs its one-rank steps under cProfile and prints
+the functions with the most host time of their own (where a slow step's host time goes).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import os
+import pstats
 import sys
 import time
 
@@ -87,6 +92,25 @@ def report(ctx, label: str, stamps, gpu_us: float) -> None:
     print("\n".join(lines), flush=True)
 
 
+def profile_steps(label: str, step, steps: int, top: int = 18) -> None:
+    """Run ``steps`` steps under cProfile (after a warm-up) and print the ``top`` functions by own time."""
+    for _ in range(WARMUP):
+        step()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    print(f"== {label}: cProfile of {steps} steps, by own time (µs per step = tottime / steps)", flush=True)
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    for (path, line, function), (_, calls, own, total, _) in rows:
+        print(f"  {own / steps * 1e6:8.1f} own {total / steps * 1e6:8.1f} total µs/step "
+              f"{calls / steps:6.1f} calls/step  {function} ({os.path.basename(path)}:{line})", flush=True)
+
+
 def report_arena(ctx, variant: str, backend) -> None:
     """Rank 0, "+arena": how often the arena's pool was made and what it overflowed into (a pool made
     again every step would cost the step its snapshot and its allocations)."""
@@ -125,6 +149,8 @@ def rank_main(ctx, args) -> None:
         report(ctx, f"{variant} independent ({ctx.world_size} one-rank backends at once)",
                *timed_steps(step, args.steps))
         report(ctx, f"{variant} alone (rank 0's one-rank backend)", *timed_steps(step, args.steps, run=ctx.rank == 0))
+        if args.profile and ctx.rank == 0:
+            profile_steps(f"{variant} alone", step, args.steps)
         report_arena(ctx, variant, own)
         own.destroy()
 
@@ -139,6 +165,8 @@ def main() -> None:
     parser.add_argument("--marks", default="",
                         help="comma list: also the coupled case with each many timing events recorded before every "
                              "step (the bench records 3 per iteration): what they cost the step")
+    parser.add_argument("--profile", action="store_true",
+                        help="rank 0 also profiles its one-rank steps (cProfile, functions by own time)")
     args = parser.parse_args()
     try:
         args.marks = [int(marks) for marks in args.marks.split(",") if marks]
