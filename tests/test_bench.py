@@ -338,6 +338,12 @@ def test_compare_flags_the_slower_case_only(tmp_path, capsys):
     # Allowing 25% it passes; a 20% slower case is then within bounds.
     assert compare.main(["--new", *slower_twice, "--base", str(base), "--worse", "0.25"]) == 0
     capsys.readouterr()
+    # As many files on each side: the geomeans round by round (round 1 has the 1.2 case, round 2 not).
+    assert compare.main(["--new", slower_twice[0], str(base), "--base", str(base), str(base), "--ops",
+                         first["op"]]) == 1
+    out = capsys.readouterr().out
+    cases = sum(1 for row in report["summary"] if row["op"] == first["op"] and row.get("median_us"))
+    assert f"round 1: {first['op']} {1.2 ** (1 / cases):.3f}" in out and f"round 2: {first['op']} 1.000" in out, out
     # Files that are no bench.json, and a threshold that is no fraction: one line (exit status 2), no traceback.
     (tmp_path / "other.json").write_text("[1, 2]")
     for argv, message in ((["--new", str(tmp_path / "missing.json")], "cannot read a bench.json"),

@@ -13,6 +13,9 @@ ratios per op, and the cases found on one side only; exits 1 when any case is sl
 combine columns (a combine's interval starts where its dispatch's GPU work ended, so it takes up
 the waits a faster dispatch no longer has), and the round trip is what a layer pays. Files may be
 gzipped (``bench.json.gz``).
+
+With as many files on each side (rounds of one A/B call), it also prints the geomeans round by
+round (file i of new against file i of base): an effect shows in every round; noise straddles 1.
 """
 
 from __future__ import annotations
@@ -101,6 +104,15 @@ def geomeans(rows: list[tuple]) -> dict[str, float]:
     return {op: math.exp(sum(values) / len(values)) for op, values in sorted(logs.items())}
 
 
+def round_geomeans(new_paths: list[str], base_paths: list[str], ops: Optional[set] = None) -> list[dict[str, float]]:
+    """Per round (file i of new against file i of base): op -> geomean of the cases' ratios."""
+    rounds = []
+    for new_path, base_path in zip(new_paths, base_paths, strict=True):
+        new, base = match_domains(case_medians([new_path], ops), case_medians([base_path], ops))
+        rounds.append(geomeans(compare(new, base, 0.0)[0]))
+    return rounds
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new", nargs="+", required=True, help="bench.json file(s) of the tree under test")
@@ -125,6 +137,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{ratio:8.3f} {new_us:10.1f} {base_us:10.1f}  {_describe(case)}{'  SLOWER' if slower else ''}")
     for op, mean in geomeans(rows).items():
         print(f"geomean new/base {op}: {mean:.3f}")
+    if len(args.new) == len(args.base) > 1:
+        print("round by round (file i of new against file i of base), geomean new/base:")
+        for index, means in enumerate(round_geomeans(args.new, args.base, ops), start=1):
+            print(f"  round {index}: " + ", ".join(f"{op} {mean:.3f}" for op, mean in means.items()))
     for side, case in alone:
         print(f"only in {side}: {_describe(case)}")
     slower = sum(1 for row in rows if row[4])
