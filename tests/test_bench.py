@@ -230,6 +230,34 @@ def test_back_to_back_timing_through_main(tmp_path, capsys):
     assert " step " in stdout.strip().splitlines()[-1]  # the table ends the output, the step row last
 
 
+def test_all_to_all_baseline_moves_compact_rows(tmp_path, capsys):
+    """The all_to_all baseline: blocking rows per payload, its bytes one row per (token, destination
+    rank) (counted here from the routing itself), and a2a/ours on the reference's rows."""
+    from ep_plugin.bench.workload import make_topk
+
+    report, stdout = _run_main(tmp_path, capsys, "--modes", "blocking,nonblocking", "--backends",
+                               "reference,all_to_all", "--payloads", "bf16,fp8", "--hidden", "256")
+    baseline = [row for row in report["summary"] if row["backend"] == "all_to_all"]
+    assert {(row["payload"], row["op"]) for row in baseline} == {
+        (payload, op) for payload in ("bf16", "fp8") for op in ("dispatch", "combine", "roundtrip", "step")}
+    assert all(row["mode"] == "blocking" and row["sms"] is None and row["median_us"] > 0 for row in baseline)
+    records = {record["payload"]: record for record in report["records"] if record["backend"] == "all_to_all"}
+    # 8 experts over 2 ranks: rank d holds experts 4d..4d+3; a token goes once to every rank it names.
+    shape = Shape(16, 256, 2, 8, "bf16", "balanced")
+    reaches = [[{int(e) // 4 for e in row} for row in make_topk(shape, rank, 0, torch.device("cpu"))[0]]
+               for rank in range(2)]
+    to_other = [sum(1 - rank in ranks for ranks in reaches[rank]) for rank in range(2)]
+    for payload, row_bytes in (("bf16", 2 * 256), ("fp8", 256 + 2 * 4)):  # fp8: one fp32 scale per 128
+        assert records[payload]["link_bytes"]["dispatch"] == [n * row_bytes for n in to_other]
+        assert records[payload]["link_bytes"]["combine"] == [to_other[1 - rank] * 2 * 256 for rank in range(2)]
+    medians = {(row["backend"], row["payload"], row["op"]): row["median_us"] for row in report["summary"]}
+    for row in report["summary"]:
+        if row["backend"] == "reference":
+            expected = medians[("all_to_all", "bf16", row["op"])] / row["median_us"]
+            assert row["all_to_all_ratio"] == pytest.approx(expected), row
+    assert "a2a/ours" in stdout
+
+
 def test_sync_each_iter_and_explicit_reference_iters(tmp_path, capsys):
     report, _ = _run_main(tmp_path, capsys, "--modes", "blocking", "--sync-each-iter", "--reference-iters", "4")
     assert report["environment"]["timing"] == "barrier before every iteration"
@@ -246,6 +274,8 @@ def test_nvlink_preset_and_reference_defaults():
     args = parse_args(["--preset", "nvlink", "--device", "cpu"])
     assert args.ranks == 2 and args.tokens == "128,1024,4096,8192" and args.hidden == "7168"
     assert args.sms == "8,16,24" and args.payloads == "bf16,fp8" and args.modes == "blocking"
+    assert args.backends.split(",")[-1] == "all_to_all"  # the baseline for a2a/ours, after what runs here
+    assert "all_to_all" not in parse_args(["--device", "cpu"]).backends
     assert reference_limits(args, plan_launch(2, "cuda", 2)) == (0, args.iters)  # never skipped
     assert parse_args(["--device", "cpu", "--preset", "full"]).ranks == 8
     assert parse_args(["--device", "cpu"]).ranks == 4  # the cpu preset, the default without a GPU
@@ -278,6 +308,18 @@ def capture_refused_on_rank_1(ctx):
                      sms=(4,), routings=("balanced",), modes=("nonblocking",), graph=True)
     shape = Shape(tokens=8, hidden=64, topk=2, experts=8, payload="bf16", routing="balanced")
     return runner._time_graph_replays(ctx, spec, backend, shape, torch.device("cpu"))
+
+
+def all_to_all_problems(ctx):
+    from ep_plugin.bench import runner
+
+    return [runner._all_to_all_problem(torch.device(kind)) for kind in ("cpu", "cuda")]
+
+
+def test_all_to_all_baseline_is_skipped_where_gloo_carries_cuda_tensors():
+    """Ranks sharing a GPU talk over gloo (through host memory): no baseline there; on CPU it runs."""
+    [(on_cpu, on_cuda)] = run_ranks(all_to_all_problems, 1, timeout_s=120)
+    assert on_cpu == "" and "gloo" in on_cuda
 
 
 def test_a_capture_failure_on_one_rank_stops_every_rank():

@@ -13,6 +13,11 @@ so a rank's bytes to itself count), and two ratios measured in the same run:
              at --link-gbps (478 GB/s per direction on two H200s with NV18).
   ref/ours   the reference backend's time / ours (when ranks share a GPU the reference runs over
              gloo through host memory: reported, but no target there).
+  a2a/ours   with "all_to_all" in --backends (the nvlink preset has it): the time of
+             torch.distributed.all_to_all_single moving the compact rows (each token once to every
+             rank holding one of its experts; combine: as many bf16 rows back) / ours. The engine
+             alone, no layout or permute: the baseline for elastic's compact form. Timed over NCCL
+             (one GPU per rank) and on CPU; skipped with a message when ranks share a GPU (gloo).
 
 One GPU per rank also gets link_MB (the busiest rank's bytes sent to other ranks in this
 backend's own wire format), link_GB/s (that over the median time) and link% (of --link-gbps).
@@ -48,8 +53,8 @@ from typing import Optional
 import ep_plugin
 from ep_plugin.cli import OneLineParser, available_backends, backend_problem, default_device, device_problem
 
-from .report import attach_reference_ratio, format_table, summarize, write_json, write_plots
-from .runner import SweepSpec, bench_rank, environment
+from .report import attach_all_to_all_ratio, attach_reference_ratio, format_table, summarize, write_json, write_plots
+from .runner import ALL_TO_ALL, SweepSpec, bench_rank, environment
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -143,8 +148,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.warmup = DEFAULT_WARMUP
     if args.iters is None:
         args.iters = DEFAULT_ITERS
-    if args.backends is None:
-        args.backends = ",".join(available_backends(args.device))
+    if args.backends is None:  # the nvlink preset adds the all_to_all baseline (a2a/ours)
+        args.backends = ",".join(available_backends(args.device) + ([ALL_TO_ALL] if args.preset == "nvlink" else []))
     problem = _argument_problem(args)
     if problem:
         parser.error(problem)  # one line, exit status 2, before any process starts
@@ -160,6 +165,8 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
     if not backends:
         return f"no backend can run on {args.device} here"
     for name in backends:
+        if name == ALL_TO_ALL:  # the transport baseline, no backend
+            continue
         base, plus, variant = name.partition("+")
         problem = backend_problem(base, args.device)
         if problem:
@@ -248,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     link_gbps = 0.0 if plan.use_mps or args.device == "cpu" else args.link_gbps
     rows = [row for record in records for row in summarize(record, link_gbps)]
     attach_reference_ratio(rows)
+    attach_all_to_all_ratio(rows)
     os.makedirs(args.out, exist_ok=True)
     env = environment(args.device, plan)
     env["ceiling"] = ("in-run device copy (ranks share a GPU)" if plan.use_mps else

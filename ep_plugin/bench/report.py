@@ -113,13 +113,24 @@ def summarize(record: dict, link_gbps: float) -> list[dict]:
     return rows
 
 
-def attach_reference_ratio(rows: list[dict]) -> None:
-    """reference time / our time for the same shape and op (reference runs blocking, bf16)."""
-    reference = {(r["tokens"], r["hidden"], r["topk"], r["experts"], r["routing"], r["op"]): r["median_us"]
-                 for r in rows if r["backend"] == "reference"}
+def _attach_ratio(rows: list[dict], baseline: str, key: str, keys: tuple[str, ...]) -> None:
+    """row[key] = the baseline's median / the row's for the rows alike in ``keys`` (any mode and SMs)."""
+    times = {tuple(r[k] for k in keys): r["median_us"] for r in rows if r["backend"] == baseline}
     for row in rows:
-        ref = reference.get((row["tokens"], row["hidden"], row["topk"], row["experts"], row["routing"], row["op"]))
-        row["reference_ratio"] = ref / row["median_us"] if ref and row["backend"] != "reference" else None
+        time = times.get(tuple(row[k] for k in keys))
+        row[key] = time / row["median_us"] if time and row["backend"] != baseline and row["median_us"] > 0 else None
+
+
+def attach_reference_ratio(rows: list[dict]) -> None:
+    """ref/ours: reference time / our time for the same shape and op (reference runs blocking, bf16)."""
+    _attach_ratio(rows, "reference", "reference_ratio", ("tokens", "hidden", "topk", "experts", "routing", "op"))
+
+
+def attach_all_to_all_ratio(rows: list[dict]) -> None:
+    """a2a/ours: the all_to_all baseline's time / ours for the same shape, payload and op (the baseline
+    moves compact rows: one per token and destination rank)."""
+    _attach_ratio(rows, "all_to_all", "all_to_all_ratio",
+                  ("tokens", "hidden", "topk", "experts", "routing", "payload", "op"))
 
 
 # (header, row key, decimals for floats)
@@ -127,9 +138,9 @@ COLUMNS = (("backend", "backend", 0), ("mode", "mode", 0), ("payload", "payload"
            ("hidden", "hidden", 0), ("sms", "sms", 0), ("routing", "routing", 0), ("op", "op", 0),
            ("median_us", "median_us", 1), ("p10_us", "p10_us", 1), ("p90_us", "p90_us", 1),
            ("algo_GB/s", "algo_gbps", 2), ("ceil_us", "ceiling_us", 1), ("ceil/ours", "ceiling_ratio", 2),
-           ("ref/ours", "reference_ratio", 2), ("domains", "domains", 0), ("scaleout_MB", "scaleout_mb", 2),
-           ("scaleout_GB/s", "scaleout_gbps", 1), ("link_MB", "link_mb", 2), ("link_GB/s", "link_gbps", 1),
-           ("link%", "link_pct", 1))
+           ("ref/ours", "reference_ratio", 2), ("a2a/ours", "all_to_all_ratio", 2), ("domains", "domains", 0),
+           ("scaleout_MB", "scaleout_mb", 2), ("scaleout_GB/s", "scaleout_gbps", 1), ("link_MB", "link_mb", 2),
+           ("link_GB/s", "link_gbps", 1), ("link%", "link_pct", 1))
 
 
 def _cell(value, digits: int) -> str:

@@ -45,6 +45,8 @@ from ep_plugin.testing import RankContext
 from .workload import Shape, make_hidden, make_routing, make_topk, traffic
 
 GRAPH_MODE = "nonblocking+graph"
+# The transport baseline in --backends (no ep_plugin backend): all_to_all_single of the compact rows.
+ALL_TO_ALL = "all_to_all"
 
 
 @dataclass(frozen=True)
@@ -361,13 +363,21 @@ def _case_bytes(backend_cls, shape: Shape, num_ranks: int, seed: int, in_place: 
     combine = backend_cls.wire_bytes(maps, num_ranks, with_probs=False, **common)
     algorithm = traffic(maps, num_ranks, shape)
     algorithm["out_bytes"] = [rows * shape.row_bytes() for rows in dispatch["out_rows"]]
-    packets, _ = route_counts(maps, num_ranks)
-    remote_payload = [sum(n for dest, n in enumerate(row) if dest != source) * shape.row_bytes()
-                      for source, row in enumerate(packets)]
+    floor = _compact_remote_bytes(shape, num_ranks, seed)
+    return dict(bytes=algorithm, link_bytes={"dispatch": dispatch["dispatch"], "combine": combine["combine"]},
+                link_floor_bytes={op: max(per_rank) for op, per_rank in floor.items()})
+
+
+def _compact_remote_bytes(shape: Shape, num_ranks: int, seed: int) -> dict[str, list[int]]:
+    """Each rank's bytes to other ranks with one row per (token, destination rank): the dispatch's payload
+    rows, and the combine's bf16 rows back to the sources (the least any design moves; what the
+    all_to_all baseline moves)."""
+    packets, _ = route_counts(list(_routing_maps(shape, num_ranks, seed)), num_ranks)
+    sent = [sum(n for dest, n in enumerate(row) if dest != source) * shape.row_bytes()
+            for source, row in enumerate(packets)]
     back = [sum(packets[source][dest] for source in range(num_ranks) if source != dest) * 2 * shape.hidden
             for dest in range(num_ranks)]
-    return dict(bytes=algorithm, link_bytes={"dispatch": dispatch["dispatch"], "combine": combine["combine"]},
-                link_floor_bytes={"dispatch": max(remote_payload), "combine": max(back)})
+    return {"dispatch": sent, "combine": back}
 
 
 def _scaleout_fields(backend, shape: Shape, num_ranks: int, seed: int) -> dict:
@@ -415,6 +425,48 @@ def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, 
                 combine_counts=_gather(counts, ctx.world_size), **case_bytes)
 
 
+def _run_all_to_all_case(ctx: RankContext, spec: SweepSpec, shape: Shape, device) -> dict:
+    """The transport baseline for one shape: ``all_to_all_single`` of this rank's compact rows on the
+    bench's process group, timed like a backend's ops. Dispatch sends each token once to every rank
+    holding one of its experts (payload bytes, fp8 with its scales); combine sends as many bf16 rows
+    back. No layout, permute or sum: the bytes of elastic's compact form, moved by the engine alone."""
+    packets, _ = route_counts(list(_routing_maps(shape, ctx.world_size, spec.seed)), ctx.world_size)
+    send = [int(n) for n in packets[ctx.rank]]
+    recv = [int(packets[source][ctx.rank]) for source in range(ctx.world_size)]
+    payload, back = shape.row_bytes(), 2 * shape.hidden
+    rows = torch.randint(0, 256, (sum(send), payload), dtype=torch.uint8, device=device)
+    received = torch.empty(sum(recv), payload, dtype=torch.uint8, device=device)
+    partials = torch.randint(0, 256, (sum(recv), back), dtype=torch.uint8, device=device)
+    returned = torch.empty(sum(send), back, dtype=torch.uint8, device=device)
+
+    def dispatch() -> None:
+        dist.all_to_all_single(received, rows, recv, send)
+
+    def combine() -> None:
+        dist.all_to_all_single(returned, partials, send, recv)
+
+    samples = _time_pairs(dispatch, combine, device, spec.warmup, spec.iters, spec.sync_each_iter)
+    step_us = _time_loop(dispatch, combine, device, spec.warmup, spec.iters)
+    algorithm = traffic(list(_routing_maps(shape, ctx.world_size, spec.seed)), ctx.world_size, shape)
+    algorithm["out_bytes"] = algorithm["recv_token_bytes"]  # its output is the compact rows
+    remote = _compact_remote_bytes(shape, ctx.world_size, spec.seed)
+    _barrier(device)
+    return dict(payload=shape.payload, tokens=shape.tokens, hidden=shape.hidden, topk=shape.topk,
+                experts=shape.experts, routing=shape.routing, ranks=ctx.world_size,
+                samples_us=_gather(samples, ctx.world_size), step_us=_gather(step_us, ctx.world_size),
+                ceiling_us={}, one_gpu_per_rank=device.type == "cuda" and ctx.world_size > 1, bytes=algorithm,
+                link_bytes=remote, link_floor_bytes={op: max(per_rank) for op, per_rank in remote.items()},
+                backend=ALL_TO_ALL, mode="blocking", sms=None, domains=f"1x{ctx.world_size}")
+
+
+def _all_to_all_problem(device: torch.device) -> str:
+    """Why the baseline is not timed here ('' when it is): ranks sharing a GPU talk over gloo, which
+    stages CUDA tensors through host memory, so its time says nothing about the GPUs' links."""
+    if device.type == "cuda" and dist.get_backend() != "nccl":
+        return "ranks share a GPU: their process group is gloo, which stages CUDA tensors through host memory"
+    return ""
+
+
 def _run_graph_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, variant: str = "") -> dict:
     """Samples of CUDA-graph replays (all ranks) and the capture error, if any, for one shape."""
     samples, step_us, error = _time_graph_replays(ctx, spec, backend, shape, device, variant)
@@ -429,11 +481,18 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
     device = torch.device(ctx.device)
     shared_gpu = ctx.plan.use_mps
     records: list[dict] = []
+
+    def scaleups(name: str) -> tuple[int, ...]:
+        if name == "reference":  # flat, the baseline, and at every forced size
+            return (0, *sorted({size for size in spec.scaleup_sizes if size}))
+        return (0,) if name == ALL_TO_ALL else spec.scaleup_sizes
+
+    baselines = ("reference", ALL_TO_ALL)  # no SMs to choose; all_to_all has no modes either
     plan = [(name, hidden, experts, sms, mode, scaleup)
             for name in spec.backends for hidden in spec.hidden for experts in spec.experts
-            for sms in (spec.sms if name != "reference" else spec.sms[:1]) for mode in spec.modes
-            for scaleup in (spec.scaleup_sizes if name != "reference" else
-                            (0, *sorted({size for size in spec.scaleup_sizes if size})))]
+            for sms in (spec.sms if name not in baselines else spec.sms[:1])
+            for mode in (spec.modes if name != ALL_TO_ALL else ("blocking",))
+            for scaleup in scaleups(name)]
     total = len(plan) * len(spec.tokens) * len(spec.topk) * len(spec.payloads) * len(spec.routings)
     progress = None
     if ctx.rank == 0:
@@ -441,7 +500,21 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
 
         progress = tqdm(total=total, desc="bench", unit="case")
     ceiling_cache: dict[int, float] = {}
+    baseline_skipped = False
     for name, hidden, experts, sms, mode, scaleup in plan:
+        if name == ALL_TO_ALL:
+            problem = _all_to_all_problem(device)
+            for tokens, topk, payload, routing in itertools.product(spec.tokens, spec.topk, spec.payloads,
+                                                                    spec.routings):
+                if progress:
+                    progress.update()
+                if not problem:
+                    records.append(_run_all_to_all_case(ctx, spec, Shape(tokens, hidden, topk, experts, payload,
+                                                                         routing), device))
+            if problem and not baseline_skipped and ctx.rank == 0:
+                print(f"skipped {ALL_TO_ALL}: {problem}", flush=True)
+            baseline_skipped = baseline_skipped or bool(problem)
+            continue
         base_name, _, variant = name.partition("+")  # "hybrid+in_place", "hybrid+arena": combine rows in the buffer
         cls = ep_plugin.get_backend(base_name)
         config = Config.from_env(num_sms=sms, blocking=(mode == "blocking"), max_tokens_per_rank=max(spec.tokens),
