@@ -9,10 +9,11 @@
 #   scripts/gpu_validate.sh bench OUT                 the standard and decode presets on one GPU (8 ranks sharing it,
 #                                                     bulk and register copies), and the nvlink
 #                                                     preset (one rank per GPU) when there are 2+ GPUs
-#   scripts/gpu_validate.sh nvlink OUT                the 2-GPU kind (nvidia-h200-x2) in one call: the 2-rank GPU tests
-#                                                     (one rank per GPU, NCCL; NCCL rails; per-device streams),
-#                                                     then the nvlink preset (hybrid, elastic, reference and the
-#                                                     all_to_all baseline) and the in-place variants at 24 SMs
+#   scripts/gpu_validate.sh nvlink OUT                the 2-GPU kind (nvidia-h200-x2) in one call: the nvlink preset
+#                                                     (hybrid, elastic, reference and the all_to_all baseline) and
+#                                                     the in-place variants at 24 SMs, then in the time left the
+#                                                     2-rank GPU tests (one rank per GPU, NCCL; NCCL rails;
+#                                                     per-device streams)
 #   scripts/gpu_validate.sh sweep OUT                 the full sweep (8 ranks sharing GPU 0; SM counts and
 #                                                     shapes that do not fit are skipped with a message)
 #   scripts/gpu_validate.sh megatron OUT              the Megatron GPT-MoE loss comparison
@@ -98,16 +99,16 @@ case "$STAGE" in
   sweep)
     CUDA_VISIBLE_DEVICES=0 bench full --preset full --ranks 8
     ;;
-  nvlink)
+  nvlink)  # the figures first (they are what only this kind can give), the tests in the time left
     [[ "$GPUS" -ge 2 ]] || { echo "STOPPED: the nvlink stage needs 2 GPUs (the nvidia-h200-x2 kind), this machine has $GPUS"; exit 1; }
     nvidia-smi topo -m | head -4
-    timeout 270 python3 -m pytest -q -p no:cacheprovider --require-gpu --durations=6 -m "gpu or megatron" tests \
-      -k "[2] or two_gpus or per_device" 2>&1 | tee "$OUT/pytest_nvlink.log" | tail -15
-    RC=${PIPESTATUS[0]}
-    echo "pytest rc=$RC"
     bench nvlink --preset nvlink --ranks 2
     bench nvlink_in_place --preset nvlink --ranks 2 --backends hybrid+in_place,elastic+in_place,all_to_all \
       --payloads bf16 --sms 24
+    timeout $((585 - SECONDS)) python3 -m pytest -q -p no:cacheprovider --require-gpu --durations=6 \
+      -m "gpu or megatron" tests -k "[2] or two_gpus or per_device" 2>&1 | tee "$OUT/pytest_nvlink.log" | tail -15
+    RC=${PIPESTATUS[0]}
+    echo "pytest rc=$RC"
     ;;
   scaleout)
     timeout 60 python3 scripts/gloo_probe.py 2>&1 | tee "$OUT/gloo_probe.log"
