@@ -59,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         from ep_plugin.doctor import main as doctor_main
 
         return doctor_main(argv[1:])
+    if argv[1:] in (["-h"], ["--help"]):
+        print("usage: python -m ep_plugin info   (versions, the GPU, the backends usable here, the extension, "
+              "the fabric and every knob; takes no options)")
+        return 0
+    if argv[1:]:
+        print(f"python -m ep_plugin info: takes no options, got {' '.join(argv[1:])!r} (info --help)", file=sys.stderr)
+        return 2
     return info()
 
 

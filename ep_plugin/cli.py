@@ -47,6 +47,18 @@ def device_problem(device: str) -> Optional[str]:
     return None
 
 
+def config_problem() -> Optional[str]:
+    """Why the ``EP_PLUGIN_*`` variables do not make a Config (a value that does not parse or is out of
+    range), or None: asked before any rank starts, so the answer is one line, not a rank's traceback."""
+    from .config import Config
+
+    try:
+        Config.from_env()
+    except (TypeError, ValueError) as error:
+        return str(error)
+    return None
+
+
 def backend_problem(name: str, device: str) -> Optional[str]:
     """Why backend ``name`` cannot run on ``device`` here, or None."""
     from . import _cuda

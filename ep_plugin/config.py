@@ -7,6 +7,7 @@ Precedence: explicit keyword arguments > environment variables > defaults.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
@@ -65,7 +66,7 @@ class Config:
         "help": "SMs for forwarding rail traffic into the domain (0 = num_sms)"})
 
     def __post_init__(self) -> None:
-        _require(self.timeout_s > 0, "timeout_s", "> 0", self.timeout_s)
+        _require(0 < self.timeout_s < math.inf, "timeout_s", "> 0 and finite", self.timeout_s)
         _require(self.max_tokens_per_rank >= 1, "max_tokens_per_rank", ">= 1", self.max_tokens_per_rank)
         _require(0 <= self.num_sms <= 1024, "num_sms", "in [0, 1024] (0 = autosize)", self.num_sms)
         _require(self.pad_multiple >= 1, "pad_multiple", ">= 1", self.pad_multiple)

@@ -23,7 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ep_plugin
-from ep_plugin.cli import OneLineParser, backend_problem, default_device, device_problem, gpu_count
+from ep_plugin.cli import OneLineParser, backend_problem, config_problem, default_device, device_problem, gpu_count
+from ep_plugin.config import Config
 from ep_plugin.testing import RankContext, plan_launch, run_ranks
 
 
@@ -157,13 +158,17 @@ def default_device_and_backend() -> tuple[str, str]:
 
 def _argument_problem(args: argparse.Namespace) -> Optional[str]:
     """The first thing wrong with the options, in one line, or None."""
-    problem = device_problem(args.device) or backend_problem(args.backend, args.device)
+    problem = device_problem(args.device) or backend_problem(args.backend, args.device) or config_problem()
     if problem:
         return problem
     for flag, value in (("--ranks", args.ranks), ("--steps", args.steps), ("--tokens", args.tokens),
                         ("--hidden", args.hidden), ("--experts", args.experts), ("--topk", args.topk)):
         if value < 1:
             return f"{flag} must be at least 1, got {value}"
+    max_tokens = Config.from_env().max_tokens_per_rank  # the backend is built with the environment's config
+    if args.tokens > max_tokens:
+        return (f"--tokens {args.tokens} is over max_tokens_per_rank={max_tokens} "
+                f"(raise EP_PLUGIN_MAX_TOKENS_PER_RANK)")
     if args.topk > args.experts:
         return f"--topk {args.topk} is more than the {args.experts} experts (--experts)"
     if args.experts % args.ranks:

@@ -32,6 +32,7 @@ BAD_DEMO_FLAGS = [
     (["--ranks", "3", "--experts", "8"], "divisible"),
     (["--backend", "no_such_backend"], "no_such_backend"),
     (["--steps", "many"], "--steps"),
+    (["--tokens", "9000"], "max_tokens_per_rank=8192"),  # the backend would refuse it inside a rank
 ]
 
 
@@ -61,6 +62,10 @@ BAD_BENCH_FLAGS = [
     (["--topk", "9", "--experts", "8", "--ranks", "2"], "--topk 9"),
     (["--experts", "10", "--ranks", "4"], "divisible"),
     (["--payloads", "fp16"], "fp16"),
+    (["--reference-iters", "0"], "--reference-iters"),
+    (["--timeout", "0"], "--timeout"),
+    (["--backends", "reference", "--modes", "nonblocking"], "no case to run"),
+    (["--backends", "reference", "--payloads", "fp8"], "no case to run"),
 ]
 
 
@@ -68,6 +73,21 @@ BAD_BENCH_FLAGS = [
 def test_bench_refuses_bad_flags_in_one_line(flags, words, capsys):
     line = _one_line_error(lambda: bench_args(flags + ["--device", "cpu"] * ("--device" not in flags)), capsys)
     assert words in line, line
+
+
+def test_a_bad_knob_is_refused_before_any_rank_starts(monkeypatch, capsys):
+    """An EP_PLUGIN_* value that makes no Config: one line naming it, not a rank's traceback."""
+    monkeypatch.setenv("EP_PLUGIN_TIMEOUT_S", "abc")
+    for run in (lambda: demo_main(["--device", "cpu", "--ranks", "1", "--steps", "1"]),
+                lambda: bench_args(["--device", "cpu"])):
+        assert "EP_PLUGIN_TIMEOUT_S='abc'" in _one_line_error(run, capsys)
+
+
+def test_info_takes_no_options(capsys):
+    assert ep_main(["info", "--bogus"]) == 2
+    assert "takes no options" in capsys.readouterr().err
+    assert ep_main(["info", "--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: python -m ep_plugin info")
 
 
 def test_a_bad_flag_gives_no_traceback_from_the_command_line():

@@ -22,6 +22,7 @@ def test_env_overrides_and_keyword_precedence():
 @pytest.mark.parametrize("env,text", [
     ({"EP_PLUGIN_TIMEOUT_S": "soon"}, "cannot parse EP_PLUGIN_TIMEOUT_S"),
     ({"EP_PLUGIN_TIMEOUT_S": "-1"}, "timeout_s must be > 0"),
+    ({"EP_PLUGIN_TIMEOUT_S": "inf"}, "timeout_s must be > 0 and finite"),  # no wait could be given a deadline
     ({"EP_PLUGIN_NUM_SMS": "-1"}, r"num_sms must be in \[0, 1024\]"),
     ({"EP_PLUGIN_BLOCKING": "maybe"}, "cannot parse EP_PLUGIN_BLOCKING"),
     ({"EP_PLUGIN_PAD_MULTIPLE": "0"}, "pad_multiple must be >= 1"),
