@@ -9,7 +9,7 @@ import torch
 
 import ep_plugin
 from ep_plugin.bench.__main__ import main, parse_args, reference_limits
-from ep_plugin.bench.report import _reference_levels, format_table, summarize, write_plots
+from ep_plugin.bench.report import _reference_levels, _series, format_table, summarize, write_plots
 from ep_plugin.bench.runner import SweepSpec
 from ep_plugin.bench.workload import Shape, make_routing, traffic
 from ep_plugin.testing import run_ranks
@@ -197,14 +197,23 @@ def test_failed_graph_capture_summarizes_without_samples():
 
 
 def test_sms_plot_draws_the_reference_as_levels(tmp_path):
-    base = dict(mode="blocking", payload="bf16", tokens=64, hidden=8, routing="balanced", op="dispatch")
+    base = dict(mode="blocking", payload="bf16", tokens=64, hidden=8, routing="balanced", op="dispatch", topk=2,
+                experts=8)
     rows = [dict(base, backend="hybrid", sms=8, algo_gbps=10.0), dict(base, backend="hybrid", sms=16, algo_gbps=20.0),
             dict(base, backend="reference", sms=None, algo_gbps=5.0),
             dict(base, backend="reference", sms=None, algo_gbps=7.0, tokens=128)]  # no hybrid line at 128 tokens
     written = write_plots(str(tmp_path), rows)
     assert str(tmp_path / "gbps_vs_sms.png") in written
-    levels = _reference_levels(rows, {("hybrid", "blocking", "bf16", "dispatch", "balanced", 8, 64): {}})
+    levels = _reference_levels(rows, {("hybrid", "blocking", "bf16", "dispatch", "balanced", 8, 64, 2, 8): {}})
     assert list(levels.values()) == [5.0]
+    # Another top-k is another line, not points written over the first one's.
+    rows += [dict(row, topk=1, algo_gbps=row["algo_gbps"] + 1) for row in rows]
+    lines = _series(rows, "sms")
+    assert sorted(lines.values(), key=str) == [{8: 10.0, 16: 20.0}, {8: 11.0, 16: 21.0}], lines
+    # ... and the table names both: rows of two top-k values are told apart.
+    table = format_table(summarize(_per_gpu_record(), link_gbps=1.0))
+    header, first = (line.split() for line in table.splitlines()[:2])
+    assert header[5:7] == ["topk", "experts"] and first[5:7] == ["1", "2"], (header, first)
 
 
 def _run_main(tmp_path, capsys, *extra):
@@ -325,6 +334,14 @@ def test_all_to_all_baseline_is_skipped_where_gloo_carries_cuda_tensors():
 def test_a_capture_failure_on_one_rank_stops_every_rank():
     results = run_ranks(capture_refused_on_rank_1, 2, timeout_s=120)
     assert results == [([], None, "rank 1: RuntimeError: capture refused")] * 2
+
+
+def test_scaleup_size_from_the_environment(tmp_path, capsys, monkeypatch):
+    """EP_PLUGIN_SCALEUP_SIZE forces domains in the bench as everywhere (--scaleup-size 0 = not forced here)."""
+    monkeypatch.setenv("EP_PLUGIN_SCALEUP_SIZE", "1")
+    report, _ = _run_main(tmp_path, capsys, "--modes", "blocking")
+    assert {row["backend"] for row in report["summary"]} == {"reference 2x1"}, report["summary"][0]
+    assert all(record.get("scaleout_bytes") for record in report["records"])
 
 
 def test_scaleout_bytes_and_the_scaleup_option():

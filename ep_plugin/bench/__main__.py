@@ -51,10 +51,17 @@ import sys
 from typing import Optional
 
 import ep_plugin
-from ep_plugin.cli import OneLineParser, available_backends, backend_problem, default_device, device_problem
+from ep_plugin.cli import (
+    OneLineParser,
+    available_backends,
+    backend_problem,
+    config_problem,
+    default_device,
+    device_problem,
+)
 
 from .report import attach_all_to_all_ratio, attach_reference_ratio, format_table, summarize, write_json, write_plots
-from .runner import ALL_TO_ALL, SweepSpec, bench_rank, environment
+from .runner import ALL_TO_ALL, SweepSpec, bench_rank, environment, supported
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -112,7 +119,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--routings", help="balanced and/or skewed (expert popularity decays e^6 across ids)")
     parser.add_argument("--modes", help="blocking (exact size, one host read) and/or nonblocking (no host sync)")
     parser.add_argument("--scaleup-size", default="0",
-                        help="ranks per NVLink domain, comma list (default 0 = detected): e.g. 8,4 runs each "
+                        help="ranks per NVLink domain, comma list (default 0 = detected, or EP_PLUGIN_SCALEUP_SIZE "
+                             "when set): e.g. 8,4 runs each "
                              "compiled backend as 1x8 and as 2x4 domains joined by scale-out rails, and reports "
                              "scale-out bytes per rank (scaleout_MB, scaleout_GB/s) next to the other figures")
     parser.add_argument("--warmup", type=int, help=f"untimed iterations per case (default {DEFAULT_WARMUP}; "
@@ -158,7 +166,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def _argument_problem(args: argparse.Namespace) -> Optional[str]:
     """The first thing wrong with the options, in one line, or None."""
-    problem = device_problem(args.device)
+    problem = device_problem(args.device) or config_problem()
     if problem:
         return problem
     backends = _words(args.backends)
@@ -196,9 +204,18 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
             return f"--{key} takes a comma list of integers, got {getattr(args, key)!r}"
         if not axes[key] or min(axes[key]) < 1:
             return f"--{key} values must be at least 1, got {getattr(args, key)!r}"
-    for flag, value, least in (("--ranks", args.ranks, 1), ("--iters", args.iters, 1), ("--warmup", args.warmup, 0)):
-        if value < least:
+    for flag, value, least in (("--ranks", args.ranks, 1), ("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
+                               ("--reference-iters", args.reference_iters, 1),
+                               ("--reference-max-tokens", args.reference_max_tokens, 0)):
+        if value is not None and value < least:
             return f"{flag} must be at least {least}, got {value}"
+    if not args.timeout > 0:
+        return f"--timeout must be a positive number of seconds, got {args.timeout}"
+    if not any(name == ALL_TO_ALL or any(supported(name, ep_plugin.get_backend(name.partition("+")[0]), payload, mode)
+                                         for payload in _words(args.payloads) for mode in _words(args.modes))
+               for name in backends):
+        return (f"no case to run: none of {', '.join(backends)} runs --payloads {args.payloads} in --modes "
+                f"{args.modes} (the reference moves bf16 in blocking mode only)")
     if max(axes["topk"]) > min(axes["experts"]):
         return f"--topk {max(axes['topk'])} is more than the {min(axes['experts'])} experts (--experts)"
     for experts in axes["experts"]:
@@ -252,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                      reference_max_tokens=reference_max_tokens, sync_each_iter=args.sync_each_iter,
                      graph=args.graph, scaleup_sizes=_ints(args.scaleup_size))
     records = run_ranks(bench_rank, args.ranks, spec, device=args.device, timeout_s=args.timeout)[0]
+    if not records:  # every case was skipped (the lines above say why): no empty table
+        print("python -m ep_plugin.bench: no case ran (every one was skipped, see above)", file=sys.stderr)
+        return 1
     link_gbps = 0.0 if plan.use_mps or args.device == "cpu" else args.link_gbps
     rows = [row for record in records for row in summarize(record, link_gbps)]
     attach_reference_ratio(rows)

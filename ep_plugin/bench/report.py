@@ -135,12 +135,12 @@ def attach_all_to_all_ratio(rows: list[dict]) -> None:
 
 # (header, row key, decimals for floats)
 COLUMNS = (("backend", "backend", 0), ("mode", "mode", 0), ("payload", "payload", 0), ("tokens", "tokens", 0),
-           ("hidden", "hidden", 0), ("sms", "sms", 0), ("routing", "routing", 0), ("op", "op", 0),
-           ("median_us", "median_us", 1), ("p10_us", "p10_us", 1), ("p90_us", "p90_us", 1),
-           ("algo_GB/s", "algo_gbps", 2), ("ceil_us", "ceiling_us", 1), ("ceil/ours", "ceiling_ratio", 2),
-           ("ref/ours", "reference_ratio", 2), ("a2a/ours", "all_to_all_ratio", 2), ("domains", "domains", 0),
-           ("scaleout_MB", "scaleout_mb", 2), ("scaleout_GB/s", "scaleout_gbps", 1), ("link_MB", "link_mb", 2),
-           ("link_GB/s", "link_gbps", 1), ("link%", "link_pct", 1))
+           ("hidden", "hidden", 0), ("topk", "topk", 0), ("experts", "experts", 0), ("sms", "sms", 0),
+           ("routing", "routing", 0), ("op", "op", 0), ("median_us", "median_us", 1), ("p10_us", "p10_us", 1),
+           ("p90_us", "p90_us", 1), ("algo_GB/s", "algo_gbps", 2), ("ceil_us", "ceiling_us", 1),
+           ("ceil/ours", "ceiling_ratio", 2), ("ref/ours", "reference_ratio", 2), ("a2a/ours", "all_to_all_ratio", 2),
+           ("domains", "domains", 0), ("scaleout_MB", "scaleout_mb", 2), ("scaleout_GB/s", "scaleout_gbps", 1),
+           ("link_MB", "link_mb", 2), ("link_GB/s", "link_gbps", 1), ("link%", "link_pct", 1))
 
 
 def _cell(value, digits: int) -> str:
@@ -167,23 +167,26 @@ def write_json(path: str, environment: dict, records: list[dict], rows: list[dic
 
 
 def _series(rows: list[dict], x_key: str) -> dict[tuple, dict]:
-    """Lines of GB/s over x_key, one per (backend, mode, payload, op, routing, hidden, the other axis)."""
+    """Lines of GB/s over x_key, one per (backend, mode, payload, op, routing, hidden, the other axis, topk,
+    experts)."""
     series: dict[tuple, dict] = {}
     for r in rows:
         if r[x_key] is None:
             continue
         key = (r["backend"], r["mode"], r["payload"], r["op"], r["routing"], r["hidden"],
-               r["sms"] if x_key == "tokens" else r["tokens"])
+               r["sms"] if x_key == "tokens" else r["tokens"], r["topk"], r["experts"])
         series.setdefault(key, {})[r[x_key]] = r["algo_gbps"]
     return {k: v for k, v in series.items() if len(v) > 1}
 
 
 def _reference_levels(rows: list[dict], series: dict[tuple, dict]) -> dict[str, float]:
-    """The reference has no SM axis: one level per (op, payload) at each plotted (routing, hidden, tokens)."""
-    plotted = {(key[4], key[5], key[6]) for key in series}
-    return {f"reference {r['mode']} {r['payload']} {r['op']} {r['routing']} H={r['hidden']} tokens={r['tokens']}":
-            r["algo_gbps"] for r in rows
-            if r["backend"] == "reference" and (r["routing"], r["hidden"], r["tokens"]) in plotted}
+    """The reference has no SM axis: one level per (op, payload) at each plotted (routing, hidden, tokens,
+    topk, experts)."""
+    plotted = {(key[4], key[5], key[6], key[7], key[8]) for key in series}
+    return {f"reference {r['mode']} {r['payload']} {r['op']} {r['routing']} H={r['hidden']} tokens={r['tokens']} "
+            f"top{r['topk']}/{r['experts']}": r["algo_gbps"] for r in rows
+            if r["backend"] == "reference"
+            and (r["routing"], r["hidden"], r["tokens"], r["topk"], r["experts"]) in plotted}
 
 
 def _draw(plt, path: str, x_key: str, x_label: str, series: dict[tuple, dict], levels: dict[str, float]) -> None:
@@ -193,7 +196,7 @@ def _draw(plt, path: str, x_key: str, x_label: str, series: dict[tuple, dict], l
         xs = sorted(points)
         fixed = "" if key[6] is None else f"sms={key[6]}" if x_key == "tokens" else f"tokens={key[6]}"
         axis.plot(xs, [points[x] for x in xs], marker="o", color=palette[index % len(palette)],
-                  label=f"{key[0]} {key[1]} {key[2]} {key[3]} {key[4]} H={key[5]} {fixed}")
+                  label=f"{key[0]} {key[1]} {key[2]} {key[3]} {key[4]} H={key[5]} {fixed} top{key[7]}/{key[8]}")
     for index, (label, gbps) in enumerate(sorted(levels.items()), start=len(series)):
         axis.axhline(gbps, linestyle="--", linewidth=1.2, color=palette[index % len(palette)], label=label)
     axis.set_xlabel(x_label)

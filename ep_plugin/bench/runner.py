@@ -73,7 +73,7 @@ class SweepSpec:
     scaleup_sizes: tuple[int, ...] = (0,)
 
 
-def _supported(backend_name: str, backend_cls, payload: str, mode: str) -> bool:
+def supported(backend_name: str, backend_cls, payload: str, mode: str) -> bool:
     caps = backend_cls.capabilities
     if payload == "fp8" and not caps.fp8_dispatch:
         return False
@@ -517,14 +517,15 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
             continue
         base_name, _, variant = name.partition("+")  # "hybrid+in_place", "hybrid+arena": combine rows in the buffer
         cls = ep_plugin.get_backend(base_name)
+        forced = {"scaleup_size": scaleup} if scaleup else {}  # 0: detected, or EP_PLUGIN_SCALEUP_SIZE when set
         config = Config.from_env(num_sms=sms, blocking=(mode == "blocking"), max_tokens_per_rank=max(spec.tokens),
-                                 **{"scaleup_size": scaleup, **spec.extra_config})
+                                 **{**forced, **spec.extra_config})
         backend = None
         for tokens, topk, payload, routing in itertools.product(spec.tokens, spec.topk, spec.payloads,
                                                                 spec.routings):
             if progress:
                 progress.update()
-            if not _supported(name, cls, payload, mode) or _reference_skips(spec, name, tokens):
+            if not supported(name, cls, payload, mode) or _reference_skips(spec, name, tokens):
                 continue
             if backend is None:  # built lazily: a backend owns large buffers
                 try:
