@@ -18,6 +18,10 @@ import textwrap
 import typing
 
 import pytest
+import torch
+
+import ep_plugin
+from ep_plugin.cli import backend_problem
 
 HAVE_MEGATRON = (importlib.util.find_spec("megatron") is not None
                  and importlib.util.find_spec("megatron.core") is not None)
@@ -76,6 +80,7 @@ def _snapshot():
         "field_type": field.type,
         "annotation": TransformerConfig.__annotations__["moe_flex_dispatcher_backend"],
         "parse_known_args": argparse.ArgumentParser.parse_known_args,
+        "config_post_init": TransformerConfig.__post_init__,
     }
 
 
@@ -116,6 +121,26 @@ def test_unknown_backend_name_lists_valid_names(ep_megatron):
     assert "'ep_hybird'" in message
     for name in PLUGIN_NAMES + ("deepep", "hybridep"):
         assert name in message
+
+
+@needs_megatron
+@pytest.mark.skipif(backend_problem("hybrid", "cuda" if torch.cuda.is_available() else "cpu") is None,
+                    reason="hybrid runs here")
+def test_a_backend_that_cannot_run_here_fails_at_model_build(ep_megatron):
+    """Not at the first forward, and as BackendUnavailableError naming the config value and why."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    config = _config(moe_flex_dispatcher_backend="ep_hybrid")
+    with pytest.raises(ep_plugin.BackendUnavailableError, match="moe_flex_dispatcher_backend='ep_hybrid'.*cuda"):
+        MoEFlexTokenDispatcher(2, [0, 1], config=config)
+
+
+@needs_megatron
+def test_moe_enable_deepep_next_to_a_plugin_name_is_refused(ep_megatron):
+    """Megatron refuses it next to "hybridep"; next to a plugin name it would rename the backend "deepep"."""
+    with pytest.raises(ValueError, match="Only one backend.*'ep_hybrid'"):
+        _config(moe_flex_dispatcher_backend="ep_hybrid", moe_enable_deepep=True)
+    assert _config(moe_flex_dispatcher_backend="ep_hybrid").moe_flex_dispatcher_backend == "ep_hybrid"
 
 
 @needs_megatron
@@ -185,6 +210,12 @@ def test_replace_builtin_routes_hybridep_to_plugin(ep_megatron):
     ep_megatron.install(replace_builtin=True)
     assert ep_megatron.plugin_backend_for("hybridep") == "hybrid"
     assert ep_megatron.plugin_backend_for("deepep") is None
+    # A plain install() (what the NeMo helpers call to make sure of it) keeps what the launcher chose.
+    from ep_plugin.integrations.nemo import validate_ep_plugin_backend
+
+    ep_megatron.install()
+    validate_ep_plugin_backend(_config(moe_flex_dispatcher_backend="ep_reference"))
+    assert ep_megatron.plugin_backend_for("hybridep") == "hybrid"
     ep_megatron.install(replace_builtin=False)
     assert ep_megatron.plugin_backend_for("hybridep") is None
 
@@ -255,4 +286,7 @@ def test_run_launcher_installs_then_runs_unmodified_script(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "ep_plugin.integrations.megatron.run", str(tmp_path / "no.py")],
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "training script not found" in missing.stderr
+    short_help = subprocess.run([sys.executable, "-m", "ep_plugin.integrations.megatron.run", "-h"],
+                                capture_output=True, text=True, timeout=120)
+    assert short_help.returncode == 0 and short_help.stdout.startswith("usage:"), short_help
 

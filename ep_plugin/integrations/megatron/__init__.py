@@ -10,7 +10,7 @@ or, for an unmodified Megatron-LM script:
     python -m ep_plugin.integrations.megatron.run pretrain_gpt.py --moe-token-dispatcher-type flex \\
         --moe-flex-dispatcher-backend ep_hybrid ...
 
-``install()`` (idempotent) does five things:
+``install()`` (idempotent) does six things:
 
 1. wraps ``MoEFlexTokenDispatcher.__init__`` (the class attribute, so the name that
    moe_layer.py bound at import sees it): a plugin name builds an ``EPPluginManager``;
@@ -24,7 +24,9 @@ or, for an unmodified Megatron-LM script:
    output, probs needed in backward, identity post-processing, in-dispatch padding);
 4. with ``replace_builtin=True``, routes "hybridep" itself to the plugin's hybrid backend;
 5. wraps ``SequentialMLP.forward`` so that, on a backend with a combine-input arena, the experts'
-   output is allocated there and combined in place (``arena.py``).
+   output is allocated there and combined in place (``arena.py``);
+6. wraps ``TransformerConfig.__post_init__`` to refuse ``moe_enable_deepep=True`` next to a plugin
+   name, as Megatron refuses it next to "hybridep" (it would overwrite the name with "deepep").
 
 Importing this package does not import Megatron; ``install()`` raises an ImportError naming
 the pip package ``megatron-core`` when it is missing. Version differences live in ``compat``.
@@ -60,6 +62,7 @@ class _State:
     builtin_names: tuple[str, ...] = ()  # Megatron's own names, read before we widen the type
     original_init = None
     original_experts_forward = None
+    original_config_post_init = None
     original_functions: dict = {}  # (module, function) -> original callable
     original_parse_known_args = None
 
@@ -67,18 +70,21 @@ class _State:
 _state = _State()
 
 
-def install(replace_builtin: bool = False) -> None:
+def install(replace_builtin: Optional[bool] = None) -> None:
     """Teach Megatron-Core the plugin's ``moe_flex_dispatcher_backend`` names. Idempotent.
 
     Args:
-        replace_builtin: also route "hybridep" to the plugin's hybrid backend, so existing
-            configs use the plugin without an edit. A later call may switch this on or off.
+        replace_builtin: True also routes "hybridep" to the plugin's hybrid backend, so existing
+            configs use the plugin without an edit; False stops that. None (the default) keeps the
+            current setting (off at the first install), so a helper that only makes sure the plugin
+            is installed (the NeMo helpers) does not switch off what the launcher switched on.
     Raises:
         ImportError: megatron-core is missing or older than 0.16.1 (the message names the package).
     """
     compat.require_megatron()
     with _lock:
-        _state.replace_builtin = bool(replace_builtin)
+        if replace_builtin is not None:
+            _state.replace_builtin = bool(replace_builtin)
         if _state.installed:
             return
         _state.builtin_names = compat.literal_names(compat.backend_field().type)
@@ -87,6 +93,7 @@ def install(replace_builtin: bool = False) -> None:
         _wrap_name_spots()
         _widen_argparse_choices()
         _wrap_experts_forward()
+        _wrap_config_post_init()
         _state.installed = True
 
 
@@ -101,6 +108,7 @@ def uninstall() -> None:
         _state.original_functions = {}
         argparse.ArgumentParser.parse_known_args = _state.original_parse_known_args
         compat.sequential_mlp_class().forward = _state.original_experts_forward
+        compat.transformer_config_class().__post_init__ = _state.original_config_post_init
         compat.set_backend_names(_state.builtin_names)
         _state.installed = False
         _state.replace_builtin = False
@@ -150,8 +158,9 @@ def _wrap_dispatcher_init() -> None:
 
 def _init_plugin_dispatcher(dispatcher, backend_name, num_local_experts, local_expert_indices, config,
                             pg_collection) -> None:
-    from .manager import EPPluginManager
+    from .manager import EPPluginManager, resolve_backend_class
 
+    resolve_backend_class(backend_name, config.moe_flex_dispatcher_backend)  # before any group is touched
     if pg_collection is None:
         pg_collection = compat.default_pg_collection()
     # The base class sets config, groups and sizes; unlike Megatron's DeepEP path there is no
@@ -221,6 +230,25 @@ def _wrap_experts_forward() -> None:
         return arena.run_experts(self, original, *args, **kwargs)
 
     experts_class.forward = forward
+
+
+# ---- 6. moe_enable_deepep next to a plugin name ---------------------------------------------------
+
+def _wrap_config_post_init() -> None:
+    config_class = compat.transformer_config_class()
+    original = config_class.__post_init__
+    _state.original_config_post_init = original
+
+    @functools.wraps(original)
+    def __post_init__(self, *args, **kwargs):
+        name = getattr(self, compat.BACKEND_FIELD, None)
+        if getattr(self, "moe_enable_deepep", False) and name in PLUGIN_BACKENDS:
+            raise ValueError(f"Only one backend is supported for flex token dispatcher: moe_enable_deepep=True "
+                             f"selects DeepEP and moe_flex_dispatcher_backend={name!r} selects ep_plugin's "
+                             f"{PLUGIN_BACKENDS[name]} (drop moe_enable_deepep, which Megatron deprecates)")
+        return original(self, *args, **kwargs)
+
+    config_class.__post_init__ = __post_init__
 
 
 # ---- 2. the Megatron-LM argument parser -------------------------------------------------------

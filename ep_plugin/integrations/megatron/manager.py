@@ -37,14 +37,21 @@ _backends: dict[tuple, Backend] = {}
 
 
 def resolve_backend_class(backend_name: str, config_name: str):
-    """The ep_plugin backend class, or BackendUnavailableError saying why this install lacks it."""
+    """The ep_plugin backend class, or BackendUnavailableError saying why this install lacks it or
+    why it cannot run on this process's device (a CUDA backend without a GPU or its extension)."""
+    from ep_plugin.cli import backend_problem
+
     try:
-        return ep_plugin.get_backend(backend_name)
+        backend_class = ep_plugin.get_backend(backend_name)
     except (ImportError, ValueError) as error:
         raise ep_plugin.BackendUnavailableError(
             f"moe_flex_dispatcher_backend={config_name!r} selects ep_plugin backend {backend_name!r}, which "
             f"this installation cannot provide ({error}); available backends: "
             f"{', '.join(ep_plugin.list_backends())}") from error
+    problem = backend_problem(backend_name, "cuda" if torch.cuda.is_available() else "cpu")
+    if problem:
+        raise ep_plugin.BackendUnavailableError(f"moe_flex_dispatcher_backend={config_name!r}: {problem}")
+    return backend_class
 
 
 def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int, device: torch.device) -> Backend:

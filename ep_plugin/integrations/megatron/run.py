@@ -25,7 +25,7 @@ USAGE = "usage: python -m ep_plugin.integrations.megatron.run [--replace-builtin
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     replace_builtin = False
-    while argv and argv[0].startswith("--"):
+    while argv and argv[0].startswith("-"):  # options come before the script
         option = argv.pop(0)
         if option == "--replace-builtin":
             replace_builtin = True
