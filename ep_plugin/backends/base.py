@@ -282,8 +282,15 @@ class Backend(abc.ABC):
         routing, weights = make_routing(
             hidden, self.num_experts, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
             topk_weights=topk_weights, probs_dtypes=self.capabilities.probs_dtypes,
-            check_values=self.config.blocking and not self.checks_ids_on_device)
+            check_values=self._reads_ids_on_host())
         return routing, weights, pad_multiple
+
+    def _reads_ids_on_host(self) -> bool:
+        """Whether dispatch range- and repeat-checks top-k ids with a host read: not where the kernels
+        check them, nor in sync-free mode; a backend without a sync-free mode (the reference) runs
+        blocking whatever ``config.blocking`` says, so it always checks."""
+        sync_free = not self.config.blocking and self.capabilities.non_blocking
+        return not self.checks_ids_on_device and not sync_free
 
     def check_hidden(self, name: str, hidden: torch.Tensor, num_rows: Optional[int]) -> None:
         check_tensor(name, hidden, dtypes=self.capabilities.hidden_dtypes, ndim=2, device=self.device)
