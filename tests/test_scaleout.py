@@ -113,6 +113,27 @@ def test_hierarchical_reference_equals_flat_at_every_layout():
     assert all(len(checked) == len(results[0]) > 0 for checked in results), results
 
 
+def domains_in_an_ep_subgroup(ctx) -> bool:
+    """World 4 as two EP groups of 2 (Megatron's EP group is a subgroup of the world); each builds the
+    reference forced into 2 domains of 1 and dispatches as the flat one does."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both, as Megatron does
+    group = groups[ctx.rank // 2]
+    local_rank = dist.get_rank(group)
+    flat = ep_plugin.get_backend("reference")(group, hidden_size=4, num_experts=4, device="cpu")
+    split = ep_plugin.get_backend("reference")(group, hidden_size=4, num_experts=4, device="cpu",
+                                               topology=Topology(2, 1, local_rank))
+    x = torch.arange(12, dtype=torch.float32).view(3, 4) + 100 * ctx.rank
+    idx = torch.tensor([[0, 3], [1, 2], [2, -1]])
+    return isinstance(split, HierarchicalBackend) and torch.equal(flat.dispatch(x, topk_idx=idx).hidden,
+                                                                  split.dispatch(x, topk_idx=idx).hidden)
+
+
+def test_forced_domains_in_an_ep_subgroup_of_the_world():
+    """The domain and rail groups are made by the EP group's ranks alone (torch's new_group would
+    otherwise wait for every rank of the world, which here builds the other EP group: a hang)."""
+    assert run_ranks(domains_in_an_ep_subgroup, 4, timeout_s=120) == [True] * 4
+
+
 # ---- the compact form (elastic's) on CPU -----------------------------------------------------------
 
 class CompactBackend(Backend):

@@ -2,10 +2,10 @@
 
 ``ScaleOut`` owns, for one process group and one ``Topology``:
 
-- one process group per domain and one per rail, made with ``dist.new_group`` by every rank in the
-  same order (domains 0..D-1, then rails 0..S-1; ``new_group`` is a collective of the whole group even
-  for ranks outside the new group). Groups are made once per (group, domain size, engine) and reused
-  by later backends of that shape.
+- one process group per domain and one per rail, made with ``dist.new_group`` by every rank of the
+  group in the same order (domains 0..D-1, then rails 0..S-1) with local synchronization: no rank
+  outside the group takes part, so the group may be a subgroup of the world (Megatron's EP group is).
+  Groups are made once per (group, domain size, engine) and reused by later backends of that shape.
 - the rail engine: NCCL where the ranks of each rail have GPUs of their own (one rank per GPU along
   the rail), gloo where some share a GPU (NCCL refuses two ranks on one GPU) or on CPU. The domain
   groups use the engine of the parent group.
@@ -72,10 +72,13 @@ def make_groups(group: dist.ProcessGroup, topology: Topology, engine: str) -> tu
         def global_ranks(ranks: Sequence[int]) -> list[int]:
             return [dist.get_global_rank(group, r) for r in ranks]
 
-        domains = [dist.new_group(global_ranks(topology.domain_ranks(d)), backend=parent_engine)
-                   for d in range(topology.num_domains)]
-        rails = [dist.new_group(global_ranks(topology.rail_ranks(local)), backend=engine)
-                 for local in range(topology.domain_size)]
+        # Local synchronization: only the EP group's ranks make these groups (torch then names a group by
+        # its ranks, not by a count every rank of the world must keep in step). Megatron's EP group is
+        # a subgroup of the world, whose other ranks are busy building their own EP groups' backends.
+        domains = [dist.new_group(global_ranks(topology.domain_ranks(d)), backend=parent_engine,
+                                  use_local_synchronization=True) for d in range(topology.num_domains)]
+        rails = [dist.new_group(global_ranks(topology.rail_ranks(local)), backend=engine,
+                                use_local_synchronization=True) for local in range(topology.domain_size)]
         _groups[key] = (domains, rails)
     return _groups[key]
 
