@@ -134,6 +134,28 @@ def test_forced_domains_in_an_ep_subgroup_of_the_world():
     assert run_ranks(domains_in_an_ep_subgroup, 4, timeout_s=120) == [True] * 4
 
 
+def bad_topk_across_domains(ctx) -> list:
+    """Rank 0 passes top-k ids that are no tensor, then every rank dispatches validly."""
+    backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",
+                                                 topology=Topology(2, 1, ctx.rank))
+    x, idx = torch.ones(2, 4), torch.tensor([[0, 1], [2, 3]])
+    raised = []
+    if ctx.rank == 0:
+        for bad in ([[0, 1], [2, 3]], torch.tensor([0, 1])):
+            try:
+                backend.dispatch(x, topk_idx=bad)
+            except (TypeError, ValueError) as error:
+                raised.append(f"{type(error).__name__}: {error}")
+    return raised + [tuple(backend.dispatch(x, topk_idx=idx).hidden.shape)]
+
+
+def test_bad_topk_ids_across_domains_raise_as_flat():
+    rank0, rank1 = run_ranks(bad_topk_across_domains, 2, timeout_s=120)
+    assert rank0[0].startswith("TypeError: topk_idx must be a torch.Tensor"), rank0
+    assert rank0[1].startswith("ValueError: topk_idx must be a 2-D tensor"), rank0
+    assert rank0[2:] == rank1 == [rank1[0]] and len(rank1[0]) == 2  # the backend went on
+
+
 # ---- the compact form (elastic's) on CPU -----------------------------------------------------------
 
 class CompactBackend(Backend):

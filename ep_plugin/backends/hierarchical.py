@@ -171,13 +171,15 @@ class HierarchicalBackend(Backend):
             return self._cached_dispatch(hidden, handle)
         if routing_map is not None and ROUTING_MAP not in self.capabilities.routing_forms:
             raise ValueError(f"backend {self.name!r} takes topk_idx (+ topk_weights), not routing_map")
-        if topk_idx is not None and topk_idx.dim() == 2 and topk_idx.shape[1] > self.experts_per_domain:
+        if topk_idx is not None:  # the k checks below read its shape
+            check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2, device=self.device)
+        if topk_idx is not None and topk_idx.shape[1] > self.experts_per_domain:
             raise ValueError(f"topk_idx has k={topk_idx.shape[1]} columns, more than the {self.experts_per_domain} "
                              f"experts of one NVLink domain ({self.domain_size} ranks x {self.num_local_experts}); "
                              f"across domains k must be at most that (use larger domains, or the routing_map form "
                              f"where the backend takes it)")
         max_topk = getattr(self.domain, "max_topk", None)
-        if max_topk is not None and topk_idx is not None and topk_idx.dim() == 2 and topk_idx.shape[1] > max_topk:
+        if max_topk is not None and topk_idx is not None and topk_idx.shape[1] > max_topk:
             raise ValueError(f"topk_idx has k={topk_idx.shape[1]} columns; this {self.name} backend was built with "
                              f"max_topk={max_topk}")
         return super().dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
