@@ -10,6 +10,7 @@ with a late rank (and a parallel-order control), a missing rank, and the reorder
 
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -154,6 +155,30 @@ def test_bad_topk_ids_across_domains_raise_as_flat():
     assert rank0[0].startswith("TypeError: topk_idx must be a torch.Tensor"), rank0
     assert rank0[1].startswith("ValueError: topk_idx must be a 2-D tensor"), rank0
     assert rank0[2:] == rank1 == [rank1[0]] and len(rank1[0]) == 2  # the backend went on
+
+
+def disagree_across_the_rail(ctx, case: str) -> str:
+    """2 ranks in 2 domains of 1 (their rail joins them): rank 0 and rank 1 disagree on the op; each
+    must raise EPError (before the fix, gloo saw two sizes in one exchange and aborted the process)."""
+    backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",
+                                                 topology=Topology(2, 1, ctx.rank))
+    x, idx = torch.ones(2, 4), torch.tensor([[0, 1], [2, 3]])
+    try:
+        if case == "barrier_vs_dispatch":
+            backend.barrier() if ctx.rank == 0 else backend.dispatch(x, topk_idx=idx)
+        else:  # the probs routed back in two dtypes: rail rows of two widths
+            out = backend.dispatch(x, topk_idx=idx, topk_weights=torch.ones(2, 2))
+            probs_dtype = torch.float64 if ctx.rank else torch.float32
+            backend.combine(out.hidden, out.handle, row_probs=out.probs.to(probs_dtype))
+    except ep_plugin.EPError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize("case, words", [("barrier_vs_dispatch", "'barrier' on rank"), ("probs_dtype", "row bytes")])
+def test_ranks_that_disagree_across_the_rail_raise(case, words):
+    messages = run_ranks(disagree_across_the_rail, 2, case, timeout_s=120)
+    assert all("ranks disagree" in message and words in message for message in messages), messages
 
 
 # ---- the compact form (elastic's) on CPU -----------------------------------------------------------

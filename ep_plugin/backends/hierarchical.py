@@ -48,6 +48,10 @@ the domain's counts exchange, so every rank of both domains stops there, and the
 For combine and dispatch_again the rail's ranks that saw it meet their domain peers with a barrier in
 place of the op, so the domain backend finds two different ops and raises ``EPError`` on those peers
 too (``reference`` at once, the compiled backends at their next sync point) instead of a timeout.
+In blocking mode the rail barrier is that same count exchange (no rows, the barrier's fingerprint),
+and combine's carries the width of its rail rows (which the probs' dtype sets), so a barrier against
+an op, or probs of two dtypes, raise ``EPError`` too instead of meeting in one exchange of two sizes.
+Sync-free mode has no rail agreement: ranks that disagree there may fail inside the engine.
 
 Costs and limits: the rail stages, the reorder and the sums are torch ops and host-issued
 collectives around the domain backend's kernels; on a gloo rail CUDA tensors are staged through
@@ -68,7 +72,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import streams
-from ..agreement import OP_COMBINE, OP_DISPATCH, OP_DISPATCH_AGAIN, OpFingerprint, mismatch_message
+from ..agreement import OP_BARRIER, OP_COMBINE, OP_DISPATCH, OP_DISPATCH_AGAIN, OpFingerprint, mismatch_message
 from ..errors import EPError
 from ..handle import COMPACT, CombineOutput, DispatchOutput, Handle
 from ..host_collectives import HostCollectives
@@ -199,7 +203,10 @@ class HierarchicalBackend(Backend):
         if self.device.type == "cuda":  # this rank's NVLink stores are complete before the rail traffic
             streams.wait_for_stream(self.device, self.config.timeout_s, f"ep_plugin {self.name}: rank {self.rank}: "
                                     f"barrier (this rank's queued work)")
-        self.scaleout.barrier(where="barrier: rail barrier")
+        if self.config.blocking:  # the ops' opening exchange, so a peer in another op sees the difference
+            self._rail_open(OpFingerprint(OP_BARRIER), 0, [0] * self.scaleout.num_domains, "barrier")
+        else:
+            self.scaleout.barrier(where="barrier: rail barrier")
         self._at_domain_level(self.domain.barrier)
 
     def destroy(self) -> None:
@@ -350,14 +357,16 @@ class HierarchicalBackend(Backend):
         if self.config.blocking:
             fingerprint = OpFingerprint(OP_COMBINE, dtype=rows.dtype, probs=row_probs is not None,
                                         handle_id=layout.dispatch_id)
-            self._rail_open(fingerprint, 0, layout.splits.recv, where, expected=layout.splits.send)
+            # The rail rows' width, as this rank will pack them: ranks whose probs dtypes differ would
+            # otherwise meet in an exchange of two sizes.
+            probs_dtype = None if row_probs is None else row_probs.dtype
+            width = _combine_packer(rows.dtype, probs_dtype, layout.domain_handle.probs_shape, H).row_bytes
+            self._rail_open(fingerprint, width, layout.splits.recv, where, expected=layout.splits.send)
         inner_probs = row_probs.index_select(0, layout.dest) if row_probs is not None else None
         partial = self._at_domain_level(lambda: self.domain.combine(rows.index_select(0, layout.dest),
                                                                     layout.domain_handle, row_probs=inner_probs))
-        fields = [("hidden", partial.hidden.dtype, (H,))]
-        if partial.probs is not None:
-            fields.append(("probs", partial.probs.dtype, tuple(partial.probs.shape[1:])))
-        packer = RowPacker(fields)
+        packer = _combine_packer(partial.hidden.dtype, None if partial.probs is None else partial.probs.dtype,
+                                 None if partial.probs is None else partial.probs.shape, H)
         payload = packer.pack_into(self.scaleout.send_rows(partial.hidden.shape[0], packer.row_bytes),
                                    {"hidden": partial.hidden, "probs": partial.probs})
         # Views of the received rows (no copy): they are read below, before any other rail exchange.
@@ -570,6 +579,15 @@ class HierarchicalBackend(Backend):
         """
         return scaleout_bytes(routing_maps, self._topology, row_bytes=row_bytes, hidden=self.hidden_size,
                               with_probs=with_probs)
+
+
+def _combine_packer(hidden_dtype: torch.dtype, probs_dtype: Optional[torch.dtype], probs_shape,
+                    hidden: int) -> RowPacker:
+    """The combine's rail rows: each token's partial sum, then its probs (when they travel back)."""
+    fields = [("hidden", hidden_dtype, (hidden,))]
+    if probs_dtype is not None:
+        fields.append(("probs", probs_dtype, tuple(probs_shape[1:])))
+    return RowPacker(fields)
 
 
 def scaleout_bytes(routing_maps: list[torch.Tensor], topology: Topology, *, row_bytes: int, hidden: int,
