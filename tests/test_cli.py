@@ -66,6 +66,7 @@ BAD_BENCH_FLAGS = [
     (["--timeout", "0"], "--timeout"),
     (["--backends", "reference", "--modes", "nonblocking"], "no case to run"),
     (["--backends", "reference", "--payloads", "fp8"], "no case to run"),
+    (["--payloads", "bf16,fp8", "--hidden", "256,100"], "divisible by 128"),  # the backend's error, in a rank
 ]
 
 

@@ -62,6 +62,7 @@ from ep_plugin.cli import (
 
 from .report import attach_all_to_all_ratio, attach_reference_ratio, format_table, summarize, write_json, write_plots
 from .runner import ALL_TO_ALL, SweepSpec, bench_rank, environment, supported
+from .workload import FP8_BLOCK
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -216,6 +217,10 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
                for name in backends):
         return (f"no case to run: none of {', '.join(backends)} runs --payloads {args.payloads} in --modes "
                 f"{args.modes} (the reference moves bf16 in blocking mode only)")
+    odd = [hidden for hidden in axes["hidden"] if hidden % FP8_BLOCK]
+    if "fp8" in _words(args.payloads) and odd:
+        return (f"--payloads fp8 needs every --hidden divisible by {FP8_BLOCK} (one fp32 scale per {FP8_BLOCK} "
+                f"elements), got {', '.join(map(str, odd))}")
     if max(axes["topk"]) > min(axes["experts"]):
         return f"--topk {max(axes['topk'])} is more than the {min(axes['experts'])} experts (--experts)"
     for experts in axes["experts"]:
