@@ -73,7 +73,8 @@ class SweepSpec:
     scaleup_sizes: tuple[int, ...] = (0,)
 
 
-def supported(backend_name: str, backend_cls, payload: str, mode: str) -> bool:
+def supported(backend_cls, payload: str, mode: str) -> bool:
+    """Whether the backend runs this payload in this mode (its capabilities)."""
     caps = backend_cls.capabilities
     if payload == "fp8" and not caps.fp8_dispatch:
         return False
@@ -525,7 +526,7 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                                                                 spec.routings):
             if progress:
                 progress.update()
-            if not supported(name, cls, payload, mode) or _reference_skips(spec, name, tokens):
+            if not supported(cls, payload, mode) or _reference_skips(spec, name, tokens):
                 continue
             if backend is None:  # built lazily: a backend owns large buffers
                 try:
