@@ -9,6 +9,9 @@
 - the rail engine: NCCL where the ranks of each rail have GPUs of their own (one rank per GPU along
   the rail), gloo where some share a GPU (NCCL refuses two ranks on one GPU) or on CPU. The domain
   groups use the engine of the parent group.
+- on request (``host_words``: sync-free mode's agreement words, which the host reads without waiting
+  for the GPU), a group that moves CPU tensors per domain and per rail: the group itself where its
+  engine is gloo, else a gloo twin of it, made once like the others (``host_groups``).
 - the rail collectives, timed like every host wait (``HostCollectives``): a late or missing peer gives
   ``EPTimeoutError`` naming the level (``rail <l>``), the op and phase, and the peer (its rank on the
   rail and its global rank); an engine failure gives ``EPError`` with the engine's message.
@@ -48,6 +51,7 @@ from ..topology import Topology
 
 # (parent group name, domain size, rail engine) -> (domain groups, rail groups), by index.
 _groups: dict[tuple, tuple[list, list]] = {}
+_host_groups: dict[tuple, tuple[list, list]] = {}  # the same key -> the groups that carry host words
 
 
 def rail_engine(topology: Topology, device: torch.device, parent_engine: str) -> str:
@@ -67,20 +71,46 @@ def rail_engine(topology: Topology, device: torch.device, parent_engine: str) ->
 def make_groups(group: dist.ProcessGroup, topology: Topology, engine: str) -> tuple[list, list]:
     """Every domain's and every rail's process group (a collective: every rank, same order)."""
     parent_engine = dist.get_backend(group)
-    key = (getattr(group, "group_name", str(id(group))), topology.domain_size, engine)
+    key = _groups_key(group, topology, engine)
     if key not in _groups:
-        def global_ranks(ranks: Sequence[int]) -> list[int]:
-            return [dist.get_global_rank(group, r) for r in ranks]
-
         # Local synchronization: only the EP group's ranks make these groups (torch then names a group by
         # its ranks, not by a count every rank of the world must keep in step). Megatron's EP group is
         # a subgroup of the world, whose other ranks are busy building their own EP groups' backends.
-        domains = [dist.new_group(global_ranks(topology.domain_ranks(d)), backend=parent_engine,
+        domains = [dist.new_group(_global_ranks(group, topology.domain_ranks(d)), backend=parent_engine,
                                   use_local_synchronization=True) for d in range(topology.num_domains)]
-        rails = [dist.new_group(global_ranks(topology.rail_ranks(local)), backend=engine,
+        rails = [dist.new_group(_global_ranks(group, topology.rail_ranks(local)), backend=engine,
                                 use_local_synchronization=True) for local in range(topology.domain_size)]
         _groups[key] = (domains, rails)
     return _groups[key]
+
+
+def host_groups(group: dist.ProcessGroup, topology: Topology, engine: str) -> tuple[list, list]:
+    """Per domain and per rail, a group that moves CPU tensors: ``make_groups``' group where its engine is
+    gloo, else a gloo twin of it (a collective like ``make_groups``; twins are made once).
+
+    For small words the host reads at once (agreement): over NCCL they would be CUDA tensors, and reading
+    them would wait for the GPU, which sync-free mode must not.
+    """
+    domains, rails = make_groups(group, topology, engine)
+    key = _groups_key(group, topology, engine)
+    if key not in _host_groups:
+        def on_host(groups: list, group_engine: str, ranks_of) -> list:
+            if "gloo" in group_engine:  # "gloo", or a mixed "cpu:gloo,cuda:nccl" group
+                return groups
+            return [dist.new_group(_global_ranks(group, ranks_of(i)), backend="gloo", use_local_synchronization=True)
+                    for i in range(len(groups))]
+
+        _host_groups[key] = (on_host(domains, dist.get_backend(group), topology.domain_ranks),
+                             on_host(rails, engine, topology.rail_ranks))
+    return _host_groups[key]
+
+
+def _groups_key(group: dist.ProcessGroup, topology: Topology, engine: str) -> tuple:
+    return getattr(group, "group_name", str(id(group))), topology.domain_size, engine
+
+
+def _global_ranks(group: dist.ProcessGroup, ranks: Sequence[int]) -> list[int]:
+    return [dist.get_global_rank(group, r) for r in ranks]
 
 
 @dataclass
@@ -106,10 +136,12 @@ class ScaleOut:
         timeout_s: how long one rail collective may wait for its peers.
         chunk_rows: rows per peer per rail collective (0 = all at once).
         owner: name for messages ("ep_plugin reference").
+        host_words: ``exchange_words`` moves CPU tensors (no wait for the GPU; ``host_groups``), and
+            ``domain_words_group`` is this domain's group for such words; else it is None.
     """
 
     def __init__(self, group: dist.ProcessGroup, topology: Topology, device: torch.device, *, timeout_s: float,
-                 chunk_rows: int = 0, owner: str) -> None:
+                 chunk_rows: int = 0, owner: str, host_words: bool = False) -> None:
         self.topology = topology
         self.device = device
         self.chunk_rows = int(chunk_rows)
@@ -125,6 +157,16 @@ class ScaleOut:
         self.exchange_device = device if device.type == "cuda" and not self.stage_on_host else torch.device("cpu")
         self._host_buffers: dict[str, torch.Tensor] = {}  # "send" / "receive": kept host rows (module docstring)
         self.pin_host_buffers = self.stage_on_host
+        # exchange_words: on the rail group, unless the host reads them without waiting for the GPU.
+        self.rail_words, self.words_device = self.rail, self.exchange_device
+        self.domain_words_group = None
+        if host_words:
+            domain_hosts, rail_hosts = host_groups(group, topology, self.engine)
+            self.domain_words_group = domain_hosts[topology.domain_index]
+            if rail_hosts[topology.local_index] is not self.rail_group:
+                self.rail_words = HostCollectives(rail_hosts[topology.local_index], timeout_s=timeout_s,
+                                                  owner=f"{owner} scale-out, {self.level}", label="rail words")
+            self.words_device = torch.device("cpu")
 
     @property
     def num_domains(self) -> int:
@@ -132,16 +174,19 @@ class ScaleOut:
 
     def check_usable(self) -> None:
         self.rail.check_usable()
+        self.rail_words.check_usable()
 
     def exchange_words(self, words: torch.Tensor, *, where: str) -> list[list[int]]:
         """Send each rail peer the same few int64 words; return every peer's words (host lists, by domain).
 
-        A host read: blocking mode's count exchange and the rail barrier use it.
+        A host read: sync-free mode's agreement and ``barrier`` use it (with ``host_words``, CPU tensors on a
+        group that moves them: no wait for the GPU).
         """
         D = self.num_domains
-        sent = words.reshape(1, -1).to(torch.int64).repeat(D, 1).to(self.exchange_device)
+        sent = words.reshape(1, -1).to(torch.int64).repeat(D, 1).to(self.words_device)
         width = sent.shape[1]
-        received = self.rail.all_to_all(sent.reshape(-1), [width] * D, [width] * D, where=where, read_on_host=True)
+        received = self.rail_words.all_to_all(sent.reshape(-1), [width] * D, [width] * D, where=where,
+                                              read_on_host=True)
         return received.view(D, width).tolist()
 
     def exchange_counts(self, send_counts: list[int], extra: Sequence[int], *,
