@@ -5,7 +5,8 @@ machine). The oracle is the same backend flat on the same group, in the same pro
 hierarchical path must give the same rows in the same order, bitwise, and the same sums (exact here:
 integer-valued payloads), the same probs, counts and gradients. ``reference`` covers the expert-row
 form; ``CompactBackend`` (below, test-only) stands in for elastic's compact form. Also: the barrier
-with a late rank (and a parallel-order control), a missing rank, and the reorder and byte packing alone.
+with a late rank (and a parallel-order control), a missing rank, ranks that disagree on an op (2 and 4
+ranks: every rank raises EPError), and the reorder and byte packing alone.
 """
 
 import time
@@ -307,11 +308,90 @@ def test_compact_form_across_domains_equals_flat_and_ranks_that_disagree_all_rai
         if rank in (0, 4):  # rail 0 saw the dtypes differ, then the handles
             assert "ranks disagree on dispatch" in message and "dtype" in message and "rail 0" in message, message
             assert "ranks disagree on combine" in combine_message and "handle_id" in combine_message, combine_message
-        else:  # told by their domain: the counts flag (dispatch), the barrier in place of combine
-            assert "found that ranks disagree on the op" in message and "domain" in message, (rank, message)
-            assert "disagree" in combine_message and "barrier" in combine_message, (rank, combine_message)
+        else:  # told by their domain: the flag of their peer on rail 0
+            for told in (message, combine_message):
+                assert "found that ranks disagree on the op" in told and "domain" in told, (rank, told)
         assert usable, f"rank {rank}: the backend is not usable after the disagreements"
 
+
+# ---- ranks that disagree inside one domain: every rank of every domain raises -------------------
+
+# (case, ranks that run the odd op, what the errors must name). Rank 0 alone: only its rail (ranks 0 and 2)
+# sees it, and ranks 1 and 3 learn it from their domain peer. Ranks 0 and 2 (a whole rail): both rails agree
+# and each domain sees two ops (blocking: a dispatch's segment counts meet a combine's zeros).
+DOMAIN_CASES = (("blocking: combine vs dispatch", (0,), ("op: ", "'combine' on rank")),
+                ("blocking: barrier vs dispatch", (0,), ("op: ", "'barrier' on rank")),
+                ("blocking: dispatch_again vs combine", (0,), ("op: ", "'dispatch_again' on rank")),
+                ("blocking: combine vs dispatch, by rail", (0, 2), ("op: ", "'combine' on rank")),
+                ("sync-free: probs on one rank", (0,), ("probs: ", "False on rank")),
+                ("sync-free: dtype", (0,), ("dtype: ", "torch.float64 on rank")),
+                ("sync-free: combine order", (0,), ("handle_id: ",)),
+                ("sync-free: combine vs dispatch", (0,), ("op: ", "'combine' on rank")),
+                ("sync-free: barrier vs dispatch", (0,), ("op: ", "'barrier' on rank")),
+                ("sync-free: dtype, by rail", (0, 2), ("dtype: ", "torch.float64 on rank")))
+
+
+def _odd_op(backend, what: str, odd: bool, hidden, routing) -> None:
+    """The ranks of ``odd`` and the others run ``what`` (a DOMAIN_CASES case without its mode)."""
+    what = what.removesuffix(", by rail")
+    if what == "barrier vs dispatch":
+        backend.barrier() if odd else backend.dispatch(hidden, **routing)
+    elif what == "probs on one rank":
+        backend.dispatch(hidden, **{**routing, "topk_weights": None} if odd else routing)
+    elif what == "dtype":
+        backend.dispatch(hidden.double() if odd else hidden, **routing)
+    else:
+        first = backend.dispatch(hidden, **routing)
+        if what == "combine vs dispatch":
+            backend.combine(first.hidden, first.handle) if odd else backend.dispatch(hidden, **routing)
+        elif what == "dispatch_again vs combine":
+            backend.dispatch_again(hidden, first.handle) if odd else backend.combine(first.hidden, first.handle)
+        else:  # combine order: the odd rank combines its second dispatch, the others their first
+            second = backend.dispatch(hidden, **routing)
+            out = second if odd else first
+            backend.combine(out.hidden, out.handle)
+
+
+def disagree_within_a_domain(ctx, cases: list[tuple[str, tuple]]) -> dict:
+    """2 domains x 2 ranks, blocking and sync-free: each (case, odd ranks) once, then a matching dispatch +
+    combine. Returns {case: (the error the case raised here, whether the matching ops gave the right sums)}."""
+    torch.set_num_threads(1)
+    config = ep_plugin.Config.from_env().replace(timeout_s=30.0)  # a hang reads as EPTimeoutError, not a stall
+    backends = {mode: ep_plugin.get_backend("reference")(
+        hidden_size=HIDDEN, num_experts=8, device="cpu", config=config.replace(blocking=mode == "blocking"),
+        topology=Topology(4, 2, ctx.rank)) for mode in ("blocking", "sync-free")}
+    problem = make_problem(11, [5, 3, 7, 4], HIDDEN, 8, 2, integer_valued=True, drop_some=True)
+    hidden, routing = problem.hidden[ctx.rank], _routing(problem, ctx.rank, "topk")
+    times_routed = (problem.topk_idx[ctx.rank] >= 0).sum(1, keepdim=True).to(hidden.dtype)
+    results = {}
+    for case, odd_ranks in cases:
+        mode, what = case.split(": ")
+        backend = backends[mode]
+        try:
+            _odd_op(backend, what, ctx.rank in odd_ranks, hidden, routing)
+            message = "no error"
+        except ep_plugin.EPError as exc:
+            message = f"{type(exc).__name__}: {exc}"
+        out = backend.dispatch(hidden, **routing)
+        results[case] = message, torch.equal(backend.combine(out.hidden, out.handle).hidden, hidden * times_routed)
+    return results
+
+
+def test_ranks_that_disagree_within_a_domain_all_raise_and_the_backend_stays_usable():
+    """Before: blocking mode met a domain peer's segment counts with a barrier (gloo aborted the process);
+    sync-free mode had no agreement (rows of two widths in one exchange, or an error in one domain and a
+    timeout in the other)."""
+    per_rank = run_ranks(disagree_within_a_domain, 4, [case[:2] for case in DOMAIN_CASES], timeout_s=180)
+    for case, odd_ranks, words in DOMAIN_CASES:
+        for rank, results in enumerate(per_rank):
+            message, usable = results[case]
+            assert message.startswith("EPError: "), (case, rank, message)
+            if odd_ranks == (0,) and rank in (1, 3):  # told by their domain peer on rank 0's rail
+                assert "the rail of rank" in message and "found that ranks disagree" in message, (case, rank, message)
+            else:  # rank 0's rail saw the two ops, or (by rail) each domain did
+                assert "ranks disagree on" in message and all(w in message for w in words), (case, rank, message)
+                assert (f"seen in domain {rank // 2}" in message) == (odd_ranks != (0,)), (case, rank, message)
+            assert usable, f"{case}: rank {rank}: the matching dispatch + combine after it went wrong"
 
 # ---- the barrier is global: rail barrier, then domain barrier -------------------------------------
 

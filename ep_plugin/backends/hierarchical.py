@@ -11,9 +11,9 @@ per domain):
 1. dispatch, rail stage: each token goes once to every domain that holds any of its experts, to the
    rail peer (that domain's rank at local index l), with its routing restricted to that domain (the
    routing map's G columns; top-k ids made domain-local, -1 elsewhere) and its probs, packed as bytes
-   in one rail collective. Blocking mode exchanges exact counts first (with the op fingerprint, so
-   ranks that disagree raise ``EPError`` before any payload moves); sync-free mode sends
-   ``max_tokens_per_rank`` rows to every rail peer, the unused ones routed nowhere (no count is read).
+   in one rail collective. Blocking mode exchanges exact counts first (with the op's agreement words,
+   below); sync-free mode agrees first, then sends ``max_tokens_per_rank`` rows to every rail peer,
+   the unused ones routed nowhere (no count is read).
 2. dispatch, domain stage: the domain backend dispatches the received rows (source domain order, then
    source token) inside the domain, with G experts, the same pad_multiple and options.
 3. reorder: within each expert segment (or the one compact segment) the domain backend's rows come
@@ -32,26 +32,32 @@ per domain):
    domain layout; backward of dispatch is combine. Gradients flow through ``ep_plugin.dispatch`` /
    ``ep_plugin.combine`` as for any backend (the outer Handle belongs to this backend).
 
-``barrier()`` is global by construction: the rail barrier, then the domain barrier, one after the
-other (a rank leaves only after every rank of its domain finished its rail barrier, so after every
-rank of every domain entered). On a GPU the host first waits for this rank's stream (with the
-timeout): every kernel that stored into NVLink peers has completed, which orders those stores before
-the scale-out traffic of the barrier (the system-scope fence of a device-side barrier).
+``barrier()`` is global by construction: the op agreement's rail stage, then its domain stage, one
+after the other (a rank leaves only after every rank of its domain finished its rail stage, so after
+every rank of every domain entered), then the domain backend's barrier. On a GPU the host first waits
+for this rank's stream (with the timeout): every kernel that stored into NVLink peers has completed,
+which orders those stores before the scale-out traffic of the barrier (the system-scope fence of a
+device-side barrier).
 
 Errors: a rail wait that runs past ``timeout_s`` raises ``EPTimeoutError`` naming the rail, the op and
-phase (``rail/counts``, ``rail/tokens``, ``rail/rows``, ``rail barrier``) and the late peer; an engine
+phase (``rail/counts``, ``rail/agreement``, ``rail/tokens``, ``rail/rows``) and the late peer; an engine
 failure raises ``EPError`` with the engine's message; a domain-level failure is re-raised with the
 domain named. After any of them the backend is unusable (build a new one on a new process group).
-Ranks that disagree on a dispatch (blocking mode: the rail count exchange carries the op fingerprint
-and row width) raise ``EPError`` on every rank: the rail that saw it moves no payload and flags it in
-the domain's counts exchange, so every rank of both domains stops there, and the backend stays usable.
-For combine and dispatch_again the rail's ranks that saw it meet their domain peers with a barrier in
-place of the op, so the domain backend finds two different ops and raises ``EPError`` on those peers
-too (``reference`` at once, the compiled backends at their next sync point) instead of a timeout.
-In blocking mode the rail barrier is that same count exchange (no rows, the barrier's fingerprint),
-and combine's carries the width of its rail rows (which the probs' dtype sets), so a barrier against
-an op, or probs of two dtypes, raise ``EPError`` too instead of meeting in one exchange of two sizes.
-Sync-free mode has no rail agreement: ranks that disagree there may fail inside the engine.
+
+Agreement: ranks that run different ops, or one op with a different dtype, probs, routing form, top-k
+or handle, raise ``EPError`` on every rank before the domain backend is called; the backend stays
+usable (every rank left the same collectives). Every op opens with two exchanges of a fixed size per
+peer, whatever the op: the rail stage (the op fingerprint and the width of its rail rows; in blocking
+mode inside the count exchange) and the domain stage (whether this rank's rail found a disagreement,
+and the fingerprint; in blocking mode behind the dispatch's segment counts, zeros for other ops). So
+ranks that disagree always meet in an exchange of one size, never in two different collectives or one
+of two sizes (gloo aborts the process on those). A rail that disagrees flags on all its ranks and has
+a rank in every domain; where every rail agrees, two fingerprints differ by local index, which every
+domain holds: either way every rank stops (see ``_domain_agreement``). Blocking dispatch runs its
+domain stage after the rail payload (it needs the counts), other ops before any rows move. Cost: in
+blocking mode one small domain exchange per combine, dispatch_again, cached dispatch and barrier
+(dispatch's rides on its counts); in sync-free mode two small host exchanges per op, CPU tensors over
+gloo (a gloo twin of an NCCL rail or domain group: no wait for the GPU), which the host waits for.
 
 Costs and limits: the rail stages, the reorder and the sums are torch ops and host-issued
 collectives around the domain backend's kernels; on a gloo rail CUDA tensors are staged through
@@ -122,7 +128,8 @@ class HierarchicalBackend(Backend):
         self.domain_size, self.num_domains = S, D
         self.experts_per_domain = S * self.num_local_experts
         self.scaleout = ScaleOut(self.group, topology, self.device, timeout_s=self.config.timeout_s,
-                                 chunk_rows=self.config.scaleout_chunk_tokens, owner=f"ep_plugin {self.name}")
+                                 chunk_rows=self.config.scaleout_chunk_tokens, owner=f"ep_plugin {self.name}",
+                                 host_words=not self.config.blocking)
         domain_global = [torch.distributed.get_global_rank(self.group, r) for r in topology.domain_ranks()]
         self.domain_level = f"domain {topology.domain_index} (global ranks {domain_global})"
         # A rank forwards up to D * max_tokens_per_rank rows into its domain; the domain backend's outputs
@@ -141,6 +148,12 @@ class HierarchicalBackend(Backend):
         self._domain_counts = HostCollectives(self.scaleout.domain_group, owner=f"ep_plugin {self.name} "
                                               f"{self.domain_level}", timeout_s=self.config.timeout_s,
                                               label="domain counts")
+        # Sync-free mode's domain agreement words: CPU tensors, on the gloo twin of an NCCL domain group.
+        self._domain_words = self._domain_counts
+        words_group = self.scaleout.domain_words_group
+        if words_group is not None and words_group is not self.scaleout.domain_group:
+            self._domain_words = HostCollectives(words_group, owner=f"ep_plugin {self.name} {self.domain_level}",
+                                                 timeout_s=self.config.timeout_s, label="domain words")
         self._num_dispatches = 0
 
     def _check_gpu_sharing(self, topology: Topology) -> None:
@@ -198,15 +211,14 @@ class HierarchicalBackend(Backend):
         return super().combine(rows, handle, row_probs=row_probs, **options)
 
     def barrier(self) -> None:
-        """Every rank of every domain reached this point: the rail barrier, then the domain barrier."""
+        """Every rank of every domain reached this point: the op agreement (rail, then domain stage), then
+        the domain backend's barrier."""
         self.scaleout.check_usable()
         if self.device.type == "cuda":  # this rank's NVLink stores are complete before the rail traffic
             streams.wait_for_stream(self.device, self.config.timeout_s, f"ep_plugin {self.name}: rank {self.rank}: "
                                     f"barrier (this rank's queued work)")
-        if self.config.blocking:  # the ops' opening exchange, so a peer in another op sees the difference
-            self._rail_open(OpFingerprint(OP_BARRIER), 0, [0] * self.scaleout.num_domains, "barrier")
-        else:
-            self.scaleout.barrier(where="barrier: rail barrier")
+        # The ops' agreement (so a peer in another op sees the difference), then the domain backend's barrier.
+        self._open(OpFingerprint(OP_BARRIER), 0, "barrier", send_counts=[0] * self.scaleout.num_domains)
         self._at_domain_level(self.domain.barrier)
 
     def destroy(self) -> None:
@@ -275,17 +287,17 @@ class HierarchicalBackend(Backend):
 
         fingerprint = OpFingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, form=routing.form,
                                     topk=min(k, _TOPK_FIELD_MAX))
-        disagreement = None
-        if self.config.blocking:
-            splits, disagreement = self._rail_agreement(fingerprint, packer.row_bytes,
-                                                        [len(tokens) for tokens in send_tokens], where)
-        else:
+        if self.config.blocking:  # the domain stage of the agreement comes with the segment counts below
+            splits, disagreement = self._rail_agreement(fingerprint, packer.row_bytes, where,
+                                                        send_counts=[len(tokens) for tokens in send_tokens])
+        else:  # no counts to carry the agreement: both stages before any row moves
+            self._open(fingerprint, packer.row_bytes, where)
             capacity = self.config.max_tokens_per_rank
-            splits = RailSplits([capacity] * D, [capacity] * D, capacity)
+            splits, disagreement = RailSplits([capacity] * D, [capacity] * D, capacity), None
         if disagreement is None:
             payload = self._pack_for_rail(packer, token_fields, to_domain, send_tokens, send_slot)
             received = packer.unpack(self.scaleout.exchange_rows(payload, splits, where=f"{where}: rail/tokens"))
-        else:  # no payload moves on this rail; the domain hears of it in the counts exchange below
+        else:  # no payload moves on this rail; the domain hears of it with the segment counts below
             splits = RailSplits([0] * D, [0] * D, 0)
             received = packer.unpack(torch.zeros(0, packer.row_bytes, dtype=torch.uint8, device=dev))
 
@@ -300,7 +312,7 @@ class HierarchicalBackend(Backend):
             mask = torch.zeros(num_received, G + 1, dtype=torch.bool, device=dev).scatter_(
                 1, torch.where(ids >= 0, ids, torch.full_like(ids, G)), True)[:, :G]
             routing_in = {"topk_idx": ids, "topk_weights": received.get("probs")}
-        counts = self._segment_counts(mask, splits, where, disagreement)
+        counts = self._segment_counts(mask, splits, where, fingerprint, disagreement)
         self._num_dispatches = number
         out = self._at_domain_level(lambda: self.domain.dispatch(hidden_in, pad_multiple=pad_multiple, **routing_in,
                                                                  **options))
@@ -354,14 +366,13 @@ class HierarchicalBackend(Backend):
         layout: HierarchicalLayout = handle.layout
         where = f"combine of dispatch #{layout.dispatch_id}"
         T, H = handle.num_tokens, self.hidden_size
-        if self.config.blocking:
-            fingerprint = OpFingerprint(OP_COMBINE, dtype=rows.dtype, probs=row_probs is not None,
-                                        handle_id=layout.dispatch_id)
-            # The rail rows' width, as this rank will pack them: ranks whose probs dtypes differ would
-            # otherwise meet in an exchange of two sizes.
-            probs_dtype = None if row_probs is None else row_probs.dtype
-            width = _combine_packer(rows.dtype, probs_dtype, layout.domain_handle.probs_shape, H).row_bytes
-            self._rail_open(fingerprint, width, layout.splits.recv, where, expected=layout.splits.send)
+        fingerprint = OpFingerprint(OP_COMBINE, dtype=rows.dtype, probs=row_probs is not None,
+                                    handle_id=layout.dispatch_id)
+        # The rail rows' width, as this rank will pack them: ranks whose probs dtypes differ would
+        # otherwise meet in an exchange of two sizes.
+        probs_dtype = None if row_probs is None else row_probs.dtype
+        width = _combine_packer(rows.dtype, probs_dtype, layout.domain_handle.probs_shape, H).row_bytes
+        self._open(fingerprint, width, where, send_counts=layout.splits.recv, expected=layout.splits.send)
         inner_probs = row_probs.index_select(0, layout.dest) if row_probs is not None else None
         partial = self._at_domain_level(lambda: self.domain.combine(rows.index_select(0, layout.dest),
                                                                     layout.domain_handle, row_probs=inner_probs))
@@ -466,9 +477,8 @@ class HierarchicalBackend(Backend):
             fields.append(("scales", torch.float32, (self.hidden_size // self.FP8_BLOCK,)))
         packer = RowPacker(fields)
         payload_rows = data.view(torch.uint8) if scales is not None else data  # fp8 indexed as bytes
-        if self.config.blocking:
-            fingerprint = OpFingerprint(OP_DISPATCH_AGAIN, dtype=data.dtype, handle_id=layout.dispatch_id)
-            self._rail_open(fingerprint, packer.row_bytes, layout.splits.send, where, expected=layout.splits.recv)
+        fingerprint = OpFingerprint(OP_DISPATCH_AGAIN, dtype=data.dtype, handle_id=layout.dispatch_id)
+        self._open(fingerprint, packer.row_bytes, where, send_counts=layout.splits.send, expected=layout.splits.recv)
 
         def token_fields(d: int) -> dict[str, torch.Tensor]:
             return {"hidden": payload_rows, **({"scales": scales} if scales is not None else {})}
@@ -478,14 +488,14 @@ class HierarchicalBackend(Backend):
         hidden_in = (received["hidden"], received["scales"]) if scales is not None else received["hidden"]
         return self._at_domain_level(lambda: forward(hidden_in))
 
-    def _segment_counts(self, mask: torch.Tensor, splits: RailSplits, where: str,
-                        disagreement: Optional[str] = None) -> torch.Tensor:
+    def _segment_counts(self, mask: torch.Tensor, splits: RailSplits, where: str, fingerprint: OpFingerprint,
+                        disagreement: Optional[str]) -> torch.Tensor:
         """[S, D, L + 1]: per forwarding peer s and source domain d, the rows it delivers to this rank per
         local expert, and (last) its packets (tokens with any expert here): the reorder's block sizes.
 
-        One more word per peer says whether this rank's rail disagreed on the op (blocking mode): then every
-        rank of the domain raises EPError here, so a disagreement between two domains reaches every rank
-        of both (through the rail peers that saw it), not only the rail that saw it.
+        Blocking mode sends them with the domain stage of the dispatch's agreement (``_domain_agreement``:
+        raises EPError when ranks disagree). Sync-free mode agreed before the rows moved; its counts stay on
+        the device (no host read).
         """
         S, D, L = self.domain_size, self.num_domains, self.num_local_experts
         dev = mask.device
@@ -501,34 +511,45 @@ class HierarchicalBackend(Backend):
         per_peer = torch.zeros(D, S, dtype=torch.int64, device=dev).index_add_(
             0, source_domain, mask.view(num_received, S, L).any(2).to(torch.int64))
         mine = torch.cat([per_expert.view(D, S, L), per_peer.unsqueeze(2)], 2).permute(1, 0, 2).reshape(S, -1)
-        status = torch.full((S, 1), int(disagreement is not None), dtype=torch.int64, device=dev)
-        mine = torch.cat([mine, status], 1)
-        exchange_device = dev if dev.type == "cuda" and self._domain_counts.engine == "nccl" else torch.device("cpu")
-        words = [D * (L + 1) + 1] * S
-        received = self._at_domain_level(lambda: self._domain_counts.all_to_all(
-            mine.reshape(-1).to(exchange_device), words, words, where=f"{where}: domain/segment counts",
-            read_on_host=self.config.blocking)).view(S, -1)
         if self.config.blocking:
-            flagged = [peer for peer, flag in enumerate(received[:, -1].tolist()) if flag]
-            if disagreement is not None:
-                raise EPError(disagreement)
-            if flagged:
-                names = ", ".join(self._domain_counts.peer_name(peer) for peer in flagged)
-                raise EPError(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found that "
-                              f"ranks disagree on the op (their errors say how); every rank of this domain stops here. "
-                              f"All ranks must issue the same ops in the same order with the same dtype, probs, "
-                              f"routing form and handles.")
-        return received[:, :-1].to(dev).reshape(S, D, L + 1)
+            received = self._domain_agreement(fingerprint, disagreement, where, counts=mine)
+        else:
+            words = [D * (L + 1)] * S
+            received = self._at_domain_level(lambda: self._domain_counts.all_to_all(
+                mine.reshape(-1).to(self._domain_counts_device(dev)), words, words,
+                where=f"{where}: domain/segment counts", read_on_host=False))
+        return received.to(dev).reshape(S, D, L + 1)
 
-    def _rail_agreement(self, fingerprint: OpFingerprint, row_bytes: int, send_counts: list[int], where: str, *,
-                        expected: Optional[list[int]] = None) -> tuple[RailSplits, Optional[str]]:
-        """Blocking mode's rail count exchange, with the op fingerprint and the row width.
+    def _domain_counts_device(self, device: torch.device) -> torch.device:
+        """Where tensors for ``_domain_counts`` go: the GPU over NCCL, else host memory (gloo)."""
+        return device if device.type == "cuda" and self._domain_counts.engine == "nccl" else torch.device("cpu")
 
-        Returns (splits, None), or (splits, what the rail peers disagree on); every rank of the rail sees the
-        same words, so every one of them finds the disagreement. No payload has moved.
+    def _open(self, fingerprint: OpFingerprint, row_bytes: int, where: str, *,
+              send_counts: Optional[list[int]] = None, expected: Optional[list[int]] = None) -> Optional[RailSplits]:
+        """The agreement every op opens with, before any payload moves: its rail stage, then its domain stage.
+        (Blocking dispatch runs the same two stages around its rail payload: its domain stage carries the
+        segment counts.) Raises EPError on every rank when ranks disagree; returns blocking mode's rail
+        splits, None in sync-free mode."""
+        splits, disagreement = self._rail_agreement(fingerprint, row_bytes, where, send_counts=send_counts,
+                                                    expected=expected)
+        self._domain_agreement(fingerprint, disagreement, where)
+        return splits
+
+    def _rail_agreement(self, fingerprint: OpFingerprint, row_bytes: int, where: str, *,
+                        send_counts: Optional[list[int]] = None,
+                        expected: Optional[list[int]] = None) -> tuple[Optional[RailSplits], Optional[str]]:
+        """The rail stage: every rank of the rail sends every peer the op fingerprint and the width of its
+        rail rows; blocking mode in its count exchange (``send_counts``; ``expected``: the counts the handle
+        expects from the peers), sync-free mode as two words on the host (no counts).
+
+        Returns (blocking mode's splits or None, None), or (..., what the rail peers disagree on); every rank
+        of the rail sees the same words, so every one of them finds the disagreement. No payload has moved.
         """
         mine = (fingerprint.pack(), row_bytes)
-        splits, theirs = self.scaleout.exchange_counts(send_counts, mine, where=f"{where}: rail/counts")
+        if self.config.blocking:
+            splits, theirs = self.scaleout.exchange_counts(send_counts, mine, where=f"{where}: rail/counts")
+        else:
+            splits, theirs = None, self.scaleout.exchange_words(torch.tensor(mine), where=f"{where}: rail/agreement")
         rail = self.scaleout.rail
         for peer, words in enumerate(theirs):
             if words[0] != mine[0]:
@@ -537,26 +558,57 @@ class HierarchicalBackend(Backend):
             if words[1] != mine[1]:
                 return splits, (f"ep_plugin {self.name}: ranks disagree on {where} ({self.scaleout.level}): row bytes "
                                 f"{mine[1]} on rail rank {rail.rank}, {words[1]} on {rail.peer_name(peer)}")
-        if expected is not None and splits.recv != expected:
+        if expected is not None and splits is not None and splits.recv != expected:
             return splits, (f"ep_plugin {self.name}: {self.scaleout.level}: in {where} the rail peers announce "
                             f"{splits.recv} rows, the handle expects {expected}; the ranks' handles come from "
                             f"different dispatches.")
         return splits, None
 
-    def _rail_open(self, fingerprint: OpFingerprint, row_bytes: int, send_counts: list[int], where: str, *,
-                   expected: Optional[list[int]] = None) -> RailSplits:
-        """``_rail_agreement`` that raises EPError on the rail's ranks when they disagree (combine and
-        dispatch_again). Before it raises, this rank runs a domain barrier where its domain peers run the
-        op's domain step: their domain backend sees the two ops differ and raises EPError there too (a
-        domain whose ranks all saw it just meets in the barrier)."""
-        splits, disagreement = self._rail_agreement(fingerprint, row_bytes, send_counts, where, expected=expected)
+    def _domain_agreement(self, fingerprint: OpFingerprint, disagreement: Optional[str], where: str, *,
+                          counts: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """The domain stage: every rank of the domain sends every peer whether its rail found ranks that
+        disagree (``disagreement``) and its op fingerprint. Raises EPError on every rank of the domain when a
+        rail flagged or two fingerprints differ.
+
+        Why that reaches every rank of every domain: a rail whose ranks disagree flags on all of them, and a
+        rail has a rank in every domain; where every rail agrees, a rank's fingerprint depends on its local
+        index alone, and every domain holds every local index, so if not all are equal every domain sees two.
+
+        Blocking mode: the two words follow blocking dispatch's segment counts ``counts`` [S, D * (L + 1)]
+        (zeros for the other ops: an op that meets another then differs in the words, not in the sizes, which
+        gloo would abort on); returns the peers' counts (a host read). Sync-free mode: only the two words, CPU
+        tensors on a group that moves them (no wait for the GPU); returns None.
+        """
+        S, code = self.domain_size, fingerprint.pack()
+        status = torch.tensor([[int(disagreement is not None), code]] * S, dtype=torch.int64)
+        phase = "domain/segment counts" if counts is not None else "domain/agreement"
+        if self.config.blocking:
+            width, collectives = self.num_domains * (self.num_local_experts + 1), self._domain_counts
+            device = self._domain_counts_device(counts.device if counts is not None else self.device)
+            if counts is None:
+                counts = torch.zeros(S, width, dtype=torch.int64, device=device)
+            sent = torch.cat([counts.to(device), status.to(device)], 1)
+        else:
+            width, collectives, sent = 0, self._domain_words, status
+        words = [width + 2] * S
+        received = self._at_domain_level(lambda: collectives.all_to_all(
+            sent.reshape(-1), words, words, where=f"{where}: {phase}", read_on_host=True)).view(S, -1)
+        theirs = received[:, width:].tolist()  # [flag, fingerprint] per peer
         if disagreement is not None:
-            try:
-                self.domain.barrier()
-            except EPError:
-                pass  # a domain peer ran the op's domain step: the mismatch this barrier is for
             raise EPError(disagreement)
-        return splits
+        flagged = [peer for peer, (flag, _) in enumerate(theirs) if flag]
+        if flagged:
+            names = ", ".join(collectives.peer_name(peer) for peer in flagged)
+            raise EPError(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found that "
+                          f"ranks disagree on the op (their errors say how); every rank of this domain stops here. "
+                          f"All ranks must issue the same ops in the same order with the same dtype, probs, "
+                          f"routing form and handles.")
+        for peer, (_, word) in enumerate(theirs):
+            if word != code:
+                peer_rank = self._topology.domain_ranks()[peer]
+                raise EPError(f"{mismatch_message(self.name, self.rank, peer_rank, code, word)} (seen in "
+                              f"{self.domain_level} in {where})")
+        return received[:, :width] if self.config.blocking else None
 
     def _at_domain_level(self, call: Callable):
         """Run a domain-level step; its errors come back naming the domain."""
