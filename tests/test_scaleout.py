@@ -307,6 +307,8 @@ def test_compact_form_across_domains_equals_flat_and_ranks_that_disagree_all_rai
     for rank, (_, (message, combine_message, usable)) in enumerate(results):
         if rank in (0, 4):  # rail 0 saw the dtypes differ, then the handles
             assert "ranks disagree on dispatch" in message and "dtype" in message and "rail 0" in message, message
+            # The ranks named are the EP group's (0 and 4), not their places on the rail (0 and 1).
+            assert "torch.float64 on rank 0" in message and "torch.float32 on rank 4" in message, message
             assert "ranks disagree on combine" in combine_message and "handle_id" in combine_message, combine_message
         else:  # told by their domain: the flag of their peer on rail 0
             for told in (message, combine_message):

@@ -550,14 +550,14 @@ class HierarchicalBackend(Backend):
             splits, theirs = self.scaleout.exchange_counts(send_counts, mine, where=f"{where}: rail/counts")
         else:
             splits, theirs = None, self.scaleout.exchange_words(torch.tensor(mine), where=f"{where}: rail/agreement")
-        rail = self.scaleout.rail
+        rail_ranks = self._topology.rail_ranks()  # the peers' ranks in the EP group, by domain
         for peer, words in enumerate(theirs):
             if words[0] != mine[0]:
-                return splits, (f"{mismatch_message(self.name, rail.rank, peer, mine[0], words[0])} (seen on "
-                                f"{self.scaleout.level} in {where}: rail rank {rail.rank} vs {rail.peer_name(peer)})")
+                return splits, (f"{mismatch_message(self.name, self.rank, rail_ranks[peer], mine[0], words[0])} "
+                                f"(seen on {self.scaleout.level} in {where})")
             if words[1] != mine[1]:
                 return splits, (f"ep_plugin {self.name}: ranks disagree on {where} ({self.scaleout.level}): row bytes "
-                                f"{mine[1]} on rail rank {rail.rank}, {words[1]} on {rail.peer_name(peer)}")
+                                f"{mine[1]} on rank {self.rank}, {words[1]} on rank {rail_ranks[peer]}")
         if expected is not None and splits is not None and splits.recv != expected:
             return splits, (f"ep_plugin {self.name}: {self.scaleout.level}: in {where} the rail peers announce "
                             f"{splits.recv} rows, the handle expects {expected}; the ranks' handles come from "
