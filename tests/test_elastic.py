@@ -688,6 +688,38 @@ def test_elastic_missing_rank_times_out():
         assert result["seconds"] < 10, result
 
 
+def exited_rank(ctx) -> dict:
+    """As test_hybrid's: the last rank's process (with the buffer its peers opened) is gone when the
+    others dispatch; they must raise EPTimeoutError naming it and keep a usable GPU."""
+    _, elastic = make_backends(ctx, 256, timeout_s=3.0)
+    x, idx, w, _, _ = make_inputs(801, ctx.rank, ctx.world_size, 20, 256, NUM_EXPERTS, 2, skewed=False,
+                                  drop_some=False)
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+    if ctx.rank == ctx.world_size - 1:
+        return {}  # the launcher's rank process exits now
+    time.sleep(5.0)  # until that process (and its CUDA context) is gone
+    result = {}
+    try:
+        elastic.dispatch(x, topk_idx=idx, topk_weights=w)
+        result["error"] = None
+    except ep_plugin.EPError as error:
+        result["error"] = f"{type(error).__name__}: {error}"
+    try:
+        result["gpu_ok"] = float(torch.ones(4, device=ctx.device).sum()) == 4.0
+    except RuntimeError as error:
+        result["gpu_ok"] = str(error)
+    return result
+
+
+def test_elastic_rank_whose_process_exited_times_out_cleanly():
+    results = run_ranks(exited_rank, 4, device="cuda", timeout_s=120)
+    for rank, result in enumerate(results[:-1]):
+        assert result["error"] is not None, f"rank {rank} did not raise"
+        assert "EPTimeoutError" in result["error"] and "peer rank 3" in result["error"], (rank, result["error"])
+        assert result["gpu_ok"] is True, (rank, result["gpu_ok"])
+
+
 def disagreeing_ranks(ctx, backend_name: str) -> dict:
     """Three ways ranks disagree, each on a fresh backend: every rank must get EPError naming the op and
     the field (no hang, no wrong rows). 1) combine on two handles in opposite orders; 2) rank 0

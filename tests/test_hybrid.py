@@ -403,6 +403,39 @@ def test_hybrid_missing_rank_times_out():
         assert result["seconds"] < 10, result
 
 
+def exited_rank(ctx) -> dict:
+    """The last rank's process ends after the backends are built (its CUDA context, and the buffer its
+    peers opened with CUDA IPC, go with it); the others then dispatch. They must raise EPTimeoutError
+    naming that rank, not die on an illegal address, and their GPU must stay usable."""
+    _, hybrid = make_backends(ctx, 256, timeout_s=3.0)
+    inputs = make_inputs(801, ctx.rank, ctx.world_size, 20, 256, NUM_EXPERTS, 2, skewed=False, drop_some=False)
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+    last = ctx.world_size - 1
+    if ctx.rank == last:
+        return {}  # the launcher's rank process exits now
+    time.sleep(5.0)  # until that process (and its CUDA context) is gone
+    result = {}
+    try:
+        hybrid.dispatch(inputs[0], **routing_kwargs("topk", inputs))
+        result["error"] = None
+    except ep_plugin.EPError as error:
+        result["error"] = f"{type(error).__name__}: {error}"
+    try:
+        result["gpu_ok"] = float(torch.ones(4, device=ctx.device).sum()) == 4.0
+    except RuntimeError as error:
+        result["gpu_ok"] = str(error)
+    return result
+
+
+def test_hybrid_rank_whose_process_exited_times_out_cleanly():
+    results = run_ranks(exited_rank, 4, device="cuda", timeout_s=120)
+    for rank, result in enumerate(results[:-1]):
+        assert result["error"] is not None, f"rank {rank} did not raise"
+        assert "EPTimeoutError" in result["error"] and "peer rank 3" in result["error"], (rank, result["error"])
+        assert result["gpu_ok"] is True, (rank, result["gpu_ok"])
+
+
 def co_residency(ctx) -> str:
     # One more block per rank than the GPU's SMs allow for the ranks placed on it.
     sharing = -(-ctx.world_size // torch.cuda.device_count())
