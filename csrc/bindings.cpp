@@ -44,6 +44,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("INPUT_ID_REPEATED") = ep::kInputIdRepeated;
   m.attr("REPORT_TIMEOUT") = static_cast<int>(ep::kReportTimeout);
   m.attr("REPORT_MISMATCH") = static_cast<int>(ep::kReportMismatch);
+  m.attr("REPORT_PEER_EXITED") = static_cast<int>(ep::kReportPeerExited);
   m.attr("MAX_RANKS") = ep::kMaxRanks;
   m.attr("MAX_LOCAL_EXPERTS") = ep::kMaxLocalExperts;
   m.attr("UNBOUNDED_ROWS") = ep::kUnboundedRows;
@@ -60,6 +61,7 @@ PYBIND11_MODULE(_C, m) {
       .def("failed", &ep::SymmetricBuffer::failed)
       .def("mailbox", &ep::SymmetricBuffer::mailbox, py::arg("first"), py::arg("count"))
       .def("set_timeout", &ep::SymmetricBuffer::set_timeout, py::arg("timeout_s"))
+      .def("mark_peer_exited", &ep::SymmetricBuffer::mark_peer_exited, py::arg("rank"))
       .def("peer_region_address", &ep::SymmetricBuffer::peer_region_address, py::arg("rank"))
       .def_property_readonly("total_bytes", &ep::SymmetricBuffer::total_bytes)
       .def_property_readonly("header_bytes", &ep::SymmetricBuffer::header_bytes)

@@ -155,6 +155,12 @@ std::vector<long long> SymmetricBuffer::report() const {
           static_cast<long long>(report_->seen), static_cast<long long>(report_->waited_ns)};
 }
 
+void SymmetricBuffer::mark_peer_exited(int r) {
+  if (r < 0 || r >= view_.num_ranks) throw std::out_of_range("ep_plugin: mark_peer_exited: rank out of range");
+  if (report_ == nullptr) return;
+  report_->exited[r] = 1;
+}
+
 std::vector<long long> SymmetricBuffer::mailbox(int first, int count) const {
   if (first < 0 || count < 0 || first + count > kMailboxWords)
     throw std::out_of_range("ep_plugin: mailbox range out of bounds");

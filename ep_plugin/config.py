@@ -64,6 +64,11 @@ class Config:
     # forwarding runs inside the domain backend's kernels today, so this caps num_sms of that backend.
     forward_sms: int = field(default=0, metadata={
         "help": "SMs for forwarding rail traffic into the domain (0 = num_sms)"})
+    # Seconds between looks at whether the peers' processes (those on this host) still run: a device
+    # wait for a rank whose process exited then stops at once with a message saying so, instead of
+    # timing out after timeout_s (ep_plugin.transport.liveness). 0 = no watch.
+    peer_watch_s: float = field(default=0.5, metadata={
+        "help": "seconds between checks that peers' processes on this host still run (0 = off)"})
 
     def __post_init__(self) -> None:
         _require(0 < self.timeout_s < math.inf, "timeout_s", "> 0 and finite", self.timeout_s)
@@ -77,6 +82,7 @@ class Config:
         _require(self.scaleout_chunk_tokens >= 0, "scaleout_chunk_tokens", ">= 0 (0 = no chunking)",
                  self.scaleout_chunk_tokens)
         _require(0 <= self.forward_sms <= 1024, "forward_sms", "in [0, 1024] (0 = num_sms)", self.forward_sms)
+        _require(0 <= self.peer_watch_s < math.inf, "peer_watch_s", ">= 0 and finite (0 = off)", self.peer_watch_s)
 
     @classmethod
     def from_env(cls, environ: Optional[dict] = None, **overrides: Any) -> "Config":

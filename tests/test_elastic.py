@@ -690,8 +690,9 @@ def test_elastic_missing_rank_times_out():
 
 def exited_rank(ctx) -> dict:
     """As test_hybrid's: the last rank's process (with the buffer its peers opened) is gone when the
-    others dispatch; they must raise EPTimeoutError naming it and keep a usable GPU."""
-    _, elastic = make_backends(ctx, 256, timeout_s=3.0)
+    others dispatch; the peer watch's mark must stop their waits long before the 30 s timeout, with an
+    EPError naming that rank, and their GPU must stay usable."""
+    _, elastic = make_backends(ctx, 256, timeout_s=30.0, peer_watch_s=0.5)
     x, idx, w, _, _ = make_inputs(801, ctx.rank, ctx.world_size, 20, 256, NUM_EXPERTS, 2, skewed=False,
                                   drop_some=False)
     torch.cuda.synchronize()
@@ -700,11 +701,13 @@ def exited_rank(ctx) -> dict:
         return {}  # the launcher's rank process exits now
     time.sleep(5.0)  # until that process (and its CUDA context) is gone
     result = {}
+    start = time.monotonic()
     try:
         elastic.dispatch(x, topk_idx=idx, topk_weights=w)
         result["error"] = None
     except ep_plugin.EPError as error:
         result["error"] = f"{type(error).__name__}: {error}"
+    result["seconds"] = time.monotonic() - start
     try:
         result["gpu_ok"] = float(torch.ones(4, device=ctx.device).sum()) == 4.0
     except RuntimeError as error:
@@ -712,11 +715,12 @@ def exited_rank(ctx) -> dict:
     return result
 
 
-def test_elastic_rank_whose_process_exited_times_out_cleanly():
+def test_elastic_rank_whose_process_exited_is_named():
     results = run_ranks(exited_rank, 4, device="cuda", timeout_s=120)
     for rank, result in enumerate(results[:-1]):
         assert result["error"] is not None, f"rank {rank} did not raise"
-        assert "EPTimeoutError" in result["error"] and "peer rank 3" in result["error"], (rank, result["error"])
+        assert "EPError: " in result["error"] and "the process of rank 3" in result["error"], (rank, result)
+        assert "has exited" in result["error"] and result["seconds"] < 10, (rank, result)
         assert result["gpu_ok"] is True, (rank, result["gpu_ok"])
 
 

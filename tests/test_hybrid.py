@@ -403,11 +403,13 @@ def test_hybrid_missing_rank_times_out():
         assert result["seconds"] < 10, result
 
 
-def exited_rank(ctx) -> dict:
+def exited_rank(ctx, peer_watch_s: float) -> dict:
     """The last rank's process ends after the backends are built (its CUDA context, and the buffer its
-    peers opened with CUDA IPC, go with it); the others then dispatch. They must raise EPTimeoutError
-    naming that rank, not die on an illegal address, and their GPU must stay usable."""
-    _, hybrid = make_backends(ctx, 256, timeout_s=3.0)
+    peers opened with CUDA IPC, go with it); the others then dispatch. They must raise EPError naming
+    that rank, not die on an illegal address, and their GPU must stay usable. With the peer watch on,
+    the wait stops at the watch's mark, long before the timeout; with it off, the timeout reports."""
+    timeout_s = 30.0 if peer_watch_s else 3.0
+    _, hybrid = make_backends(ctx, 256, timeout_s=timeout_s, peer_watch_s=peer_watch_s)
     inputs = make_inputs(801, ctx.rank, ctx.world_size, 20, 256, NUM_EXPERTS, 2, skewed=False, drop_some=False)
     torch.cuda.synchronize()
     torch.distributed.barrier()
@@ -416,11 +418,13 @@ def exited_rank(ctx) -> dict:
         return {}  # the launcher's rank process exits now
     time.sleep(5.0)  # until that process (and its CUDA context) is gone
     result = {}
+    start = time.monotonic()
     try:
         hybrid.dispatch(inputs[0], **routing_kwargs("topk", inputs))
         result["error"] = None
     except ep_plugin.EPError as error:
         result["error"] = f"{type(error).__name__}: {error}"
+    result["seconds"] = time.monotonic() - start
     try:
         result["gpu_ok"] = float(torch.ones(4, device=ctx.device).sum()) == 4.0
     except RuntimeError as error:
@@ -428,11 +432,16 @@ def exited_rank(ctx) -> dict:
     return result
 
 
-def test_hybrid_rank_whose_process_exited_times_out_cleanly():
-    results = run_ranks(exited_rank, 4, device="cuda", timeout_s=120)
+@pytest.mark.parametrize("peer_watch_s", [0.5, 0.0])
+def test_hybrid_rank_whose_process_exited_is_named(peer_watch_s):
+    results = run_ranks(exited_rank, 4, peer_watch_s, device="cuda", timeout_s=120)
     for rank, result in enumerate(results[:-1]):
         assert result["error"] is not None, f"rank {rank} did not raise"
-        assert "EPTimeoutError" in result["error"] and "peer rank 3" in result["error"], (rank, result["error"])
+        if peer_watch_s:  # the watch's mark: "exited", well inside the 30 s timeout
+            assert "EPError: " in result["error"] and "the process of rank 3" in result["error"], (rank, result)
+            assert "has exited" in result["error"] and result["seconds"] < 10, (rank, result)
+        else:
+            assert "EPTimeoutError" in result["error"] and "peer rank 3" in result["error"], (rank, result["error"])
         assert result["gpu_ok"] is True, (rank, result["gpu_ok"])
 
 

@@ -11,7 +11,9 @@ The buffer also owns the device-resident op sequence number, the sticky abort fl
 in mapped pinned memory that a failed device wait fills in (a timeout, or ranks whose op
 fingerprints differ); ``raise_if_failed`` turns it into ``EPTimeoutError`` / ``EPError`` (a host
 read of mapped memory: no CUDA call, no sync). The report's mailbox carries the values blocking
-mode reads on the host (exact output sizes), after an event wait with a timeout.
+mode reads on the host (exact output sizes), after an event wait with a timeout. The peers'
+process identities travel with the handles, and ``liveness.WATCH`` marks a peer whose process is
+gone in the report, so that a wait for it stops at once ("rank 3 exited") instead of timing out.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from .. import _cuda
 from ..agreement import mismatch_message
 from ..errors import EPError, EPTimeoutError
+from .liveness import WATCH, own_identity
 
 
 class SymmetricBuffer:
@@ -38,10 +41,12 @@ class SymmetricBuffer:
         timeout_s: how long any device wait may spin before it reports.
         backend: the backend's name, for messages.
         phase_names: phase number -> text, for timeout messages.
+        peer_watch_s: seconds between looks at the peers' processes (``liveness``); 0 = none.
     """
 
     def __init__(self, group: dist.ProcessGroup, *, device: torch.device, region_bytes: int, count_words: int,
-                 timeout_s: float, backend: str, phase_names: Optional[dict[int, str]] = None) -> None:
+                 timeout_s: float, backend: str, phase_names: Optional[dict[int, str]] = None,
+                 peer_watch_s: float = 0.0) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
@@ -53,12 +58,20 @@ class SymmetricBuffer:
         self._buffer = self._C.SymmetricBuffer(index, self.rank, self.num_ranks, int(region_bytes), int(count_words),
                                                float(timeout_s))
         self._region_tensors: dict[tuple, torch.Tensor] = {}  # see region_tensor
-        handles: list[Optional[bytes]] = [None] * self.num_ranks
-        dist.all_gather_object(handles, self._buffer.export_handle(), group=group)
-        self._buffer.open_peers(handles)
+        here = own_identity()
+        gathered: list[Optional[tuple]] = [None] * self.num_ranks
+        dist.all_gather_object(gathered, (self._buffer.export_handle(), here), group=group)
+        self._buffer.open_peers([handle for handle, _ in gathered])
         # No rank may write into a peer before that peer opened everything (its flags start zeroed).
         dist.barrier(group=group)
         self._destroyed = False
+        self.peer_processes = {rank: identity for rank, (_, identity) in enumerate(gathered) if rank != self.rank}
+        WATCH.watch(self, {rank: identity for rank, identity in self.peer_processes.items()
+                           if identity.watchable_from(here)}, peer_watch_s)
+
+    def mark_peer_exited(self, rank: int) -> None:
+        """``liveness.WATCH`` found the process of ``rank`` gone: device waits for it stop."""
+        self._buffer.mark_peer_exited(rank)
 
     @property
     def raw(self):
@@ -108,6 +121,12 @@ class SymmetricBuffer:
         if kind == self._C.REPORT_MISMATCH:
             return EPError, (f"{mismatch_message(self.backend, rank, peer, expected, seen)} (seen by rank {rank} "
                              f"in {phase_name}; this backend is unusable now: build a new one)")
+        if kind == self._C.REPORT_PEER_EXITED:
+            identity = self.peer_processes.get(peer)
+            pid = f" (pid {identity.pid})" if identity is not None else ""
+            return EPError, (f"ep_plugin {self.backend}: rank {rank} stopped waiting for peer rank {peer} in "
+                             f"{phase_name}: the process of rank {peer}{pid} has exited (its own log says why); "
+                             f"the communication buffer is unusable now")
         return EPTimeoutError, (f"ep_plugin {self.backend}: rank {rank} timed out in {phase_name} waiting for peer "
                                 f"rank {peer} (flag expected >= {expected}, saw {seen}, waited {waited_ns / 1e9:.2f} "
                                 f"s); the communication buffer is unusable now")
@@ -140,6 +159,7 @@ class SymmetricBuffer:
             return
         torch.cuda.synchronize(self.device)  # our writes into peers are complete ...
         dist.barrier(group=self.group)  # ... and so are everyone's into ours
+        WATCH.unwatch(self)  # before the report's memory goes
         self._region_tensors.clear()
         self._buffer.destroy()
         self._destroyed = True

@@ -57,8 +57,8 @@ __device__ __forceinline__ void report_failure(const TransportView& t, int kind,
   }
 }
 
-// Spin until *flag >= expected. Returns false (after reporting) on timeout, or when another wait
-// of this rank already failed.
+// Spin until *flag >= expected. Returns false (after reporting) on timeout, when the host found
+// the process of `peer` gone, or when another wait of this rank already failed.
 static __device__ __noinline__ bool wait_flag(const TransportView& t, const unsigned long long* flag,
                                               unsigned long long expected, int phase, int peer) {
   const unsigned long long start = global_timer_ns();
@@ -68,6 +68,11 @@ static __device__ __noinline__ bool wait_flag(const TransportView& t, const unsi
     if ((iteration & 255) == 0) {
       if (aborted(t)) return false;
       const unsigned long long waited = global_timer_ns() - start;
+      // A read of mapped host memory (~1 us over PCIe), once per 256 polls of the flag.
+      if (peer >= 0 && peer < kMaxRanks && t.report->exited[peer]) {
+        report_failure(t, kReportPeerExited, phase, peer, expected, seen, waited);
+        return false;
+      }
       if (waited > t.timeout_ns) {
         report_failure(t, kReportTimeout, phase, peer, expected, seen, waited);
         return false;

@@ -49,7 +49,8 @@ struct RankState {
 // A receive budget that drops nothing (blocking mode: the output has exactly the received rows).
 constexpr int64_t kUnboundedRows = 0x7fffffff;
 
-enum ReportKind : int { kReportNone = 0, kReportTimeout = 1, kReportMismatch = 2 };
+// kReportPeerExited: a wait gave up because the host found the awaited rank's process gone.
+enum ReportKind : int { kReportNone = 0, kReportTimeout = 1, kReportMismatch = 2, kReportPeerExited = 3 };
 
 // Mailbox words of the last count exchange: [0] total expert rows (segments padded), [1] total
 // packets received, [2] the OR of every rank's input flags (kInputId* of layout.h), [3] a bit per
@@ -62,8 +63,10 @@ constexpr int kMailboxExpertRows = 4;
 constexpr int kMailboxWords = 4 + kMaxLocalExperts;
 
 // Mapped pinned host memory owned by the buffer. The first failure on this rank fills the report
-// fields, then sets `kind` (last). Timeout: expected/seen are the flag values. Mismatch: expected
-// is this rank's op fingerprint, seen the peer's.
+// fields, then sets `kind` (last). Timeout and peer exited: expected/seen are the flag values.
+// Mismatch: expected is this rank's op fingerprint, seen the peer's.
+// `exited` goes the other way: the host sets exited[r] when rank r's process is gone
+// (ep_plugin/transport/liveness.py), and a device wait for rank r gives up instead of timing out.
 struct DeviceReport {
   volatile int kind;
   int rank;
@@ -73,6 +76,7 @@ struct DeviceReport {
   unsigned long long seen;
   unsigned long long waited_ns;
   volatile long long mailbox[kMailboxWords];
+  volatile int exited[kMaxRanks];
 };
 
 // What every kernel receives, by value.
@@ -115,6 +119,9 @@ class SymmetricBuffer {
   // Mailbox words [first, first + count) (read after an event wait on the kernel that wrote them).
   std::vector<long long> mailbox(int first, int count) const;
   void set_timeout(double timeout_s);
+  // Tell this rank's device waits that rank r's process is gone (host write to the mapped report;
+  // a no-op once destroyed). Called from the liveness watch's thread.
+  void mark_peer_exited(int r);
 
   const TransportView& view() const { return view_; }
   int device() const { return device_; }

@@ -1,0 +1,124 @@
+"""The peers' liveness watch (``ep_plugin.transport.liveness``) on real processes: what counts as running
+(a zombie and a reused pid do not), which peers can be watched, and the watching thread, which must mark
+a buffer's peer once its process is gone and never touch a buffer after ``unwatch`` returned. The
+device side (a wait that stops at the mark) is tested on the GPU: test_hybrid / test_elastic
+``exited_rank``."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from ep_plugin.transport.liveness import PeerWatch, ProcessIdentity, is_running, own_identity
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def child_identity(child: subprocess.Popen) -> ProcessIdentity:
+    """The identity the child would have sent (same host and namespace as this process)."""
+    with open(f"/proc/{child.pid}/stat") as f:
+        text = f.read()
+    start_ticks = int(text[text.rindex(")") + 2:].split()[19])
+    return dataclasses.replace(own_identity(), pid=child.pid, start_ticks=start_ticks)
+
+
+def sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+class RecordingBuffer:
+    """Stands in for a SymmetricBuffer: records the ranks marked, and from which thread."""
+
+    def __init__(self) -> None:
+        self.marked: list[int] = []
+        self.threads: set[str] = set()
+
+    def mark_peer_exited(self, rank: int) -> None:
+        self.marked.append(rank)
+        self.threads.add(threading.current_thread().name)
+
+
+def wait_until(condition, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def test_a_process_runs_until_it_exits_and_a_zombie_or_a_reused_pid_is_not_it():
+    here = own_identity()
+    assert here.boot_id and here.start_ticks > 0 and is_running(here)
+    child = sleeper()
+    try:
+        identity = child_identity(child)
+        assert is_running(identity)
+        assert not is_running(dataclasses.replace(identity, start_ticks=identity.start_ticks + 1))  # pid reused
+        child.kill()
+        assert wait_until(lambda: not is_running(identity))  # a zombie: not reaped yet (no wait() so far)
+        with open(f"/proc/{child.pid}/stat") as f:
+            assert ") Z " in f.read()
+    finally:
+        child.kill()
+        child.wait()
+    assert not is_running(identity)  # reaped: no /proc entry
+
+
+def test_only_peers_on_this_host_and_pid_namespace_are_watchable():
+    here = own_identity()
+    assert here.watchable_from(here)
+    assert not dataclasses.replace(here, boot_id="another-host").watchable_from(here)
+    assert not dataclasses.replace(here, pid_namespace=here.pid_namespace + 1).watchable_from(here)
+    assert not dataclasses.replace(here, boot_id="").watchable_from(dataclasses.replace(here, boot_id=""))
+
+
+def test_the_watch_marks_the_peer_whose_process_exited_and_only_that_one():
+    watch, buffer = PeerWatch(), RecordingBuffer()
+    child = sleeper()
+    try:
+        watch.watch(buffer, {1: own_identity(), 3: child_identity(child)}, interval_s=0.05)
+        time.sleep(0.3)
+        assert buffer.marked == []  # both run
+        child.kill()
+        assert wait_until(lambda: buffer.marked == [3]), buffer.marked
+        time.sleep(0.2)
+        assert buffer.marked == [3]  # marked once
+        assert set(watch.exited(buffer)) == {3} and buffer.threads == {"ep_plugin peer watch"}
+    finally:
+        watch.unwatch(buffer)
+        child.kill()
+        child.wait()
+
+
+def test_no_mark_after_unwatch_and_a_collected_buffer_is_forgotten():
+    watch, buffer = PeerWatch(), RecordingBuffer()
+    child = sleeper()
+    try:
+        watch.watch(buffer, {2: child_identity(child)}, interval_s=0.02)
+        time.sleep(0.1)
+        watch.unwatch(buffer)
+        child.kill()
+        time.sleep(0.3)
+        assert buffer.marked == []
+    finally:
+        child.kill()
+        child.wait()
+    other = RecordingBuffer()
+    watch.watch(other, {1: own_identity()}, interval_s=0.02)
+    del other
+    gc.collect()
+    assert watch._watched == {}  # noqa: SLF001 - the registry itself is what this checks
+
+
+def test_nothing_to_watch_starts_no_thread():
+    watch = PeerWatch()
+    watch.watch(RecordingBuffer(), {}, interval_s=0.5)
+    watch.watch(RecordingBuffer(), {1: own_identity()}, interval_s=0)  # peer_watch_s = 0: off
+    assert watch._thread is None  # noqa: SLF001
