@@ -263,6 +263,11 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
     if fabric.nccl.version is None:
         problems.append(Problem(f"no NCCL: {fabric.nccl.version_error}", "install a CUDA build of torch"))
         return nccl_probe.UNAVAILABLE, "torch has no NCCL"
+    forced = _socket_forced_by_env(fabric, environ)
+    if forced is not None:
+        problems.append(Problem(f"{forced} makes NCCL use TCP sockets even where RDMA NICs are present",
+                                f"unset {forced.split('=')[0]}"))
+        return nccl_probe.SOCKET, f"{forced} in the environment"
     if not fabric.rdma_devices:
         problems.append(Problem("no RDMA device in /sys/class/infiniband: NCCL falls back to TCP sockets",
                                 "for multi-node EP use InfiniBand / RoCE / EFA NICs with their kernel drivers"))
@@ -315,6 +320,19 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
                             "modprobe nvidia_peermem, or use the open GPU kernel modules on Linux >= 5.12 "
                             "for DMA-BUF"))
     return nccl_probe.STAGED, "no GPUDirect RDMA mechanism"
+
+
+def _socket_forced_by_env(fabric: Fabric, environ: Mapping[str, str]) -> Optional[str]:
+    """The variable that turns NCCL's RDMA transports off ("NAME=value"), or None."""
+    net = environ.get("NCCL_NET", "")
+    if net.lower() == "socket":
+        return f"NCCL_NET={net}"
+    # NCCL reads NCCL_IB_DISABLE as an integer; it turns off only its built-in IB transport, not a net plugin.
+    ib_disable = environ.get("NCCL_IB_DISABLE", "").strip()
+    plugin = fabric.nccl.net_plugin or fabric.nccl.plugin_libraries
+    if not plugin and ib_disable.lstrip("-").isdigit() and int(ib_disable) != 0:
+        return f"NCCL_IB_DISABLE={ib_disable}"
+    return None
 
 
 def _dmabuf_usable(fabric: Fabric, environ: Mapping[str, str], gpu) -> tuple[bool, str]:

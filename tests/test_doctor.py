@@ -93,6 +93,20 @@ def test_environment_can_turn_gdr_off(tmp_path):
     assert found["scaleout"].mode == nccl_probe.STAGED and "unset NCCL_NET_GDR_LEVEL" in fixes(found["scaleout"])
 
 
+def test_environment_can_force_sockets(tmp_path):
+    report = dgx_cx7(tmp_path)
+    for environ in ({"NCCL_IB_DISABLE": "1"}, {"NCCL_NET": "Socket"}):
+        found, code = scaleout(tmp_path, report, environ)
+        assert (found["scaleout"].mode, code) == (nccl_probe.SOCKET, 1), environ
+        assert f"unset {next(iter(environ))}" in fixes(found["scaleout"])
+    found, code = scaleout(tmp_path, report, {"NCCL_IB_DISABLE": "0"})
+    assert (found["scaleout"].mode, code) == (nccl_probe.GDR_DMABUF, 0)
+    # NCCL_IB_DISABLE leaves a net plugin (aws-ofi-nccl on EFA) in charge.
+    efa = {"FI_PROVIDER": "efa", "NCCL_IB_DISABLE": "1"}
+    found, code = scaleout(tmp_path / "efa", p5en_efa(tmp_path / "efa"), efa)
+    assert (found["scaleout"].mode, code) == (nccl_probe.GDR_DMABUF, 0)
+
+
 def test_old_kernel_cannot_import_dmabuf(tmp_path):
     report = dgx_cx7(tmp_path, peermem=False)
     write(tmp_path / "proc/sys/kernel/osrelease", "5.4.0-150-generic")
