@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
@@ -108,6 +109,16 @@ def _peer_groups(fabric: Fabric) -> list[list[int]]:
     return groups
 
 
+def _detected_domain_size(fabric: Fabric, ranks_per_gpu: int) -> int:
+    """The domain size ``detect_topology`` finds for one node's ranks, placed in blocks of ``ranks_per_gpu``
+    per GPU in ordinal order (the rule is topology's own, so the advice matches what a job does)."""
+    from .topology import mappable_domain_size
+
+    placements = [{"host": "", "gpu": gpu.info.index, "peers": gpu.peers}
+                  for gpu in fabric.gpus for _ in range(max(1, ranks_per_gpu))]
+    return mappable_domain_size(placements)
+
+
 def _no_gpu_reason(fabric: Fabric) -> Optional[Problem]:
     if fabric.gpus:
         return None
@@ -167,9 +178,11 @@ def nvlink_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str],
     else:
         sizes = [len(group) for group in groups]
         verdict.summary = f"{len(gpus)} GPUs in {len(groups)} peer-access groups {groups}"
-        problems.append(Problem(f"not every GPU can map every other's memory (groups of {sizes})",
-                                f"EP_PLUGIN_SCALEUP_SIZE={min(sizes) * max(1, options.ranks_per_gpu)} keeps each "
-                                f"NVLink domain inside one group"))
+        detected = _detected_domain_size(fabric, options.ranks_per_gpu)
+        fix = f"nothing to set: detection makes NVLink domains of {detected} rank(s) on its own"
+        if detected < math.gcd(*sizes) * max(1, options.ranks_per_gpu):
+            fix += "; list each group's GPUs next to each other in CUDA_VISIBLE_DEVICES for larger domains"
+        problems.append(Problem(f"not every GPU can map every other's memory (groups of {sizes})", fix))
         verdict.status = _worst(verdict.status, DEGRADED)
     for gpu in gpus:
         major, minor = gpu.info.compute_capability

@@ -215,7 +215,15 @@ def test_gpus_without_peer_access_split_the_domain(tmp_path):
     found, code = verdicts(make_fabric(tmp_path, report), backend="hybrid", ranks_per_gpu=2)
     verdict = found["nvlink"]
     assert (verdict.status, code) == (DEGRADED, 0)
-    assert "EP_PLUGIN_SCALEUP_SIZE=8" in fixes(verdict) and "[[0, 1, 2, 3], [4, 5, 6, 7]]" in verdict.summary
+    assert "domains of 8 rank(s)" in fixes(verdict) and "[[0, 1, 2, 3], [4, 5, 6, 7]]" in verdict.summary
+    # Groups of 3 and 4 GPUs tile no domain size but 1; groups that interleave leave consecutive GPUs unmappable.
+    # The advice is what detect_topology does (it once suggested sizes that made it raise).
+    for count, peer, expected in ((7, lambda i, j: (i < 3) == (j < 3), "domains of 1 rank(s) on its own"),
+                                  (8, lambda i, j: i % 2 == j % 2, "of 1 rank(s) on its own; list each group's")):
+        split = driver(report.gpus[:count])
+        split.peer_access = [[peer(i, j) for j in range(count)] for i in range(count)]
+        found, _ = verdicts(make_fabric(tmp_path, split), backend="hybrid")
+        assert expected in fixes(found["nvlink"]) and "EP_PLUGIN_SCALEUP_SIZE" not in fixes(found["nvlink"])
 
 
 def test_pcie_peer_access_without_nvlink(tmp_path):
