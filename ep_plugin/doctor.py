@@ -190,9 +190,25 @@ def nvlink_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str],
             problems.append(Problem(f"GPU {gpu.info.index} is sm_{major}{minor}; the extension's default build "
                                     f"targets sm_90", f"rebuild with EP_PLUGIN_CUDA_ARCHS={major}{minor}"))
             verdict.status = _worst(verdict.status, DEGRADED)
+    _check_scaleup_size(fabric, options, environ, verdict)
     _check_co_residency(fabric, options, environ, verdict)
     verdict.passed = verdict.status != UNAVAILABLE
     return verdict
+
+
+def _check_scaleup_size(fabric: Fabric, options: Options, environ: Mapping[str, str], verdict: Verdict) -> None:
+    """A forced domain size must divide the detected one, or building a backend raises EPError."""
+    try:
+        forced = _config(environ).scaleup_size
+    except (ValueError, TypeError):
+        return  # _check_co_residency reports the bad variable
+    detected = _detected_domain_size(fabric, options.ranks_per_gpu)
+    if forced and detected % forced:
+        verdict.problems.append(Problem(
+            f"EP_PLUGIN_SCALEUP_SIZE={forced} does not divide the NVLink domain of {detected} rank(s) found here "
+            f"({options.ranks_per_gpu} rank(s) per GPU, --ranks-per-gpu): building a backend raises EPError",
+            f"unset EP_PLUGIN_SCALEUP_SIZE (0 = detect) or set a divisor of {detected}"))
+        verdict.status = UNAVAILABLE
 
 
 def _check_co_residency(fabric: Fabric, options: Options, environ: Mapping[str, str], verdict: Verdict) -> None:

@@ -226,6 +226,15 @@ def test_gpus_without_peer_access_split_the_domain(tmp_path):
         assert expected in fixes(found["nvlink"]) and "EP_PLUGIN_SCALEUP_SIZE" not in fixes(found["nvlink"])
 
 
+def test_forced_domain_size_must_divide_the_detected_one(tmp_path):
+    fabric = make_fabric(tmp_path, dgx_cx7(tmp_path))
+    found, code = verdicts(fabric, {"EP_PLUGIN_SCALEUP_SIZE": "3"}, backend="hybrid")
+    assert (found["nvlink"].status, code) == (UNAVAILABLE, 1)
+    assert "unset EP_PLUGIN_SCALEUP_SIZE (0 = detect) or set a divisor of 8" in fixes(found["nvlink"])
+    found, code = verdicts(fabric, {"EP_PLUGIN_SCALEUP_SIZE": "4"}, backend="hybrid")
+    assert (found["nvlink"].status, code) == (OK, 0)
+
+
 def test_pcie_peer_access_without_nvlink(tmp_path):
     report = driver([gpu(0, "0000:00:05.0", nvlinks=0), gpu(1, "0000:00:06.0", nvlinks=0)])
     found, _ = verdicts(make_fabric(tmp_path, report))
