@@ -448,14 +448,18 @@ def _worst(a: str, b: str) -> str:
     return a if _ORDER[a] >= _ORDER[b] else b
 
 
-def sm_sizing(fabric: Fabric, options: Options) -> Optional[SmSizing]:
+def sm_sizing(fabric: Fabric, options: Options, environ: Optional[Mapping[str, str]] = None) -> Optional[SmSizing]:
     """What ``num_sms=0`` would pick on this machine for the workload in ``options``."""
     if not fabric.gpus:
         return None
     gpu = fabric.gpus[0]
     per_node = len(fabric.gpus) * max(1, options.ranks_per_gpu)
+    try:  # the backends size from EP_PLUGIN_MAX_SMS_PER_GPU where it is set
+        device_sms = _config(os.environ if environ is None else environ).max_sms_per_gpu or gpu.info.sm_count
+    except (ValueError, TypeError):
+        device_sms = gpu.info.sm_count
     try:
-        return autosize_sms(device_sms=gpu.info.sm_count, ranks_sharing_gpu=options.ranks_per_gpu,
+        return autosize_sms(device_sms=device_sms, ranks_sharing_gpu=options.ranks_per_gpu,
                             num_ranks=per_node * max(1, options.nodes), num_experts=options.num_experts,
                             topk=options.topk, hidden_bytes=options.hidden * options.element_bytes,
                             domain_size=per_node,
@@ -638,7 +642,7 @@ def main(argv: Optional[list[str]] = None, *, fabric: Optional[Fabric] = None,
     fabric = fabric if fabric is not None else probe_fabric(environ=environ)
     probe = nccl_probe.run_nccl_probe(len(fabric.gpus)) if args.nccl_probe else None
     verdicts = assess(fabric, options, environ=environ, probe=probe)
-    sizing = sm_sizing(fabric, options)
+    sizing = sm_sizing(fabric, options, environ)
     code = exit_code(verdicts)
     if args.json:
         payload: dict[str, Any] = {

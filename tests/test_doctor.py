@@ -281,6 +281,13 @@ def test_co_residency_refuses_too_many_sms(tmp_path):
     assert code == 1 and "EP_PLUGIN_NUM_SMS=13" in fixes(found["nvlink"])
 
 
+def test_sm_autosize_line_honours_max_sms_per_gpu(tmp_path, capsys):
+    fabric = make_fabric(tmp_path, driver([gpu(0, "0000:00:05.0", nvlinks=0)]))
+    doctor.main(["--json", "--ranks-per-gpu", "4"], fabric=fabric, environ={"EP_PLUGIN_MAX_SMS_PER_GPU": "32"})
+    sizing = json.loads(capsys.readouterr().out)["sm_autosize"]
+    assert (sizing["limit"], sizing["num_sms"]) == (8, 8)  # what the backend picks: 32 SMs // 4 ranks
+
+
 def test_older_architecture_is_flagged(tmp_path):
     found, _ = verdicts(make_fabric(tmp_path, driver([gpu(0, "0000:00:05.0", cc=(8, 0), nvlinks=0)])))
     assert "EP_PLUGIN_CUDA_ARCHS=80" in fixes(found["nvlink"])
