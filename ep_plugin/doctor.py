@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
@@ -108,6 +109,16 @@ def _peer_groups(fabric: Fabric) -> list[list[int]]:
     return groups
 
 
+def _detected_domain_size(fabric: Fabric, ranks_per_gpu: int) -> int:
+    """The domain size ``detect_topology`` finds for one node's ranks, placed in blocks of ``ranks_per_gpu``
+    per GPU in ordinal order (the rule is topology's own, so the advice matches what a job does)."""
+    from .topology import mappable_domain_size
+
+    placements = [{"host": "", "gpu": gpu.info.index, "peers": gpu.peers}
+                  for gpu in fabric.gpus for _ in range(max(1, ranks_per_gpu))]
+    return mappable_domain_size(placements)
+
+
 def _no_gpu_reason(fabric: Fabric) -> Optional[Problem]:
     if fabric.gpus:
         return None
@@ -167,9 +178,11 @@ def nvlink_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str],
     else:
         sizes = [len(group) for group in groups]
         verdict.summary = f"{len(gpus)} GPUs in {len(groups)} peer-access groups {groups}"
-        problems.append(Problem(f"not every GPU can map every other's memory (groups of {sizes})",
-                                f"EP_PLUGIN_SCALEUP_SIZE={min(sizes) * max(1, options.ranks_per_gpu)} keeps each "
-                                f"NVLink domain inside one group"))
+        detected = _detected_domain_size(fabric, options.ranks_per_gpu)
+        fix = f"nothing to set: detection makes NVLink domains of {detected} rank(s) on its own"
+        if detected < math.gcd(*sizes) * max(1, options.ranks_per_gpu):
+            fix += "; list each group's GPUs next to each other in CUDA_VISIBLE_DEVICES for larger domains"
+        problems.append(Problem(f"not every GPU can map every other's memory (groups of {sizes})", fix))
         verdict.status = _worst(verdict.status, DEGRADED)
     for gpu in gpus:
         major, minor = gpu.info.compute_capability
@@ -177,9 +190,25 @@ def nvlink_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str],
             problems.append(Problem(f"GPU {gpu.info.index} is sm_{major}{minor}; the extension's default build "
                                     f"targets sm_90", f"rebuild with EP_PLUGIN_CUDA_ARCHS={major}{minor}"))
             verdict.status = _worst(verdict.status, DEGRADED)
+    _check_scaleup_size(fabric, options, environ, verdict)
     _check_co_residency(fabric, options, environ, verdict)
     verdict.passed = verdict.status != UNAVAILABLE
     return verdict
+
+
+def _check_scaleup_size(fabric: Fabric, options: Options, environ: Mapping[str, str], verdict: Verdict) -> None:
+    """A forced domain size must divide the detected one, or building a backend raises EPError."""
+    try:
+        forced = _config(environ).scaleup_size
+    except (ValueError, TypeError):
+        return  # _check_co_residency reports the bad variable
+    detected = _detected_domain_size(fabric, options.ranks_per_gpu)
+    if forced and detected % forced:
+        verdict.problems.append(Problem(
+            f"EP_PLUGIN_SCALEUP_SIZE={forced} does not divide the NVLink domain of {detected} rank(s) found here "
+            f"({options.ranks_per_gpu} rank(s) per GPU, --ranks-per-gpu): building a backend raises EPError",
+            f"unset EP_PLUGIN_SCALEUP_SIZE (0 = detect) or set a divisor of {detected}"))
+        verdict.status = UNAVAILABLE
 
 
 def _check_co_residency(fabric: Fabric, options: Options, environ: Mapping[str, str], verdict: Verdict) -> None:
@@ -263,6 +292,11 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
     if fabric.nccl.version is None:
         problems.append(Problem(f"no NCCL: {fabric.nccl.version_error}", "install a CUDA build of torch"))
         return nccl_probe.UNAVAILABLE, "torch has no NCCL"
+    forced = _socket_forced_by_env(fabric, environ)
+    if forced is not None:
+        problems.append(Problem(f"{forced} makes NCCL use TCP sockets even where RDMA NICs are present",
+                                f"unset {forced.split('=')[0]}"))
+        return nccl_probe.SOCKET, f"{forced} in the environment"
     if not fabric.rdma_devices:
         problems.append(Problem("no RDMA device in /sys/class/infiniband: NCCL falls back to TCP sockets",
                                 "for multi-node EP use InfiniBand / RoCE / EFA NICs with their kernel drivers"))
@@ -315,6 +349,19 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
                             "modprobe nvidia_peermem, or use the open GPU kernel modules on Linux >= 5.12 "
                             "for DMA-BUF"))
     return nccl_probe.STAGED, "no GPUDirect RDMA mechanism"
+
+
+def _socket_forced_by_env(fabric: Fabric, environ: Mapping[str, str]) -> Optional[str]:
+    """The variable that turns NCCL's RDMA transports off ("NAME=value"), or None."""
+    net = environ.get("NCCL_NET", "")
+    if net.lower() == "socket":
+        return f"NCCL_NET={net}"
+    # NCCL reads NCCL_IB_DISABLE as an integer; it turns off only its built-in IB transport, not a net plugin.
+    ib_disable = environ.get("NCCL_IB_DISABLE", "").strip()
+    plugin = fabric.nccl.net_plugin or fabric.nccl.plugin_libraries
+    if not plugin and ib_disable.lstrip("-").isdigit() and int(ib_disable) != 0:
+        return f"NCCL_IB_DISABLE={ib_disable}"
+    return None
 
 
 def _dmabuf_usable(fabric: Fabric, environ: Mapping[str, str], gpu) -> tuple[bool, str]:
@@ -401,14 +448,18 @@ def _worst(a: str, b: str) -> str:
     return a if _ORDER[a] >= _ORDER[b] else b
 
 
-def sm_sizing(fabric: Fabric, options: Options) -> Optional[SmSizing]:
+def sm_sizing(fabric: Fabric, options: Options, environ: Optional[Mapping[str, str]] = None) -> Optional[SmSizing]:
     """What ``num_sms=0`` would pick on this machine for the workload in ``options``."""
     if not fabric.gpus:
         return None
     gpu = fabric.gpus[0]
     per_node = len(fabric.gpus) * max(1, options.ranks_per_gpu)
+    try:  # the backends size from EP_PLUGIN_MAX_SMS_PER_GPU where it is set
+        device_sms = _config(os.environ if environ is None else environ).max_sms_per_gpu or gpu.info.sm_count
+    except (ValueError, TypeError):
+        device_sms = gpu.info.sm_count
     try:
-        return autosize_sms(device_sms=gpu.info.sm_count, ranks_sharing_gpu=options.ranks_per_gpu,
+        return autosize_sms(device_sms=device_sms, ranks_sharing_gpu=options.ranks_per_gpu,
                             num_ranks=per_node * max(1, options.nodes), num_experts=options.num_experts,
                             topk=options.topk, hidden_bytes=options.hidden * options.element_bytes,
                             domain_size=per_node,
@@ -591,7 +642,7 @@ def main(argv: Optional[list[str]] = None, *, fabric: Optional[Fabric] = None,
     fabric = fabric if fabric is not None else probe_fabric(environ=environ)
     probe = nccl_probe.run_nccl_probe(len(fabric.gpus)) if args.nccl_probe else None
     verdicts = assess(fabric, options, environ=environ, probe=probe)
-    sizing = sm_sizing(fabric, options)
+    sizing = sm_sizing(fabric, options, environ)
     code = exit_code(verdicts)
     if args.json:
         payload: dict[str, Any] = {

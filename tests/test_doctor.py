@@ -93,6 +93,20 @@ def test_environment_can_turn_gdr_off(tmp_path):
     assert found["scaleout"].mode == nccl_probe.STAGED and "unset NCCL_NET_GDR_LEVEL" in fixes(found["scaleout"])
 
 
+def test_environment_can_force_sockets(tmp_path):
+    report = dgx_cx7(tmp_path)
+    for environ in ({"NCCL_IB_DISABLE": "1"}, {"NCCL_NET": "Socket"}):
+        found, code = scaleout(tmp_path, report, environ)
+        assert (found["scaleout"].mode, code) == (nccl_probe.SOCKET, 1), environ
+        assert f"unset {next(iter(environ))}" in fixes(found["scaleout"])
+    found, code = scaleout(tmp_path, report, {"NCCL_IB_DISABLE": "0"})
+    assert (found["scaleout"].mode, code) == (nccl_probe.GDR_DMABUF, 0)
+    # NCCL_IB_DISABLE leaves a net plugin (aws-ofi-nccl on EFA) in charge.
+    efa = {"FI_PROVIDER": "efa", "NCCL_IB_DISABLE": "1"}
+    found, code = scaleout(tmp_path / "efa", p5en_efa(tmp_path / "efa"), efa)
+    assert (found["scaleout"].mode, code) == (nccl_probe.GDR_DMABUF, 0)
+
+
 def test_old_kernel_cannot_import_dmabuf(tmp_path):
     report = dgx_cx7(tmp_path, peermem=False)
     write(tmp_path / "proc/sys/kernel/osrelease", "5.4.0-150-generic")
@@ -201,7 +215,24 @@ def test_gpus_without_peer_access_split_the_domain(tmp_path):
     found, code = verdicts(make_fabric(tmp_path, report), backend="hybrid", ranks_per_gpu=2)
     verdict = found["nvlink"]
     assert (verdict.status, code) == (DEGRADED, 0)
-    assert "EP_PLUGIN_SCALEUP_SIZE=8" in fixes(verdict) and "[[0, 1, 2, 3], [4, 5, 6, 7]]" in verdict.summary
+    assert "domains of 8 rank(s)" in fixes(verdict) and "[[0, 1, 2, 3], [4, 5, 6, 7]]" in verdict.summary
+    # Groups of 3 and 4 GPUs tile no domain size but 1; groups that interleave leave consecutive GPUs unmappable.
+    # The advice is what detect_topology does (it once suggested sizes that made it raise).
+    for count, peer, expected in ((7, lambda i, j: (i < 3) == (j < 3), "domains of 1 rank(s) on its own"),
+                                  (8, lambda i, j: i % 2 == j % 2, "of 1 rank(s) on its own; list each group's")):
+        split = driver(report.gpus[:count])
+        split.peer_access = [[peer(i, j) for j in range(count)] for i in range(count)]
+        found, _ = verdicts(make_fabric(tmp_path, split), backend="hybrid")
+        assert expected in fixes(found["nvlink"]) and "EP_PLUGIN_SCALEUP_SIZE" not in fixes(found["nvlink"])
+
+
+def test_forced_domain_size_must_divide_the_detected_one(tmp_path):
+    fabric = make_fabric(tmp_path, dgx_cx7(tmp_path))
+    found, code = verdicts(fabric, {"EP_PLUGIN_SCALEUP_SIZE": "3"}, backend="hybrid")
+    assert (found["nvlink"].status, code) == (UNAVAILABLE, 1)
+    assert "unset EP_PLUGIN_SCALEUP_SIZE (0 = detect) or set a divisor of 8" in fixes(found["nvlink"])
+    found, code = verdicts(fabric, {"EP_PLUGIN_SCALEUP_SIZE": "4"}, backend="hybrid")
+    assert (found["nvlink"].status, code) == (OK, 0)
 
 
 def test_pcie_peer_access_without_nvlink(tmp_path):
@@ -248,6 +279,13 @@ def test_co_residency_refuses_too_many_sms(tmp_path):
     found, code = verdicts(make_fabric(tmp_path, fabric.driver, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10"}),
                            {}, backend="hybrid")
     assert code == 1 and "EP_PLUGIN_NUM_SMS=13" in fixes(found["nvlink"])
+
+
+def test_sm_autosize_line_honours_max_sms_per_gpu(tmp_path, capsys):
+    fabric = make_fabric(tmp_path, driver([gpu(0, "0000:00:05.0", nvlinks=0)]))
+    doctor.main(["--json", "--ranks-per-gpu", "4"], fabric=fabric, environ={"EP_PLUGIN_MAX_SMS_PER_GPU": "32"})
+    sizing = json.loads(capsys.readouterr().out)["sm_autosize"]
+    assert (sizing["limit"], sizing["num_sms"]) == (8, 8)  # what the backend picks: 32 SMs // 4 ranks
 
 
 def test_older_architecture_is_flagged(tmp_path):

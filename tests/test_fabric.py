@@ -119,6 +119,15 @@ def test_flat_vm_topology_shares_one_nic_evenly(tmp_path):
         [(("mlx5_0",), "PCI root", 25.0)] * 2
 
 
+def test_nic_shared_with_gpus_hidden_by_cuda_visible_devices(tmp_path):
+    # One rank per GPU with CUDA_VISIBLE_DEVICES=<its GPU>: the NIC is still shared by both GPUs.
+    add_gpu_pci(tmp_path, ["pci0000:00", "0000:00:05.0"])
+    add_gpu_pci(tmp_path, ["pci0000:00", "0000:00:06.0"])
+    add_rdma(tmp_path, "mlx5_0", ["pci0000:00", "0000:00:07.0"])
+    fabric = make_fabric(tmp_path, driver([gpu(0, "0000:00:06.0")]))
+    assert fabric.gpus[0].scaleout_gbytes_per_s == 25.0
+
+
 def test_numa_node_is_the_fallback_when_no_nic_shares_the_pci_root(tmp_path):
     add_gpu_pci(tmp_path, ["pci0000:15", "0000:15:01.0", "0000:16:00.0"], numa=1)
     add_rdma(tmp_path, "mlx5_0", ["pci0000:37", "0000:37:01.0", "0000:38:00.0"], numa=0)

@@ -11,8 +11,9 @@ NIC-to-GPU affinity (the rule behind per-GPU scale-out bandwidth):
 2. A GPU's nearest NICs are those sharing the longest PCI path prefix with it: behind the same
    PCIe switch beats the same PCI root complex. If none shares even the root complex, the NICs on
    the GPU's NUMA node; if its NUMA node is unknown too, none.
-3. A NIC that is nearest to several GPUs is shared evenly among them (a flat VM topology puts
-   every device on one root: each GPU then gets its fair share, not the node's total).
+3. A NIC that is nearest to several GPUs is shared evenly among them, counting every NVIDIA GPU
+   in sysfs, also those CUDA_VISIBLE_DEVICES hides (a flat VM topology puts every device on one
+   root: each GPU then gets its fair share, not the node's total).
 4. Per-GPU scale-out bandwidth = sum over its nearest NICs of (rates of their ACTIVE ports /
    the number of GPUs sharing that NIC). Rates come from ``ports/<p>/rate`` ("400 Gb/sec (4X
    NDR)"); Gb/s / 8 = GB/s. When nothing is known the value is ``DEFAULT_SCALEOUT_GBYTES_PER_S``
@@ -303,15 +304,24 @@ def nearest_nics(gpu_path: tuple[str, ...], gpu_numa: Optional[int],
     return (), "none"
 
 
+def _pci_place(tree: _Tree, bus_id: str) -> tuple[tuple[str, ...], Optional[int]]:
+    """(PCI path, NUMA node) of a PCI device from sysfs; ((), None) where sysfs does not show it."""
+    device_dir = tree.path(f"/sys/bus/pci/devices/{bus_id}")
+    pci_path = pci_path_of(os.path.realpath(device_dir)) if os.path.lexists(device_dir) else ()
+    return pci_path, _numa(tree.read(f"/sys/bus/pci/devices/{bus_id}/numa_node"))
+
+
 def _gpu_links(tree: _Tree, driver: DriverReport, nics: list[RdmaDevice], warnings: list[str]) -> list[GpuLinks]:
     placed = []
     for gpu in driver.gpus:
-        device_dir = tree.path(f"/sys/bus/pci/devices/{gpu.pci_bus_id}")
-        pci_path = pci_path_of(os.path.realpath(device_dir)) if os.path.lexists(device_dir) else ()
-        numa = _numa(tree.read(f"/sys/bus/pci/devices/{gpu.pci_bus_id}/numa_node"))
+        pci_path, numa = _pci_place(tree, gpu.pci_bus_id)
         names, affinity = nearest_nics(pci_path, numa, nics)
         placed.append((gpu, pci_path, numa, names, affinity))
-    sharing = Counter(name for *_, names, _ in placed for name in names)
+    # A NIC is shared by every GPU of the node it is nearest to, also those CUDA_VISIBLE_DEVICES hides
+    # (other ranks' GPUs): count them from sysfs, and the visible ones where sysfs does not show them.
+    on_bus = set(_pci_nvidia_gpus(tree))
+    sharing = Counter(name for bdf in on_bus for name in nearest_nics(*_pci_place(tree, bdf), nics)[0])
+    sharing.update(name for gpu, *_, names, _ in placed if gpu.pci_bus_id not in on_bus for name in names)
     by_name = {nic.name: nic for nic in nics}
     links = []
     for gpu, pci_path, numa, names, affinity in placed:
