@@ -4,6 +4,10 @@ Each Function keeps the Handle on its ctx, so the autograd graph owns the Handle
 every tensor the backward kernels read) until the graph is freed — backward may run more than once
 with retain_graph. The caller may drop its own references at any time.
 
+Both backwards run the backend's ops outside autograd, so a second derivative through them (
+``create_graph=True``, then differentiating the gradient again) would silently miss their terms.
+``_differentiable_once`` makes it raise instead.
+
 The backend declares what its dispatch returns (expert rows or compact rows, the shape of the
 per-row probs) on the Handle; this layer assumes neither.
 """
@@ -16,6 +20,34 @@ import torch
 
 from .backends.base import Backend
 from .handle import DispatchOutput, Handle
+
+
+class _RaiseIfDifferentiated(torch.autograd.Function):
+    """Passes ``result`` through; a derivative that flows back through it raises.
+
+    Its inputs include the incoming gradients, so autograd reaches it exactly where a second
+    derivative would flow through the backward it guards (torch's ``once_differentiable`` hangs
+    its error on detached copies, which ``torch.autograd.grad(..., inputs=...)`` never visits).
+    """
+
+    @staticmethod
+    def forward(ctx, op: str, result, *incoming_grads):
+        ctx.op = op
+        return result.view_as(result)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(f"ep_plugin: the backward of {ctx.op} is not differentiable (double backward through "
+                           "dispatch/combine is not supported)")
+
+
+def _differentiable_once(op: str, incoming_grads: tuple, outputs: tuple) -> tuple:
+    """The backward's ``outputs``, guarded when it runs with create_graph on gradients that need grad."""
+    live = [g for g in incoming_grads if isinstance(g, torch.Tensor) and g.requires_grad]
+    if not torch.is_grad_enabled() or not live:
+        return outputs
+    return tuple(_RaiseIfDifferentiated.apply(op, out, *live) if isinstance(out, torch.Tensor) else out
+                 for out in outputs)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -42,11 +74,14 @@ class _Dispatch(torch.autograd.Function):
         weights_index = 1 if ctx.weights_are_probs else 2
         want_probs = (handle.probs_shape is not None and ctx.needs_input_grad[weights_index]
                       and grad_row_probs is not None)
-        result = handle.backend.combine(grad_rows.contiguous(), handle,
-                                        row_probs=grad_row_probs.contiguous() if want_probs else None)
+        with torch.no_grad():
+            result = handle.backend.combine(grad_rows.contiguous(), handle,
+                                            row_probs=grad_row_probs.contiguous() if want_probs else None)
         grad_probs = result.probs if ctx.weights_are_probs else None
         grad_topk_weights = None if ctx.weights_are_probs else result.probs
-        return result.hidden, grad_probs, grad_topk_weights, None, None, None, None, None
+        grads = _differentiable_once("dispatch", (grad_rows, grad_row_probs),
+                                     (result.hidden, grad_probs, grad_topk_weights))
+        return *grads, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -58,7 +93,9 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         handle: Handle = ctx.handle
-        return handle.backend.dispatch_again(grad_out.contiguous(), handle), None, None
+        with torch.no_grad():
+            grad_rows = handle.backend.dispatch_again(grad_out.contiguous(), handle)
+        return *_differentiable_once("combine", (grad_out,), (grad_rows,)), None, None
 
 
 def dispatch(

@@ -231,3 +231,32 @@ def check_gradcheck(ctx) -> bool:
 
 def test_gradcheck_float64_two_ranks():
     assert run_ranks(check_gradcheck, 2, timeout_s=240) == [True, True]
+
+
+def check_second_derivative_raises(ctx) -> None:
+    """create_graph=True gives the right first-order gradient; differentiating it again through
+    dispatch/combine raises (their backwards run outside autograd, so the second derivative would
+    silently miss their terms: with ``inputs=`` torch's own once_differentiable error is skipped)."""
+    backend = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=2 * ctx.world_size, device="cpu")
+    problem = make_problem(21, [4, 3], HIDDEN, backend.num_experts, 2, dtype=torch.float64)
+    hidden = problem.hidden[ctx.rank].clone().requires_grad_()
+    chosen = problem.routing_map[ctx.rank].sum(dim=1, keepdim=True).double()
+
+    # Through dispatch's backward: its incoming gradient 2 * rows needs grad.
+    out = ep_plugin.dispatch(backend, hidden, routing_map=problem.routing_map[ctx.rank])
+    y = ep_plugin.combine(out.hidden * out.hidden, out.handle) + hidden * hidden
+    (grad_hidden,) = torch.autograd.grad(y.sum(), hidden, create_graph=True)
+    torch.testing.assert_close(grad_hidden, 2 * hidden * (chosen + 1))
+    with pytest.raises(RuntimeError, match="backward of dispatch is not differentiable"):
+        torch.autograd.grad(grad_hidden.sum(), hidden)
+
+    # Through combine's backward alone (rows are a leaf here): its incoming gradient 2 * y needs grad.
+    rows = out.hidden.detach().clone().requires_grad_()
+    y = ep_plugin.combine(rows, out.handle)
+    (grad_rows,) = torch.autograd.grad((y * y).sum(), rows, create_graph=True)
+    with pytest.raises(RuntimeError, match="backward of combine is not differentiable"):
+        torch.autograd.grad(grad_rows.sum(), rows)
+
+
+def test_second_derivative_through_dispatch_and_combine_raises():
+    run_ranks(check_second_derivative_raises, 2, timeout_s=60)
