@@ -64,11 +64,12 @@ class Config:
     # forwarding runs inside the domain backend's kernels today, so this caps num_sms of that backend.
     forward_sms: int = field(default=0, metadata={
         "help": "SMs for forwarding rail traffic into the domain (0 = num_sms)"})
-    # Seconds between looks at whether the peers' processes (those on this host) still run: a device
-    # wait for a rank whose process exited then stops at once with a message saying so, instead of
-    # timing out after timeout_s (ep_plugin.transport.liveness). 0 = no watch.
+    # The watch on the peers' processes (those on this host): a device wait for a rank whose process
+    # exited stops at once with a message saying so, instead of timing out after timeout_s
+    # (ep_plugin.transport.liveness). The kernel signals an exit through a pidfd; where there is none,
+    # the watch looks every peer_watch_s seconds. 0 = no watch.
     peer_watch_s: float = field(default=0.5, metadata={
-        "help": "seconds between checks that peers' processes on this host still run (0 = off)"})
+        "help": "watch the peers' processes on this host; seconds between looks where no pidfd (0 = off)"})
 
     def __post_init__(self) -> None:
         _require(0 < self.timeout_s < math.inf, "timeout_s", "> 0 and finite", self.timeout_s)

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from ep_plugin.transport import liveness
 from ep_plugin.transport.liveness import PeerWatch, ProcessIdentity, is_running, own_identity
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -97,6 +98,56 @@ def test_the_watch_marks_the_peer_whose_process_exited_and_only_that_one():
         child.wait()
 
 
+def test_with_pidfds_the_thread_sleeps_until_an_exit(monkeypatch):
+    """No look at /proc while the peers run (the kernel wakes the thread), then one for the exit."""
+    looks = []
+    monkeypatch.setattr(liveness, "is_running", lambda identity: looks.append(identity.pid) or is_running(identity))
+    watch, buffer = PeerWatch(), RecordingBuffer()
+    child = sleeper()
+    try:
+        watch.watch(buffer, {1: child_identity(child)}, interval_s=0.02)
+        time.sleep(0.3)
+        assert looks == [child.pid]  # the check after opening its pidfd, none since
+        child.kill()
+        assert wait_until(lambda: buffer.marked == [1]), buffer.marked
+    finally:
+        watch.unwatch(buffer)
+        child.kill()
+        child.wait()
+
+
+def test_without_pidfds_the_thread_looks_every_interval(monkeypatch):
+    def no_pidfd(pid):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(liveness.os, "pidfd_open", no_pidfd)
+    watch, buffer = PeerWatch(), RecordingBuffer()
+    child = sleeper()
+    try:
+        watch.watch(buffer, {1: own_identity(), 2: child_identity(child)}, interval_s=0.05)
+        time.sleep(0.2)
+        assert buffer.marked == [] and watch._pidfds == {}  # noqa: SLF001
+        child.kill()
+        assert wait_until(lambda: buffer.marked == [2]), buffer.marked
+    finally:
+        watch.unwatch(buffer)
+        child.kill()
+        child.wait()
+
+
+def test_a_peer_gone_before_the_watch_began_is_marked():
+    watch, buffer = PeerWatch(), RecordingBuffer()
+    child = sleeper()
+    identity = child_identity(child)
+    child.kill()
+    child.wait()
+    try:
+        watch.watch(buffer, {5: identity}, interval_s=0.05)
+        assert wait_until(lambda: buffer.marked == [5]), buffer.marked
+    finally:
+        watch.unwatch(buffer)
+
+
 def test_no_mark_after_unwatch_and_a_collected_buffer_is_forgotten():
     watch, buffer = PeerWatch(), RecordingBuffer()
     child = sleeper()
@@ -114,7 +165,7 @@ def test_no_mark_after_unwatch_and_a_collected_buffer_is_forgotten():
     watch.watch(other, {1: own_identity()}, interval_s=0.02)
     del other
     gc.collect()
-    assert watch._watched == {}  # noqa: SLF001 - the registry itself is what this checks
+    assert watch._buffers == {} and watch._pidfds == {}  # noqa: SLF001 - the registry is what this checks
 
 
 def test_nothing_to_watch_starts_no_thread():

@@ -3,19 +3,23 @@
 A rank whose process ends (an exception, out of memory, a kill) leaves its peers' kernels waiting for
 flags it will never write: without help they report only when ``timeout_s`` runs out (100 s by
 default), as a timeout. So each rank's symmetric buffer registers its peers' process identities here,
-and one daemon thread per process looks at them every ``peer_watch_s`` seconds. When a peer's process
-is gone it marks that rank in the buffer's mapped report (``mark_peer_exited``); the device waits for
-that rank poll the mark and stop, and the host raises ``EPError`` saying which rank exited.
+and one daemon thread per process watches them. When a peer's process is gone it marks that rank in
+the buffer's mapped report (``mark_peer_exited``); the device waits for that rank poll the mark and
+stop, and the host raises ``EPError`` saying which rank exited.
+
+How the thread learns of an exit: from a pidfd per peer (Linux 5.3+), which the kernel makes readable
+when the process exits; the thread sleeps in ``poll`` until then and costs nothing while the peers run.
+Where a pidfd cannot be had, it looks at /proc every ``peer_watch_s`` seconds instead.
 
 Only peers on this host in this PID namespace can be watched (same boot id and namespace: /proc then
 shows their processes); the start time recorded with the pid guards against a reused pid. Other peers
-keep the plain timeout. A zombie (exited, not yet reaped by its launcher) counts as gone. The thread
-reads one small /proc file per watched peer per round and sleeps in between.
+keep the plain timeout. A zombie (exited, not yet reaped by its launcher) counts as gone.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import threading
 import weakref
 from dataclasses import dataclass
@@ -67,34 +71,50 @@ def _stat_fields(pid: int) -> tuple[str, int]:
 
 
 class PeerWatch:
-    """The watching thread and what it watches: per buffer, rank -> identity of the peers not yet seen gone.
+    """The watching thread and what it watches.
 
     ``watch(buffer, peers, interval_s)`` registers a buffer (anything with ``mark_peer_exited(rank)``,
-    held weakly); ``unwatch(buffer)`` removes it, and once it returns the thread will not touch that
-    buffer again (call it before the buffer's memory is freed). ``exited(buffer)`` is what was found.
+    held weakly) and its peers (rank -> identity); ``unwatch(buffer)`` removes it, and once it returns
+    the thread will not touch that buffer again (call it before the buffer's memory is freed).
+    ``exited(buffer)`` is what was found. ``interval_s`` paces the /proc looks at peers without a pidfd.
     """
 
     def __init__(self) -> None:
         # Reentrant: a buffer's weakref callback (``_forget``) may run in the thread itself, which holds
-        # the lock while it looks, when the last reference to a buffer goes there.
+        # the lock while it marks, when the last reference to a buffer goes there.
         self._lock = threading.RLock()
-        self._wake = threading.Condition(self._lock)
-        self._watched: dict[int, tuple[weakref.ref, dict[int, ProcessIdentity], float]] = {}
+        self._buffers: dict[int, weakref.ref] = {}
+        self._looked_at: dict[int, tuple[dict[int, ProcessIdentity], float]] = {}  # peers without a pidfd
+        self._pidfds: dict[int, tuple[int, int, ProcessIdentity]] = {}  # fd -> (buffer key, rank, identity)
         self._exited: dict[int, dict[int, ProcessIdentity]] = {}
         self._thread: Optional[threading.Thread] = None
+        self._wake_read, self._wake_write = -1, -1
 
     def watch(self, buffer, peers: dict[int, ProcessIdentity], interval_s: float) -> None:
         if not peers or interval_s <= 0:
             return
         key = id(buffer)
         with self._lock:
-            self._watched[key] = (weakref.ref(buffer, lambda _, key=key: self._forget(key)), dict(peers),
-                                  float(interval_s))
+            self._buffers[key] = weakref.ref(buffer, lambda _, key=key: self._forget(key))
             self._exited[key] = {}
+            looked_at = {}
+            for rank, identity in peers.items():
+                fd = _pidfd(identity)
+                if fd is not None and not is_running(identity):  # gone already, or its pid names another
+                    os.close(fd)                                  # process now: a pidfd would never tell
+                    fd = None
+                if fd is None:
+                    looked_at[rank] = identity
+                else:
+                    self._pidfds[fd] = (key, rank, identity)
+            if looked_at:
+                self._looked_at[key] = (looked_at, float(interval_s))
             if self._thread is None or not self._thread.is_alive():
+                self._wake_read, self._wake_write = os.pipe()
+                os.set_blocking(self._wake_read, False)
                 self._thread = threading.Thread(target=self._run, name="ep_plugin peer watch", daemon=True)
                 self._thread.start()
-            self._wake.notify()
+            self._wake()
 
     def unwatch(self, buffer) -> None:
         self._forget(id(buffer))
@@ -106,25 +126,61 @@ class PeerWatch:
 
     def _forget(self, key: int) -> None:
         with self._lock:
-            self._watched.pop(key, None)
+            self._buffers.pop(key, None)
+            self._looked_at.pop(key, None)
+            for fd in [fd for fd, (owner, _, _) in self._pidfds.items() if owner == key]:
+                del self._pidfds[fd]
+                os.close(fd)
+            self._wake()
+
+    def _wake(self) -> None:
+        """Make the thread rebuild its poll set (the watched peers changed)."""
+        if self._wake_write >= 0:
+            os.write(self._wake_write, b"x")
 
     def _run(self) -> None:
-        with self._lock:
-            while True:
-                if not self._watched:
-                    self._wake.wait()  # until a buffer is watched again
-                    continue
-                self._wake.wait(timeout=min(interval for _, _, interval in self._watched.values()))
-                # The marks happen under the lock, so unwatch() returning means no mark is under way.
-                for key, (ref, peers, _) in list(self._watched.items()):
-                    buffer = ref()
-                    if buffer is None:
-                        continue
+        while True:
+            with self._lock:
+                poller = select.poll()
+                poller.register(self._wake_read, select.POLLIN)
+                for fd in self._pidfds:
+                    poller.register(fd, select.POLLIN)
+                intervals = [interval for _, interval in self._looked_at.values()]
+            ready = poller.poll(1000 * min(intervals) if intervals else None)  # sleeps without the GIL
+            with self._lock:
+                try:
+                    os.read(self._wake_read, 4096)
+                except BlockingIOError:
+                    pass
+                # Marks happen under the lock, so unwatch() returning means no mark is under way; a fd is
+                # resolved now (not from the poll set: it may have been closed and reused since) and the
+                # process looked at again before anyone is marked.
+                for fd, _ in ready:
+                    entry = self._pidfds.get(fd)
+                    if entry is not None and not is_running(entry[2]):
+                        del self._pidfds[fd]
+                        os.close(fd)
+                        self._mark(entry[0], entry[1], entry[2])
+                for key, (peers, _) in list(self._looked_at.items()):
                     for rank, identity in list(peers.items()):
                         if not is_running(identity):
                             del peers[rank]
-                            self._exited.setdefault(key, {})[rank] = identity
-                            buffer.mark_peer_exited(rank)
+                            self._mark(key, rank, identity)
+
+    def _mark(self, key: int, rank: int, identity: ProcessIdentity) -> None:
+        ref = self._buffers.get(key)
+        buffer = ref() if ref is not None else None
+        if buffer is not None:
+            self._exited.setdefault(key, {})[rank] = identity
+            buffer.mark_peer_exited(rank)
+
+
+def _pidfd(identity: ProcessIdentity) -> Optional[int]:
+    """A pidfd of that process's pid (readable once it exits), or None where there is none to have."""
+    try:
+        return os.pidfd_open(identity.pid)
+    except (AttributeError, OSError):  # no pidfd_open (old kernel or Python, not Linux), or no such pid
+        return None
 
 
 WATCH = PeerWatch()  # one thread per process, whatever the number of buffers
