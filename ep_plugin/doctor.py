@@ -611,7 +611,9 @@ def summary_line(fabric: Fabric, environ: Optional[Mapping[str, str]] = None) ->
 # ---- command line -----------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from .cli import OneLineParser, positive_int
+
+    parser = OneLineParser(
         prog="python -m ep_plugin doctor",
         description="Check this machine for the ep_plugin backends: GPUs and NVLink, RDMA NICs and GPUDirect "
                     "RDMA, NCCL, MPS. Exit code 1 when a path named by --backend / --scaleout cannot work.")
@@ -622,12 +624,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--nccl-probe", action="store_true",
                         help="run a 2-rank NCCL init (2 GPUs needed) whose log decides the scale-out verdict")
-    parser.add_argument("--ranks-per-gpu", type=int, default=1, help="ranks that will share each GPU (default 1)")
-    parser.add_argument("--nodes", type=int, default=1, help="nodes of the job, for the SM autosize line")
-    parser.add_argument("--experts", type=int, default=256, help="experts, for the SM autosize line")
-    parser.add_argument("--topk", type=int, default=8, help="top-k, for the SM autosize line")
-    parser.add_argument("--hidden", type=int, default=7168, help="hidden size, for the SM autosize line")
-    parser.add_argument("--element-bytes", type=int, default=2, help="bytes per element on the wire (bf16: 2)")
+    parser.add_argument("--ranks-per-gpu", type=positive_int, default=1,
+                        help="ranks that will share each GPU (default 1)")
+    parser.add_argument("--nodes", type=positive_int, default=1, help="nodes of the job, for the SM autosize line")
+    parser.add_argument("--experts", type=positive_int, default=256, help="experts, for the SM autosize line")
+    parser.add_argument("--topk", type=positive_int, default=8, help="top-k, for the SM autosize line")
+    parser.add_argument("--hidden", type=positive_int, default=7168, help="hidden size, for the SM autosize line")
+    parser.add_argument("--element-bytes", type=positive_int, default=2,
+                        help="bytes per element on the wire (bf16: 2)")
     return parser
 
 
@@ -636,8 +640,8 @@ def main(argv: Optional[list[str]] = None, *, fabric: Optional[Fabric] = None,
     """Run the doctor; ``fabric`` / ``environ`` are injectable for tests. Returns the exit code."""
     args = build_parser().parse_args(argv)
     environ = os.environ if environ is None else environ
-    options = Options(backend=args.backend, scaleout=args.scaleout, ranks_per_gpu=max(1, args.ranks_per_gpu),
-                      nodes=max(1, args.nodes), num_experts=args.experts, topk=args.topk, hidden=args.hidden,
+    options = Options(backend=args.backend, scaleout=args.scaleout, ranks_per_gpu=args.ranks_per_gpu,
+                      nodes=args.nodes, num_experts=args.experts, topk=args.topk, hidden=args.hidden,
                       element_bytes=args.element_bytes)
     fabric = fabric if fabric is not None else probe_fabric(environ=environ)
     probe = nccl_probe.run_nccl_probe(len(fabric.gpus)) if args.nccl_probe else None

@@ -382,3 +382,14 @@ def test_partial_driver_report_is_a_problem_not_a_crash(tmp_path):
     assert (verdict.status, code) == (DEGRADED, 0) and "stopped early" in verdict.problems[0].text
     assert "NVLink state unknown: NVML not found" in verdict.notes
     assert any("SM count" in note for note in verdict.notes)
+
+
+@pytest.mark.parametrize("argv, words", [(["--hidden", "-5"], "--hidden: must be >= 1, got -5"),
+                                          (["--nodes", "0"], "--nodes: must be >= 1, got 0"),
+                                          (["--ranks-per-gpu", "two"], "--ranks-per-gpu: 'two' is not a whole number")])
+def test_bad_sizes_are_one_line_errors(argv, words, capsys):
+    """They were clamped to 1 (or used as they were) without a word; a typo now stops with one line."""
+    with pytest.raises(SystemExit) as stopped:
+        doctor.main(argv, environ={})  # the parser stops it before any probe
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
