@@ -163,3 +163,24 @@ def test_compiled_backends_size_with_their_own_measured_rates():
         ours = autosize_sms(**common, sm_read_gbytes_per_s=cls.sm_read_gbytes_per_s,
                             sm_write_gbytes_per_s=cls.sm_write_gbytes_per_s).num_sms
         assert ours >= 2 * deepep_rule, (cls.name, ours, deepep_rule)
+
+
+def test_the_backends_refuse_a_grid_that_the_mps_share_cannot_hold(monkeypatch):
+    """An explicit num_sms above a rank's MPS share of the SMs was let through (only SMs / sharing ranks
+    was checked): its last blocks never became resident and the waits timed out naming a peer."""
+    from types import SimpleNamespace
+
+    from ep_plugin.backends.compiled import CompiledBackend
+
+    def backend(num_blocks: int) -> SimpleNamespace:  # what the check reads of a built backend
+        return SimpleNamespace(name="hybrid", num_blocks=num_blocks, config=Config(max_sms_per_gpu=132),
+                               _device_sms=lambda: 132)
+
+    CompiledBackend._check_co_residency(backend(16), 2)  # no MPS share set: 16 <= 132 // 2
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "10")  # 13 SMs per client
+    CompiledBackend._check_co_residency(backend(13), 2)
+    with pytest.raises(ValueError, match=r"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=10 lets each rank use 13.*<= 13"):
+        CompiledBackend._check_co_residency(backend(16), 2)
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "0.5")  # not one SM per client
+    with pytest.raises(ValueError, match="run fewer ranks per GPU or raise the percentage"):
+        CompiledBackend._check_co_residency(backend(1), 2)

@@ -19,7 +19,7 @@ from ..errors import BackendUnavailableError
 from ..routing import ROUTING_MAP, Routing, check_topk_values
 from ..transport.fabric import gpu_link_bandwidths
 from ..transport.placement import ranks_per_gpu
-from ..transport.sizing import resolve_num_sms
+from ..transport.sizing import co_residency_limit, mps_thread_percentage, resolve_num_sms
 from ..transport.symmetric import SymmetricBuffer
 from .base import Backend
 
@@ -154,11 +154,19 @@ class CompiledBackend(Backend):
         """Refuse (before any launch) grids that could not all be resident at once: spin-waiting blocks
         of ranks sharing a GPU deadlock when some of them cannot be scheduled."""
         sms = self.config.max_sms_per_gpu or self._device_sms()
-        if sharing * self.num_blocks > sms:
-            raise ValueError(
-                f"backend {self.name!r}: {sharing} ranks share one GPU and each runs {self.num_blocks} spin-waiting "
-                f"blocks (num_sms), {sharing * self.num_blocks} in all, but the GPU offers {sms} SMs; all must be "
-                f"resident at once or the kernels deadlock. Lower EP_PLUGIN_NUM_SMS to <= {sms // sharing}.")
+        # Under MPS a client runs on at most its active-thread percentage of the SMs, whatever is free.
+        percentage = mps_thread_percentage()
+        limit = co_residency_limit(sms, sharing, percentage)
+        if self.num_blocks <= limit:
+            return
+        mps = "" if percentage is None else (f", of which CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percentage:g} lets "
+                                             f"each rank use {int(sms * min(percentage, 100.0) / 100.0)}")
+        fix = (f"Lower EP_PLUGIN_NUM_SMS to <= {limit}" if limit >= 1 else
+               "Not one block per rank fits: run fewer ranks per GPU" + (" or raise the percentage" if mps else ""))
+        raise ValueError(
+            f"backend {self.name!r}: {sharing} rank(s) share one GPU and each runs {self.num_blocks} spin-waiting "
+            f"blocks (num_sms), {sharing * self.num_blocks} in all, but the GPU offers {sms} SMs{mps}; all must be "
+            f"resident at once or the kernels deadlock. {fix}.")
 
     # ---- the send-side layout (both backends) -----------------------------------------------
 
