@@ -112,6 +112,7 @@ class PeerWatch:
             if self._thread is None or not self._thread.is_alive():
                 self._wake_read, self._wake_write = os.pipe()
                 os.set_blocking(self._wake_read, False)
+                os.set_blocking(self._wake_write, False)  # a full pipe already wakes the thread
                 self._thread = threading.Thread(target=self._run, name="ep_plugin peer watch", daemon=True)
                 self._thread.start()
             self._wake()
@@ -128,6 +129,7 @@ class PeerWatch:
         with self._lock:
             self._buffers.pop(key, None)
             self._looked_at.pop(key, None)
+            self._exited.pop(key, None)
             for fd in [fd for fd, (owner, _, _) in self._pidfds.items() if owner == key]:
                 del self._pidfds[fd]
                 os.close(fd)
@@ -136,7 +138,10 @@ class PeerWatch:
     def _wake(self) -> None:
         """Make the thread rebuild its poll set (the watched peers changed)."""
         if self._wake_write >= 0:
-            os.write(self._wake_write, b"x")
+            try:
+                os.write(self._wake_write, b"x")
+            except BlockingIOError:
+                pass
 
     def _run(self) -> None:
         while True:
