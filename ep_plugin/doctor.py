@@ -401,10 +401,12 @@ def mps_verdict(fabric: Fabric, options: Options) -> Verdict:
         return verdict
     sharing = max(1, options.ranks_per_gpu)
     percentage = mps.active_thread_percentage
-    if mps.active_thread_percentage_text is not None and percentage is None:
+    if mps.active_thread_percentage_text is not None and not (percentage is not None and 0 < percentage <= 100):
+        what = "is not a number" if percentage is None else "is not a share of the SMs in (0, 100]"
         verdict.problems.append(Problem(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={mps.active_thread_percentage_text!r} "
-                                        f"is not a number", "set a number in (0, 100] or unset it"))
+                                        f"{what}", "set a number in (0, 100] or unset it"))
         verdict.status = DEGRADED
+        percentage = None
     if sharing == 1:
         verdict.status, verdict.summary = (NOT_NEEDED if verdict.status == OK else verdict.status,
                                            f"one rank per GPU; {state}")

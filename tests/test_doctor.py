@@ -307,6 +307,11 @@ def test_mps_verdicts(tmp_path):
     greedy = make_fabric(tmp_path, report, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"})
     found, _ = verdicts(greedy, ranks_per_gpu=4)
     assert found["mps"].status == DEGRADED and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in fixes(found["mps"])
+    for text in ("0", "-5", "150", "nan", "ten"):  # only "ten" was flagged; the numbers passed as they were
+        odd = make_fabric(tmp_path, report, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": text})
+        found, _ = verdicts(odd, ranks_per_gpu=1)
+        problems = " ".join(problem.text for problem in found["mps"].problems)
+        assert found["mps"].status == DEGRADED and f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={text!r}" in problems, text
 
 
 # ---- command line ------------------------------------------------------------------------------------
