@@ -41,7 +41,8 @@ class SymmetricBuffer:
         timeout_s: how long any device wait may spin before it reports.
         backend: the backend's name, for messages.
         phase_names: phase number -> text, for timeout messages.
-        peer_watch_s: seconds between looks at the peers' processes (``liveness``); 0 = none.
+        peer_watch_s: > 0 watches the peers' processes (``liveness``; the seconds between /proc looks where
+            there is no pidfd); 0 = no watch.
     """
 
     def __init__(self, group: dist.ProcessGroup, *, device: torch.device, region_bytes: int, count_words: int,
