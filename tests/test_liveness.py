@@ -173,3 +173,32 @@ def test_nothing_to_watch_starts_no_thread():
     watch.watch(RecordingBuffer(), {}, interval_s=0.5)
     watch.watch(RecordingBuffer(), {1: own_identity()}, interval_s=0)  # peer_watch_s = 0: off
     assert watch._thread is None  # noqa: SLF001
+
+
+def test_a_very_long_interval_keeps_the_thread_watching(monkeypatch):
+    """peer_watch_s may be any finite number, but poll takes at most 2**31 - 1 ms: a longer wait killed
+    the thread (OverflowError), and every restart of it, so no buffer's peers were watched any more."""
+    pidfds_fail = [True]
+    real_pidfd_open = liveness.os.pidfd_open
+
+    def pidfd_open(pid):
+        if pidfds_fail[0]:
+            raise OSError(38, "Function not implemented")
+        return real_pidfd_open(pid)
+
+    monkeypatch.setattr(liveness.os, "pidfd_open", pidfd_open)
+    watch, looked_at, polled = PeerWatch(), RecordingBuffer(), RecordingBuffer()
+    first, second = sleeper(), sleeper()
+    try:
+        watch.watch(looked_at, {1: child_identity(first)}, interval_s=1e7)  # a look every 116 days
+        pidfds_fail[0] = False
+        watch.watch(polled, {2: child_identity(second)}, interval_s=1e7)
+        second.kill()
+        assert wait_until(lambda: polled.marked == [2]), polled.marked
+        assert watch._thread.is_alive()  # noqa: SLF001
+    finally:
+        watch.unwatch(looked_at)
+        watch.unwatch(polled)
+        for child in (first, second):
+            child.kill()
+            child.wait()

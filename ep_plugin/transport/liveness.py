@@ -151,7 +151,8 @@ class PeerWatch:
                 for fd in self._pidfds:
                     poller.register(fd, select.POLLIN)
                 intervals = [interval for _, interval in self._looked_at.values()]
-            ready = poller.poll(1000 * min(intervals) if intervals else None)  # sleeps without the GIL
+            timeout_ms = min(1000 * min(intervals), _LONGEST_POLL_MS) if intervals else None
+            ready = poller.poll(timeout_ms)  # sleeps without the GIL
             with self._lock:
                 try:
                     os.read(self._wake_read, 4096)
@@ -187,5 +188,9 @@ def _pidfd(identity: ProcessIdentity) -> Optional[int]:
     except (AttributeError, OSError):  # no pidfd_open (old kernel or Python, not Linux), or no such pid
         return None
 
+
+# poll takes a C int of milliseconds (24.8 days); a longer peer_watch_s raised OverflowError in the
+# thread, which ended it and with it the watch of every buffer.
+_LONGEST_POLL_MS = 2**31 - 1
 
 WATCH = PeerWatch()  # one thread per process, whatever the number of buffers
