@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -199,6 +201,48 @@ def test_a_very_long_interval_keeps_the_thread_watching(monkeypatch):
     finally:
         watch.unwatch(looked_at)
         watch.unwatch(polled)
+        for child in (first, second):
+            child.kill()
+            child.wait()
+
+
+class SlowBuffer(RecordingBuffer):
+    """Its mark takes a second, during which the watch thread holds the watch's lock."""
+
+    def mark_peer_exited(self, rank: int) -> None:
+        super().mark_peer_exited(rank)
+        time.sleep(1.0)
+
+
+def test_a_forked_child_starts_afresh_even_when_the_thread_held_the_lock():
+    """A process forked while the thread marks (a DataLoader worker, say): the child's own buffer is
+    watched (its first watch blocked forever on the lock the parent's thread held at the fork) and its
+    copies of the parent's buffers are not marked (they are the parent's)."""
+    watch, inherited = PeerWatch(), SlowBuffer()
+    first, second = sleeper(), sleeper()
+    try:
+        watch.watch(inherited, {1: child_identity(first), 2: child_identity(second)}, interval_s=0.05)
+        first.kill()
+        assert wait_until(lambda: inherited.marked == [1])  # the thread is in the slow mark now
+        pid = os.fork()
+        if pid == 0:  # the child answers with its exit status and never returns into pytest
+            status = 1
+            try:
+                signal.alarm(10)  # a deadlocked child ends here
+                own, third = RecordingBuffer(), sleeper()
+                watch.watch(own, {4: child_identity(third)}, interval_s=0.05)
+                third.kill()
+                os.kill(second.pid, signal.SIGKILL)  # (Popen.kill does nothing in the child)
+                watched = wait_until(lambda: own.marked == [4])
+                time.sleep(0.3)
+                status = 0 if watched and inherited.marked == [1] else 2
+            finally:
+                os._exit(status)
+        _, wait_status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(wait_status) == 0
+        assert wait_until(lambda: inherited.marked == [1, 2])  # the parent's thread goes on
+    finally:
+        watch.unwatch(inherited)
         for child in (first, second):
             child.kill()
             child.wait()

@@ -18,6 +18,7 @@ keep the plain timeout. A zombie (exited, not yet reaped by its launcher) counts
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import threading
@@ -80,6 +81,12 @@ class PeerWatch:
     """
 
     def __init__(self) -> None:
+        self._start_afresh()
+        # A forked child (a DataLoader worker, say) has no watch thread, and the lock may have been held
+        # by it at the fork (the child then blocked forever on its first watch): the child starts afresh.
+        os.register_at_fork(after_in_child=functools.partial(_start_afresh_in_child, weakref.ref(self)))
+
+    def _start_afresh(self) -> None:
         # Reentrant: a buffer's weakref callback (``_forget``) may run in the thread itself, which holds
         # the lock while it marks, when the last reference to a buffer goes there.
         self._lock = threading.RLock()
@@ -135,6 +142,14 @@ class PeerWatch:
                 os.close(fd)
             self._wake()
 
+    def _forget_parents_buffers(self) -> None:
+        """In a forked child: the buffers and pidfds are the parent's (the child must not mark its copies
+        of them), and so is the wake pipe (a write would wake the parent's thread)."""
+        for fd in [*self._pidfds, self._wake_read, self._wake_write]:
+            if fd >= 0:
+                os.close(fd)
+        self._start_afresh()
+
     def _wake(self) -> None:
         """Make the thread rebuild its poll set (the watched peers changed)."""
         if self._wake_write >= 0:
@@ -179,6 +194,12 @@ class PeerWatch:
         if buffer is not None:
             self._exited.setdefault(key, {})[rank] = identity
             buffer.mark_peer_exited(rank)
+
+
+def _start_afresh_in_child(watch_ref: weakref.ref) -> None:
+    watch = watch_ref()
+    if watch is not None:
+        watch._forget_parents_buffers()
 
 
 def _pidfd(identity: ProcessIdentity) -> Optional[int]:
