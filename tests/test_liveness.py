@@ -246,3 +246,35 @@ def test_a_forked_child_starts_afresh_even_when_the_thread_held_the_lock():
         for child in (first, second):
             child.kill()
             child.wait()
+
+
+class FailingBuffer(RecordingBuffer):
+    def mark_peer_exited(self, rank: int) -> None:
+        raise RuntimeError("this buffer's mark fails")
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_thread_that_died_is_restarted_by_the_next_watch_without_a_new_pipe():
+    """An exception in the thread ends it (the traceback goes to stderr); the next watch starts it again,
+    with the same wake pipe (a new pipe each time left the old one's two fds open)."""
+    watch, failing, later = PeerWatch(), FailingBuffer(), RecordingBuffer()
+    first, second = sleeper(), sleeper()
+    try:
+        watch.watch(failing, {1: child_identity(first)}, interval_s=0.05)
+        fds_with_the_thread = open_fds()
+        first.kill()
+        assert wait_until(lambda: not watch._thread.is_alive())  # noqa: SLF001
+        watch.watch(later, {2: child_identity(second)}, interval_s=0.05)
+        second.kill()
+        assert wait_until(lambda: later.marked == [2]), later.marked
+        assert open_fds() == fds_with_the_thread - 1  # both pidfds closed (one pidfd fewer), no new pipe
+    finally:
+        watch.unwatch(failing)
+        watch.unwatch(later)
+        for child in (first, second):
+            child.kill()
+            child.wait()

@@ -116,10 +116,11 @@ class PeerWatch:
                     self._pidfds[fd] = (key, rank, identity)
             if looked_at:
                 self._looked_at[key] = (looked_at, float(interval_s))
-            if self._thread is None or not self._thread.is_alive():
+            if self._wake_read < 0:  # one pipe for good: a thread that died is restarted below with it
                 self._wake_read, self._wake_write = os.pipe()
                 os.set_blocking(self._wake_read, False)
                 os.set_blocking(self._wake_write, False)  # a full pipe already wakes the thread
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="ep_plugin peer watch", daemon=True)
                 self._thread.start()
             self._wake()
