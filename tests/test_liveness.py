@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -173,3 +175,106 @@ def test_nothing_to_watch_starts_no_thread():
     watch.watch(RecordingBuffer(), {}, interval_s=0.5)
     watch.watch(RecordingBuffer(), {1: own_identity()}, interval_s=0)  # peer_watch_s = 0: off
     assert watch._thread is None  # noqa: SLF001
+
+
+def test_a_very_long_interval_keeps_the_thread_watching(monkeypatch):
+    """peer_watch_s may be any finite number, but poll takes at most 2**31 - 1 ms: a longer wait killed
+    the thread (OverflowError), and every restart of it, so no buffer's peers were watched any more."""
+    pidfds_fail = [True]
+    real_pidfd_open = liveness.os.pidfd_open
+
+    def pidfd_open(pid):
+        if pidfds_fail[0]:
+            raise OSError(38, "Function not implemented")
+        return real_pidfd_open(pid)
+
+    monkeypatch.setattr(liveness.os, "pidfd_open", pidfd_open)
+    watch, looked_at, polled = PeerWatch(), RecordingBuffer(), RecordingBuffer()
+    first, second = sleeper(), sleeper()
+    try:
+        watch.watch(looked_at, {1: child_identity(first)}, interval_s=1e7)  # a look every 116 days
+        pidfds_fail[0] = False
+        watch.watch(polled, {2: child_identity(second)}, interval_s=1e7)
+        second.kill()
+        assert wait_until(lambda: polled.marked == [2]), polled.marked
+        assert watch._thread.is_alive()  # noqa: SLF001
+    finally:
+        watch.unwatch(looked_at)
+        watch.unwatch(polled)
+        for child in (first, second):
+            child.kill()
+            child.wait()
+
+
+class SlowBuffer(RecordingBuffer):
+    """Its mark takes a second, during which the watch thread holds the watch's lock."""
+
+    def mark_peer_exited(self, rank: int) -> None:
+        super().mark_peer_exited(rank)
+        time.sleep(1.0)
+
+
+def test_a_forked_child_starts_afresh_even_when_the_thread_held_the_lock():
+    """A process forked while the thread marks (a DataLoader worker, say): the child's own buffer is
+    watched (its first watch blocked forever on the lock the parent's thread held at the fork) and its
+    copies of the parent's buffers are not marked (they are the parent's)."""
+    watch, inherited = PeerWatch(), SlowBuffer()
+    first, second = sleeper(), sleeper()
+    try:
+        watch.watch(inherited, {1: child_identity(first), 2: child_identity(second)}, interval_s=0.05)
+        first.kill()
+        assert wait_until(lambda: inherited.marked == [1])  # the thread is in the slow mark now
+        pid = os.fork()
+        if pid == 0:  # the child answers with its exit status and never returns into pytest
+            status = 1
+            try:
+                signal.alarm(10)  # a deadlocked child ends here
+                own, third = RecordingBuffer(), sleeper()
+                watch.watch(own, {4: child_identity(third)}, interval_s=0.05)
+                third.kill()
+                os.kill(second.pid, signal.SIGKILL)  # (Popen.kill does nothing in the child)
+                watched = wait_until(lambda: own.marked == [4])
+                time.sleep(0.3)
+                status = 0 if watched and inherited.marked == [1] else 2
+            finally:
+                os._exit(status)
+        _, wait_status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(wait_status) == 0
+        assert wait_until(lambda: inherited.marked == [1, 2])  # the parent's thread goes on
+    finally:
+        watch.unwatch(inherited)
+        for child in (first, second):
+            child.kill()
+            child.wait()
+
+
+class FailingBuffer(RecordingBuffer):
+    def mark_peer_exited(self, rank: int) -> None:
+        raise RuntimeError("this buffer's mark fails")
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_thread_that_died_is_restarted_by_the_next_watch_without_a_new_pipe():
+    """An exception in the thread ends it (the traceback goes to stderr); the next watch starts it again,
+    with the same wake pipe (a new pipe each time left the old one's two fds open)."""
+    watch, failing, later = PeerWatch(), FailingBuffer(), RecordingBuffer()
+    first, second = sleeper(), sleeper()
+    try:
+        watch.watch(failing, {1: child_identity(first)}, interval_s=0.05)
+        fds_with_the_thread = open_fds()
+        first.kill()
+        assert wait_until(lambda: not watch._thread.is_alive())  # noqa: SLF001
+        watch.watch(later, {2: child_identity(second)}, interval_s=0.05)
+        second.kill()
+        assert wait_until(lambda: later.marked == [2]), later.marked
+        assert open_fds() == fds_with_the_thread - 1  # both pidfds closed (one pidfd fewer), no new pipe
+    finally:
+        watch.unwatch(failing)
+        watch.unwatch(later)
+        for child in (first, second):
+            child.kill()
+            child.wait()

@@ -325,10 +325,13 @@ DOMAIN_CASES = (("blocking: combine vs dispatch", (0,), ("op: ", "'combine' on r
                 ("blocking: barrier vs dispatch", (0,), ("op: ", "'barrier' on rank")),
                 ("blocking: dispatch_again vs combine", (0,), ("op: ", "'dispatch_again' on rank")),
                 ("blocking: combine vs dispatch, by rail", (0, 2), ("op: ", "'combine' on rank")),
+                ("blocking: barrier vs combine", (0,), ("op: ", "'barrier' on rank")),
+                ("blocking: row_probs on one rank", (0,), ("probs: ", "True on rank")),
                 ("sync-free: probs on one rank", (0,), ("probs: ", "False on rank")),
                 ("sync-free: dtype", (0,), ("dtype: ", "torch.float64 on rank")),
                 ("sync-free: combine order", (0,), ("handle_id: ",)),
                 ("sync-free: combine vs dispatch", (0,), ("op: ", "'combine' on rank")),
+                ("sync-free: row_probs on one rank", (0,), ("probs: ", "True on rank")),
                 ("sync-free: barrier vs dispatch", (0,), ("op: ", "'barrier' on rank")),
                 ("sync-free: dtype, by rail", (0, 2), ("dtype: ", "torch.float64 on rank")))
 
@@ -346,6 +349,10 @@ def _odd_op(backend, what: str, odd: bool, hidden, routing) -> None:
         first = backend.dispatch(hidden, **routing)
         if what == "combine vs dispatch":
             backend.combine(first.hidden, first.handle) if odd else backend.dispatch(hidden, **routing)
+        elif what == "barrier vs combine":
+            backend.barrier() if odd else backend.combine(first.hidden, first.handle)
+        elif what == "row_probs on one rank":  # combine's rail rows of two widths, unless agreed first
+            backend.combine(first.hidden, first.handle, row_probs=first.probs if odd else None)
         elif what == "dispatch_again vs combine":
             backend.dispatch_again(hidden, first.handle) if odd else backend.combine(first.hidden, first.handle)
         else:  # combine order: the odd rank combines its second dispatch, the others their first

@@ -18,6 +18,7 @@ keep the plain timeout. A zombie (exited, not yet reaped by its launcher) counts
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import threading
@@ -80,6 +81,12 @@ class PeerWatch:
     """
 
     def __init__(self) -> None:
+        self._start_afresh()
+        # A forked child (a DataLoader worker, say) has no watch thread, and the lock may have been held
+        # by it at the fork (the child then blocked forever on its first watch): the child starts afresh.
+        os.register_at_fork(after_in_child=functools.partial(_start_afresh_in_child, weakref.ref(self)))
+
+    def _start_afresh(self) -> None:
         # Reentrant: a buffer's weakref callback (``_forget``) may run in the thread itself, which holds
         # the lock while it marks, when the last reference to a buffer goes there.
         self._lock = threading.RLock()
@@ -109,10 +116,11 @@ class PeerWatch:
                     self._pidfds[fd] = (key, rank, identity)
             if looked_at:
                 self._looked_at[key] = (looked_at, float(interval_s))
-            if self._thread is None or not self._thread.is_alive():
+            if self._wake_read < 0:  # one pipe for good: a thread that died is restarted below with it
                 self._wake_read, self._wake_write = os.pipe()
                 os.set_blocking(self._wake_read, False)
                 os.set_blocking(self._wake_write, False)  # a full pipe already wakes the thread
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="ep_plugin peer watch", daemon=True)
                 self._thread.start()
             self._wake()
@@ -135,6 +143,14 @@ class PeerWatch:
                 os.close(fd)
             self._wake()
 
+    def _forget_parents_buffers(self) -> None:
+        """In a forked child: the buffers and pidfds are the parent's (the child must not mark its copies
+        of them), and so is the wake pipe (a write would wake the parent's thread)."""
+        for fd in [*self._pidfds, self._wake_read, self._wake_write]:
+            if fd >= 0:
+                os.close(fd)
+        self._start_afresh()
+
     def _wake(self) -> None:
         """Make the thread rebuild its poll set (the watched peers changed)."""
         if self._wake_write >= 0:
@@ -151,7 +167,8 @@ class PeerWatch:
                 for fd in self._pidfds:
                     poller.register(fd, select.POLLIN)
                 intervals = [interval for _, interval in self._looked_at.values()]
-            ready = poller.poll(1000 * min(intervals) if intervals else None)  # sleeps without the GIL
+            timeout_ms = min(1000 * min(intervals), _LONGEST_POLL_MS) if intervals else None
+            ready = poller.poll(timeout_ms)  # sleeps without the GIL
             with self._lock:
                 try:
                     os.read(self._wake_read, 4096)
@@ -180,6 +197,12 @@ class PeerWatch:
             buffer.mark_peer_exited(rank)
 
 
+def _start_afresh_in_child(watch_ref: weakref.ref) -> None:
+    watch = watch_ref()
+    if watch is not None:
+        watch._forget_parents_buffers()
+
+
 def _pidfd(identity: ProcessIdentity) -> Optional[int]:
     """A pidfd of that process's pid (readable once it exits), or None where there is none to have."""
     try:
@@ -187,5 +210,9 @@ def _pidfd(identity: ProcessIdentity) -> Optional[int]:
     except (AttributeError, OSError):  # no pidfd_open (old kernel or Python, not Linux), or no such pid
         return None
 
+
+# poll takes a C int of milliseconds (24.8 days); a longer peer_watch_s raised OverflowError in the
+# thread, which ended it and with it the watch of every buffer.
+_LONGEST_POLL_MS = 2**31 - 1
 
 WATCH = PeerWatch()  # one thread per process, whatever the number of buffers
