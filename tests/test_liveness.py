@@ -131,6 +131,10 @@ def test_without_pidfds_the_thread_looks_every_interval(monkeypatch):
         assert buffer.marked == [] and watch._pidfds == {}  # noqa: SLF001
         child.kill()
         assert wait_until(lambda: buffer.marked == [2]), buffer.marked
+        watch.unwatch(buffer)
+        other = RecordingBuffer()  # a buffer whose only looked-at peer is gone: no timed wake-ups after it
+        watch.watch(other, {4: child_identity(child)}, interval_s=0.05)
+        assert wait_until(lambda: other.marked == [4] and watch._looked_at == {}), watch._looked_at  # noqa: SLF001
     finally:
         watch.unwatch(buffer)
         child.kill()

@@ -188,6 +188,8 @@ class PeerWatch:
                         if not is_running(identity):
                             del peers[rank]
                             self._mark(key, rank, identity)
+                    if not peers:  # nothing left to look at: no more timed wake-ups for this buffer
+                        self._looked_at.pop(key, None)
 
     def _mark(self, key: int, rank: int, identity: ProcessIdentity) -> None:
         ref = self._buffers.get(key)
