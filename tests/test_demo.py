@@ -87,3 +87,13 @@ def test_demo_rejects_experts_not_divisible_by_ranks():
     result = subprocess.run([sys.executable, "-m", "ep_plugin", "demo", "--ranks", "3", "--experts", "8",
                              "--device", "cpu"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "divisible" in result.stderr
+
+
+def test_demo_with_one_step_is_a_smoke_run_not_a_failure(monkeypatch, capsys):
+    """One step has no loss to compare with: the demo says so and exits 0 (it used to exit 1,
+    "DID NOT DECREASE"). run_ranks is stubbed so that no rank process starts."""
+    import ep_plugin.demo as demo
+
+    monkeypatch.setattr(demo, "run_ranks", lambda *args, **kwargs: [[0.5]])
+    assert demo.main(["--steps", "1", "--ranks", "2", "--device", "cpu", "--backend", "reference"]) == 0
+    assert "after 1 step" in capsys.readouterr().out
