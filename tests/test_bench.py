@@ -430,3 +430,13 @@ def test_compare_flags_the_slower_case_only(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         compare.main(["--new", str(base), "--base", str(base), "--ops", "roundtrip,total"])
     assert stop.value.code == 2 and "--ops takes" in capsys.readouterr().err
+
+
+def test_a_reference_skipped_for_its_token_limit_says_so(tmp_path, capfd):
+    """'no case ran (every one was skipped, see above)' must have a line above that says why."""
+    argv = ["--device", "cpu", "--ranks", "2", "--backends", "reference", "--tokens", "64", "--hidden", "64",
+            "--experts", "8", "--topk", "2", "--routings", "balanced", "--reference-max-tokens", "32",
+            "--out", str(tmp_path / "bench")]
+    assert main(argv) == 1
+    output = capfd.readouterr()
+    assert "skipped reference at 64 tokens per rank: above --reference-max-tokens 32" in output.out, output

@@ -502,6 +502,7 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
         progress = tqdm(total=total, desc="bench", unit="case")
     ceiling_cache: dict[int, float] = {}
     baseline_skipped = False
+    reference_skips_said: set[int] = set()  # token counts whose reference skip was printed
     for name, hidden, experts, sms, mode, scaleup in plan:
         if name == ALL_TO_ALL:
             problem = _all_to_all_problem(device)
@@ -526,7 +527,13 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                                                                 spec.routings):
             if progress:
                 progress.update()
-            if not supported(cls, payload, mode) or _reference_skips(spec, name, tokens):
+            if _reference_skips(spec, name, tokens):
+                if ctx.rank == 0 and tokens not in reference_skips_said:
+                    reference_skips_said.add(tokens)
+                    print(f"skipped reference at {tokens} tokens per rank: above --reference-max-tokens "
+                          f"{spec.reference_max_tokens} (0 = no limit)", flush=True)
+                continue
+            if not supported(cls, payload, mode):
                 continue
             if backend is None:  # built lazily: a backend owns large buffers
                 try:
