@@ -15,12 +15,15 @@ import torch
 import torch.distributed as dist
 
 import ep_plugin
+from ep_plugin.cli import OneLineParser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="reference", help="reference (any device) or hybrid (GPU)")
     args = parser.parse_args()
+    if "LOCAL_WORLD_SIZE" not in os.environ:  # started as `python examples/api.py`: no ranks to talk to
+        parser.error("start it with torchrun, one process per rank: torchrun --nproc-per-node 2 examples/api.py")
     use_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"])
     if use_gpus:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

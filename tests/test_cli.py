@@ -171,3 +171,11 @@ def test_product_text_speaks_for_itself():
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
     assert "docs/design.md" in (ROOT / "README.md").read_text()
+
+
+def test_the_api_example_started_wrongly_says_what_to_do_in_one_line():
+    """Started without torchrun: one line that says how to start it, not a rendezvous traceback."""
+    plain = subprocess.run([sys.executable, str(ROOT / "examples" / "api.py")], capture_output=True, text=True,
+                           timeout=60, env={k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"})
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr, plain.stderr
+    assert "torchrun --nproc-per-node 2 examples/api.py" in plain.stderr.strip().splitlines()[-1], plain.stderr
