@@ -410,7 +410,9 @@ def test_compare_flags_the_slower_case_only(tmp_path, capsys):
                           (["--new", str(base), "--worse", "-0.1"], "--worse is a fraction")):
         with pytest.raises(SystemExit) as stop:
             compare.main([*argv, "--base", str(base)])
-        assert stop.value.code == 2 and message in capsys.readouterr().err, argv
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, (argv, err)
+        assert err.startswith("python -m ep_plugin.bench.compare: error:"), err  # how it is run, no usage block
     # A base run from before the bench reported domains (its rows have no "domains") is one domain.
     old = json.loads(json.dumps(report))
     for row in old["summary"]:

@@ -114,7 +114,10 @@ def round_geomeans(new_paths: list[str], base_paths: list[str], ops: Optional[se
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..cli import OneLineParser
+
+    parser = OneLineParser(prog="python -m ep_plugin.bench.compare", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new", nargs="+", required=True, help="bench.json file(s) of the tree under test")
     parser.add_argument("--base", nargs="+", required=True, help="bench.json file(s) of the tree to compare against")
     parser.add_argument("--worse", type=float, default=0.05,
