@@ -364,16 +364,16 @@ def _case_bytes(backend_cls, shape: Shape, num_ranks: int, seed: int, in_place: 
     combine = backend_cls.wire_bytes(maps, num_ranks, with_probs=False, **common)
     algorithm = traffic(maps, num_ranks, shape)
     algorithm["out_bytes"] = [rows * shape.row_bytes() for rows in dispatch["out_rows"]]
-    floor = _compact_remote_bytes(shape, num_ranks, seed)
+    floor = _compact_remote_bytes(shape, route_counts(maps, num_ranks)[0])
     return dict(bytes=algorithm, link_bytes={"dispatch": dispatch["dispatch"], "combine": combine["combine"]},
                 link_floor_bytes={op: max(per_rank) for op, per_rank in floor.items()})
 
 
-def _compact_remote_bytes(shape: Shape, num_ranks: int, seed: int) -> dict[str, list[int]]:
-    """Each rank's bytes to other ranks with one row per (token, destination rank): the dispatch's payload
-    rows, and the combine's bf16 rows back to the sources (the least any design moves; what the
-    all_to_all baseline moves)."""
-    packets, _ = route_counts(list(_routing_maps(shape, num_ranks, seed)), num_ranks)
+def _compact_remote_bytes(shape: Shape, packets: list[list[int]]) -> dict[str, list[int]]:
+    """Each rank's bytes to other ranks with one row per (token, destination rank) (``packets[source][dest]``
+    from ``route_counts``): the dispatch's payload rows, and the combine's bf16 rows back to the sources
+    (the least any design moves; what the all_to_all baseline moves)."""
+    num_ranks = len(packets)
     sent = [sum(n for dest, n in enumerate(row) if dest != source) * shape.row_bytes()
             for source, row in enumerate(packets)]
     back = [sum(packets[source][dest] for source in range(num_ranks) if source != dest) * 2 * shape.hidden
@@ -431,7 +431,8 @@ def _run_all_to_all_case(ctx: RankContext, spec: SweepSpec, shape: Shape, device
     bench's process group, timed like a backend's ops. Dispatch sends each token once to every rank
     holding one of its experts (payload bytes, fp8 with its scales); combine sends as many bf16 rows
     back. No layout, permute or sum: the bytes of elastic's compact form, moved by the engine alone."""
-    packets, _ = route_counts(list(_routing_maps(shape, ctx.world_size, spec.seed)), ctx.world_size)
+    maps = list(_routing_maps(shape, ctx.world_size, spec.seed))
+    packets, _ = route_counts(maps, ctx.world_size)
     send = [int(n) for n in packets[ctx.rank]]
     recv = [int(packets[source][ctx.rank]) for source in range(ctx.world_size)]
     payload, back = shape.row_bytes(), 2 * shape.hidden
@@ -448,9 +449,9 @@ def _run_all_to_all_case(ctx: RankContext, spec: SweepSpec, shape: Shape, device
 
     samples = _time_pairs(dispatch, combine, device, spec.warmup, spec.iters, spec.sync_each_iter)
     step_us = _time_loop(dispatch, combine, device, spec.warmup, spec.iters)
-    algorithm = traffic(list(_routing_maps(shape, ctx.world_size, spec.seed)), ctx.world_size, shape)
+    algorithm = traffic(maps, ctx.world_size, shape)
     algorithm["out_bytes"] = algorithm["recv_token_bytes"]  # its output is the compact rows
-    remote = _compact_remote_bytes(shape, ctx.world_size, spec.seed)
+    remote = _compact_remote_bytes(shape, packets)
     _barrier(device)
     return dict(payload=shape.payload, tokens=shape.tokens, hidden=shape.hidden, topk=shape.topk,
                 experts=shape.experts, routing=shape.routing, ranks=ctx.world_size,
