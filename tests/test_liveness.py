@@ -1,8 +1,7 @@
 """The peers' liveness watch (``ep_plugin.transport.liveness``) on real processes: what counts as running
 (a zombie and a reused pid do not), which peers can be watched, and the watching thread, which must mark
 a buffer's peer once its process is gone and never touch a buffer after ``unwatch`` returned. The
-device side (a wait that stops at the mark) is tested on the GPU: test_hybrid / test_elastic
-``exited_rank``."""
+device side (a wait that stops at the mark) is tested on the GPU: test_faults_gpu.py ``exited_rank``."""
 
 from __future__ import annotations
 

@@ -1,0 +1,204 @@
+"""Faults of the compiled backends (``hybrid`` and ``elastic``), each test run for both: a rank that never
+calls, a rank whose process is gone, ranks that disagree about an op, more SMs than can be resident.
+
+What every case must show (DESIGN §3.3): the other ranks get an ``EPError`` naming the phase and the
+peer, no hang and no crash, and their GPU stays usable. All need a GPU and the compiled extension; four
+ranks, one GPU each where there are enough, else sharing GPUs under MPS.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from test_hybrid import make_inputs
+
+import ep_plugin
+from ep_plugin.config import Config
+from ep_plugin.testing import run_ranks
+
+pytestmark = pytest.mark.gpu
+
+NUM_EXPERTS = 32
+MAX_TOKENS = 128
+BACKENDS = ["hybrid", "elastic"]
+# The phase a rank waits in when a peer never reaches dispatch: hybrid's count notify, elastic's exchange.
+DISPATCH_WAIT = {"hybrid": "dispatch/notify", "elastic": "dispatch/exchange"}
+
+
+def make_backend(ctx, backend_name: str, hidden: int = 256, options: dict | None = None, **config):
+    """A backend of the suite's size; ``options`` go to the backend, ``config`` to its Config."""
+    config = Config.from_env(**{"max_tokens_per_rank": MAX_TOKENS, "timeout_s": 20.0, "num_sms": 8, **config})
+    options = {"max_topk": 8, **(options or {})} if backend_name == "elastic" else options or {}
+    return ep_plugin.get_backend(backend_name)(hidden_size=hidden, num_experts=NUM_EXPERTS, device=ctx.device,
+                                               config=config, **options)
+
+
+def routed_tokens(ctx, seed: int, hidden: int = 256):
+    x, idx, w, _, _ = make_inputs(seed, ctx.rank, ctx.world_size, 20, hidden, NUM_EXPERTS, 2, skewed=False,
+                                  drop_some=False)
+    return x, dict(topk_idx=idx, topk_weights=w)
+
+
+def timed_dispatch(backend, x, routing) -> dict:
+    """Dispatch expecting an EPError: the error as 'Type: message' (None when none came) and the seconds."""
+    start = time.monotonic()
+    try:
+        backend.dispatch(x, **routing)
+        error = None
+    except ep_plugin.EPError as caught:
+        error = f"{type(caught).__name__}: {caught}"
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
+def gpu_usable(ctx):
+    try:
+        return float(torch.ones(4, device=ctx.device).sum()) == 4.0
+    except RuntimeError as error:
+        return str(error)
+
+
+# ---- a rank that never calls -------------------------------------------------------------------
+
+def missing_rank(ctx, backend_name: str) -> dict:
+    """Rank 0 never calls dispatch: every other rank must raise EPTimeoutError naming phase and peer."""
+    backend = make_backend(ctx, backend_name, timeout_s=3.0)
+    x, routing = routed_tokens(ctx, 800)
+    result = timed_dispatch(backend, x, routing) if ctx.rank != 0 else {}
+    torch.distributed.barrier()
+    return result
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_missing_rank_times_out_naming_phase_and_peer(backend_name):
+    results = run_ranks(missing_rank, 4, backend_name, device="cuda", timeout_s=120)
+    for rank, result in enumerate(results[1:], start=1):
+        assert result["error"] is not None, f"rank {rank} did not raise"
+        assert result["error"].startswith("EPTimeoutError: "), (rank, result)
+        assert DISPATCH_WAIT[backend_name] in result["error"] and "peer rank 0" in result["error"], (rank, result)
+        assert result["seconds"] < 10, (rank, result)
+
+
+# ---- a rank whose process exited ---------------------------------------------------------------
+
+def exited_rank(ctx, backend_name: str, peer_watch_s: float) -> dict:
+    """The last rank's process ends after the backend is built (its CUDA context, and the buffer its
+    peers opened with CUDA IPC, go with it); the others then dispatch. They must raise EPError naming
+    that rank, not die on an illegal address, and their GPU must stay usable. With the peer watch on,
+    the wait stops at the watch's mark, long before the timeout; with it off, the timeout reports."""
+    timeout_s = 30.0 if peer_watch_s else 3.0
+    backend = make_backend(ctx, backend_name, timeout_s=timeout_s, peer_watch_s=peer_watch_s)
+    x, routing = routed_tokens(ctx, 801)
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+    if ctx.rank == ctx.world_size - 1:
+        return {}  # the launcher's rank process exits now
+    time.sleep(5.0)  # until that process (and its CUDA context) is gone
+    result = timed_dispatch(backend, x, routing)
+    result["gpu_ok"] = gpu_usable(ctx)
+    return result
+
+
+@pytest.mark.parametrize("peer_watch_s", [0.5, 0.0])
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_rank_whose_process_exited_is_named(backend_name, peer_watch_s):
+    results = run_ranks(exited_rank, 4, backend_name, peer_watch_s, device="cuda", timeout_s=120)
+    for rank, result in enumerate(results[:-1]):
+        assert result["error"] is not None, f"rank {rank} did not raise"
+        if peer_watch_s:  # the watch's mark: "exited", well inside the 30 s timeout
+            assert result["error"].startswith("EPError: ") and "the process of rank 3" in result["error"], \
+                (rank, result)
+            assert "has exited" in result["error"] and result["seconds"] < 10, (rank, result)
+        else:
+            assert result["error"].startswith("EPTimeoutError: ") and "peer rank 3" in result["error"], \
+                (rank, result)
+        assert result["gpu_ok"] is True, (rank, result["gpu_ok"])
+
+
+# ---- ranks that disagree -----------------------------------------------------------------------
+
+def disagreeing_ranks(ctx, backend_name: str) -> dict:
+    """Three ways ranks disagree, each on a fresh backend: every rank must get EPError naming the op and
+    the field (no hang, no wrong rows). 1) combine on two handles in opposite orders; 2) rank 0
+    combines a copy while the others combine in place (elastic; hybrid combines that: rank 0 pushes its
+    partial sums, and the result is the two-stage combine's up to its rounding); 3) an FP8 dispatch on
+    rank 0 while the others send bf16."""
+    hidden = 256
+    errors = {}
+    x, routing = routed_tokens(ctx, 850, hidden)
+
+    def build(**options):
+        return make_backend(ctx, backend_name, hidden, options, timeout_s=10.0)
+
+    backend = build()
+    first, second = backend.dispatch(x, **routing), backend.dispatch(x * 2, **routing)
+    order = (first, second) if ctx.rank % 2 == 0 else (second, first)
+    try:
+        for out in order:
+            backend.combine(out.hidden, out.handle)
+        backend.check_errors()
+        errors["order"] = None
+    except ep_plugin.EPError as error:
+        errors["order"] = str(error)
+    backend.destroy()
+
+    # hybrid combines in place from its combine-input arena
+    backend = build(combine_input_rows=4096) if backend_name == "hybrid" else build()
+    out = backend.dispatch(x, **routing)
+    rows = backend.combine_input(out.handle)
+    rows.copy_(out.hidden)
+    try:
+        back = backend.combine(rows.clone() if ctx.rank == 0 else rows, out.handle).hidden.float()
+        backend.check_errors()
+        errors["in_place"] = None
+        staged = backend.combine(out.hidden, out.handle).hidden.float()
+        errors["mixed_difference"] = float((back - staged).abs().max() / staged.abs().max())
+    except ep_plugin.EPError as error:
+        errors["in_place"] = str(error)
+    backend.destroy()
+
+    backend = build()
+    data = x if ctx.rank != 0 else (x.to(torch.float8_e4m3fn), torch.ones(x.shape[0], hidden // 128,
+                                                                           device=x.device))
+    try:
+        backend.dispatch(data, **routing)
+        backend.check_errors()
+        errors["dtype"] = None
+    except ep_plugin.EPError as error:
+        errors["dtype"] = str(error)
+    backend.destroy()
+    return errors
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_ranks_that_disagree_get_an_error_on_every_rank(backend_name):
+    results = run_ranks(disagreeing_ranks, 4, backend_name, device="cuda", timeout_s=180)
+    for rank, errors in enumerate(results):
+        assert errors["order"] is not None and "combine" in errors["order"] and "handle_id" in errors["order"], \
+            (rank, errors)
+        assert errors["dtype"] is not None and "dispatch" in errors["dtype"] and "dtype" in errors["dtype"], \
+            (rank, errors)
+        if backend_name == "elastic":
+            assert errors["in_place"] is not None and "combine_in_place" in errors["in_place"], (rank, errors)
+        else:  # one pass rounds once, the two-stage combine once per rank: a few bf16 ulps apart at most
+            assert errors["in_place"] is None and errors["mixed_difference"] <= 4 * 2 ** -7, (rank, errors)
+
+
+# ---- more SMs than can be resident -------------------------------------------------------------
+
+def co_residency(ctx, backend_name: str) -> str:
+    # One more block per rank than the GPU's SMs allow for the ranks placed on it.
+    sharing = -(-ctx.world_size // torch.cuda.device_count())
+    too_many = torch.cuda.get_device_properties(ctx.device).multi_processor_count // sharing + 1
+    try:
+        make_backend(ctx, backend_name, num_sms=too_many)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_oversubscribed_sms_are_refused(backend_name):
+    results = run_ranks(co_residency, 4, backend_name, device="cuda", timeout_s=120)
+    assert all("resident" in message for message in results), results
