@@ -55,8 +55,12 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx, hidden, probs, topk_weights, backend: Backend, routing_map, topk_idx, pad_multiple, options):
         # The backend validates the routing form; probs and topk_weights are inputs here only so
         # that autograd sees whichever one was given.
-        result = backend.dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
-                                  topk_weights=topk_weights, pad_multiple=pad_multiple, **options)
+        backend.op_records_backward = any(ctx.needs_input_grad[:3])
+        try:
+            result = backend.dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
+                                      topk_weights=topk_weights, pad_multiple=pad_multiple, **options)
+        finally:
+            backend.op_records_backward = False
         ctx.handle = result.handle
         ctx.weights_are_probs = routing_map is not None
         ctx.mark_non_differentiable(*(t for t in (result.tokens_per_expert, result.topk_idx, result.num_valid_rows)
@@ -88,7 +92,12 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, handle: Handle, options):
         ctx.handle = handle
-        return handle.backend.combine(rows, handle, **options).hidden
+        backend = handle.backend
+        backend.op_records_backward = ctx.needs_input_grad[0]
+        try:
+            return backend.combine(rows, handle, **options).hidden
+        finally:
+            backend.op_records_backward = False
 
     @staticmethod
     def backward(ctx, grad_out):

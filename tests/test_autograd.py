@@ -18,6 +18,7 @@ import ep_plugin
 from ep_plugin.config import Config
 from ep_plugin.testing import run_ranks
 from ep_plugin.testing.dense import dense_moe, make_problem, run_local_experts
+from ep_plugin.topology import Topology
 
 HIDDEN = 6
 
@@ -260,3 +261,55 @@ def check_second_derivative_raises(ctx) -> None:
 
 def test_second_derivative_through_dispatch_and_combine_raises():
     run_ranks(check_second_derivative_raises, 2, timeout_s=60)
+
+
+def grad_on_rank_0_only(ctx) -> dict:
+    """Autograd records an op on rank 0 only (its inputs need grad there, not elsewhere), so only rank 0
+    would run that op's backward and the others would never meet it there. Every rank must get EPError
+    naming ``grad`` at the forward, for dispatch and for combine, on the flat reference backend and on 2
+    domains x 2 ranks (blocking and sync-free); then a step with grad everywhere must work."""
+    torch.set_num_threads(1)
+    config = Config.from_env(timeout_s=30.0)  # a hang reads as EPTimeoutError, not a stall
+    build = dict(hidden_size=HIDDEN, num_experts=8, device="cpu")
+    backends = {"flat": ep_plugin.get_backend("reference")(**build, config=config),
+                **{f"2x2 {mode}": ep_plugin.get_backend("reference")(
+                    **build, config=config.replace(blocking=mode == "blocking"), topology=Topology(4, 2, ctx.rank))
+                   for mode in ("blocking", "sync-free")}}
+    problem = make_problem(31, [5, 3, 0, 4], HIDDEN, 8, 2, dtype=torch.float64)
+    routing = dict(topk_idx=problem.topk_idx[ctx.rank])
+    times_routed = (problem.topk_idx[ctx.rank] >= 0).sum(1, keepdim=True).double()
+    results = {}
+    for name, backend in backends.items():
+        hidden = problem.hidden[ctx.rank].clone().requires_grad_(ctx.rank == 0)
+        for op in ("dispatch", "combine"):
+            try:
+                if op == "dispatch":
+                    ep_plugin.dispatch(backend, hidden, **routing)
+                else:
+                    out = ep_plugin.dispatch(backend, hidden.detach(), **routing)
+                    ep_plugin.combine(out.hidden.clone().requires_grad_(ctx.rank == 0), out.handle)
+                results[name, op] = "no error"
+            except ep_plugin.EPError as error:
+                results[name, op] = f"{type(error).__name__}: {error}"
+        hidden = problem.hidden[ctx.rank].clone().requires_grad_()
+        out = ep_plugin.dispatch(backend, hidden, **routing)
+        ep_plugin.combine(out.hidden, out.handle).sum().backward()
+        results[name, "usable"] = torch.equal(hidden.grad, times_routed.expand_as(hidden))
+    return results
+
+
+def test_ranks_where_autograd_records_an_op_on_some_ranks_only_raise_at_the_forward():
+    """Before: the ranks without grad went on; the others waited in the op's backward until the timeout
+    (or met the next forward op as a mismatch)."""
+    per_rank = run_ranks(grad_on_rank_0_only, 4, timeout_s=180)
+    for rank, results in enumerate(per_rank):
+        for (name, what), result in results.items():
+            if what == "usable":
+                assert result is True, (rank, name)
+                continue
+            assert result.startswith("EPError: "), (rank, name, what, result)
+            # 2x2: a rank whose own rail saw equal fingerprints is told by its domain peer
+            told = name != "flat" and "found that ranks disagree" in result
+            assert "grad: True on rank" in result or "grad: False on rank" in result or told, \
+                (rank, name, what, result)
+    assert all("grad: " in per_rank[0][key] for key in per_rank[0] if key[1] != "usable"), per_rank[0]

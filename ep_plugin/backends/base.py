@@ -86,6 +86,11 @@ class Backend(abc.ABC):
     # Top-k ids are range- and repeat-checked by the backend's own kernels, every rank told of any
     # rank's bad ids (so blocking mode needs no host read of them before the op).
     checks_ids_on_device: bool = False
+    # Whether the op running now was recorded by autograd, so its backward will run on this rank: set
+    # by ``ep_plugin.dispatch``/``combine`` around the call, and part of the op's fingerprint
+    # (``OpFingerprint.grad``). Ranks that differ (inputs needing grad on some ranks only) raise EPError
+    # at the forward instead of leaving the others waiting in a backward this rank never runs.
+    op_records_backward: bool = False
 
     def __new__(cls, group: Optional[dist.ProcessGroup] = None, *, topology: Optional[Topology] = None,
                 **kwargs: Any) -> "Backend":

@@ -78,7 +78,15 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import streams
-from ..agreement import OP_BARRIER, OP_COMBINE, OP_DISPATCH, OP_DISPATCH_AGAIN, OpFingerprint, mismatch_message
+from ..agreement import (
+    OP_BARRIER,
+    OP_COMBINE,
+    OP_DISPATCH,
+    OP_DISPATCH_AGAIN,
+    WHAT_RANKS_SHARE,
+    OpFingerprint,
+    mismatch_message,
+)
 from ..errors import EPError
 from ..handle import COMPACT, CombineOutput, DispatchOutput, Handle
 from ..host_collectives import HostCollectives
@@ -286,7 +294,7 @@ class HierarchicalBackend(Backend):
             return values
 
         fingerprint = OpFingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, form=routing.form,
-                                    topk=min(k, _TOPK_FIELD_MAX))
+                                    topk=min(k, _TOPK_FIELD_MAX), grad=self.op_records_backward)
         if self.config.blocking:  # the domain stage of the agreement comes with the segment counts below
             splits, disagreement = self._rail_agreement(fingerprint, packer.row_bytes, where,
                                                         send_counts=[len(tokens) for tokens in send_tokens])
@@ -367,7 +375,7 @@ class HierarchicalBackend(Backend):
         where = f"combine of dispatch #{layout.dispatch_id}"
         T, H = handle.num_tokens, self.hidden_size
         fingerprint = OpFingerprint(OP_COMBINE, dtype=rows.dtype, probs=row_probs is not None,
-                                    handle_id=layout.dispatch_id)
+                                    handle_id=layout.dispatch_id, grad=self.op_records_backward)
         # The rail rows' width, as this rank will pack them: ranks whose probs dtypes differ would
         # otherwise meet in an exchange of two sizes.
         probs_dtype = None if row_probs is None else row_probs.dtype
@@ -601,8 +609,7 @@ class HierarchicalBackend(Backend):
             names = ", ".join(collectives.peer_name(peer) for peer in flagged)
             raise EPError(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found that "
                           f"ranks disagree on the op (their errors say how); every rank of this domain stops here. "
-                          f"All ranks must issue the same ops in the same order with the same dtype, probs, "
-                          f"routing form and handles.")
+                          f"{WHAT_RANKS_SHARE}")
         for peer, (_, word) in enumerate(theirs):
             if word != code:
                 peer_rank = self._topology.domain_ranks()[peer]

@@ -84,7 +84,7 @@ class ReferenceBackend(Backend):
         where = f"dispatch #{number}"
         topk = min(routing.topk_idx.shape[1], _TOPK_FIELD_MAX) if routing.form == TOPK else 0
         fingerprint = OpFingerprint(OP_DISPATCH, dtype=hidden.dtype, probs=probs is not None, form=routing.form,
-                                    topk=topk)
+                                    topk=topk, grad=self.op_records_backward)
         token, expert, slot = routing.pairs()
         dest_rank = torch.div(expert, self.num_local_experts, rounding_mode="floor")
         send_splits = torch.bincount(dest_rank, minlength=self.num_ranks).tolist()
@@ -119,7 +119,7 @@ class ReferenceBackend(Backend):
         layout: ReferenceLayout = handle.layout
         where = f"combine of dispatch #{layout.dispatch_id}"
         fingerprint = OpFingerprint(OP_COMBINE, dtype=rows.dtype, probs=row_probs is not None,
-                                    handle_id=layout.dispatch_id)
+                                    handle_id=layout.dispatch_id, grad=self.op_records_backward)
         self._open(fingerprint, where, layout.recv_splits, None if row_probs is None else row_probs.dtype,
                    expected=layout.send_splits)
         returned = self._all_to_all(rows[layout.recv_row], layout.send_splits, layout.recv_splits, f"{where} (rows)")

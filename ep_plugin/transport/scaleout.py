@@ -387,6 +387,9 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def _as_bytes(value: torch.Tensor, width: int) -> torch.Tensor:
     """[N, k] of any dtype -> [N, width] uint8 (bool as one byte per value)."""
+    if value.numel() == 0:  # counts as contiguous whatever its strides (a 0-token rank's gradient of a
+        # sum is an expanded tensor, stride 0), and view() refuses such strides
+        return torch.empty(value.shape[0], width, dtype=torch.uint8, device=value.device)
     if value.dtype == torch.bool:
         value = value.to(torch.uint8)
     return value.contiguous().view(torch.uint8).reshape(value.shape[0], width)
