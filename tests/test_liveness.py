@@ -73,6 +73,26 @@ def test_a_process_runs_until_it_exits_and_a_zombie_or_a_reused_pid_is_not_it():
     assert not is_running(identity)  # reaped: no /proc entry
 
 
+def test_a_process_that_proc_hides_counts_as_running_until_its_pid_is_gone(monkeypatch):
+    """/proc mounted with hidepid shows only this user's processes: a peer run by another user has no
+    /proc entry while it runs. It must not read as exited (its peers' waits would stop with a false
+    'has exited'); once its pid is gone it is."""
+    child = sleeper()
+    try:
+        identity = child_identity(child)
+
+        def hidden(pid):
+            raise FileNotFoundError(f"/proc/{pid}/stat")
+        monkeypatch.setattr(liveness, "_stat_fields", hidden)
+        assert is_running(identity)
+        child.kill()
+        child.wait()
+        assert not is_running(identity)
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_only_peers_on_this_host_and_pid_namespace_are_watchable():
     here = own_identity()
     assert here.watchable_from(here)

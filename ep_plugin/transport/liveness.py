@@ -57,9 +57,24 @@ def is_running(identity: ProcessIdentity) -> bool:
     """Whether that process still runs (not exited, not a zombie, not a new process with its pid)."""
     try:
         state, start_ticks = _stat_fields(identity.pid)
+    except FileNotFoundError:
+        # Gone, or hidden: a /proc mounted with hidepid shows only this user's processes. Ask the
+        # kernel (a signal 0 checks the pid exists); a hidden peer then counts as running, unchecked
+        # for a reused pid, rather than as exited while it runs.
+        return _pid_exists(identity.pid)
     except (OSError, ValueError):
         return False
     return state not in ("Z", "X", "x") and start_ticks == identity.start_ticks
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True
 
 
 def _stat_fields(pid: int) -> tuple[str, int]:
