@@ -301,14 +301,23 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
         problems.append(Problem("no RDMA device in /sys/class/infiniband: NCCL falls back to TCP sockets",
                                 "for multi-node EP use InfiniBand / RoCE / EFA NICs with their kernel drivers"))
         return nccl_probe.SOCKET, "no RDMA NIC"
+    software = [nic for nic in fabric.rdma_devices if nic.software]
+    hardware = [nic for nic in fabric.rdma_devices if not nic.software]
+    if software:
+        named = "; ".join(f"{nic.name}: software RDMA ({nic.model}), no GPUDirect" for nic in software)
+        if not hardware:  # NCCL runs its IB transport over them, staging every transfer through the CPU
+            problems.append(Problem(f"{named}; no hardware RDMA NIC",
+                                    "for multi-node EP use InfiniBand / RoCE / EFA NICs with their kernel drivers"))
+            return nccl_probe.STAGED, "software RDMA only"
+        verdict.notes.append(f"{named} (not counted; NCCL_IB_HCA=^{','.join(nic.name for nic in software)} "
+                             f"keeps NCCL off them)")
     usable = fabric.usable_nics
     if not usable:
-        states = ", ".join(f"{nic.name} {'/'.join(p.state for p in nic.ports) or 'no ports'}"
-                           for nic in fabric.rdma_devices)
+        states = ", ".join(f"{nic.name} {'/'.join(p.state for p in nic.ports) or 'no ports'}" for nic in hardware)
         problems.append(Problem(f"no RDMA port is ACTIVE ({states})",
                                 "bring the links up: cable, switch port, subnet manager (ports must read ACTIVE)"))
         return nccl_probe.SOCKET, "RDMA NICs present, every port down"
-    down = [nic.name for nic in fabric.rdma_devices if not nic.usable]
+    down = [nic.name for nic in hardware if not nic.usable]
     if down:
         problems.append(Problem(f"NIC(s) {', '.join(down)} have no ACTIVE port; their GPUs use farther NICs",
                                 "bring those links up (ports must read ACTIVE)"))

@@ -58,6 +58,22 @@ def add_rdma(root: Path, name: str, chain: list[str], *, vendor: str = "0x15b3",
         write(base / "ports" / str(number) / "link_layer", link_layer)
 
 
+def add_soft_rdma(root: Path, name: str, *, netdev: str = "eth0", chain: Optional[list[str]] = None,
+                  rate: str = "100 Gb/sec (4X EDR)") -> None:
+    """A software RDMA device over ``netdev``, one ACTIVE Ethernet port: soft-iWARP when ``name`` starts with
+    "siw", else soft-RoCE (rxe), which has a ``parent`` file naming the netdev. With ``chain`` its ``device``
+    link goes to that PCI Ethernet NIC (siw, and rxe on older kernels); without, there is none (rxe today)."""
+    base = root / "sys" / "class" / "infiniband" / name
+    base.mkdir(parents=True, exist_ok=True)
+    if chain is not None:
+        os.symlink(add_pci_device(root, chain, vendor="0x8086", device_class="0x020000"), base / "device")
+    if not name.startswith("siw"):
+        write(base / "parent", netdev)
+    write(base / "ports" / "1" / "state", "4: ACTIVE")
+    write(base / "ports" / "1" / "rate", rate)
+    write(base / "ports" / "1" / "link_layer", "Ethernet")
+
+
 def add_uverbs(root: Path, count: int) -> None:
     for index in range(count):
         write(root / "dev" / "infiniband" / f"uverbs{index}", "")

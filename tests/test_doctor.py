@@ -10,6 +10,7 @@ from fake_fabric import (
     add_gpu_pci,
     add_peermem,
     add_rdma,
+    add_soft_rdma,
     add_uverbs,
     dgx_chains,
     dgx_cx7,
@@ -158,6 +159,31 @@ def test_one_port_down_is_reported_but_gdr_still_works(tmp_path):
     assert "mlx5_0" in verdict.problems[0].text
     assert any("GPU 0: 25, GPU 1: 25, GPU 2: 50" in note for note in verdict.notes)
     assert any("GPU 0 (PCI root)" in note for note in verdict.notes)  # GDR distance warning
+
+
+def test_software_rdma_only_is_named_and_never_gpudirect(tmp_path):
+    gpu_chain, _ = dgx_chains(0)
+    add_gpu_pci(tmp_path, gpu_chain)
+    add_soft_rdma(tmp_path, "rxe0")
+    add_soft_rdma(tmp_path, "siw0", chain=["pci0000:00", "0000:00:1f.6"])
+    add_uverbs(tmp_path, 2)
+    add_peermem(tmp_path)
+    found, code = scaleout(tmp_path, driver([gpu(0, gpu_chain[-1])]))
+    verdict = found["scaleout"]
+    assert (verdict.mode, verdict.status, code) == (nccl_probe.STAGED, DEGRADED, 1)
+    text = verdict.problems[0].text
+    assert "rxe0: software RDMA (soft-RoCE), no GPUDirect" in text and "siw0: software RDMA (soft-iWARP)" in text
+    assert "InfiniBand / RoCE / EFA" in verdict.problems[0].fix
+
+
+def test_software_rdma_next_to_real_nics_is_named_not_counted(tmp_path):
+    report = dgx_cx7(tmp_path)
+    add_soft_rdma(tmp_path, "rxe0")
+    found, code = scaleout(tmp_path, report)
+    verdict = found["scaleout"]
+    assert (verdict.mode, verdict.status, code) == (nccl_probe.GDR_DMABUF, OK, 0)
+    assert any("rxe0: software RDMA (soft-RoCE), no GPUDirect" in note and "NCCL_IB_HCA=^rxe0" in note
+               for note in verdict.notes)
 
 
 def test_missing_uverbs_devices(tmp_path):

@@ -6,6 +6,7 @@ import pytest
 from fake_fabric import (
     add_gpu_pci,
     add_rdma,
+    add_soft_rdma,
     add_uverbs,
     dgx_chains,
     dgx_cx7,
@@ -61,6 +62,23 @@ def test_p5en_efa_two_nics_per_gpu_and_queue_pair_cap(tmp_path):
     assert [g.scaleout_gbytes_per_s for g in fabric.gpus] == [50.0] * 8  # 2 x 200 Gb/s
     assert fabric.nccl.plugin_libraries == ["/opt/amazon/ofi-nccl/lib/libnccl-net-ofi.so"]
     assert fabric.nccl.env == {"FI_PROVIDER": "efa"}
+
+
+def test_software_rdma_devices_are_listed_but_never_count(tmp_path):
+    # Soft-RoCE / soft-iWARP move data through the CPU: no GPUDirect RDMA. rxe0 sits on an Ethernet function
+    # behind GPU 0's PCIe switch, so by PCI path alone it would take half of GPU 0's scale-out.
+    report = dgx_cx7(tmp_path)
+    _, nic_chain = dgx_chains(0)
+    add_soft_rdma(tmp_path, "rxe0", chain=nic_chain[:-1] + ["0000:19:00.1"])
+    add_soft_rdma(tmp_path, "siw0", chain=["pci0000:00", "0000:00:1f.6"])
+    add_soft_rdma(tmp_path, "roce_lab", netdev="eth1")  # a renamed rxe: its parent file says what it is
+    write(tmp_path / "sys/class/infiniband/odd0/ports/1/state", "4: ACTIVE")  # no device link: on no bus
+    fabric = make_fabric(tmp_path, report)
+    soft = {nic.name: nic.model for nic in fabric.rdma_devices if nic.software}
+    assert soft == {"rxe0": "soft-RoCE", "siw0": "soft-iWARP", "roce_lab": "soft-RoCE", "odd0": "no bus device"}
+    assert sorted(nic.name for nic in fabric.usable_nics) == [f"mlx5_{i}" for i in range(8)]
+    assert [g.nearest_nics for g in fabric.gpus] == [(f"mlx5_{i}",) for i in range(8)]
+    assert [g.scaleout_gbytes_per_s for g in fabric.gpus] == [50.0] * 8
 
 
 def test_efa_detected_from_device_names_without_fi_provider(tmp_path):

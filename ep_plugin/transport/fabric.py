@@ -7,7 +7,10 @@ on fake trees; nothing here raises on a missing file or driver: it says what it 
 
 NIC-to-GPU affinity (the rule behind per-GPU scale-out bandwidth):
 
-1. Only NICs with at least one ACTIVE port count (a NIC whose ports are all down carries nothing).
+1. Only NICs with at least one ACTIVE port count (a NIC whose ports are all down carries nothing),
+   and only hardware ones: software RDMA (soft-RoCE ``rxe``, soft-iWARP ``siw``) moves data through
+   the CPU's network stack, so it cannot reach GPU memory (no GPUDirect RDMA). It is listed, marked
+   ``software``, and never nearest to a GPU.
 2. A GPU's nearest NICs are those sharing the longest PCI path prefix with it: behind the same
    PCIe switch beats the same PCI root complex. If none shares even the root complex, the NICs on
    the GPU's NUMA node; if its NUMA node is unknown too, none.
@@ -75,6 +78,9 @@ NCCL_PLUGIN_DIRS = ("/opt/amazon/ofi-nccl/lib", "/opt/amazon/ofi-nccl/lib64", "/
 
 _BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 _HOST_BRIDGE = re.compile(r"^pci[0-9a-f]{4}:[0-9a-f]{2}$")
+# sysfs does not name an RDMA device's driver: software RDMA is known by its name prefix (rdma-core's own
+# fallback to find its rxe / siw providers), a renamed rxe by its ``parent`` file (the netdev under it).
+SOFTWARE_RDMA = {"rxe": "soft-RoCE", "siw": "soft-iWARP"}
 
 
 @dataclass(frozen=True)
@@ -101,11 +107,12 @@ class RdmaDevice:
     pci_path: tuple[str, ...]  # host bridge first, the NIC's own address last
     ports: tuple[RdmaPort, ...]
     efa: bool
+    software: bool  # soft-RoCE / soft-iWARP: no GPUDirect RDMA, never counted
 
     @property
     def usable(self) -> bool:
-        """At least one ACTIVE port."""
-        return any(port.active for port in self.ports)
+        """A hardware NIC with at least one ACTIVE port."""
+        return not self.software and any(port.active for port in self.ports)
 
     @property
     def active_gbit_per_s(self) -> float:
@@ -261,15 +268,30 @@ def _numa(text: Optional[str]) -> Optional[int]:
     return value if value >= 0 else None
 
 
+def _software_rdma(tree: _Tree, name: str) -> Optional[str]:
+    """Which software RDMA device ``name`` is ("soft-RoCE", ...), or None for a hardware NIC."""
+    base = f"/sys/class/infiniband/{name}"
+    for prefix, kind in SOFTWARE_RDMA.items():
+        if name.startswith(prefix):
+            return kind
+    if tree.exists(f"{base}/parent"):
+        return SOFTWARE_RDMA["rxe"]
+    if not tree.exists(f"{base}/device"):
+        return "no bus device"  # recent rxe has none; a NIC always sits on a bus
+    return None
+
+
 def _read_rdma_devices(tree: _Tree, warnings: list[str]) -> list[RdmaDevice]:
     devices = []
     for name in tree.listdir("/sys/class/infiniband"):
         base = f"/sys/class/infiniband/{name}"
         device_link = tree.path(f"{base}/device")
         pci_path = pci_path_of(os.path.realpath(device_link)) if os.path.lexists(device_link) else ()
-        vendor_id = (tree.read(f"{base}/device/vendor") or "").lower() or None
+        software = _software_rdma(tree, name)
+        # A software device's "device" is the Ethernet NIC under it (an ENA is Amazon's too): not its vendor.
+        vendor_id = None if software else (tree.read(f"{base}/device/vendor") or "").lower() or None
         hca_type = tree.read(f"{base}/hca_type") or None
-        efa = vendor_id == "0x1d0f" or bool(re.match(r"^(rdmap\d+s\d+|efa_?\d*)$", name))
+        efa = not software and (vendor_id == "0x1d0f" or bool(re.match(r"^(rdmap\d+s\d+|efa_?\d*)$", name)))
         ports = []
         for port in tree.listdir(f"{base}/ports"):
             if not port.isdigit():
@@ -281,11 +303,12 @@ def _read_rdma_devices(tree: _Tree, warnings: list[str]) -> list[RdmaDevice]:
             if entry.active and entry.rate_gbit_per_s is None:
                 warnings.append(f"{name} port {port} is ACTIVE but its rate is unreadable ({rate_text!r})")
             ports.append(entry)
-        vendor = VENDORS.get(vendor_id or "", "Amazon" if efa else (vendor_id or "unknown"))
-        model = "EFA" if efa else MELLANOX_MODELS.get(hca_type or "", hca_type or "unknown")
+        vendor = "software" if software else VENDORS.get(vendor_id or "", "Amazon" if efa else (vendor_id or "unknown"))
+        model = software or ("EFA" if efa else MELLANOX_MODELS.get(hca_type or "", hca_type or "unknown"))
         devices.append(RdmaDevice(name=name, vendor_id=vendor_id, vendor=vendor, hca_type=hca_type, model=model,
                                   numa_node=_numa(tree.read(f"{base}/device/numa_node")), pci_path=pci_path,
-                                  ports=tuple(sorted(ports, key=lambda p: p.number)), efa=efa))
+                                  ports=tuple(sorted(ports, key=lambda p: p.number)), efa=efa,
+                                  software=software is not None))
     return devices
 
 
