@@ -30,6 +30,11 @@ from .transport.sizing import SmSizing, autosize_sms, co_residency_limit
 OK, DEGRADED, UNAVAILABLE, NOT_NEEDED = "ok", "degraded", "unavailable", "not needed"
 KERNEL_BACKENDS = ("hybrid", "elastic")
 GIB = 1 << 30
+# The kernel counts every host page an RDMA NIC registers against RLIMIT_MEMLOCK: NCCL's queues, and its
+# staging buffers when GPUDirect RDMA is off. ep_plugin registers nothing itself and NCCL's need depends
+# on its channels and peers, so this is a floor with room, not a computed size: the common defaults
+# (64 KiB, 8 MiB) have made NCCL init fail. Unlimited is always fine.
+MEMLOCK_NEEDED_BYTES = GIB
 
 
 @dataclass
@@ -330,9 +335,16 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
                                 "install aws-ofi-nccl; set NCCL_NET_PLUGIN or put its lib directory on "
                                 "LD_LIBRARY_PATH"))
         return nccl_probe.SOCKET, "EFA without its NCCL plugin"
-    if fabric.memlock_soft_bytes is not None:
-        problems.append(Problem(f"memlock limit is {fabric.memlock_soft_bytes / (1 << 20):g} MiB: RDMA registration "
-                                f"of NCCL's buffers may fail", "ulimit -l unlimited (docker: --ulimit memlock=-1)"))
+    soft, hard = fabric.memlock_soft_bytes, fabric.memlock_hard_bytes
+    if soft is not None and soft < MEMLOCK_NEEDED_BYTES:
+        if hard is None or hard >= MEMLOCK_NEEDED_BYTES:  # the user can raise it up to the hard limit
+            fix = f"ulimit -l {'unlimited' if hard is None else hard // 1024} (the hard limit allows it)"
+        else:
+            fix = (f"ulimit -l unlimited, after raising the hard limit ({_bytes(hard)}): memlock in "
+                   f"/etc/security/limits.conf (docker: --ulimit memlock=-1)")
+        needed = _bytes(MEMLOCK_NEEDED_BYTES)
+        problems.append(Problem(f"memlock limit (ulimit -l) is {_bytes(soft)}, under the {needed} NCCL's RDMA "
+                                f"registration may pin: NCCL init can fail with 'Cannot allocate memory'", fix))
     gpus = fabric.gpus
     first = gpus[0].info
     gdr_level = environ.get("NCCL_NET_GDR_LEVEL", "").upper()

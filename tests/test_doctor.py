@@ -130,6 +130,18 @@ def test_memlock_limit_is_a_problem_with_a_fix(tmp_path):
     verdict = found["scaleout"]
     assert verdict.mode == nccl_probe.GDR_DMABUF and verdict.status == DEGRADED and code == 0
     assert "ulimit -l unlimited" in fixes(verdict) and "0.0625 MiB" in verdict.problems[0].text
+    assert "after raising the hard limit (0.0625 MiB)" in fixes(verdict)
+
+
+def test_memlock_limit_counts_only_below_what_registration_needs(tmp_path):
+    report = dgx_cx7(tmp_path)
+    found, code = scaleout(tmp_path, report, memlock=(64 * doctor.GIB, 64 * doctor.GIB))  # large, finite: fine
+    assert (found["scaleout"].status, found["scaleout"].problems, code) == (OK, [], 0)
+    found, code = scaleout(tmp_path, report, memlock=(8 << 20, 1 << 40))  # a common default, too small
+    verdict = found["scaleout"]
+    assert (verdict.status, code) == (DEGRADED, 0)
+    assert "limit (ulimit -l) is 8 MiB, under the 1 GiB" in verdict.problems[0].text
+    assert verdict.problems[0].fix == "ulimit -l 1073741824 (the hard limit allows it)"  # KiB
 
 
 # ---- scale-out: NICs ------------------------------------------------------------------------------
