@@ -17,7 +17,7 @@ from fake_fabric import (
     write,
 )
 
-from ep_plugin.transport.cuda_driver import DriverReport
+from ep_plugin.transport.cuda_driver import DriverReport, normalize_bus_id
 from ep_plugin.transport.fabric import (
     DEFAULT_SCALEOUT_GBYTES_PER_S,
     cap_queue_pairs,
@@ -144,6 +144,36 @@ def test_nic_shared_with_gpus_hidden_by_cuda_visible_devices(tmp_path):
     add_rdma(tmp_path, "mlx5_0", ["pci0000:00", "0000:00:07.0"])
     fabric = make_fabric(tmp_path, driver([gpu(0, "0000:00:06.0")]))
     assert fabric.gpus[0].scaleout_gbytes_per_s == 25.0
+
+
+def vmd_pairs(root, down=()):
+    """Two GPU + NIC pairs, each behind its own PCIe switch on its own root port of one Intel VMD domain
+    (5 hex digits), which the kernel nests under the VMD controller, a device of domain 0000."""
+    vmd = ["pci0000:17", "0000:17:05.5", "pci10000:00"]
+    gpus = []
+    for pair, root_port in enumerate(("10000:00:02.0", "10000:00:03.0")):
+        bus = 1 + 4 * pair
+        switch = vmd + [root_port, f"10000:{bus:02x}:00.0"]
+        gpu_chain = switch + [f"10000:{bus + 1:02x}:00.0", f"10000:{bus + 2:02x}:00.0"]
+        add_gpu_pci(root, gpu_chain)
+        state = "1: DOWN" if pair in down else "4: ACTIVE"
+        add_rdma(root, f"mlx5_{pair}", switch + [f"10000:{bus + 1:02x}:01.0", f"10000:{bus + 3:02x}:00.0"],
+                 ports=((state, "400 Gb/sec (4X NDR)", "InfiniBand"),))
+        gpus.append(gpu(pair, normalize_bus_id(f"{0x10000:08X}:{bus + 2:02X}:00.0")))  # NVML spells 8 digits
+    return driver(gpus)
+
+
+def test_vmd_domains_keep_their_pci_paths_switches_and_root_ports(tmp_path):
+    fabric = make_fabric(tmp_path, vmd_pairs(tmp_path))
+    assert [g.info.pci_bus_id for g in fabric.gpus] == ["10000:03:00.0", "10000:07:00.0"]
+    assert fabric.gpus[0].pci_path == ("pci0000:17", "0000:17:05.5", "pci10000:00", "10000:00:02.0",
+                                       "10000:01:00.0", "10000:02:00.0", "10000:03:00.0")
+    assert fabric.rdma_devices[1].pci_path[-1] == "10000:08:00.0"
+    assert [(g.nearest_nics, g.nic_affinity, g.scaleout_gbytes_per_s) for g in fabric.gpus] == \
+        [(("mlx5_0",), "PCIe switch", 50.0), (("mlx5_1",), "PCIe switch", 50.0)]
+    # Another root port of the same VMD domain shares only its host bridge (pci10000:00): not a switch.
+    fabric = make_fabric(tmp_path / "down", vmd_pairs(tmp_path / "down", down=(0,)))
+    assert (fabric.gpus[0].nearest_nics, fabric.gpus[0].nic_affinity) == (("mlx5_1",), "PCI root")
 
 
 def test_numa_node_is_the_fallback_when_no_nic_shares_the_pci_root(tmp_path):

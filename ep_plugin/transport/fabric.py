@@ -13,7 +13,9 @@ NIC-to-GPU affinity (the rule behind per-GPU scale-out bandwidth):
    ``software``, and never nearest to a GPU.
 2. A GPU's nearest NICs are those sharing the longest PCI path prefix with it: behind the same
    PCIe switch beats the same PCI root complex. If none shares even the root complex, the NICs on
-   the GPU's NUMA node; if its NUMA node is unknown too, none.
+   the GPU's NUMA node; if its NUMA node is unknown too, none. Intel VMD nests a PCI domain
+   (``pci10000:00``) under its controller: paths keep both host bridges, and NICs that share no more
+   than a host bridge with the GPU are "PCI root", however deep that bridge sits.
 3. A NIC that is nearest to several GPUs is shared evenly among them, counting every NVIDIA GPU
    in sysfs, also those CUDA_VISIBLE_DEVICES hides (a flat VM topology puts every device on one
    root: each GPU then gets its fair share, not the node's total).
@@ -76,8 +78,9 @@ NCCL_ENV_KEYS = (
 NCCL_PLUGIN_DIRS = ("/opt/amazon/ofi-nccl/lib", "/opt/amazon/ofi-nccl/lib64", "/opt/aws-ofi-nccl/lib",
                     "/usr/local/lib", "/usr/lib/x86_64-linux-gnu", "/usr/lib64")
 
-_BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
-_HOST_BRIDGE = re.compile(r"^pci[0-9a-f]{4}:[0-9a-f]{2}$")
+# A PCI domain has 4 hex digits, or 5 behind Intel VMD (pci10000:00, 10000:01:00.0).
+_BDF = re.compile(r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+_HOST_BRIDGE = re.compile(r"^pci[0-9a-f]{4,}:[0-9a-f]{2}$")
 # sysfs does not name an RDMA device's driver: software RDMA is known by its name prefix (rdma-core's own
 # fallback to find its rxe / siw providers), a renamed rxe by its ``parent`` file (the netdev under it).
 SOFTWARE_RDMA = {"rxe": "soft-RoCE", "siw": "soft-iWARP"}
@@ -319,7 +322,7 @@ def nearest_nics(gpu_path: tuple[str, ...], gpu_numa: Optional[int],
     best = max((_common_prefix(gpu_path, nic.pci_path) for nic in usable), default=0)
     if best >= 1:
         names = tuple(nic.name for nic in usable if _common_prefix(gpu_path, nic.pci_path) == best)
-        return names, ("PCIe switch" if best >= 2 else "PCI root")
+        return names, ("PCI root" if _HOST_BRIDGE.match(gpu_path[best - 1]) else "PCIe switch")
     if gpu_numa is not None:
         names = tuple(nic.name for nic in usable if nic.numa_node == gpu_numa)
         if names:
