@@ -279,21 +279,22 @@ def test_graph_flag_on_cpu_is_accepted_and_not_applied(tmp_path, capsys):
     assert [record["mode"] for record in report["records"]] == ["blocking"]  # reference has no non-blocking mode
 
 
-def test_nvlink_preset_and_reference_defaults():
-    args = parse_args(["--preset", "nvlink", "--device", "cpu"])
+def test_nvlink_preset_and_reference_defaults(monkeypatch):
+    monkeypatch.setattr("ep_plugin.cli.gpu_count", lambda: 1)  # the GPU presets are for --device cuda
+    args = parse_args(["--preset", "nvlink", "--device", "cuda"])
     assert args.ranks == 2 and args.tokens == "128,1024,4096,8192" and args.hidden == "7168"
     assert args.sms == "8,16,24" and args.payloads == "bf16,fp8" and args.modes == "blocking"
     assert args.backends.split(",")[-1] == "all_to_all"  # the baseline for a2a/ours, after what runs here
     assert "all_to_all" not in parse_args(["--device", "cpu"]).backends
     assert reference_limits(args, plan_launch(2, "cuda", 2)) == (0, args.iters)  # never skipped
-    assert parse_args(["--device", "cpu", "--preset", "full"]).ranks == 8
+    assert parse_args(["--device", "cuda", "--preset", "full"]).ranks == 8
     assert parse_args(["--device", "cpu"]).ranks == 4  # the cpu preset, the default without a GPU
     cpu = parse_args(["--device", "cpu"])
     assert (cpu.warmup, cpu.iters) == (3, 10)
     # Decode steps are short: the preset takes more samples of them.
-    decode = parse_args(["--device", "cpu", "--preset", "decode"])
+    decode = parse_args(["--device", "cuda", "--preset", "decode"])
     assert (decode.warmup, decode.iters) == (50, 200)
-    assert parse_args(["--device", "cpu", "--preset", "decode", "--iters", "5"]).iters == 5  # explicit wins
+    assert parse_args(["--device", "cuda", "--preset", "decode", "--iters", "5"]).iters == 5  # explicit wins
     default = parse_args(["--device", "cpu", "--iters", "7"])
     assert reference_limits(default, plan_launch(2, "cuda", 2)) == (0, 7)  # NCCL: a real baseline
     assert reference_limits(default, plan_launch(8, "cuda", 1)) == (4096, 3)  # gloo + MPS: through the host

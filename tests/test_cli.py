@@ -12,7 +12,7 @@ import torch
 
 from ep_plugin import _cuda
 from ep_plugin.__main__ import main as ep_main
-from ep_plugin.bench.__main__ import DEFAULT_OUT
+from ep_plugin.bench.__main__ import DEFAULT_OUT, GPU_PRESETS
 from ep_plugin.bench.__main__ import main as bench_main
 from ep_plugin.bench.__main__ import parse_args as bench_args
 from ep_plugin.demo import main as demo_main
@@ -67,6 +67,9 @@ BAD_BENCH_FLAGS = [
     (["--backends", "reference", "--modes", "nonblocking"], "no case to run"),
     (["--backends", "reference", "--payloads", "fp8"], "no case to run"),
     (["--payloads", "bf16,fp8", "--hidden", "256,100"], "divisible by 128"),  # the backend's error, in a rank
+    # The GPU presets' shapes grind for many minutes on CPU ranks; --tokens alone does not set the size.
+    *[(["--preset", preset], "--preset cpu") for preset in GPU_PRESETS],
+    (["--preset", "standard", "--tokens", "16"], "--preset cpu"),
 ]
 
 
@@ -74,6 +77,12 @@ BAD_BENCH_FLAGS = [
 def test_bench_refuses_bad_flags_in_one_line(flags, words, capsys):
     line = _one_line_error(lambda: bench_args(flags + ["--device", "cpu"] * ("--device" not in flags)), capsys)
     assert words in line, line
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS)
+def test_a_gpu_preset_runs_on_cpu_when_tokens_and_hidden_set_the_shape(preset):
+    args = bench_args(["--device", "cpu", "--preset", preset, "--tokens", "16", "--hidden", "128", "--ranks", "2"])
+    assert (args.preset, args.tokens, args.hidden) == (preset, "16", "128")
 
 
 def test_a_bad_knob_is_refused_before_any_rank_starts(monkeypatch, capsys):

@@ -91,6 +91,9 @@ PRESETS = {
     "cpu": dict(ranks=4, tokens="64,256", hidden="256", sms="16", payloads="bf16", routings="balanced,skewed",
                 modes="blocking"),
 }
+# Every preset but cpu is sized for GPUs: on CPU ranks it grinds for many minutes to hours, so
+# --device cpu refuses them unless --tokens and --hidden (the axes that set the size) are both given.
+GPU_PRESETS = tuple(name for name in PRESETS if name != "cpu")
 DEFAULT_OUT = "bench_out"  # relative to the current folder; the repository's .gitignore covers it
 DEFAULT_RANKS = 8
 DEFAULT_WARMUP, DEFAULT_ITERS = 3, 10
@@ -106,7 +109,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="default values for the sweep axes (explicit options override them): standard "
                              "(ranks sharing a GPU), decode (128 tokens), full, nvlink (2 ranks, one GPU each; the "
                              "reference at every token count), cpu (small shapes on CPU ranks). Default: full "
-                             "with --device cuda, cpu with --device cpu")
+                             "with --device cuda, cpu with --device cpu. With --device cpu the GPU presets are "
+                             "refused unless --tokens and --hidden are both given (they set the size; the preset "
+                             "fills the other axes)")
     parser.add_argument("--ranks", type=int, help=f"rank processes (default {DEFAULT_RANKS}; 2 with --preset nvlink, "
                                                   f"4 with --preset cpu)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default=device, help=f"default here: {device}")
@@ -148,6 +153,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.preset is None:
         args.preset = "full" if args.device == "cuda" else "cpu"
+    if args.device == "cpu" and args.preset in GPU_PRESETS and (args.tokens is None or args.hidden is None):
+        shape = PRESETS[args.preset]
+        parser.error(f"--preset {args.preset} is a GPU shape (tokens {shape['tokens']}, hidden {shape['hidden']}) "
+                     "that would take many minutes on CPU ranks: use --preset cpu, or give both --tokens and "
+                     "--hidden to set a small shape yourself")
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
