@@ -26,6 +26,7 @@ import ep_plugin
 from ep_plugin.cli import OneLineParser, backend_problem, config_problem, default_device, device_problem, gpu_count
 from ep_plugin.config import Config
 from ep_plugin.testing import RankContext, plan_launch, run_ranks
+from ep_plugin.testing.launcher import CPU_RANKS_PER_CORE, cpu_ranks_problem
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,9 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
                         ("--hidden", args.hidden), ("--experts", args.experts), ("--topk", args.topk)):
         if value < 1:
             return f"{flag} must be at least 1, got {value}"
+    problem = cpu_ranks_problem(args.ranks, args.device)
+    if problem:
+        return f"--ranks {args.ranks}: {problem}"
     max_tokens = Config.from_env().max_tokens_per_rank  # the backend is built with the environment's config
     if args.tokens > max_tokens:
         return (f"--tokens {args.tokens} is over max_tokens_per_rank={max_tokens} "
@@ -195,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     device, backend = default_device_and_backend()
     parser = OneLineParser(prog="python -m ep_plugin demo", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=4, help="number of rank processes (default 4)")
+    parser.add_argument("--ranks", type=int, default=4,
+                        help=f"number of rank processes (default 4; on CPU at most {CPU_RANKS_PER_CORE} per core)")
     parser.add_argument("--steps", type=int, default=DemoSpec.steps, help=f"training steps (default {DemoSpec.steps})")
     parser.add_argument("--backend", default=backend,
                         help=f"one of {', '.join(ep_plugin.list_backends())} (default here: {backend})")

@@ -16,6 +16,7 @@ from ep_plugin.bench.__main__ import DEFAULT_OUT, GPU_PRESETS
 from ep_plugin.bench.__main__ import main as bench_main
 from ep_plugin.bench.__main__ import parse_args as bench_args
 from ep_plugin.demo import main as demo_main
+from ep_plugin.testing.launcher import max_cpu_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_GPU = not torch.cuda.is_available()
@@ -33,6 +34,7 @@ BAD_DEMO_FLAGS = [
     (["--backend", "no_such_backend"], "no_such_backend"),
     (["--steps", "many"], "--steps"),
     (["--tokens", "9000"], "max_tokens_per_rank=8192"),  # the backend would refuse it inside a rank
+    (["--ranks", str(max_cpu_ranks() + 1)], "CPU ranks here"),  # more processes than the cores can run
 ]
 
 
@@ -70,6 +72,7 @@ BAD_BENCH_FLAGS = [
     # The GPU presets' shapes grind for many minutes on CPU ranks; --tokens alone does not set the size.
     *[(["--preset", preset], "--preset cpu") for preset in GPU_PRESETS],
     (["--preset", "standard", "--tokens", "16"], "--preset cpu"),
+    (["--ranks", str(max_cpu_ranks() + 1)], "CPU ranks here"),
 ]
 
 

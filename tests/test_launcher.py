@@ -31,6 +31,18 @@ def test_placement_cpu_one_gpu_per_rank_and_shared_gpus():
         plan_launch(0, "cpu", num_gpus=0)
 
 
+def test_cpu_ranks_beyond_the_cores_are_refused_before_any_process_starts(monkeypatch):
+    from ep_plugin.testing import launcher
+
+    monkeypatch.setattr(launcher, "CPU_RANKS_PER_CORE", 1)  # so that the plant below would start few ranks
+    too_many = launcher.max_cpu_ranks() + 1
+    assert "1 per core" in launcher.cpu_ranks_problem(too_many, "cpu")
+    assert launcher.cpu_ranks_problem(too_many - 1, "cpu") is None
+    assert launcher.cpu_ranks_problem(10**6, "cuda") is None  # GPU runs are not capped
+    with pytest.raises(ValueError, match=f"num_ranks={too_many}: at most {too_many - 1} CPU ranks here"):
+        run_ranks(report_rank, too_many, 0, timeout_s=60)
+
+
 def report_rank(ctx, offset):
     tensor = __import__("torch").tensor([ctx.rank + offset])
     dist.all_reduce(tensor)

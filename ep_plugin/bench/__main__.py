@@ -59,6 +59,7 @@ from ep_plugin.cli import (
     default_device,
     device_problem,
 )
+from ep_plugin.testing.launcher import CPU_RANKS_PER_CORE, cpu_ranks_problem
 
 from .report import attach_all_to_all_ratio, attach_reference_ratio, format_table, summarize, write_json, write_plots
 from .runner import ALL_TO_ALL, SweepSpec, bench_rank, environment, supported
@@ -113,7 +114,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "refused unless --tokens and --hidden are both given (they set the size; the preset "
                              "fills the other axes)")
     parser.add_argument("--ranks", type=int, help=f"rank processes (default {DEFAULT_RANKS}; 2 with --preset nvlink, "
-                                                  f"4 with --preset cpu)")
+                                                  f"4 with --preset cpu; on CPU at most {CPU_RANKS_PER_CORE} per core)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default=device, help=f"default here: {device}")
     parser.add_argument("--backends", help="comma list (default: every backend that can run on --device here)")
     parser.add_argument("--tokens", help="tokens per rank, comma list")
@@ -220,6 +221,9 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
                                ("--reference-max-tokens", args.reference_max_tokens, 0)):
         if value is not None and value < least:
             return f"{flag} must be at least {least}, got {value}"
+    problem = cpu_ranks_problem(args.ranks, args.device)
+    if problem:
+        return f"--ranks {args.ranks}: {problem}"
     if not args.timeout > 0:
         return f"--timeout must be a positive number of seconds, got {args.timeout}"
     def runs_a_case(name: str) -> bool:  # the baseline runs every payload, modeless

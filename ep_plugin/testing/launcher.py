@@ -11,6 +11,7 @@ Placement (``plan_launch``):
 ``fn(ctx, *args)`` must be a module-level function; its return value (picklable) comes
 back in a list indexed by rank. An exception on any rank raises here with that rank's
 traceback; a rank that does not finish within ``timeout_s`` is killed and reported.
+CPU ranks are capped at ``max_cpu_ranks()`` (``CPU_RANKS_PER_CORE`` per core); GPU runs are not.
 """
 
 from __future__ import annotations
@@ -25,6 +26,34 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..errors import EPError, EPTimeoutError
+
+# Each CPU rank is a process with its own torch (about 300 MB) and a gloo connection to every other
+# rank; past a few per core they mostly wait for one. On 2 cores 10 demo steps took 19 s on 8 ranks,
+# 53 s on 16 and 2 min on 32; 512 would take well over half an hour and about 170 GB (extrapolated).
+CPU_RANKS_PER_CORE = 8
+
+
+def max_cpu_ranks() -> int:
+    """The most CPU ranks ``run_ranks`` starts here: ``CPU_RANKS_PER_CORE`` per core this process may use."""
+    return CPU_RANKS_PER_CORE * _usable_cores()
+
+
+def cpu_ranks_problem(num_ranks: int, device: str) -> Optional[str]:
+    """Why ``num_ranks`` ranks on ``device`` ("cpu", "cuda") are too many for this machine, or None.
+
+    Only CPU ranks are capped; the line does not name the option, so callers prefix it."""
+    if device != "cpu" or num_ranks <= max_cpu_ranks():
+        return None
+    return (f"at most {max_cpu_ranks()} CPU ranks here ({CPU_RANKS_PER_CORE} per core, {_usable_cores()} "
+            f"core(s)): each rank is a process with its own torch and a gloo link to every other rank, so more "
+            f"of them mostly wait for a core")
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may run on (taskset, a container's cpuset)
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -90,6 +119,9 @@ def run_ranks(
 
     ``placement`` ("round_robin" or "block") assigns ranks to GPUs when they outnumber them (``plan_launch``).
     """
+    problem = cpu_ranks_problem(num_ranks, device)
+    if problem:
+        raise ValueError(f"num_ranks={num_ranks}: {problem}")
     num_gpus = 0
     if device == "cuda":
         import torch
