@@ -191,3 +191,14 @@ def test_the_api_example_started_wrongly_says_what_to_do_in_one_line():
                            timeout=60, env={k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"})
     assert plain.returncode == 2 and "Traceback" not in plain.stderr, plain.stderr
     assert "torchrun --nproc-per-node 2 examples/api.py" in plain.stderr.strip().splitlines()[-1], plain.stderr
+
+
+@needs_no_gpu
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_megatron_example_without_a_gpu_says_so_in_one_line(device):
+    """Megatron's layers call CUDA on either --device: one line pointing to the CPU path, not a rank's traceback."""
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "megatron" / "train_gpt_moe.py"), "--ranks", "2",
+                             "--steps", "1", "--device", device], capture_output=True, text=True, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and result.stdout == "", result.stderr[-2000:]
+    assert "needs a CUDA GPU" in lines[0] and "./dev demo" in lines[0], lines[0]

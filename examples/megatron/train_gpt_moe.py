@@ -42,12 +42,17 @@ PLUGIN_PREFIX = "ep_"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    import torch
+
+    from ep_plugin.cli import OneLineParser
+
+    parser = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dispatcher", default="ep_hybrid",
                         help="ep_hybrid | ep_reference | ep_elastic (flex dispatcher on ep_plugin) or alltoall")
     parser.add_argument("--ranks", type=int, default=4, help="processes; EP size = DP size = ranks")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu is for a harness that stubs Megatron's CUDA-only calls (README); run as it is, "
+                             "Megatron needs a GPU either way")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
@@ -67,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="write losses and throughput to this JSON file")
     parser.add_argument("--timeout-s", type=float, default=1800.0)
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():  # else a rank's traceback from Megatron's first CUDA call
+        parser.error("needs a CUDA GPU (Megatron's layers call CUDA, even with --device cpu) and torch sees none "
+                     "here; without a GPU, ./dev demo trains a small MoE through ep_plugin on CPU ranks")
     if args.experts % args.ranks:
         parser.error(f"--experts {args.experts} must be divisible by --ranks {args.ranks}")
     return args
