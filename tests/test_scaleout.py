@@ -136,6 +136,32 @@ def test_forced_domains_in_an_ep_subgroup_of_the_world():
     assert run_ranks(domains_in_an_ep_subgroup, 4, timeout_s=120) == [True] * 4
 
 
+def across_a_restarted_world(ctx, store_path: str) -> list:
+    """Forced domains, then ``destroy_process_group`` and a new world in the same process (an in-process
+    restart), then forced domains again: the second backend must make new domain and rail groups, not
+    take the destroyed ones (whose names the new world's groups reuse)."""
+    sums = []
+    for world in range(2):
+        if world:
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", init_method="file://" + store_path, rank=ctx.rank,
+                                    world_size=ctx.world_size)
+        backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",
+                                                     topology=Topology(2, 1, ctx.rank))
+        x = torch.full((3, 4), float(ctx.rank + 1 + 10 * world))
+        out = backend.dispatch(x, topk_idx=torch.tensor([[0, 3], [1, 2], [2, -1]]))
+        sums.append(backend.combine(out.hidden, out.handle).hidden.sum(1).tolist())
+        backend.destroy()
+    return sums
+
+
+def test_forced_domains_after_the_world_was_destroyed_and_started_again(tmp_path):
+    """Before: ValueError 'Group ... is not registered' from the cached groups of the first world."""
+    for rank, sums in enumerate(run_ranks(across_a_restarted_world, 2, str(tmp_path / "second_world"),
+                                          timeout_s=120)):
+        assert sums == [[4 * (rank + 1) * k for k in (2, 2, 1)], [4 * (rank + 11) * k for k in (2, 2, 1)]], sums
+
+
 def bad_topk_across_domains(ctx) -> list:
     """Rank 0 passes top-k ids that are no tensor, then every rank dispatches validly."""
     backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",

@@ -72,7 +72,7 @@ def make_groups(group: dist.ProcessGroup, topology: Topology, engine: str) -> tu
     """Every domain's and every rail's process group (a collective: every rank, same order)."""
     parent_engine = dist.get_backend(group)
     key = _groups_key(group, topology, engine)
-    if key not in _groups:
+    if key not in _groups or not _still_registered(_groups[key]):
         # Local synchronization: only the EP group's ranks make these groups (torch then names a group by
         # its ranks, not by a count every rank of the world must keep in step). Megatron's EP group is
         # a subgroup of the world, whose other ranks are busy building their own EP groups' backends.
@@ -93,7 +93,7 @@ def host_groups(group: dist.ProcessGroup, topology: Topology, engine: str) -> tu
     """
     domains, rails = make_groups(group, topology, engine)
     key = _groups_key(group, topology, engine)
-    if key not in _host_groups:
+    if key not in _host_groups or not _still_registered(_host_groups[key]):
         def on_host(groups: list, group_engine: str, ranks_of) -> list:
             if "gloo" in group_engine:  # "gloo", or a mixed "cpu:gloo,cuda:nccl" group
                 return groups
@@ -103,6 +103,19 @@ def host_groups(group: dist.ProcessGroup, topology: Topology, engine: str) -> tu
         _host_groups[key] = (on_host(domains, dist.get_backend(group), topology.domain_ranks),
                              on_host(rails, engine, topology.rail_ranks))
     return _host_groups[key]
+
+
+def _still_registered(groups: tuple[list, list]) -> bool:
+    """Whether no ``destroy_process_group`` took these groups. A process that then starts a new world
+    (an in-process restart) gets groups with the old names, so the key alone would hand out dead ones.
+    A rank outside a group holds a placeholder there, not a ProcessGroup: nothing to check."""
+    for member in (*groups[0], *groups[1]):
+        if isinstance(member, dist.ProcessGroup):
+            try:
+                dist.get_process_group_ranks(member)
+            except KeyError:  # no longer in torch's registry of groups
+                return False
+    return True
 
 
 def _groups_key(group: dist.ProcessGroup, topology: Topology, engine: str) -> tuple:
