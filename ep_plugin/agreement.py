@@ -66,9 +66,9 @@ class OpFingerprint:
     probs: whether probs / weights travel with the op.
     form: routing form of a dispatch ("routing_map" or "topk"), else None.
     topk: top-k width of a top-k dispatch (0 otherwise), < 128.
-    grad: autograd recorded the op (``ep_plugin.dispatch``/``combine`` with inputs that need grad), so
-        its backward will run on this rank. A rank without it would never enter that backward and
-        leave the others waiting in it; differing here is an error at the forward instead.
+    grad: autograd recorded the op (``ep_plugin.dispatch``/``combine`` with inputs that need grad, grad
+        mode on), so its backward will run on this rank. A rank without it would never enter that
+        backward and leave the others waiting in it; differing here is an error at the forward instead.
     handle_id: which dispatch's handle a combine / dispatch_again uses (its per-backend dispatch
         number, counted from 1; 0 for a dispatch). Ranks that use their handles in different
         orders differ here.

@@ -50,12 +50,20 @@ def _differentiable_once(op: str, incoming_grads: tuple, outputs: tuple) -> tupl
                  for out in outputs)
 
 
+def _records(grad_enabled: bool, needs_input_grad: tuple) -> bool:
+    """Whether autograd records the op (its backward will run), as ``Function.apply`` decides: grad mode
+    on where the op was called and an input that requires grad. ``forward`` runs with grad mode off and
+    ``ctx.needs_input_grad`` reads requires_grad also under torch.no_grad, so the mode comes from the caller."""
+    return grad_enabled and any(needs_input_grad)
+
+
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, probs, topk_weights, backend: Backend, routing_map, topk_idx, pad_multiple, options):
+    def forward(ctx, hidden, probs, topk_weights, backend: Backend, routing_map, topk_idx, pad_multiple, options,
+                grad_enabled: bool):
         # The backend validates the routing form; probs and topk_weights are inputs here only so
         # that autograd sees whichever one was given.
-        backend.op_records_backward = any(ctx.needs_input_grad[:3])
+        backend.op_records_backward = _records(grad_enabled, ctx.needs_input_grad[:3])
         try:
             result = backend.dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
                                       topk_weights=topk_weights, pad_multiple=pad_multiple, **options)
@@ -85,15 +93,15 @@ class _Dispatch(torch.autograd.Function):
         grad_topk_weights = None if ctx.weights_are_probs else result.probs
         grads = _differentiable_once("dispatch", (grad_rows, grad_row_probs),
                                      (result.hidden, grad_probs, grad_topk_weights))
-        return *grads, None, None, None, None, None
+        return *grads, None, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, handle: Handle, options):
+    def forward(ctx, rows, handle: Handle, options, grad_enabled: bool):
         ctx.handle = handle
         backend = handle.backend
-        backend.op_records_backward = ctx.needs_input_grad[0]
+        backend.op_records_backward = _records(grad_enabled, ctx.needs_input_grad[:1])
         try:
             return backend.combine(rows, handle, **options).hidden
         finally:
@@ -104,7 +112,7 @@ class _Combine(torch.autograd.Function):
         handle: Handle = ctx.handle
         with torch.no_grad():
             grad_rows = handle.backend.dispatch_again(grad_out.contiguous(), handle)
-        return *_differentiable_once("combine", (grad_out,), (grad_rows,)), None, None
+        return *_differentiable_once("combine", (grad_out,), (grad_rows,)), None, None, None
 
 
 def dispatch(
@@ -134,7 +142,8 @@ def dispatch(
         segment lengths), the handle for ``combine``, and the optional fields the backend fills.
         Gradients flow to ``hidden`` and to ``probs``/``topk_weights``.
     """
-    outputs = _Dispatch.apply(hidden, probs, topk_weights, backend, routing_map, topk_idx, pad_multiple, options)
+    outputs = _Dispatch.apply(hidden, probs, topk_weights, backend, routing_map, topk_idx, pad_multiple, options,
+                              torch.is_grad_enabled())
     return DispatchOutput(*outputs)
 
 
@@ -149,4 +158,4 @@ def combine(rows: torch.Tensor, handle: Handle, **options) -> torch.Tensor:
     """
     if not isinstance(handle, Handle):
         raise TypeError(f"combine needs the Handle returned by dispatch, got {type(handle).__name__}")
-    return _Combine.apply(rows, handle, options)
+    return _Combine.apply(rows, handle, options, torch.is_grad_enabled())

@@ -313,3 +313,49 @@ def test_ranks_where_autograd_records_an_op_on_some_ranks_only_raise_at_the_forw
             assert "grad: True on rank" in result or "grad: False on rank" in result or told, \
                 (rank, name, what, result)
     assert all("grad: " in per_rank[0][key] for key in per_rank[0] if key[1] != "usable"), per_rank[0]
+
+
+def grad_bit_follows_grad_mode(ctx) -> dict:
+    """Autograd records an op only with grad mode on, whatever its inputs' requires_grad: under
+    torch.no_grad nothing is recorded and no backward will run. Two cases on 2 ranks:
+
+    - eval, every rank under torch.no_grad; rank 1 has no tokens and passes a dummy that requires grad
+      (what a training loop gives an idle rank so that it takes part in backward): dispatch and combine
+      must work;
+    - rank 0 under torch.no_grad, rank 1 not, both with inputs that need grad (rank 0's hidden a view of
+      a leaf, as a checkpointed forward sees it): rank 1 would run a backward rank 0 never enters, so
+      both must get EPError naming grad at the forward.
+    """
+    torch.set_num_threads(1)
+    backend = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=4, device="cpu",
+                                                 config=Config.from_env(timeout_s=30.0))
+    problem = make_problem(41, [5, 0], HIDDEN, 4, 2, dtype=torch.float64)
+    routing = dict(topk_idx=problem.topk_idx[ctx.rank], topk_weights=problem.topk_weights[ctx.rank])
+    results = {}
+
+    with torch.no_grad():
+        hidden = problem.hidden[ctx.rank].clone().requires_grad_(ctx.rank == 1)
+        try:
+            out = ep_plugin.dispatch(backend, hidden, **routing)
+            y = ep_plugin.combine(out.hidden * out.probs.unsqueeze(1), out.handle)
+            results["eval"] = torch.allclose(y, dense_moe(problem, lambda e, x: x)[ctx.rank])
+        except ep_plugin.EPError as error:
+            results["eval"] = f"EPError: {error}"
+
+    leaf = problem.hidden[ctx.rank].clone().requires_grad_()
+    try:
+        with torch.set_grad_enabled(ctx.rank != 0):
+            ep_plugin.dispatch(backend, leaf.view(-1, HIDDEN), **routing)
+        results["mixed"] = "no error"
+    except ep_plugin.EPError as error:
+        results["mixed"] = f"EPError: {error}"
+    return results
+
+
+def test_grad_bit_is_off_under_no_grad_whatever_the_inputs_require():
+    """Before: the bit was ``ctx.needs_input_grad``, which reads requires_grad also under torch.no_grad:
+    an eval step with a grad-requiring dummy on an idle rank raised EPError, and a rank under no_grad
+    with a view of a leaf was not told apart from a rank that records the op."""
+    for rank, results in enumerate(run_ranks(grad_bit_follows_grad_mode, 2, timeout_s=120)):
+        assert results["eval"] is True, (rank, results["eval"])
+        assert results["mixed"].startswith("EPError: ") and "grad: " in results["mixed"], (rank, results["mixed"])
