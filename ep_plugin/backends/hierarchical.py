@@ -485,7 +485,9 @@ class HierarchicalBackend(Backend):
             fields.append(("scales", torch.float32, (self.hidden_size // self.FP8_BLOCK,)))
         packer = RowPacker(fields)
         payload_rows = data.view(torch.uint8) if scales is not None else data  # fp8 indexed as bytes
-        fingerprint = OpFingerprint(OP_DISPATCH_AGAIN, dtype=data.dtype, handle_id=layout.dispatch_id)
+        # grad: a cached dispatch through ep_plugin.dispatch may be recorded (a backward's dispatch_again never is)
+        fingerprint = OpFingerprint(OP_DISPATCH_AGAIN, dtype=data.dtype, handle_id=layout.dispatch_id,
+                                    grad=self.op_records_backward)
         self._open(fingerprint, packer.row_bytes, where, send_counts=layout.splits.send, expected=layout.splits.recv)
 
         def token_fields(d: int) -> dict[str, torch.Tensor]:
