@@ -93,6 +93,25 @@ def test_a_process_that_proc_hides_counts_as_running_until_its_pid_is_gone(monke
         child.wait()
 
 
+def test_a_process_whose_proc_entry_is_closed_to_this_user_counts_as_running_until_its_pid_is_gone(monkeypatch):
+    """hidepid=1 (noaccess) keeps another user's /proc/<pid> listed but refuses it: open() raises
+    PermissionError (EPERM) while the peer runs. As with hidepid=2, that must not read as exited."""
+    child = sleeper()
+    try:
+        identity = child_identity(child)
+
+        def refused(pid):
+            raise PermissionError(1, "Operation not permitted", f"/proc/{pid}/stat")
+        monkeypatch.setattr(liveness, "_stat_fields", refused)
+        assert is_running(identity)
+        child.kill()
+        child.wait()
+        assert not is_running(identity)
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_only_peers_on_this_host_and_pid_namespace_are_watchable():
     here = own_identity()
     assert here.watchable_from(here)

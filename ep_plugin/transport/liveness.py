@@ -57,10 +57,11 @@ def is_running(identity: ProcessIdentity) -> bool:
     """Whether that process still runs (not exited, not a zombie, not a new process with its pid)."""
     try:
         state, start_ticks = _stat_fields(identity.pid)
-    except FileNotFoundError:
-        # Gone, or hidden: a /proc mounted with hidepid shows only this user's processes. Ask the
-        # kernel (a signal 0 checks the pid exists); a hidden peer then counts as running, unchecked
-        # for a reused pid, rather than as exited while it runs.
+    except (FileNotFoundError, PermissionError):
+        # Gone, or hidden: a /proc mounted with hidepid shows only this user's processes (hidepid=2
+        # leaves no entry: ENOENT; hidepid=1 lists it but refuses it: EPERM). Ask the kernel (a
+        # signal 0 checks the pid exists); a hidden peer then counts as running, unchecked for a
+        # reused pid, rather than as exited while it runs.
         return _pid_exists(identity.pid)
     except (OSError, ValueError):
         return False
