@@ -73,36 +73,21 @@ def test_a_process_runs_until_it_exits_and_a_zombie_or_a_reused_pid_is_not_it():
     assert not is_running(identity)  # reaped: no /proc entry
 
 
-def test_a_process_that_proc_hides_counts_as_running_until_its_pid_is_gone(monkeypatch):
-    """/proc mounted with hidepid shows only this user's processes: a peer run by another user has no
-    /proc entry while it runs. It must not read as exited (its peers' waits would stop with a false
+@pytest.mark.parametrize("hidepid", [2, 1])
+def test_a_process_that_proc_hides_counts_as_running_until_its_pid_is_gone(monkeypatch, hidepid):
+    """/proc mounted with hidepid hides other users' processes: hidepid=2 leaves no /proc/<pid> entry
+    (open raises FileNotFoundError), hidepid=1 lists it but refuses it (PermissionError, EPERM). A peer
+    run by another user must not read as exited while it runs (its peers' waits would stop with a false
     'has exited'); once its pid is gone it is."""
     child = sleeper()
     try:
         identity = child_identity(child)
 
         def hidden(pid):
-            raise FileNotFoundError(f"/proc/{pid}/stat")
+            path = f"/proc/{pid}/stat"
+            raise FileNotFoundError(2, "No such file or directory", path) if hidepid == 2 else \
+                PermissionError(1, "Operation not permitted", path)
         monkeypatch.setattr(liveness, "_stat_fields", hidden)
-        assert is_running(identity)
-        child.kill()
-        child.wait()
-        assert not is_running(identity)
-    finally:
-        child.kill()
-        child.wait()
-
-
-def test_a_process_whose_proc_entry_is_closed_to_this_user_counts_as_running_until_its_pid_is_gone(monkeypatch):
-    """hidepid=1 (noaccess) keeps another user's /proc/<pid> listed but refuses it: open() raises
-    PermissionError (EPERM) while the peer runs. As with hidepid=2, that must not read as exited."""
-    child = sleeper()
-    try:
-        identity = child_identity(child)
-
-        def refused(pid):
-            raise PermissionError(1, "Operation not permitted", f"/proc/{pid}/stat")
-        monkeypatch.setattr(liveness, "_stat_fields", refused)
         assert is_running(identity)
         child.kill()
         child.wait()
