@@ -146,10 +146,8 @@ def check_construction(group: Optional[dist.ProcessGroup], backend: str, facts: 
     if timeout_s is None:
         timeout_s = Config.from_env().timeout_s
     collectives = HostCollectives(group, owner=f"ep_plugin {backend}", timeout_s=timeout_s, label="construction")
-    # Small host objects: NCCL moves CUDA tensors only, every other engine takes CPU tensors.
-    device = torch.device("cuda", torch.cuda.current_device()) if collectives.engine == "nccl" else torch.device("cpu")
     gathered = collectives.all_gather_object(facts, where=f"building the {backend} backend (agreement check)",
-                                             device=device)
+                                             device=collectives.word_device)
     problems = []
     for name in facts:
         values = [g.get(name) for g in gathered]

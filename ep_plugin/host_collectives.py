@@ -121,6 +121,18 @@ class HostCollectives:
             start += size
         return objects
 
+    def barrier(self, *, where: str) -> None:
+        """Return once every rank of the group reached this point: one timed all-to-all of a word per peer."""
+        ones = [1] * self.num_ranks
+        self.all_to_all(torch.zeros(self.num_ranks, dtype=torch.int64, device=self.word_device), ones, ones,
+                        where=where)
+
+    @property
+    def word_device(self) -> torch.device:
+        """Where small tensors the host reads go: the current GPU over NCCL (it moves CUDA tensors only), host
+        memory on every other engine."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.engine == "nccl" else torch.device("cpu")
+
     def check_usable(self) -> None:
         if self.failed is not None:
             raise EPError(f"{self.owner}: rank {self.rank} cannot run more ops after an earlier failure "

@@ -156,9 +156,7 @@ def detect_topology(group: Optional[dist.ProcessGroup], device: torch.device, *,
     group = group if group is not None else dist.group.WORLD
     comm = HostCollectives(group, owner="ep_plugin topology", timeout_s=config.timeout_s, label="topology")
     mine = {"scaleup_size": int(forced), **_placement_facts(torch.device(device))}
-    on_nccl = comm.engine == "nccl"
-    exchange_device = torch.device("cuda", torch.cuda.current_device()) if on_nccl else torch.device("cpu")
-    everyone = comm.all_gather_object(mine, where=f"{purpose} (topology)", device=exchange_device)
+    everyone = comm.all_gather_object(mine, where=f"{purpose} (topology)", device=comm.word_device)
     world, rank = len(everyone), comm.rank
 
     forced_sizes = [facts["scaleup_size"] for facts in everyone]

@@ -8,8 +8,10 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import ep_plugin
+from ep_plugin.backends.base import Backend, Capabilities
 from ep_plugin.config import Config
 from ep_plugin.host_collectives import _grace_s
 from ep_plugin.testing import run_ranks
@@ -114,3 +116,44 @@ def test_construction_waits_with_the_timeout_too():
     assert seconds < TIMEOUT_S + _grace_s(TIMEOUT_S) + SLACK_S, seconds
     kind, message, _ = outcomes[1]
     assert kind == "EPTimeoutError" and "rank 0 gave up earlier" in message, (kind, message)
+
+
+class _ProtocolBarrierBackend(Backend):
+    """A backend that keeps the protocol's own ``barrier`` (as a backend from another package may)."""
+
+    name = "protocol_barrier"
+    capabilities = Capabilities(devices=("cpu",), hidden_dtypes=(torch.float32,), probs_dtypes=(torch.float32,))
+
+    def _dispatch(self, hidden, routing, probs, pad_multiple, **options):
+        raise NotImplementedError
+
+    def _dispatch_again(self, hidden, handle):
+        raise NotImplementedError
+
+    def _combine(self, rows, handle, row_probs, **options):
+        raise NotImplementedError
+
+
+def missing_at_the_protocol_barrier(ctx):
+    """Rank 1 builds the backend, then stays (alive, silent) until rank 0 gave up on the barrier."""
+    backend = _ProtocolBarrierBackend(hidden_size=HIDDEN, num_experts=EXPERTS, device="cpu",
+                                      config=Config.from_env(timeout_s=TIMEOUT_S))
+    store = dist.distributed_c10d._get_default_store()
+    if ctx.rank == 1:  # leaving would close the connection rank 0 waits on: another error than a timeout
+        deadline = time.monotonic() + TIMEOUT_S + _grace_s(TIMEOUT_S) + 2 * SLACK_S
+        while time.monotonic() < deadline and not store.check(["protocol_barrier/gave_up"]):
+            time.sleep(0.05)
+        return None
+    outcome = _outcome(backend.barrier)
+    store.set("protocol_barrier/gave_up", "1")
+    return outcome
+
+
+def test_the_protocol_barrier_waits_with_the_timeout_too():
+    """Before: ``Backend.barrier`` was a plain ``dist.barrier``, which waits for the process group's own
+    timeout (30 min on gloo) and then says nothing of ep_plugin's rank, phase or peer."""
+    kind, message, seconds = run_ranks(missing_at_the_protocol_barrier, 2, timeout_s=60)[0]
+    assert kind == "EPTimeoutError", (kind, message)
+    assert "rank 0 timed out" in message and "in barrier over gloo" in message, message
+    assert "Late peer(s): rank 1" in message, message
+    assert seconds < TIMEOUT_S + _grace_s(TIMEOUT_S) + SLACK_S, seconds

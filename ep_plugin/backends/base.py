@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..agreement import check_construction
 from ..config import Config
 from ..handle import CombineOutput, DispatchOutput, Handle
+from ..host_collectives import HostCollectives
 from ..routing import Routing, check_tensor, make_routing, route_counts
 from ..topology import Topology, resolve_topology
 
@@ -143,6 +144,9 @@ class Backend(abc.ABC):
         # Last, and before any subclass setup exchanges buffers: ranks built differently raise
         # ValueError here, on every rank, instead of crashing inside a later collective.
         check_construction(self.group, self.name, self._construction_facts(), timeout_s=self.config.timeout_s)
+        # The protocol's barrier, timed like every host wait (backends with a barrier of their own override it).
+        self._barrier_collectives = HostCollectives(self.group, owner=f"ep_plugin {self.name}",
+                                                    timeout_s=self.config.timeout_s, label="barrier")
 
     def _construction_facts(self) -> dict[str, Any]:
         """What every rank of the group must have built this backend with (compared by value).
@@ -227,8 +231,9 @@ class Backend(abc.ABC):
         return self._combine(rows, handle, row_probs, **options)
 
     def barrier(self) -> None:
-        """Block until every rank of the group reaches this point."""
-        dist.barrier(group=self.group)
+        """Block until every rank of the group reaches this point. A rank that does not arrive within
+        ``config.timeout_s`` makes the others raise ``EPTimeoutError`` naming it (``HostCollectives``)."""
+        self._barrier_collectives.barrier(where="barrier")
 
     def destroy(self) -> None:
         """Release communication resources; the backend is unusable afterwards."""
