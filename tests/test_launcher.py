@@ -1,6 +1,7 @@
 """The multi-rank launcher: placement logic, results, errors and hangs reported by rank."""
 
 import os
+import threading
 import time
 
 import pytest
@@ -76,3 +77,16 @@ def test_hang_is_reported_not_waited_for():
     with pytest.raises(EPTimeoutError, match=r"rank\(s\) \[0\] did not finish"):
         run_ranks(hang_on_rank_zero, 2, timeout_s=8)
     assert time.monotonic() - start < 60
+
+
+def unpicklable_result_on_rank_one(ctx):
+    return threading.Lock() if ctx.rank == 1 else ctx.rank
+
+
+def test_a_result_that_cannot_be_pickled_names_the_rank_at_once():
+    """Before: the queue's feeder thread dropped the result without a word, the rank exited with code 0, and
+    the launcher waited out its whole timeout to report the rank as one that "did not finish"."""
+    start = time.monotonic()
+    with pytest.raises(EPError, match=r"rank 1 raised:(.|\n)*pickle"):
+        run_ranks(unpicklable_result_on_rank_one, 2, timeout_s=30)
+    assert time.monotonic() - start < 20

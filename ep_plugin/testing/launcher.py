@@ -23,6 +23,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Optional
 
 from ..errors import EPError, EPTimeoutError
@@ -175,7 +176,7 @@ def _collect(processes, results, num_ranks: int, timeout_s: float) -> list[Any]:
             continue
         if not ok:
             raise EPError(f"rank {rank} raised:\n{payload}")
-        outputs[rank] = payload
+        outputs[rank] = ForkingPickler.loads(payload)
     return [outputs[rank] for rank in range(num_ranks)]
 
 
@@ -195,6 +196,9 @@ def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dic
             output = fn(RankContext(rank, plan.num_ranks, device, plan), *args)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, output))
+        # Pickled here (bytes: dumps gives a memoryview, which does not pickle), as the queue would: the queue
+        # pickles in a thread of its own, which drops an object that does not pickle without a word (the rank
+        # then exits with code 0 and the launcher waits out its timeout).
+        results.put((rank, True, bytes(ForkingPickler.dumps(output))))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, False, traceback.format_exc()))
