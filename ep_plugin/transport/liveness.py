@@ -70,11 +70,11 @@ def is_running(identity: ProcessIdentity) -> bool:
 
 def _pid_exists(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: only checks; PermissionError means another user's process, which exists
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process: it exists
-        return True
+    except PermissionError:
+        pass
     return True
 
 
