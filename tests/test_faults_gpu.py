@@ -80,6 +80,36 @@ def test_missing_rank_times_out_naming_phase_and_peer(backend_name):
         assert result["seconds"] < 10, (rank, result)
 
 
+# ---- a rank that fails alone while the backend is built ----------------------------------------
+
+def rank_failing_in_setup(ctx, backend_name: str) -> dict:
+    """The last rank refuses its grid alone after the setup's first exchange (EP_PLUGIN_MAX_SMS_PER_GPU is
+    a local check, not compared across ranks), and stays alive a while; the others go on to open the
+    peers' buffers. They must raise EPTimeoutError naming it within their timeout, not wait out the
+    process group's own (30 min on gloo) and then fail with the engine's raw error."""
+    last = ctx.rank == ctx.world_size - 1
+    start = time.monotonic()
+    try:
+        make_backend(ctx, backend_name, timeout_s=3.0, **({"max_sms_per_gpu": 1} if last else {}))
+        result = {"error": None}
+    except (ValueError, ep_plugin.EPError) as error:
+        result = {"error": f"{type(error).__name__}: {error}"}
+    result["seconds"] = time.monotonic() - start
+    if last:
+        time.sleep(8.0)  # alive, but never reaching the buffer's exchange
+    return result
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_rank_failing_alone_while_the_backend_is_built_is_named(backend_name):
+    results = run_ranks(rank_failing_in_setup, 4, backend_name, device="cuda", timeout_s=120)
+    assert results[-1]["error"].startswith("ValueError: ") and "resident" in results[-1]["error"], results[-1]
+    for rank, result in enumerate(results[:-1]):
+        assert result["error"] is not None and result["error"].startswith("EPTimeoutError: "), (rank, result)
+        assert "opening the peers' buffers" in result["error"] and "rank 3" in result["error"], (rank, result)
+        assert result["seconds"] < 10, (rank, result)
+
+
 # ---- a rank whose process exited ---------------------------------------------------------------
 
 def exited_rank(ctx, backend_name: str, peer_watch_s: float) -> dict:

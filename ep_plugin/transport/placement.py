@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import socket
-from typing import Optional
 
 import torch
-import torch.distributed as dist
+
+from ..host_collectives import HostCollectives
 
 
 def gpu_identity(device: torch.device) -> str:
@@ -16,8 +16,9 @@ def gpu_identity(device: torch.device) -> str:
     return f"{socket.gethostname()}/{uuid if uuid is not None else props.pci_bus_id}"
 
 
-def ranks_per_gpu(group: dist.ProcessGroup, device: torch.device) -> int:
-    """The largest number of ranks of ``group`` that share one GPU (a collective call)."""
-    identities: list[Optional[str]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(identities, gpu_identity(device), group=group)
+def ranks_per_gpu(collectives: HostCollectives, device: torch.device) -> int:
+    """The largest number of ranks of the collectives' group that share one GPU (a collective call,
+    timed: a rank that does not arrive makes the others raise EPTimeoutError naming it)."""
+    identities = collectives.all_gather_object(gpu_identity(device), where="placement (ranks sharing a GPU)",
+                                               device=collectives.word_device)
     return max(identities.count(identity) for identity in identities)

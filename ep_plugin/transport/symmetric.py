@@ -27,6 +27,7 @@ import torch.distributed as dist
 from .. import _cuda
 from ..agreement import mismatch_message
 from ..errors import EPError, EPTimeoutError
+from ..host_collectives import HostCollectives
 from .liveness import WATCH, own_identity
 
 
@@ -60,11 +61,14 @@ class SymmetricBuffer:
                                                float(timeout_s))
         self._region_tensors: dict[tuple, torch.Tensor] = {}  # see region_tensor
         here = own_identity()
-        gathered: list[Optional[tuple]] = [None] * self.num_ranks
-        dist.all_gather_object(gathered, (self._buffer.export_handle(), here), group=group)
+        # Timed (a rank that failed alone, out of memory above, say, is named instead of waited for).
+        self._collectives = HostCollectives(group, owner=f"ep_plugin {backend}", timeout_s=timeout_s, label="buffer")
+        gathered = self._collectives.all_gather_object((self._buffer.export_handle(), here),
+                                                       where="opening the peers' buffers",
+                                                       device=self._collectives.word_device)
         self._buffer.open_peers([handle for handle, _ in gathered])
         # No rank may write into a peer before that peer opened everything (its flags start zeroed).
-        dist.barrier(group=group)
+        self._collectives.barrier(where="opening the peers' buffers (every rank opened them)")
         self._destroyed = False
         self.peer_processes = {rank: identity for rank, (_, identity) in enumerate(gathered) if rank != self.rank}
         WATCH.watch(self, {rank: identity for rank, identity in self.peer_processes.items()
@@ -159,7 +163,7 @@ class SymmetricBuffer:
         if self._destroyed:
             return
         torch.cuda.synchronize(self.device)  # our writes into peers are complete ...
-        dist.barrier(group=self.group)  # ... and so are everyone's into ours
+        self._collectives.barrier(where="destroy")  # ... and so are everyone's into ours
         WATCH.unwatch(self)  # before the report's memory goes
         self._region_tensors.clear()
         self._buffer.destroy()
