@@ -128,6 +128,7 @@ class HierarchicalBackend(Backend):
         # The rail collectives are issued from the host: no claim that a CUDA graph can capture them.
         self.capabilities = dataclasses.replace(domain_backend.capabilities, cuda_graphs=False)
         self.domain_backend_class = domain_backend
+        domain_options.pop("combine_input_rows", None)  # no arena in the domain (see below), asked for or not
         self._domain_options = domain_options
         self._topology = topology
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
