@@ -17,7 +17,14 @@ import pytest
 import torch
 
 from ep_plugin import _cuda
-from ep_plugin.transport.arena import LARGE_PART_MIN_BYTES, SEGMENT_ROUND_BYTES, SMALL_PART_BYTES, arena_bytes
+from ep_plugin.integrations.megatron.arena import DEFAULT_ARENA_SHARE, default_combine_input_rows
+from ep_plugin.transport.arena import (
+    ARENA_OVERHEAD_BYTES,
+    LARGE_PART_MIN_BYTES,
+    SEGMENT_ROUND_BYTES,
+    SMALL_PART_BYTES,
+    arena_bytes,
+)
 
 MiB = 1 << 20
 
@@ -32,6 +39,36 @@ def test_arena_bytes_fit_the_caching_allocators_segments():
     for size in (1, 3 * MiB, 10 * MiB, 123456789):
         total = arena_bytes(size)
         assert total - SMALL_PART_BYTES >= size and (total - SMALL_PART_BYTES) % SEGMENT_ROUND_BYTES == 0
+        assert total <= max(size, 1) + ARENA_OVERHEAD_BYTES
+
+
+# Megatron's default: the standard shape's hidden size and routing, 8 ranks, one H200's memory.
+STANDARD = dict(num_ranks=8, ranks_on_one_gpu=8, max_tokens_per_rank=4096, num_local_experts=32,
+                experts_per_token=8, pad_multiple=1, hidden_size=7168, gpu_memory_bytes=141 << 30)
+
+
+def test_megatron_arena_by_default_only_when_every_rank_is_on_one_gpu():
+    rows = default_combine_input_rows(**STANDARD)
+    assert rows == 2 * 4096 * 8  # twice the balanced share: every rank's tokens spread evenly, top-8
+    # One rank per GPU, or some ranks on another GPU: the two-stage combine (in place unmeasured there).
+    assert default_combine_input_rows(**{**STANDARD, "ranks_on_one_gpu": 1}) == 0
+    assert default_combine_input_rows(**{**STANDARD, "ranks_on_one_gpu": 4}) == 0
+    # Padding: each local expert's segment may grow by pad_multiple - 1 rows.
+    assert default_combine_input_rows(**{**STANDARD, "pad_multiple": 16}) == 2 * (4096 * 8 + 32 * 15)
+
+
+def test_megatron_arena_never_exceeds_the_worst_case_or_its_memory_share():
+    # Two ranks with top-8 of 8 local experts each: the worst case (every token of both ranks on 8 of
+    # this rank's experts) is below twice the balanced share.
+    two = {**STANDARD, "num_ranks": 2, "ranks_on_one_gpu": 2, "num_local_experts": 8, "max_tokens_per_rank": 100}
+    assert default_combine_input_rows(**two) == 2 * 100 * 8
+    # Memory: all the ranks' arenas within the share of the GPU; the rows shrink to what fits ...
+    memory = 40 << 30
+    rows = default_combine_input_rows(**{**STANDARD, "gpu_memory_bytes": memory})
+    assert 4096 * 8 <= rows < 2 * 4096 * 8
+    assert 8 * arena_bytes(rows * 2 * 7168) <= DEFAULT_ARENA_SHARE * memory
+    # ... and none at all when not even the balanced share fits (most combines would miss it).
+    assert default_combine_input_rows(**{**STANDARD, "gpu_memory_bytes": 8 << 30}) == 0
 
 
 @pytest.fixture()

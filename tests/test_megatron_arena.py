@@ -1,5 +1,6 @@
 """Megatron's SequentialMLP experts write their output into the hybrid backend's combine-input arena
-(EP_PLUGIN_COMBINE_INPUT_ROWS > 0), and the flex dispatcher's combine reads it in place.
+(EP_PLUGIN_COMBINE_INPUT_ROWS > 0, or unset with every rank on one GPU), and the flex dispatcher's combine
+reads it in place.
 
 Each rank runs the MoE layer's own sequence (the flex dispatcher on ``ep_hybrid`` and real
 SequentialMLP experts, bf16, on the GPU; ranks share it where there are fewer GPUs) twice on the same
@@ -98,17 +99,22 @@ def _rank_arena(ctx) -> dict:
         for name, num_experts, topk in (("several local experts", 4 * ctx.world_size, 4),
                                         ("one local expert", ctx.world_size, 2)):
             runs = {}
-            for rows in (ROOM, 0):
-                os.environ["EP_PLUGIN_COMBINE_INPUT_ROWS"] = str(rows)
+            for rows in (ROOM, 0, None):  # None: unset, Megatron's default decides
+                os.environ.pop("EP_PLUGIN_COMBINE_INPUT_ROWS", None)
+                if rows is not None:
+                    os.environ["EP_PLUGIN_COMBINE_INPUT_ROWS"] = str(rows)
                 clear_backend_cache()  # the next dispatch builds the backend from the environment
                 runs[rows] = _run_layer(ctx, num_experts, topk, seed=7 + num_experts)
-            arena, plain = runs[ROOM], runs[0]
+            arena, plain, default = runs[ROOM], runs[0], runs[None]
             results[name] = {
                 "arena_built": (arena["arena"], plain["arena"]),
                 "forward_counts": (arena["forward_counts"], plain["forward_counts"]),
                 "out_difference": float((arena["out"] - plain["out"]).abs().max()),
                 "out_scale": float(plain["out"].abs().max()),
                 "grads_equal": all(torch.equal(a, b) for a, b in zip(arena["grads"], plain["grads"], strict=True)),
+                "default": (default["arena"], default["forward_counts"]),
+                "default_out_equal": torch.equal(default["out"], (arena if default["arena"] else plain)["out"]),
+                "one_gpu": ctx.plan.ranks_per_gpu == ctx.world_size,
             }
     finally:
         clear_backend_cache()
@@ -133,3 +139,8 @@ def test_sequential_mlp_output_is_combined_in_place(num_ranks):
             # few bf16 ulps of the output's magnitude, never more.
             assert result["out_difference"] <= num_ranks * 2 ** -7 * result["out_scale"], (label, result)
             assert result["out_scale"] > 0, label
+            # Unset, EP_PLUGIN_COMBINE_INPUT_ROWS is Megatron's default: in place where every rank is on one GPU.
+            one_gpu = result["one_gpu"]
+            expected = (True, {"in_place": 1}) if one_gpu else (False, {"pushed": 1})
+            assert result["default"] == expected, f"{label}: the default (one GPU: {one_gpu}): {result['default']}"
+            assert result["default_out_equal"], f"{label}: the default's output differs from the same way's run"

@@ -35,6 +35,9 @@ from .. import streams
 SMALL_PART_BYTES = 2 << 20  # torch's segment for blocks of <= 1 MiB (kSmallBuffer)
 LARGE_PART_MIN_BYTES = 10 << 20  # torch asks for segments of >= 10 MiB exactly (kMinLargeAlloc) ...
 SEGMENT_ROUND_BYTES = 2 << 20  # ... rounded up to 2 MiB (kRoundLarge)
+# What arena_bytes adds at most to a combine input's bytes: the small part, plus the large part's
+# rounding up (to 2 MiB, or to its 10 MiB minimum).
+ARENA_OVERHEAD_BYTES = SMALL_PART_BYTES + LARGE_PART_MIN_BYTES
 _SMALL_REQUEST_BYTES = 512  # an allocation that torch serves from a small segment
 
 _arena_ids = itertools.count(1)

@@ -1,8 +1,9 @@
 """Megatron's experts allocate their output in the backend's combine-input arena, so that the
 combine reads it where it is (one pass) instead of summing and pushing partials first.
 
-Only where the backend has an arena (``hybrid`` built with ``combine_input_rows > 0``, e.g.
-EP_PLUGIN_COMBINE_INPUT_ROWS=N) and the experts are ``SequentialMLP``. After each dispatch the manager
+Only where the backend has an arena (``hybrid`` built with ``combine_input_rows > 0``: by default when
+every rank of the group is on one GPU, see ``default_combine_input_rows``; EP_PLUGIN_COMBINE_INPUT_ROWS=N
+decides instead where set) and the experts are ``SequentialMLP``. After each dispatch the manager
 names its backend (``expect_expert_output``); the experts' forward, wrapped by ``install()``, takes it
 and opens the arena (``combine_input_arena()``) just before its output is allocated, until it returns:
 after the last local expert has run (their outputs are then concatenated into the output) or, with
@@ -14,8 +15,22 @@ is combined the two-stage way, as before.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import threading
 from typing import Callable
+
+import torch
+
+from ep_plugin.config import Config, env_var_name
+from ep_plugin.host_collectives import HostCollectives
+from ep_plugin.transport.arena import ARENA_OVERHEAD_BYTES, arena_bytes
+from ep_plugin.transport.placement import ranks_per_gpu
+
+logger = logging.getLogger(__name__)
+
+# The share of one GPU's memory that the arenas of all the ranks on it may take by default.
+DEFAULT_ARENA_SHARE = 1 / 8
 
 _pending = threading.local()  # .backend: the backend whose arena the next experts' output may use
 
@@ -49,3 +64,56 @@ def run_experts(experts, forward: Callable, *args, **kwargs):
             return forward(experts, *args, **kwargs)
     finally:
         hook.remove()
+
+
+# ---- how large an arena Megatron's backend gets when the user did not say ----------------------
+
+def default_combine_input_rows(*, num_ranks: int, ranks_on_one_gpu: int, max_tokens_per_rank: int,
+                               num_local_experts: int, experts_per_token: int, pad_multiple: int,
+                               hidden_size: int, gpu_memory_bytes: int) -> int:
+    """Rows of combine input the arena holds by default (0 = no arena: the two-stage combine).
+
+    In place only where every rank of the group is on one GPU. There the in-place combine moves about
+    half the bytes of the two-stage one (2.2x faster at the standard shape, 8 ranks on one H200). Across
+    GPUs every expert row of a token crosses the link instead of one partial sum per expert rank (about
+    1.5x the link bytes at top-8 of 256 experts over 8 ranks, 4x over 2), which has not been measured over
+    NVLink: the two-stage combine stays there until it is.
+
+    Size: twice a rank's balanced share of rows at ``max_tokens_per_rank`` (every source's tokens spread
+    evenly over the ranks: max_tokens_per_rank x experts_per_token, plus each expert's padding), at most
+    the worst case, with the arenas of all the ranks on the GPU within ``DEFAULT_ARENA_SHARE`` of its
+    memory. None when not even the balanced share fits: most combines would miss the arena.
+    """
+    if ranks_on_one_gpu < num_ranks:
+        return 0
+    padding = num_local_experts * (pad_multiple - 1)
+    balanced = max_tokens_per_rank * experts_per_token + padding
+    worst = num_ranks * max_tokens_per_rank * min(experts_per_token, num_local_experts) + padding
+    # An arena's rounding adds at most ARENA_OVERHEAD_BYTES to its rows (transport/arena.py).
+    room_bytes = int(DEFAULT_ARENA_SHARE * gpu_memory_bytes) // ranks_on_one_gpu - ARENA_OVERHEAD_BYTES
+    rows = min(2 * balanced, worst, max(0, room_bytes) // (2 * hidden_size))
+    return rows if rows >= min(balanced, worst) else 0
+
+
+def combine_input_options(backend_class, group, device: torch.device, *, num_experts: int,
+                          experts_per_token: int, pad_multiple: int, hidden_size: int) -> dict:
+    """Constructor options that give Megatron's backend its default arena (a collective call).
+
+    Nothing for a backend without an arena or when EP_PLUGIN_COMBINE_INPUT_ROWS is set (the backend
+    reads it). Otherwise the ranks find out whether they all share one GPU (a timed exchange) and
+    ``default_combine_input_rows`` decides; every input is equal on every rank, so is the size."""
+    if not hasattr(backend_class, "combine_input_arena") or env_var_name("combine_input_rows") in os.environ:
+        return {}
+    config = Config.from_env()
+    num_ranks = torch.distributed.get_world_size(group)
+    collectives = HostCollectives(group, owner="ep_plugin megatron", timeout_s=config.timeout_s,
+                                  label="combine input arena")
+    rows = default_combine_input_rows(
+        num_ranks=num_ranks, ranks_on_one_gpu=ranks_per_gpu(collectives, device),
+        max_tokens_per_rank=config.max_tokens_per_rank, num_local_experts=num_experts // num_ranks,
+        experts_per_token=experts_per_token, pad_multiple=pad_multiple, hidden_size=hidden_size,
+        gpu_memory_bytes=torch.cuda.get_device_properties(device).total_memory)
+    logger.info("ep_plugin: combine input arena of %d rows (%.0f MiB per rank): %s; EP_PLUGIN_COMBINE_INPUT_ROWS "
+                "overrides", rows, arena_bytes(rows * 2 * hidden_size) / 2**20,
+                "in place" if rows else "two-stage combine (not every rank on one GPU, or no room)")
+    return {"combine_input_rows": rows}

@@ -54,12 +54,18 @@ def resolve_backend_class(backend_name: str, config_name: str):
     return backend_class
 
 
-def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int, device: torch.device) -> Backend:
-    """One backend instance per (name, group, hidden size, experts, device), shared by all layers."""
-    key = (backend_name, group, hidden_size, num_experts, str(device))
+def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int, device: torch.device, *,
+                   experts_per_token: int, pad_multiple: int) -> Backend:
+    """One backend instance per (name, group, hidden size, experts, device, top-k, padding), shared by all
+    layers; a backend with a combine-input arena gets Megatron's default size (``arena.combine_input_options``)."""
+    key = (backend_name, group, hidden_size, num_experts, str(device), experts_per_token, pad_multiple)
     if key not in _backends:
         backend_class = ep_plugin.get_backend(backend_name)
-        _backends[key] = backend_class(group, hidden_size=hidden_size, num_experts=num_experts, device=device)
+        options = arena.combine_input_options(backend_class, group, device, num_experts=num_experts,
+                                              experts_per_token=experts_per_token, pad_multiple=pad_multiple,
+                                              hidden_size=hidden_size)
+        _backends[key] = backend_class(group, hidden_size=hidden_size, num_experts=num_experts, device=device,
+                                       **options)
     return _backends[key]
 
 
@@ -174,9 +180,7 @@ class EPPluginManager:
         if "routing_map" in capabilities.routing_forms:
             routing = dict(routing_map=self.routing_map.contiguous(), probs=probs.contiguous())
         else:
-            tp = max(1, self.num_experts // self.config.num_moe_experts)
-            k = min(self.num_experts, self.config.moe_router_topk * tp)
-            chosen, topk_idx = self.routing_map.to(torch.float32).topk(k, dim=1)
+            chosen, topk_idx = self.routing_map.to(torch.float32).topk(self._experts_per_token(), dim=1)
             chosen = chosen > 0
             topk_idx = torch.where(chosen, topk_idx, torch.full_like(topk_idx, -1))
             weights = probs.gather(1, topk_idx.clamp_min(0)) * chosen
@@ -186,6 +190,11 @@ class EPPluginManager:
             options = dict(expand=True, zero_padding=True)
         return routing, options
 
+    def _experts_per_token(self) -> int:
+        """Routing map entries a token has at most: ``moe_router_topk`` per TP copy of the expert set."""
+        tp = max(1, self.num_experts // self.config.num_moe_experts)
+        return min(self.num_experts, self.config.moe_router_topk * tp)
+
     def _backend_for(self, hidden_states: torch.Tensor) -> Backend:
         hidden_size = hidden_states.shape[-1]
         backend = self.backend
@@ -193,6 +202,7 @@ class EPPluginManager:
             device = hidden_states.device
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-            backend = shared_backend(self.backend_name, self.group, hidden_size, self.num_experts, device)
+            backend = shared_backend(self.backend_name, self.group, hidden_size, self.num_experts, device,
+                                     experts_per_token=self._experts_per_token(), pad_multiple=self.pad_multiple)
             self.backend = backend
         return backend
