@@ -313,6 +313,10 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
         if not hardware:  # NCCL runs its IB transport over them, staging every transfer through the CPU
             problems.append(Problem(f"{named}; no hardware RDMA NIC",
                                     "for multi-node EP use InfiniBand / RoCE / EFA NICs with their kernel drivers"))
+            # That transport still opens the uverbs nodes and pins its staging buffers, as over a real NIC.
+            if _uverbs_missing(fabric, problems):
+                return nccl_probe.SOCKET, "RDMA devices not reachable from user space"
+            _check_memlock(fabric, problems)
             return nccl_probe.STAGED, "software RDMA only"
         verdict.notes.append(f"{named} (not counted; NCCL_IB_HCA=^{','.join(nic.name for nic in software)} "
                              f"keeps NCCL off them)")
@@ -326,25 +330,14 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
     if down:
         problems.append(Problem(f"NIC(s) {', '.join(down)} have no ACTIVE port; their GPUs use farther NICs",
                                 "bring those links up (ports must read ACTIVE)"))
-    if not fabric.uverbs:
-        problems.append(Problem("no /dev/infiniband/uverbs*: user-space verbs cannot open the NICs",
-                                "load ib_uverbs; in a container pass --device=/dev/infiniband"))
+    if _uverbs_missing(fabric, problems):
         return nccl_probe.SOCKET, "RDMA NICs not reachable from user space"
     if fabric.efa and not (fabric.nccl.net_plugin or fabric.nccl.plugin_libraries):
         problems.append(Problem("EFA needs the aws-ofi-nccl NCCL net plugin and none was found",
                                 "install aws-ofi-nccl; set NCCL_NET_PLUGIN or put its lib directory on "
                                 "LD_LIBRARY_PATH"))
         return nccl_probe.SOCKET, "EFA without its NCCL plugin"
-    soft, hard = fabric.memlock_soft_bytes, fabric.memlock_hard_bytes
-    if soft is not None and soft < MEMLOCK_NEEDED_BYTES:
-        if hard is None or hard >= MEMLOCK_NEEDED_BYTES:  # the user can raise it up to the hard limit
-            fix = f"ulimit -l {'unlimited' if hard is None else hard // 1024} (the hard limit allows it)"
-        else:
-            fix = (f"ulimit -l unlimited, after raising the hard limit ({_bytes(hard)}): memlock in "
-                   f"/etc/security/limits.conf (docker: --ulimit memlock=-1)")
-        needed = _bytes(MEMLOCK_NEEDED_BYTES)
-        problems.append(Problem(f"memlock limit (ulimit -l) is {_bytes(soft)}, under the {needed} NCCL's RDMA "
-                                f"registration may pin: NCCL init can fail with 'Cannot allocate memory'", fix))
+    _check_memlock(fabric, problems)
     gpus = fabric.gpus
     first = gpus[0].info
     gdr_level = environ.get("NCCL_NET_GDR_LEVEL", "").upper()
@@ -370,6 +363,29 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
                             "modprobe nvidia_peermem, or use the open GPU kernel modules on Linux >= 5.12 "
                             "for DMA-BUF"))
     return nccl_probe.STAGED, "no GPUDirect RDMA mechanism"
+
+
+def _uverbs_missing(fabric: Fabric, problems: list[Problem]) -> bool:
+    """No /dev/infiniband/uverbs*: NCCL cannot open any RDMA device, hardware or software, and uses sockets."""
+    if fabric.uverbs:
+        return False
+    problems.append(Problem("no /dev/infiniband/uverbs*: user-space verbs cannot open the NICs",
+                            "load ib_uverbs; in a container pass --device=/dev/infiniband"))
+    return True
+
+
+def _check_memlock(fabric: Fabric, problems: list[Problem]) -> None:
+    soft, hard = fabric.memlock_soft_bytes, fabric.memlock_hard_bytes
+    if soft is None or soft >= MEMLOCK_NEEDED_BYTES:
+        return
+    if hard is None or hard >= MEMLOCK_NEEDED_BYTES:  # the user can raise it up to the hard limit
+        fix = f"ulimit -l {'unlimited' if hard is None else hard // 1024} (the hard limit allows it)"
+    else:
+        fix = (f"ulimit -l unlimited, after raising the hard limit ({_bytes(hard)}): memlock in "
+               f"/etc/security/limits.conf (docker: --ulimit memlock=-1)")
+    needed = _bytes(MEMLOCK_NEEDED_BYTES)
+    problems.append(Problem(f"memlock limit (ulimit -l) is {_bytes(soft)}, under the {needed} NCCL's RDMA "
+                            f"registration may pin: NCCL init can fail with 'Cannot allocate memory'", fix))
 
 
 def _socket_forced_by_env(fabric: Fabric, environ: Mapping[str, str]) -> Optional[str]:

@@ -173,19 +173,44 @@ def test_one_port_down_is_reported_but_gdr_still_works(tmp_path):
     assert any("GPU 0 (PCI root)" in note for note in verdict.notes)  # GDR distance warning
 
 
-def test_software_rdma_only_is_named_and_never_gpudirect(tmp_path):
+def soft_rdma_only(root, *, uverbs=1):
+    """One GPU and one rxe0, no hardware NIC."""
     gpu_chain, _ = dgx_chains(0)
-    add_gpu_pci(tmp_path, gpu_chain)
-    add_soft_rdma(tmp_path, "rxe0")
+    add_gpu_pci(root, gpu_chain)
+    add_soft_rdma(root, "rxe0")
+    add_uverbs(root, uverbs)
+    return driver([gpu(0, gpu_chain[-1])])
+
+
+def test_software_rdma_only_is_named_and_never_gpudirect(tmp_path):
+    report = soft_rdma_only(tmp_path, uverbs=2)
     add_soft_rdma(tmp_path, "siw0", chain=["pci0000:00", "0000:00:1f.6"])
-    add_uverbs(tmp_path, 2)
     add_peermem(tmp_path)
-    found, code = scaleout(tmp_path, driver([gpu(0, gpu_chain[-1])]))
+    found, code = scaleout(tmp_path, report)
     verdict = found["scaleout"]
     assert (verdict.mode, verdict.status, code) == (nccl_probe.STAGED, DEGRADED, 1)
     text = verdict.problems[0].text
     assert "rxe0: software RDMA (soft-RoCE), no GPUDirect" in text and "siw0: software RDMA (soft-iWARP)" in text
     assert "InfiniBand / RoCE / EFA" in verdict.problems[0].fix
+
+
+def test_software_rdma_only_still_needs_memlock(tmp_path):
+    # NCCL's IB transport over rxe registers its staging buffers: a low memlock limit fails its init too.
+    fabric = make_fabric(tmp_path, soft_rdma_only(tmp_path), memlock=(8 << 20, 1 << 40))
+    found, code = verdicts(fabric, scaleout="rdma")
+    verdict = found["scaleout"]
+    assert (verdict.mode, verdict.status, code) == (nccl_probe.STAGED, DEGRADED, 0)
+    assert any("memlock limit (ulimit -l) is 8 MiB" in p.text for p in verdict.problems)
+    assert "ulimit -l 1073741824 (the hard limit allows it)" in fixes(verdict)
+
+
+def test_software_rdma_only_still_needs_uverbs(tmp_path):
+    # Without the uverbs nodes NCCL cannot open rxe0 either and falls back to sockets.
+    found, code = verdicts(make_fabric(tmp_path, soft_rdma_only(tmp_path, uverbs=0)), scaleout="rdma")
+    verdict = found["scaleout"]
+    assert (verdict.mode, code) == (nccl_probe.SOCKET, 1)
+    assert "no /dev/infiniband/uverbs*" in verdict.problems[-1].text
+    assert "--device=/dev/infiniband" in fixes(verdict)
 
 
 def test_software_rdma_next_to_real_nics_is_named_not_counted(tmp_path):
