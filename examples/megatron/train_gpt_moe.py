@@ -51,8 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="ep_hybrid | ep_reference | ep_elastic (flex dispatcher on ep_plugin) or alltoall")
     parser.add_argument("--ranks", type=int, default=4, help="processes; EP size = DP size = ranks")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cpu is for a harness that stubs Megatron's CUDA-only calls (README); run as it is, "
-                             "Megatron needs a GPU either way")
+                        help="where the model and batches live; Megatron's layers call CUDA, so it needs a GPU "
+                             "either way (./dev demo is the CPU path)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
