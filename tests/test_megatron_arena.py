@@ -44,6 +44,8 @@ def _run_layer(ctx, num_experts: int, topk: int, seed: int) -> dict:
     from megatron.core.transformer.transformer_config import TransformerConfig
     from test_megatron_dispatcher import _moe_forward
 
+    from ep_plugin.integrations.megatron.manager import combine_counts
+
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=2, num_moe_experts=num_experts,
         moe_router_topk=topk, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ep_hybrid",
@@ -72,7 +74,7 @@ def _run_layer(ctx, num_experts: int, topk: int, seed: int) -> dict:
 
     out, *_ = _moe_forward(dispatcher, experts, hidden, routing_map, probs)
     backend = dispatcher._comm_manager.backend
-    forward_counts = dict(backend.combine_counts)
+    forward_counts = combine_counts()  # over the shared backends, made anew for this run
     (out.float() * grad_out.float()).sum().backward()
     return {
         "out": out.detach().float().cpu(),

@@ -237,11 +237,12 @@ def train_rank(ctx, args, build=None) -> dict:
             print(f"step {step:4d}  loss {losses[-1]:.4f}  tokens/s {tokens_per_s[-1]:,.0f}  "
                   f"({elapsed * 1e3:.1f} ms)", flush=True)
 
-    from ep_plugin.integrations.megatron.manager import clear_backend_cache
+    from ep_plugin.integrations.megatron.manager import clear_backend_cache, combine_counts
 
+    combines = combine_counts()  # ep_hybrid: whether the experts' output was combined in place
     clear_backend_cache()
     parallel_state.destroy_model_parallel()
-    return {"losses": losses, "tokens_per_s": tokens_per_s}
+    return {"losses": losses, "tokens_per_s": tokens_per_s, "combines": combines}
 
 
 def run(args, rank_function) -> None:
@@ -254,6 +255,9 @@ def run(args, rank_function) -> None:
     median_tokens_per_s = sorted(steady)[len(steady) // 2]
     print(f"{args.dispatcher} on {args.ranks} rank(s): loss {losses[0]:.4f} -> {losses[-1]:.4f} "
           f"(ln vocab = {math.log(args.vocab):.3f}); median {median_tokens_per_s:,.0f} tokens/s after warm-up")
+    if results[0]["combines"]:
+        counts = sorted(results[0]["combines"].items())  # forward and backward (the gradients' are pushed)
+        print("rank 0's combines: " + ", ".join(f"{n} {kind}" for kind, n in counts))
     if args.out:
         with open(args.out, "w") as handle:
             json.dump({"args": vars(args), "losses": losses, "tokens_per_s": results[0]["tokens_per_s"],

@@ -20,6 +20,7 @@ hidden size and expert count.
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Optional
 
@@ -67,6 +68,15 @@ def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int,
         _backends[key] = backend_class(group, hidden_size=hidden_size, num_experts=num_experts, device=device,
                                        **options)
     return _backends[key]
+
+
+def combine_counts() -> dict[str, int]:
+    """This rank's combines over the shared backends so far, by how its input travelled ("in_place": read
+    in the arena by the peers, "pushed": partial sums sent); empty for backends that do not count."""
+    total: collections.Counter = collections.Counter()
+    for backend in _backends.values():
+        total.update(getattr(backend, "combine_counts", {}))
+    return dict(total)
 
 
 def clear_backend_cache() -> None:
