@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -96,7 +96,7 @@ def default_combine_input_rows(*, num_ranks: int, ranks_on_one_gpu: int, max_tok
 
 
 def combine_input_options(backend_class, group, device: torch.device, *, num_experts: int,
-                          experts_per_token: int, pad_multiple: int, hidden_size: int) -> dict:
+                          experts_per_token: int, pad_multiple: Optional[int], hidden_size: int) -> dict:
     """Constructor options that give Megatron's backend its default arena (a collective call).
 
     Nothing for a backend without an arena or when EP_PLUGIN_COMBINE_INPUT_ROWS is set (the backend
@@ -111,7 +111,8 @@ def combine_input_options(backend_class, group, device: torch.device, *, num_exp
     rows = default_combine_input_rows(
         num_ranks=num_ranks, ranks_on_one_gpu=ranks_per_gpu(collectives, device),
         max_tokens_per_rank=config.max_tokens_per_rank, num_local_experts=num_experts // num_ranks,
-        experts_per_token=experts_per_token, pad_multiple=pad_multiple, hidden_size=hidden_size,
+        experts_per_token=experts_per_token, pad_multiple=pad_multiple or config.pad_multiple,  # None: the default
+        hidden_size=hidden_size,
         gpu_memory_bytes=torch.cuda.get_device_properties(device).total_memory)
     logger.info("ep_plugin: combine input arena of %d rows (%.0f MiB per rank): %s; EP_PLUGIN_COMBINE_INPUT_ROWS "
                 "overrides", rows, arena_bytes(rows * 2 * hidden_size) / 2**20,

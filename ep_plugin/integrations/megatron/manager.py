@@ -56,7 +56,7 @@ def resolve_backend_class(backend_name: str, config_name: str):
 
 
 def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int, device: torch.device, *,
-                   experts_per_token: int, pad_multiple: int) -> Backend:
+                   experts_per_token: int, pad_multiple: Optional[int]) -> Backend:
     """One backend instance per (name, group, hidden size, experts, device, top-k, padding), shared by all
     layers; a backend with a combine-input arena gets Megatron's default size (``arena.combine_input_options``)."""
     key = (backend_name, group, hidden_size, num_experts, str(device), experts_per_token, pad_multiple)
