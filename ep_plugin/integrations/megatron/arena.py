@@ -82,7 +82,7 @@ def default_combine_input_rows(*, num_ranks: int, ranks_on_one_gpu: int, max_tok
     Size: twice a rank's balanced share of rows at ``max_tokens_per_rank`` (every source's tokens spread
     evenly over the ranks: max_tokens_per_rank x experts_per_token, plus each expert's padding), at most
     the worst case, with the arenas of all the ranks on the GPU within ``DEFAULT_ARENA_SHARE`` of its
-    memory. None when not even the balanced share fits: most combines would miss the arena.
+    memory. 0 when not even the balanced share fits: most combines would miss the arena.
     """
     if ranks_on_one_gpu < num_ranks:
         return 0
