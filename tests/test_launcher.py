@@ -90,3 +90,44 @@ def test_a_result_that_cannot_be_pickled_names_the_rank_at_once():
     with pytest.raises(EPError, match=r"rank 1 raised:(.|\n)*pickle"):
         run_ranks(unpicklable_result_on_rank_one, 2, timeout_s=30)
     assert time.monotonic() - start < 20
+
+
+def exit_0_on_rank_one(ctx):
+    dist.barrier()  # so that rank 0 has its gloo links before rank 1's end closes them
+    if ctx.rank == 1:
+        os._exit(0)  # ends the process before _rank_main can report anything
+    return ctx.rank
+
+
+def test_a_rank_that_exits_0_without_a_result_is_named_at_once():
+    """Before: only a non-zero exit code was noticed, so the launcher waited out its whole timeout and reported
+    the rank as one that "did not finish"."""
+    start = time.monotonic()
+    with pytest.raises(EPError, match=r"rank\(s\) \[1\] exited with code 0 without reporting a result"):
+        run_ranks(exit_0_on_rank_one, 2, timeout_s=60)
+    assert time.monotonic() - start < 15
+
+
+def test_ranks_that_exited_0_before_their_results_were_read_are_not_reported(monkeypatch):
+    """The race an exit-0 check must not lose: get() times out, then the ranks put their results and exit, and
+    the launcher sees them dead with code 0 while their results still wait, unread, in the queue's pipe."""
+    from ep_plugin.testing import launcher
+
+    def collect_after_an_empty_get(processes, results, num_ranks, timeout_s):
+        class FirstGetEmptyAfterTheRanksExit:
+            first = True
+
+            def get(self, timeout):
+                if self.first:
+                    self.first = False
+                    for process in processes:
+                        process.join()
+                    raise launcher.queue.Empty
+                return results.get(timeout=timeout)
+
+        return real_collect(processes, FirstGetEmptyAfterTheRanksExit(), num_ranks, timeout_s)
+
+    real_collect = launcher._collect
+    monkeypatch.setattr(launcher, "_collect", collect_after_an_empty_get)
+    # report_rank's all_reduce keeps a rank from exiting while its peer is still setting up gloo
+    assert run_ranks(report_rank, 2, 0, env={"EP_PLUGIN_TIMEOUT_S": "7"}, timeout_s=60) == [(0, 1, "7"), (1, 1, "7")]

@@ -10,7 +10,8 @@ Placement (``plan_launch``):
 
 ``fn(ctx, *args)`` must be a module-level function; its return value (picklable) comes
 back in a list indexed by rank. An exception on any rank raises here with that rank's
-traceback; a rank that does not finish within ``timeout_s`` is killed and reported.
+traceback; a rank that exits without reporting a result is named at once; a rank that does
+not finish within ``timeout_s`` is killed and reported.
 CPU ranks are capped at ``max_cpu_ranks()`` (``CPU_RANKS_PER_CORE`` per core); GPU runs are not.
 """
 
@@ -159,6 +160,7 @@ def _spawn(fn, args, plan: LaunchPlan, timeout_s: float, env: dict[str, str]) ->
 
 def _collect(processes, results, num_ranks: int, timeout_s: float) -> list[Any]:
     outputs: dict[int, Any] = {}
+    exited_0_before: set[int] = set()  # ranks already seen exited with code 0, without a result, at the last check
     deadline = time.monotonic() + timeout_s
     while len(outputs) < num_ranks:
         try:
@@ -169,6 +171,17 @@ def _collect(processes, results, num_ranks: int, timeout_s: float) -> list[Any]:
             if dead:
                 raise EPError(f"rank(s) {dead} exited with code(s) {[processes[r].exitcode for r in dead]} "
                               f"before reporting a result") from None
+            # A rank that exits with code 0 has flushed its result into the queue's pipe first, but we may not
+            # have read it yet; once it was seen exited before a whole get() that found the queue empty, its
+            # result is not coming.
+            exited_0 = {rank for rank, p in enumerate(processes)
+                        if rank not in outputs and not p.is_alive() and p.exitcode == 0}
+            silent = sorted(exited_0 & exited_0_before)
+            if silent:
+                raise EPError(f"rank(s) {silent} exited with code 0 without reporting a result: something in the "
+                              f"rank ended its process before the rank function returned (os._exit(0), or a "
+                              f"library that exits on its own)") from None
+            exited_0_before = exited_0
             if time.monotonic() > deadline:
                 missing = sorted(set(range(num_ranks)) - set(outputs))
                 raise EPTimeoutError(f"launcher: rank(s) {missing} did not finish within {timeout_s:.0f} s "
