@@ -205,6 +205,11 @@ def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dic
             device = f"cuda:{plan.gpu_of_rank[rank]}"
         dist.init_process_group(plan.process_group_backend, init_method=init_method, rank=rank,
                                 world_size=plan.num_ranks)
+        if plan.process_group_backend == "gloo":
+            # gloo's init returns on a rank once its own links are up, while a peer may still be connecting;
+            # a rank that then finished quickly (no collective in fn) and exited made that peer's init fail
+            # ("connectFullMesh failed ... Connection closed by peer"). Nobody leaves before everyone is in.
+            dist.barrier()
         try:
             output = fn(RankContext(rank, plan.num_ranks, device, plan), *args)
         finally:
