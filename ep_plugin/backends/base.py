@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .. import streams
 from ..agreement import check_construction
 from ..config import Config
 from ..handle import CombineOutput, DispatchOutput, Handle
@@ -144,9 +145,10 @@ class Backend(abc.ABC):
         # Last, and before any subclass setup exchanges buffers: ranks built differently raise
         # ValueError here, on every rank, instead of crashing inside a later collective.
         check_construction(self.group, self.name, self._construction_facts(), timeout_s=self.config.timeout_s)
-        # The protocol's barrier, timed like every host wait (backends with a barrier of their own override it).
-        self._barrier_collectives = HostCollectives(self.group, owner=f"ep_plugin {self.name}",
-                                                    timeout_s=self.config.timeout_s, label="barrier")
+        # The backend's host exchanges (the protocol's barrier, a compiled backend's setup), timed like
+        # every host wait: a rank that failed alone makes the others raise naming it.
+        self._host = HostCollectives(self.group, owner=f"ep_plugin {self.name}", timeout_s=self.config.timeout_s,
+                                     label="backend")
 
     def _construction_facts(self) -> dict[str, Any]:
         """What every rank of the group must have built this backend with (compared by value).
@@ -233,11 +235,18 @@ class Backend(abc.ABC):
     def barrier(self) -> None:
         """Block until every rank of the group reaches this point. A rank that does not arrive within
         ``config.timeout_s`` makes the others raise ``EPTimeoutError`` naming it (``HostCollectives``)."""
-        self._barrier_collectives.barrier(where="barrier")
+        self._host.barrier(where="barrier")
 
     def destroy(self) -> None:
         """Release communication resources; the backend is unusable afterwards."""
         return None
+
+    def _wait_for_host(self, what: str) -> None:
+        """Host wait, with the timeout, until the current stream has run what was queued so far
+        (backends whose kernels report failures from the device override it to raise that report)."""
+        if self.device.type == "cuda":
+            streams.wait_for_stream(self.device, self.config.timeout_s, f"ep_plugin {self.name}: rank {self.rank}: "
+                                    f"{what}")
 
     # ---- byte model (for benchmarks) -------------------------------------------------------------
 

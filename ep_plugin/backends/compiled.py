@@ -15,7 +15,6 @@ import torch
 from .. import _cuda, streams
 from ..agreement import OP_BARRIER, fingerprint_code
 from ..errors import BackendUnavailableError
-from ..host_collectives import HostCollectives
 from ..routing import ROUTING_MAP, Routing, check_topk_values
 from ..transport.fabric import gpu_link_bandwidths
 from ..transport.placement import ranks_per_gpu
@@ -101,11 +100,9 @@ class CompiledBackend(Backend):
         if hidden_size % 8:
             raise ValueError(
                 f"backend {self.name!r} needs hidden_size divisible by 8 (16-byte rows), got {hidden_size}")
-        # The host exchanges of the setup, timed like every host wait (a rank that failed alone, say out
-        # of memory, makes the others raise naming it instead of waiting out the group's own timeout).
-        self._setup = HostCollectives(self.group, owner=f"ep_plugin {self.name}", timeout_s=self.config.timeout_s,
-                                      label="setup")
-        sharing = ranks_per_gpu(self._setup, self.device)
+        # The setup's host exchanges run on the base's timed collectives (self._host): a rank that failed
+        # alone, say out of memory, makes the others raise naming it instead of waiting out the group's own timeout.
+        sharing = ranks_per_gpu(self._host, self.device)
         self.num_blocks = self._resolve_num_blocks(sharing)
         self._check_co_residency(sharing)
         self._bulk = bool(self.config.bulk_copy)  # the kernels fall back to register copies below sm_90
@@ -150,7 +147,7 @@ class CompiledBackend(Backend):
                                hidden_bytes=2 * self.hidden_size, nvlink_gbytes_per_s=nvlink,
                                scaleout_gbytes_per_s=scaleout, sm_read_gbytes_per_s=self.sm_read_gbytes_per_s,
                                sm_write_gbytes_per_s=self.sm_write_gbytes_per_s)
-        everyone = self._setup.all_gather_object(mine, where="autosizing num_sms", device=self._setup.word_device)
+        everyone = self._host.all_gather_object(mine, where="autosizing num_sms", device=self._host.word_device)
         return min(everyone)
 
     def _check_co_residency(self, sharing: int) -> None:

@@ -223,9 +223,9 @@ class HierarchicalBackend(Backend):
         """Every rank of every domain reached this point: the op agreement (rail, then domain stage), then
         the domain backend's barrier."""
         self.scaleout.check_usable()
-        if self.device.type == "cuda":  # this rank's NVLink stores are complete before the rail traffic
-            streams.wait_for_stream(self.device, self.config.timeout_s, f"ep_plugin {self.name}: rank {self.rank}: "
-                                    f"barrier (this rank's queued work)")
+        # This rank's NVLink stores are complete before the rail traffic; the domain backend's wait raises
+        # what its kernels reported (a peer that never arrived) rather than a bare timeout.
+        self.domain._wait_for_host("the barrier (this rank's queued work)")
         # The ops' agreement (so a peer in another op sees the difference), then the domain backend's barrier.
         self._open(OpFingerprint(OP_BARRIER), 0, "barrier", send_counts=[0] * self.scaleout.num_domains)
         self._at_domain_level(self.domain.barrier)
