@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ep_plugin import _cuda
-from ep_plugin.integrations.megatron.arena import DEFAULT_ARENA_SHARE, default_combine_input_rows
+from ep_plugin.integrations.megatron.arena import DEFAULT_ARENA_SHARE, default_combine_input_rows, takes_output
 from ep_plugin.transport.arena import (
     ARENA_OVERHEAD_BYTES,
     LARGE_PART_MIN_BYTES,
@@ -69,6 +69,15 @@ def test_megatron_arena_never_exceeds_the_worst_case_or_its_memory_share():
     assert 8 * arena_bytes(rows * 2 * 7168) <= DEFAULT_ARENA_SHARE * memory
     # ... and none at all when not even the balanced share fits (most combines would miss it).
     assert default_combine_input_rows(**{**STANDARD, "gpu_memory_bytes": 8 << 30}) == 0
+
+
+def test_megatron_default_arena_leaves_decode_sized_outputs_to_the_two_stage_combine():
+    # Measured on one H200 (hidden 7168): the pool's host cost outweighs the gain at 1024 rows per rank
+    # (128 tokens, top-8, 8 ranks) and the arena wins from 4096 rows (512 tokens) on.
+    assert not takes_output(1024, 7168, default_arena=True)
+    assert takes_output(4096, 7168, default_arena=True)
+    # An arena the user asked for (EP_PLUGIN_COMBINE_INPUT_ROWS) takes every output that fits.
+    assert takes_output(1024, 7168, default_arena=False) and takes_output(1, 8, default_arena=False)
 
 
 @pytest.fixture()

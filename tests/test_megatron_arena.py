@@ -1,6 +1,7 @@
 """Megatron's SequentialMLP experts write their output into the hybrid backend's combine-input arena
-(EP_PLUGIN_COMBINE_INPUT_ROWS > 0, or unset with every rank on one GPU), and the flex dispatcher's combine
-reads it in place.
+(EP_PLUGIN_COMBINE_INPUT_ROWS > 0, or unset with every rank on one GPU: then only outputs of at least
+DEFAULT_MIN_OUTPUT_BYTES, lowered to 0 here except in one run), and the flex dispatcher's combine reads it
+in place.
 
 Each rank runs the MoE layer's own sequence (the flex dispatcher on ``ep_hybrid`` and real
 SequentialMLP experts, bf16, on the GPU; ranks share it where there are fewer GPUs) twice on the same
@@ -91,23 +92,29 @@ def _rank_arena(ctx) -> dict:
     from megatron.core import parallel_state
 
     import ep_plugin.integrations.megatron as ep_megatron
+    from ep_plugin.integrations.megatron import arena as megatron_arena
     from ep_plugin.integrations.megatron.manager import clear_backend_cache
 
     torch.cuda.set_device(ctx.device)
     ep_megatron.install()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
     results = {}
+    shipped_threshold = megatron_arena.DEFAULT_MIN_OUTPUT_BYTES
     try:
         for name, num_experts, topk in (("several local experts", 4 * ctx.world_size, 4),
                                         ("one local expert", ctx.world_size, 2)):
             runs = {}
-            for rows in (ROOM, 0, None):  # None: unset, Megatron's default decides
+            # None: unset, Megatron's default decides; "small": the same with its size threshold as it
+            # ships (these outputs are far below it), else lowered to 0 so that the default's arena is used.
+            for rows in (ROOM, 0, None, "small"):
                 os.environ.pop("EP_PLUGIN_COMBINE_INPUT_ROWS", None)
-                if rows is not None:
+                if isinstance(rows, int):
                     os.environ["EP_PLUGIN_COMBINE_INPUT_ROWS"] = str(rows)
+                megatron_arena.DEFAULT_MIN_OUTPUT_BYTES = shipped_threshold if rows == "small" else 0
                 clear_backend_cache()  # the next dispatch builds the backend from the environment
                 runs[rows] = _run_layer(ctx, num_experts, topk, seed=7 + num_experts)
-            arena, plain, default = runs[ROOM], runs[0], runs[None]
+            megatron_arena.DEFAULT_MIN_OUTPUT_BYTES = shipped_threshold
+            arena, plain, default, small = runs[ROOM], runs[0], runs[None], runs["small"]
             results[name] = {
                 "arena_built": (arena["arena"], plain["arena"]),
                 "forward_counts": (arena["forward_counts"], plain["forward_counts"]),
@@ -115,6 +122,7 @@ def _rank_arena(ctx) -> dict:
                 "out_scale": float(plain["out"].abs().max()),
                 "grads_equal": all(torch.equal(a, b) for a, b in zip(arena["grads"], plain["grads"], strict=True)),
                 "default": (default["arena"], default["forward_counts"]),
+                "default_small": (small["arena"], small["forward_counts"]),
                 "default_out_equal": torch.equal(default["out"], (arena if default["arena"] else plain)["out"]),
                 "one_gpu": ctx.plan.ranks_per_gpu == ctx.world_size,
             }
@@ -146,3 +154,6 @@ def test_sequential_mlp_output_is_combined_in_place(num_ranks):
             expected = (True, {"in_place": 1}) if one_gpu else (False, {"pushed": 1})
             assert result["default"] == expected, f"{label}: the default (one GPU: {one_gpu}): {result['default']}"
             assert result["default_out_equal"], f"{label}: the default's output differs from the same way's run"
+            # As shipped, the default arena leaves outputs this small (decode-sized) to the two-stage combine.
+            expected = (one_gpu, {"pushed": 1})
+            assert result["default_small"] == expected, f"{label}: the default, small output: {result['default_small']}"

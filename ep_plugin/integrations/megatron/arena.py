@@ -2,8 +2,9 @@
 combine reads it where it is (one pass) instead of summing and pushing partials first.
 
 Only where the backend has an arena (``hybrid`` built with ``combine_input_rows > 0``: by default when
-every rank of the group is on one GPU, see ``default_combine_input_rows``; EP_PLUGIN_COMBINE_INPUT_ROWS=N
-decides instead where set) and the experts are ``SequentialMLP``. After each dispatch the manager
+every rank of the group is on one GPU, see ``default_combine_input_rows``, and then only for outputs of
+at least ``DEFAULT_MIN_OUTPUT_BYTES``; EP_PLUGIN_COMBINE_INPUT_ROWS=N decides instead where set) and the
+experts are ``SequentialMLP``. After each dispatch the manager
 names its backend (``expect_expert_output``); the experts' forward, wrapped by ``install()``, takes it
 and opens the arena (``combine_input_arena()``) just before its output is allocated, until it returns:
 after the last local expert has run (their outputs are then concatenated into the output) or, with
@@ -18,6 +19,7 @@ import contextlib
 import logging
 import os
 import threading
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -32,12 +34,34 @@ logger = logging.getLogger(__name__)
 # The share of one GPU's memory that the arenas of all the ranks on it may take by default.
 DEFAULT_ARENA_SHARE = 1 / 8
 
+# With the default arena, smaller expert outputs (bytes per rank) are combined the two-stage way: there
+# the pool's host cost per MoE layer is more than the one-pass combine saves in Megatron's blocking,
+# host-paced step. One H200, 8 ranks x 16 SMs, hidden 7168, top-8 of 256, 4 interleaved runs: step 336 µs
+# two-stage against 379 in the arena at 1024 rows per rank (14.7 MB), 655 against 456 at 4096 rows
+# (58.7 MB) (benchmarks/NOTES.md, twenty-third pass). A size asked for with EP_PLUGIN_COMBINE_INPUT_ROWS
+# takes every output that fits.
+DEFAULT_MIN_OUTPUT_BYTES = 16 * 2**20
+
 _pending = threading.local()  # .backend: the backend whose arena the next experts' output may use
+_default_arenas: "weakref.WeakSet" = weakref.WeakSet()  # backends whose arena is Megatron's default
 
 
-def expect_expert_output(backend) -> None:
-    """After a dispatch: the next experts' forward on this thread may put its output in ``backend``'s arena."""
-    _pending.backend = backend if getattr(backend, "arena", None) is not None else None
+def note_default_arena(backend) -> None:
+    """``backend``'s arena is Megatron's default (not asked for): small outputs stay out of it."""
+    _default_arenas.add(backend)
+
+
+def takes_output(num_rows: int, hidden_size: int, *, default_arena: bool) -> bool:
+    """Whether an expert output of ``num_rows`` bf16 rows goes to the arena (see DEFAULT_MIN_OUTPUT_BYTES)."""
+    return not default_arena or num_rows * 2 * hidden_size >= DEFAULT_MIN_OUTPUT_BYTES
+
+
+def expect_expert_output(backend, num_rows: int) -> None:
+    """After a dispatch of ``num_rows`` rows: the next experts' forward on this thread may put its output
+    in ``backend``'s arena."""
+    usable = getattr(backend, "arena", None) is not None and takes_output(
+        num_rows, backend.hidden_size, default_arena=backend in _default_arenas)
+    _pending.backend = backend if usable else None
 
 
 def forget_expert_output() -> None:

@@ -67,6 +67,8 @@ def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int,
                                               hidden_size=hidden_size)
         _backends[key] = backend_class(group, hidden_size=hidden_size, num_experts=num_experts, device=device,
                                        **options)
+        if options.get("combine_input_rows"):
+            arena.note_default_arena(_backends[key])
     return _backends[key]
 
 
@@ -154,7 +156,8 @@ class EPPluginManager:
         self.handle = out.handle
         self.dispatched_probs = out.probs
         self.tokens_per_expert = out.tokens_per_expert
-        arena.expect_expert_output(backend)  # the experts may put their output where combine reads it
+        # The experts may put their output where combine reads it.
+        arena.expect_expert_output(backend, out.handle.num_rows)
         return out.hidden
 
     def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
