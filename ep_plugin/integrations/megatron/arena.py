@@ -140,5 +140,6 @@ def combine_input_options(backend_class, group, device: torch.device, *, num_exp
         gpu_memory_bytes=torch.cuda.get_device_properties(device).total_memory)
     logger.info("ep_plugin: combine input arena of %d rows (%.0f MiB per rank): %s; EP_PLUGIN_COMBINE_INPUT_ROWS "
                 "overrides", rows, arena_bytes(rows * 2 * hidden_size) / 2**20,
-                "in place" if rows else "two-stage combine (not every rank on one GPU, or no room)")
+                f"in place for expert outputs of >= {DEFAULT_MIN_OUTPUT_BYTES / 2**20:.0f} MiB" if rows else
+                "two-stage combine (not every rank on one GPU, or no room)")
     return {"combine_input_rows": rows}
