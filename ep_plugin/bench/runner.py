@@ -406,6 +406,7 @@ def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, 
     del calls  # free the last outputs before the ceiling's copy
     all_samples = _gather(samples, ctx.world_size)
     counts = {way: n - counts_before.get(way, 0) for way, n in getattr(backend, "combine_counts", {}).items()}
+    arena_stats = _arena_stats(backend)
     # Across domains the outputs are the domain backend's flat ones (its byte model); the rails' bytes
     # are reported apart (_scaleout_fields).
     case_bytes = _case_bytes(getattr(backend, "domain_backend_class", type(backend)), shape, ctx.world_size,
@@ -423,7 +424,18 @@ def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, 
     return dict(payload=shape.payload, tokens=shape.tokens, hidden=shape.hidden, topk=shape.topk,
                 experts=shape.experts, routing=shape.routing, ranks=ctx.world_size, samples_us=all_samples,
                 step_us=_gather(step_us, ctx.world_size), ceiling_us=ceilings, one_gpu_per_rank=one_gpu_per_rank,
-                combine_counts=_gather(counts, ctx.world_size), **case_bytes)
+                combine_counts=_gather(counts, ctx.world_size),
+                **({"arena": _gather(arena_stats, ctx.world_size)} if arena_stats else {}), **case_bytes)
+
+
+def _arena_stats(backend) -> dict:
+    """The combine-input arena's pool counters so far (pools made, snapshots, fallback segments: each
+    beyond 1 / 0 / 0 costs host time in a loop), or {} without an arena."""
+    arena = getattr(backend, "arena", None)
+    if arena is None:
+        return {}
+    return {"pools_made": arena.pools_made, "snapshots_taken": arena.snapshots_taken,
+            "fallback_segments": arena.fallback_segments()}
 
 
 def _run_all_to_all_case(ctx: RankContext, spec: SweepSpec, shape: Shape, device) -> dict:
