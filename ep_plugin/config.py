@@ -18,6 +18,11 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+# The largest expert-segment padding (quantized formats pad to 16..128 rows; far larger pads would
+# overflow the kernels' 32-bit row counts long before they made sense).
+MAX_PAD_MULTIPLE = 1 << 16
+
+
 @dataclass(frozen=True)
 class Config:
     """Runtime configuration shared by all backends.
@@ -75,7 +80,8 @@ class Config:
         _require(0 < self.timeout_s < math.inf, "timeout_s", "> 0 and finite", self.timeout_s)
         _require(self.max_tokens_per_rank >= 1, "max_tokens_per_rank", ">= 1", self.max_tokens_per_rank)
         _require(0 <= self.num_sms <= 1024, "num_sms", "in [0, 1024] (0 = autosize)", self.num_sms)
-        _require(self.pad_multiple >= 1, "pad_multiple", ">= 1", self.pad_multiple)
+        _require(1 <= self.pad_multiple <= MAX_PAD_MULTIPLE, "pad_multiple", f"in [1, {MAX_PAD_MULTIPLE}]",
+                 self.pad_multiple)
         _require(self.num_permuted_tokens >= 0, "num_permuted_tokens", ">= 0", self.num_permuted_tokens)
         _require(self.max_sms_per_gpu >= 0, "max_sms_per_gpu", ">= 0", self.max_sms_per_gpu)
         _require(self.combine_input_rows >= 0, "combine_input_rows", ">= 0 (0 = no arena)", self.combine_input_rows)

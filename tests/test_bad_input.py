@@ -49,6 +49,8 @@ def _bad_calls(backend, problem, rank):
         (ValueError, "exactly one routing form", dispatch(x)),
         (ValueError, "topk_weights goes with topk_idx", dispatch(x, routing_map=rmap, topk_weights=weights)),
         (ValueError, "pad_multiple", dispatch(x, routing_map=rmap, probs=probs, pad_multiple=0)),
+        (ValueError, r"pad_multiple must be an int in \[1, 65536\]",
+         dispatch(x, routing_map=rmap, probs=probs, pad_multiple=2**31)),
         (ValueError, "not divisible", lambda: ep_plugin.get_backend("reference")(
             hidden_size=HIDDEN, num_experts=backend.num_ranks + 1, device="cpu")),
     ]
@@ -82,7 +84,7 @@ def test_bad_input_rejected_before_communication(blocking):
     """blocking=False too: the reference has no sync-free mode, so it reads the ids on the host anyway
     (it skipped that check there and delivered a repeated expert's row twice)."""
     rejected = run_ranks(check_bad_inputs_leave_backend_usable, 2, blocking, timeout_s=120)
-    assert rejected[0] == 17 and rejected[1] == 0
+    assert rejected[0] == 18 and rejected[1] == 0
 
 
 def check_foreign_handle(ctx) -> None:

@@ -25,7 +25,8 @@ def test_env_overrides_and_keyword_precedence():
     ({"EP_PLUGIN_TIMEOUT_S": "inf"}, "timeout_s must be > 0 and finite"),  # no wait could be given a deadline
     ({"EP_PLUGIN_NUM_SMS": "-1"}, r"num_sms must be in \[0, 1024\]"),
     ({"EP_PLUGIN_BLOCKING": "maybe"}, "cannot parse EP_PLUGIN_BLOCKING"),
-    ({"EP_PLUGIN_PAD_MULTIPLE": "0"}, "pad_multiple must be >= 1"),
+    ({"EP_PLUGIN_PAD_MULTIPLE": "0"}, r"pad_multiple must be in \[1, 65536\]"),
+    ({"EP_PLUGIN_PAD_MULTIPLE": str(2**31)}, r"pad_multiple must be in \[1, 65536\]"),  # past the kernels' int32
 ])
 def test_bad_config_values_name_the_knob(env, text):
     with pytest.raises(ValueError, match=text):

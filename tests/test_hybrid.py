@@ -292,6 +292,45 @@ def bad_input_then_good(ctx) -> int:
     return 1
 
 
+def mid_word(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values in a contiguous view that starts mid-word (2 bytes past a 16-byte boundary)."""
+    flat = torch.empty(tensor.numel() + 8, dtype=tensor.dtype, device=tensor.device)
+    view = flat[1:1 + tensor.numel()].view(tensor.shape)
+    view.copy_(tensor)
+    assert view.data_ptr() % 16, "the view should start mid-word"
+    return view
+
+
+def mid_word_inputs_and_capture(ctx) -> int:
+    """Inputs that start mid-word give the results of aligned ones (the kernels move 16-byte words: such
+    an input is copied first, not read misaligned, which would kill the CUDA context). A blocking
+    dispatch inside a CUDA graph capture is refused before anything is enqueued; the backend stays usable."""
+    reference, hybrid = make_backends(ctx, 256)
+    inputs = make_inputs(700, ctx.rank, ctx.world_size, 30, 256, NUM_EXPERTS, 4, skewed=False, drop_some=False)
+    kwargs = routing_kwargs("topk", inputs)
+    ref = reference.dispatch(inputs[0], **kwargs)
+    out = hybrid.dispatch(mid_word(inputs[0]), **kwargs)
+    assert torch.equal(out.hidden, ref.hidden), "mid-word dispatch input"
+    rows = (ref.hidden.float() * 0.5 + 1).to(torch.bfloat16)
+    back = hybrid.combine(mid_word(rows), out.handle, row_probs=mid_word(ref.probs * 3 + 1))
+    ref_back = reference.combine(rows, ref.handle, row_probs=ref.probs * 3 + 1)
+    assert_combine_close(back.hidden, ref_back.hidden, "mid-word combine input")
+    assert torch.equal(back.probs, ref_back.probs), "mid-word combine row_probs"
+    grad = torch.randn(inputs[0].shape, device=ctx.device).to(torch.bfloat16)
+    assert torch.equal(hybrid.dispatch_again(mid_word(grad), out.handle), reference.dispatch_again(grad, ref.handle)), \
+        "mid-word dispatch_again input"
+
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture.*EP_PLUGIN_BLOCKING=0"):
+        with torch.cuda.graph(graph):
+            hybrid.dispatch(inputs[0], **kwargs)
+    out = hybrid.dispatch(inputs[0], **kwargs)
+    assert torch.equal(out.hidden, ref.hidden), "the dispatch after the refused capture"
+    torch.cuda.synchronize()
+    hybrid.destroy()
+    return 1
+
+
 def run_suite(ctx, hidden_sizes) -> dict:
     counts = {}
     for hidden in hidden_sizes:
@@ -300,6 +339,7 @@ def run_suite(ctx, hidden_sizes) -> dict:
     counts["autograd"] = autograd_end_to_end(ctx)
     counts["non_blocking"] = non_blocking_overflow_and_graph(ctx)
     counts["bad_input"] = bad_input_then_good(ctx)
+    counts["mid_word"] = mid_word_inputs_and_capture(ctx)
     return counts
 
 

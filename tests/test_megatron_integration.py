@@ -144,6 +144,47 @@ def test_moe_enable_deepep_next_to_a_plugin_name_is_refused(ep_megatron):
 
 
 @needs_megatron
+def test_plugin_name_without_the_flex_dispatcher_type_is_refused(ep_megatron):
+    """Megatron picks the dispatcher by its type: with "alltoall" a plugin name would be ignored silently."""
+    from ep_plugin.integrations.nemo import validate_ep_plugin_backend
+
+    for dispatcher_type in ("alltoall", "allgather"):
+        with pytest.raises(ValueError, match=f"requires moe_token_dispatcher_type='flex', got '{dispatcher_type}'"):
+            _config(moe_flex_dispatcher_backend="ep_reference", moe_token_dispatcher_type=dispatcher_type)
+    config = _config(moe_flex_dispatcher_backend="ep_reference")
+    config.moe_token_dispatcher_type = "alltoall"  # changed after construction, as recipes do
+    with pytest.raises(ValueError, match="needs moe_token_dispatcher_type='flex', got 'alltoall'"):
+        validate_ep_plugin_backend(config)
+    assert _config(moe_flex_dispatcher_backend="deepep", moe_token_dispatcher_type="alltoall")  # Megatron's own
+
+
+@needs_megatron
+def test_options_the_plugin_cannot_honour_fail_at_model_build(ep_megatron, monkeypatch):
+    """Drop-and-pad, 0.19's fixed receive budget and non-blocking outputs raise ValueError when the
+    dispatcher is built (before any process group is touched), naming the option and the config value."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    def build(name, **overrides):
+        MoEFlexTokenDispatcher(2, [0, 1], config=_config(moe_flex_dispatcher_backend=name, **overrides))
+
+    with pytest.raises(ValueError, match="'ep_reference': ep_plugin backends are dropless; "
+                                         "moe_pad_expert_input_to_capacity"):
+        build("ep_reference", moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0)
+    ep_megatron.install(replace_builtin=True)  # an existing "hybridep" config now reaches the plugin
+    with pytest.raises(ValueError, match=r"'hybridep' \(routed to ep_plugin by install\(replace_builtin=True\)\)"):
+        build("hybridep", moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0)
+    config = _config(moe_flex_dispatcher_backend="ep_reference")
+    config.moe_expert_rank_capacity_factor = 1.5  # a Megatron-Core 0.19 field (only hybridep/ncclep take it)
+    with pytest.raises(ValueError, match="moe_expert_rank_capacity_factor=1.5"):
+        MoEFlexTokenDispatcher(2, [0, 1], config=config)
+    # Sync-free outputs have unwritten rows past the count, which Megatron's experts would compute with.
+    monkeypatch.setenv("EP_PLUGIN_BLOCKING", "0")
+    for name in ("ep_hybrid", "ep_elastic"):
+        with pytest.raises(ValueError, match=f"'{name}' with EP_PLUGIN_BLOCKING=0"):
+            build(name)
+
+
+@needs_megatron
 def test_config_and_argument_parser_accept_plugin_names(ep_megatron):
     for name in PLUGIN_NAMES:
         config = _config(moe_flex_dispatcher_backend=name)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .. import streams
 from ..agreement import check_construction
-from ..config import Config
+from ..config import MAX_PAD_MULTIPLE, Config
 from ..handle import CombineOutput, DispatchOutput, Handle
 from ..host_collectives import HostCollectives
 from ..routing import Routing, check_tensor, make_routing, route_counts
@@ -199,6 +199,7 @@ class Backend(abc.ABC):
             options: the backend's own dispatch options (``capabilities.dispatch_options``).
         Returns: DispatchOutput(hidden [R, H], probs [R] or None, tokens_per_expert [L] int64, handle, ...).
         """
+        self.check_not_capturing("dispatch")
         self.check_options("dispatch", options, self.capabilities.dispatch_options)
         routing, weights, pad_multiple = self.check_dispatch_input(
             hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx, topk_weights=topk_weights,
@@ -207,6 +208,7 @@ class Backend(abc.ABC):
 
     def dispatch_again(self, hidden: torch.Tensor, handle: Handle) -> torch.Tensor:
         """Dispatch new tokens along a cached layout (backward of combine). Returns [R, H]."""
+        self.check_not_capturing("dispatch_again")
         self.check_handle(handle)
         self.check_hidden("hidden", hidden, handle.num_tokens)
         return self._dispatch_again(hidden, handle)
@@ -222,6 +224,7 @@ class Backend(abc.ABC):
             options: the backend's own combine options (``capabilities.combine_options``).
         Returns: CombineOutput(hidden [T, H], probs shaped like the dispatched probs or None).
         """
+        self.check_not_capturing("combine")
         self.check_options("combine", options, self.capabilities.combine_options)
         self.check_handle(handle)
         self.check_hidden("rows", rows, handle.num_rows)
@@ -287,6 +290,20 @@ class Backend(abc.ABC):
 
     # ---- shared checks ------------------------------------------------------------------
 
+    def check_not_capturing(self, op: str) -> None:
+        """Refuse, before anything is enqueued, an op that a CUDA graph being captured cannot hold: a
+        blocking dispatch (it reads the row count on the host) or any op of a backend that does not
+        claim graphs. The capture would otherwise fail inside the op with CUDA's own error."""
+        if self.device.type != "cuda":
+            return
+        reads_host = op == "dispatch" and self.config.blocking
+        if self.capabilities.cuda_graphs and not reads_host or not torch.cuda.is_current_stream_capturing():
+            return
+        why = ("reads its row count on the host in blocking mode; set EP_PLUGIN_BLOCKING=0 (outputs sized to "
+               "num_permuted_tokens, no host sync) to capture it" if self.capabilities.cuda_graphs else
+               "does not support CUDA graphs (hybrid and elastic in non-blocking mode do)")
+        raise RuntimeError(f"ep_plugin {self.name}: {op} inside a CUDA graph capture: this backend {why}")
+
     def check_dispatch_input(self, hidden, *, routing_map, probs, topk_idx, topk_weights, pad_multiple):
         if isinstance(hidden, (tuple, list)):
             hidden = self.check_fp8_hidden(hidden)
@@ -296,8 +313,8 @@ class Backend(abc.ABC):
             raise ValueError(f"hidden has {hidden.shape[0]} tokens, over max_tokens_per_rank="
                              f"{self.config.max_tokens_per_rank} (raise it with EP_PLUGIN_MAX_TOKENS_PER_RANK)")
         pad_multiple = self.config.pad_multiple if pad_multiple is None else pad_multiple
-        if not isinstance(pad_multiple, int) or pad_multiple < 1:
-            raise ValueError(f"pad_multiple must be a positive int, got {pad_multiple!r}")
+        if not isinstance(pad_multiple, int) or not 1 <= pad_multiple <= MAX_PAD_MULTIPLE:
+            raise ValueError(f"pad_multiple must be an int in [1, {MAX_PAD_MULTIPLE}], got {pad_multiple!r}")
         routing, weights = make_routing(
             hidden, self.num_experts, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
             topk_weights=topk_weights, probs_dtypes=self.capabilities.probs_dtypes,

@@ -238,13 +238,13 @@ class CompiledBackend(Backend):
         ``_exchange``); its inputs are the layout's pieces of ``scratch``. Returns what ``_layout`` does."""
         args, dense_probs = self._layout_args(routing, probs, scratch)
         at = scratch.address
-        self._peers_may_read_arena = False
         exchange = self._C.ExchangeArgs(phase=phase, fingerprint=fingerprint,
                                         num_local_experts=self.num_local_experts, expert_counts=at("expert_counts"),
                                         rank_counts=at("rank_counts"),
                                         input_flags=at("input_flags") if scratch.has("input_flags") else None,
                                         **{"pad_multiple": 1, **counts})
         self._C.layout_exchange(self.buffer.raw, args, exchange, self._stream())
+        self._peers_may_read_arena = False  # once enqueued, as in _exchange
         return dense_probs
 
     def _layout_tensors(self, routing: Routing, probs: Optional[torch.Tensor]):
@@ -346,7 +346,6 @@ class CompiledBackend(Backend):
         """The op prologue on the current stream: handshake with the op fingerprint (packed, see
         ``agreement.fingerprint_code``), plus the count exchange when ``counts`` are given (see
         ``_C.ExchangeArgs`` for the fields), or the op word this rank tells every peer (an int32)."""
-        self._peers_may_read_arena = False
         if counts:
             fields = {"num_local_experts": self.num_local_experts, "pad_multiple": 1, **counts}
             args = self._C.ExchangeArgs(phase=phase, fingerprint=fingerprint, **fields)
@@ -360,6 +359,9 @@ class CompiledBackend(Backend):
             args.publish_op_word = op_word is not None
             args.op_word = 0 if op_word is None else op_word
         self._C.exchange(self.buffer.raw, args, self._stream())
+        # Only once enqueued (an argument the launch refuses leaves the arena closed): the peers' reads
+        # of the last combine input come before this handshake completes.
+        self._peers_may_read_arena = False
 
     def _mark(self) -> torch.cuda.Event:
         """An event after what the current stream has enqueued so far (for ``_wait_for_host``)."""

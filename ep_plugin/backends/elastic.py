@@ -386,7 +386,7 @@ class ElasticBackend(CompiledBackend):
         self._exchange(PHASE_CACHED, self._fingerprint(OP_DISPATCH_AGAIN, dtype=data.dtype, handle=handle))
         row_bytes = H if fp8 else 2 * H
         scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
-        self._keep_on_stream(data, scales)
+        self._keep_on_stream(data, scales, layout.scratch.memory)  # the handle may go before this op has run
         send = self._C.elastic.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
                                         send_slot=at("send_slot"), num_tokens=handle.num_tokens,
                                         bulk_copy=self._bulk)
@@ -441,10 +441,10 @@ class ElasticBackend(CompiledBackend):
         T, k, dev = handle.num_tokens, layout.topk, self.device
         in_place = self._in_place(rows, layout)
         op = OP_COMBINE_IN_PLACE if in_place else OP_COMBINE
+        rows_in = None if in_place else self._aligned(rows)  # in place: the buffer is read, not the tensor
         self._exchange(PHASE_COMBINE, self._fingerprint(op, dtype=rows.dtype, probs=row_probs is not None,
                                                         handle=handle))
-        rows_in = None if in_place else self._aligned(rows)  # in place: the buffer is read, not the tensor
-        self._keep_on_stream(rows_in, row_probs, bias)
+        self._keep_on_stream(rows_in, row_probs, bias, layout.scratch.memory)  # the handle may go before it has run
         # In place, only the routed-back values (if any) travel ahead of the receive.
         send_needed = not in_place or row_probs is not None
         if send_needed:

@@ -262,6 +262,13 @@ class HybridBackend(CompiledBackend):
             fields.append(("peer_rows", (R, L + 1), torch.int32))
         return fields
 
+    def _dispatch_outputs(self, rows: int, dtype: torch.dtype, fp8: bool, with_probs: bool) -> tuple:
+        """A dispatch's (rows [rows, H] of ``dtype``, fp8 scales or None, probs or None), uninitialized."""
+        H = self.hidden_size
+        return (self._empty(rows, H, dtype=dtype),
+                self._empty(rows, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None,
+                self._empty(rows, dtype=torch.float32) if with_probs else None)
+
     @op_range("dispatch")
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple) -> DispatchOutput:
         self.buffer.raise_if_failed()
@@ -276,6 +283,8 @@ class HybridBackend(CompiledBackend):
                                 lambda: self._dispatch_fields(routing, probs))
         at = scratch.address
         fingerprint = self._fingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, routing=routing)
+        # Non-blocking: the outputs before any launch (an allocation that fails leaves the peers untouched).
+        outputs = None if budget is None else self._dispatch_outputs(budget, data.dtype, fp8, probs is not None)
         dense_probs = self._layout_and_exchange(
             routing, probs, scratch, PHASE_DISPATCH, fingerprint, pad_multiple=pad_multiple,
             row_base=at("row_base"), expert_start=at("expert_start"), tokens_per_expert=at("tokens_per_expert"),
@@ -287,7 +296,7 @@ class HybridBackend(CompiledBackend):
         # in non-blocking mode (the budget known) it shares one launch with the permute.
         row_bytes = H if fp8 else 2 * H
         scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
-        self._keep_on_stream(data, scales, None if isinstance(dense_probs, int) else dense_probs)
+        self._keep_on_stream(data, scales, routing.routing_map, routing.topk_idx, probs)  # the layout read the last 3
         # The send zeroes the overflow flag, the permute sets it.
         send = self._C.hybrid.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
                                        send_slot=at("send_slot"), k_index=at("k_index"), probs=dense_probs,
@@ -296,9 +305,7 @@ class HybridBackend(CompiledBackend):
             self._C.hybrid.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
             with nvtx_range("ep.hybrid.dispatch.wait_count"):
                 budget = self._dispatch_counts(counted, routing)[self._C.MAILBOX_TOTAL_ROWS]
-        out = self._empty(budget, H, dtype=data.dtype)
-        out_scales = self._empty(budget, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
-        out_probs = self._empty(budget, dtype=torch.float32) if probs is not None else None
+        out, out_scales, out_probs = outputs or self._dispatch_outputs(budget, data.dtype, fp8, probs is not None)
         permute = self._C.hybrid.PermuteArgs(
             out=out, row_bytes=row_bytes, out_scales=out_scales, scale_bytes=scale_bytes, out_probs=out_probs,
             budget=budget, row_base=at("row_base"), expert_start=at("expert_start"),
@@ -337,10 +344,10 @@ class HybridBackend(CompiledBackend):
         layout: HybridLayout = handle.layout
         at = layout.scratch.address
         H = self.hidden_size
+        hidden = self._aligned(hidden)
         fingerprint = self._fingerprint(OP_DISPATCH_AGAIN, dtype=hidden.dtype, handle=handle)
         self._exchange(PHASE_DISPATCH_AGAIN, fingerprint)
-        hidden = self._aligned(hidden)
-        self._keep_on_stream(hidden)
+        self._keep_on_stream(hidden, layout.scratch.memory)  # the handle may go before this op has run
         send = self._C.hybrid.SendArgs(hidden=hidden, row_bytes=2 * H, send_slot=at("send_slot"),
                                        num_tokens=handle.num_tokens, bulk_copy=self._bulk)
         self._C.hybrid.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
@@ -428,6 +435,8 @@ class HybridBackend(CompiledBackend):
         layout: HybridLayout = handle.layout
         at = layout.scratch.address
         T, dev = handle.num_tokens, self.device
+        # Mid-word rows become a copy before any launch (a copy is never in the arena: its combine pushes).
+        rows = self._aligned(rows)
         offset = self._arena_offset(rows, layout)
         in_place = offset is not None
         # With an arena every rank tells the others where its input lies, or that it pushes partial
@@ -440,7 +449,7 @@ class HybridBackend(CompiledBackend):
         self.combine_counts["in_place" if in_place else "pushed"] += 1
         # In place the sources read the rows in the buffer: only the scalars (if any) travel ahead.
         send_needed = not in_place or row_probs is not None
-        self._keep_on_stream(rows, row_probs)
+        self._keep_on_stream(rows, row_probs, layout.scratch.memory)  # the handle may go before this op has run
         if send_needed:
             send = self._C.hybrid.CombineSendArgs(rows=None if in_place else rows, row_probs=row_probs,
                                                   packet_rows=at("packet_rows"), num_packets=at("num_packets"),

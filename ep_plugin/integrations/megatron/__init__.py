@@ -26,7 +26,9 @@ or, for an unmodified Megatron-LM script:
 5. wraps ``SequentialMLP.forward`` so that, on a backend with a combine-input arena, the experts'
    output is allocated there and combined in place (``arena.py``);
 6. wraps ``TransformerConfig.__post_init__`` to refuse ``moe_enable_deepep=True`` next to a plugin
-   name, as Megatron refuses it next to "hybridep" (it would overwrite the name with "deepep").
+   name, as Megatron refuses it next to "hybridep" (it would overwrite the name with "deepep"), and a
+   plugin name with another ``moe_token_dispatcher_type`` than "flex" (Megatron would silently run
+   that dispatcher), as Megatron refuses it for "ncclep".
 
 Importing this package does not import Megatron; ``install()`` raises an ImportError naming
 the pip package ``megatron-core`` when it is missing. Version differences live in ``compat``.
@@ -160,7 +162,7 @@ def _init_plugin_dispatcher(dispatcher, backend_name, num_local_experts, local_e
                             pg_collection) -> None:
     from .manager import EPPluginManager, resolve_backend_class
 
-    resolve_backend_class(backend_name, config.moe_flex_dispatcher_backend)  # before any group is touched
+    resolve_backend_class(backend_name, config)  # before any group is touched
     if pg_collection is None:
         pg_collection = compat.default_pg_collection()
     # The base class sets config, groups and sizes; unlike Megatron's DeepEP path there is no
@@ -242,6 +244,11 @@ def _wrap_config_post_init() -> None:
     @functools.wraps(original)
     def __post_init__(self, *args, **kwargs):
         name = getattr(self, compat.BACKEND_FIELD, None)
+        dispatcher_type = getattr(self, "moe_token_dispatcher_type", "flex")
+        if name in PLUGIN_BACKENDS and dispatcher_type != "flex":  # as Megatron refuses it for "ncclep"
+            raise ValueError(f"moe_flex_dispatcher_backend={name!r} requires moe_token_dispatcher_type='flex', got "
+                             f"{dispatcher_type!r}: Megatron picks the dispatcher by its type and would run its own "
+                             f"{dispatcher_type} dispatcher instead of ep_plugin's")
         if getattr(self, "moe_enable_deepep", False) and name in PLUGIN_BACKENDS:
             raise ValueError(f"Only one backend is supported for flex token dispatcher: moe_enable_deepep=True "
                              f"selects DeepEP and moe_flex_dispatcher_backend={name!r} selects ep_plugin's "

@@ -28,6 +28,7 @@ import torch
 
 import ep_plugin
 from ep_plugin.backends.base import Backend
+from ep_plugin.config import Config
 
 from . import arena, compat
 
@@ -37,11 +38,14 @@ logger = logging.getLogger(__name__)
 _backends: dict[tuple, Backend] = {}
 
 
-def resolve_backend_class(backend_name: str, config_name: str):
-    """The ep_plugin backend class, or BackendUnavailableError saying why this install lacks it or
-    why it cannot run on this process's device (a CUDA backend without a GPU or its extension)."""
+def resolve_backend_class(backend_name: str, config):
+    """The ep_plugin backend class for a layer's TransformerConfig ``config``. Raises ValueError for
+    Megatron options the plugin does not do (``check_megatron_options``), then BackendUnavailableError
+    saying why this install lacks the backend or why it cannot run on this process's device (a CUDA
+    backend without a GPU or its extension)."""
     from ep_plugin.cli import backend_problem
 
+    config_name = config.moe_flex_dispatcher_backend
     try:
         backend_class = ep_plugin.get_backend(backend_name)
     except (ImportError, ValueError) as error:
@@ -49,10 +53,37 @@ def resolve_backend_class(backend_name: str, config_name: str):
             f"moe_flex_dispatcher_backend={config_name!r} selects ep_plugin backend {backend_name!r}, which "
             f"this installation cannot provide ({error}); available backends: "
             f"{', '.join(ep_plugin.list_backends())}") from error
+    check_megatron_options(config, backend_class)
     problem = backend_problem(backend_name, "cuda" if torch.cuda.is_available() else "cpu")
     if problem:
         raise ep_plugin.BackendUnavailableError(f"moe_flex_dispatcher_backend={config_name!r}: {problem}")
     return backend_class
+
+
+def check_megatron_options(config, backend_class) -> None:
+    """Raise ValueError, at model build, for what a plugin backend would otherwise get wrong silently.
+
+    - Drop-and-pad (``moe_pad_expert_input_to_capacity``) and 0.19's fixed receive budget
+      (``moe_expert_rank_capacity_factor``): the plugin is dropless, its outputs sized exactly.
+    - Non-blocking mode (EP_PLUGIN_BLOCKING=0): its outputs are sized to a budget with rows past the
+      count left unwritten, while Megatron's experts use every row (SequentialMLP splits them by
+      ``tokens_per_expert``, a single expert computes them all and its weight gradients with them).
+    """
+    name = config.moe_flex_dispatcher_backend
+    selected = (f"moe_flex_dispatcher_backend={name!r}" +
+                (" (routed to ep_plugin by install(replace_builtin=True))" if name == "hybridep" else ""))
+    if config.moe_pad_expert_input_to_capacity:
+        raise ValueError(f"{selected}: ep_plugin backends are dropless; moe_pad_expert_input_to_capacity=True is not "
+                         "supported")
+    capacity = getattr(config, "moe_expert_rank_capacity_factor", None)  # Megatron-Core >= 0.19
+    if capacity is not None:
+        raise ValueError(f"{selected}: ep_plugin backends are dropless and size their outputs exactly; "
+                         f"moe_expert_rank_capacity_factor={capacity} (a fixed receive budget that drops tokens) is "
+                         "not supported: leave it unset")
+    if backend_class.capabilities.non_blocking and not Config.from_env().blocking:
+        raise ValueError(f"{selected} with EP_PLUGIN_BLOCKING=0: non-blocking outputs are sized to a budget and "
+                         "their rows past the count are not written, while Megatron's experts compute every row "
+                         "they get; unset EP_PLUGIN_BLOCKING (blocking mode sizes the output exactly)")
 
 
 def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int, device: torch.device, *,
@@ -107,10 +138,7 @@ class EPPluginManager:
         self.num_experts = num_experts
         self.config = config
         # Resolve the class now so an unknown or unavailable backend fails at model build time.
-        self.backend_class = resolve_backend_class(backend_name, config.moe_flex_dispatcher_backend)
-        if config.moe_pad_expert_input_to_capacity:
-            raise ValueError("ep_plugin backends are dropless: moe_pad_expert_input_to_capacity=True is not "
-                             "supported with moe_flex_dispatcher_backend='ep_*'")
+        self.backend_class = resolve_backend_class(backend_name, config)
         self.pad_multiple = compat.quantization_pad_multiple(config)
 
         # Per-step state, the same attribute names Megatron's managers use (the fine-grained 1F1B

@@ -115,17 +115,20 @@ def apply_ep_plugin_backend(model_config, moe_flex_dispatcher_backend: str | Non
 
 
 def validate_ep_plugin_backend(model_config) -> None:
-    """Raise if ``model_config`` selects an ep_plugin backend this machine cannot run.
+    """Raise if ``model_config`` selects an ep_plugin backend this machine cannot run, or names one
+    without ``moe_token_dispatcher_type="flex"`` (Megatron would run the other dispatcher).
 
     The counterpart of Bridge's ``validate_flex_dispatcher_backend`` (which passes the plugin's
     names through unchecked); call it where the job runs, after the config is final (e.g. after
     command-line overrides).
     """
-    if getattr(model_config, "moe_token_dispatcher_type", None) != "flex":
-        return
-    name = model_config.moe_flex_dispatcher_backend
+    name = getattr(model_config, "moe_flex_dispatcher_backend", None)
     if name not in PLUGIN_BACKENDS:
         return  # Megatron's own names: Bridge's validator covers them
+    dispatcher_type = getattr(model_config, "moe_token_dispatcher_type", None)
+    if dispatcher_type != "flex":  # Megatron would run that dispatcher, never ours
+        raise ValueError(f"moe_flex_dispatcher_backend={name!r} needs moe_token_dispatcher_type='flex', got "
+                         f"{dispatcher_type!r} (apply_ep_plugin_backend sets both)")
     install()
     problem = gpu_problem(name)
     if problem is not None:
