@@ -45,8 +45,10 @@ class Config:
     num_permuted_tokens: int = field(default=0, metadata={"help": "non-blocking output budget (0 = worst case)"})
     # Blocking mode reads the exact output size on the host; non-blocking never syncs.
     blocking: bool = field(default=True, metadata={"help": "exact-size output with one host read"})
-    # Keep cross-stream tensors alive by holding them in the event object instead of record_stream.
-    avoid_record_stream: bool = field(default=False, metadata={"help": "hold tensors in events, no record_stream"})
+    # No record_stream of the inputs our kernels read (it costs host time): the caller keeps them alive
+    # until the op's stream has run them.
+    avoid_record_stream: bool = field(default=False, metadata={
+        "help": "no record_stream of inputs: the caller keeps them alive"})
     # GPU copy engine of the hybrid backend: bulk (TMA) copies on sm_90+, else 16-byte register copies.
     bulk_copy: bool = field(default=True, metadata={"help": "bulk (TMA) copies where the GPU has them"})
     # Refuse launches whose resident blocks across ranks sharing a GPU would exceed this many SMs (0 = detect).

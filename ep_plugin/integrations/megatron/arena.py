@@ -38,8 +38,8 @@ DEFAULT_ARENA_SHARE = 1 / 8
 # the pool's host cost per MoE layer is more than the one-pass combine saves in Megatron's blocking,
 # host-paced step. One H200, 8 ranks x 16 SMs, hidden 7168, top-8 of 256, 4 interleaved runs: step 336 µs
 # two-stage against 379 in the arena at 1024 rows per rank (14.7 MB), 655 against 456 at 4096 rows
-# (58.7 MB) (benchmarks/NOTES.md, twenty-third pass). A size asked for with EP_PLUGIN_COMBINE_INPUT_ROWS
-# takes every output that fits.
+# (58.7 MB) (benchmarks/NOTES.md, twenty-third pass), about even at 2048 rows (29 MB, twenty-fourth pass).
+# A size asked for with EP_PLUGIN_COMBINE_INPUT_ROWS takes every output that fits.
 DEFAULT_MIN_OUTPUT_BYTES = 16 * 2**20
 
 _pending = threading.local()  # .backend: the backend whose arena the next experts' output may use
