@@ -18,6 +18,7 @@ import torch.distributed as dist
 import ep_plugin
 from ep_plugin.backends.base import Backend, Capabilities
 from ep_plugin.backends.hierarchical import HierarchicalBackend
+from ep_plugin.config import Config
 from ep_plugin.handle import COMPACT, CombineOutput, DispatchOutput, Handle
 from ep_plugin.host_collectives import _grace_s
 from ep_plugin.testing import run_ranks
@@ -182,6 +183,42 @@ def test_bad_topk_ids_across_domains_raise_as_flat():
     assert rank0[0].startswith("TypeError: topk_idx must be a torch.Tensor"), rank0
     assert rank0[1].startswith("ValueError: topk_idx must be a 2-D tensor"), rank0
     assert rank0[2:] == rank1 == [rank1[0]] and len(rank1[0]) == 2  # the backend went on
+
+
+def bad_topk_values_on_one_rank(ctx, blocking: bool) -> list:
+    """Rank 0's top-k ids name an expert out of range, then rank 3's an expert twice; every rank dispatches
+    each time (2 domains of 2: rank 3 is neither rank 0's rail peer nor in its domain), then validly."""
+    config = Config.from_env(blocking=blocking, timeout_s=20.0)
+    backend = _reference(config=config, topology=Topology(4, 2, ctx.rank))
+    problem = make_problem(3, _tokens(0)[:4], HIDDEN, NUM_EXPERTS, 2)
+    seen = []
+    for bad_rank, bad_value in ((0, NUM_EXPERTS + 5), (3, "twice")):
+        idx = problem.topk_idx[ctx.rank].clone()
+        if ctx.rank == bad_rank:
+            idx[0, 1] = idx[0, 0] if bad_value == "twice" else bad_value
+        try:
+            backend.dispatch(problem.hidden[ctx.rank], topk_idx=idx, topk_weights=problem.topk_weights[ctx.rank])
+            seen.append("no error")
+        except Exception as error:  # noqa: BLE001 - the test compares the type and text
+            seen.append(f"{type(error).__name__}: {error}")
+    flat = _reference(config=config)
+    routing = _routing(problem, ctx.rank, "topk")
+    good = backend.dispatch(problem.hidden[ctx.rank], **routing)
+    assert torch.equal(good.hidden, flat.dispatch(problem.hidden[ctx.rank], **routing).hidden)
+    return seen
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "sync_free_mode"])
+def test_bad_topk_values_on_one_rank_raise_value_error_on_every_rank_across_domains(blocking):
+    """As a flat compiled backend: not a timeout on the others (the agreement carries the refusal)."""
+    results = run_ranks(bad_topk_values_on_one_rank, 4, blocking, timeout_s=120)
+    assert results[0][0].startswith("ValueError: topk_idx holds expert id 37"), results[0]
+    assert results[3][1].startswith("ValueError: topk_idx row 0 names the same expert twice"), results[3]
+    for rank, seen in enumerate(results):
+        for case, (bad_rank, message) in enumerate(zip((0, 3), seen)):
+            assert message.startswith("ValueError: "), (rank, case, message)
+            if rank != bad_rank:
+                assert "refused" in message and "stays usable" in message, (rank, case, message)
 
 
 def disagree_across_the_rail(ctx, case: str) -> str:

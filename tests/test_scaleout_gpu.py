@@ -156,6 +156,14 @@ def hybrid_suite(ctx) -> list[str]:
                 for label, a, b in zip(("output", "grad hidden", "grad weights"), got, want, strict=True):
                     assert_combine_close(a, b, f"{name} {label}")
             checked.append(name)
+        # One rank's out-of-range expert id: ValueError on every rank (flat: the count exchange carries the
+        # flag; across domains: the agreement words), and the backend goes on.
+        bad_idx = inputs[1].clone()
+        if ctx.rank == 0:
+            bad_idx[0, 0] = NUM_EXPERTS + 3
+        with pytest.raises(ValueError, match="expert id" if ctx.rank == 0 else
+                           r"rank\(s\) \[0\] of the group|refused its input"):
+            layered.dispatch(inputs[0], topk_idx=bad_idx, topk_weights=inputs[2])
         layered.barrier()
         torch.cuda.synchronize()
         for backend in (layered, sync_free):

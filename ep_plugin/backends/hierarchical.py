@@ -44,20 +44,23 @@ phase (``rail/counts``, ``rail/agreement``, ``rail/tokens``, ``rail/rows``) and 
 failure raises ``EPError`` with the engine's message; a domain-level failure is re-raised with the
 domain named. After any of them the backend is unusable (build a new one on a new process group).
 
-Agreement: ranks that run different ops, or one op with a different dtype, probs, routing form, top-k
-or handle, raise ``EPError`` on every rank before the domain backend is called; the backend stays
-usable (every rank left the same collectives). Every op opens with two exchanges of a fixed size per
-peer, whatever the op: the rail stage (the op fingerprint and the width of its rail rows; in blocking
-mode inside the count exchange) and the domain stage (whether this rank's rail found a disagreement,
-and the fingerprint; in blocking mode behind the dispatch's segment counts, zeros for other ops). So
-ranks that disagree always meet in an exchange of one size, never in two different collectives or one
-of two sizes (gloo aborts the process on those). A rail that disagrees flags on all its ranks and has
-a rank in every domain; where every rail agrees, two fingerprints differ by local index, which every
-domain holds: either way every rank stops (see ``_domain_agreement``). Blocking dispatch runs its
-domain stage after the rail payload (it needs the counts), other ops before any rows move. Cost: in
-blocking mode one small domain exchange per combine, dispatch_again, cached dispatch and barrier
-(dispatch's rides on its counts); in sync-free mode two small host exchanges per op, CPU tensors over
-gloo (a gloo twin of an NCCL rail or domain group: no wait for the GPU), which the host waits for.
+Agreement: ranks that run different ops, or one op with a different dtype, probs, routing form, top-k or
+handle, raise ``EPError`` on every rank before the domain backend is called; the backend stays usable
+(every rank left the same collectives). Top-k ids out of range or repeated on one rank raise
+``ValueError`` on every rank the same way: the rank that checked them says so in its agreement words
+(not in sync-free mode on a backend that has one: no host read there, the domain backend drops them).
+Every op opens with two exchanges of a fixed size per peer, whatever the op: the rail stage (the op
+fingerprint and the width of its rail rows; in blocking mode inside the count exchange) and the domain
+stage (whether this rank's rail found a disagreement, and the fingerprint; in blocking mode behind the
+dispatch's segment counts, zeros for other ops). So ranks that disagree always meet in an exchange of
+one size, never in two different collectives or one of two sizes (gloo aborts the process on those). A
+rail that disagrees flags on all its ranks and has a rank in every domain; where every rail agrees, two
+fingerprints differ by local index, which every domain holds: either way every rank stops (see
+``_domain_agreement``). Blocking dispatch runs its domain stage after the rail payload (it needs the
+counts), other ops before any rows move. Cost: in blocking mode one small domain exchange per combine,
+dispatch_again, cached dispatch and barrier (dispatch's rides on its counts); in sync-free mode two
+small host exchanges per op, CPU tensors over gloo (a gloo twin of an NCCL rail or domain group: no wait
+for the GPU), which the host waits for.
 
 Costs and limits: the rail stages, the reorder and the sums are torch ops and host-issued
 collectives around the domain backend's kernels; on a gloo rail CUDA tensors are staged through
@@ -90,12 +93,19 @@ from ..agreement import (
 from ..errors import EPError
 from ..handle import COMPACT, CombineOutput, DispatchOutput, Handle
 from ..host_collectives import HostCollectives
-from ..routing import ROUTING_MAP, TOPK, Routing, check_tensor
+from ..routing import ROUTING_MAP, TOPK, Routing, check_tensor, check_topk_values
 from ..topology import Topology
 from ..transport.scaleout import RailSplits, RowPacker, ScaleOut, flat_order_index
 from .base import Backend, merge_alignment
 
 _TOPK_FIELD_MAX = 127  # OpFingerprint.topk has 7 bits
+# Sent in place of the rail row width by a rank whose dispatch input was refused (see _rail_agreement).
+_REFUSED_INPUT = -1
+
+
+class RefusedInput(str):
+    """A disagreement that is a refused dispatch input (top-k ids): every rank raises ValueError, not
+    EPError, and the backend stays usable, as a flat compiled backend refuses such ids on every rank."""
 
 
 @dataclass(eq=False)
@@ -247,10 +257,27 @@ class HierarchicalBackend(Backend):
 
     # ---- Backend protocol ---------------------------------------------------------------------
 
+    def _reads_ids_on_host(self) -> bool:
+        """Not before the op: ``_refused_ids`` checks them, and the agreement tells every rank."""
+        return False
+
+    def _refused_ids(self, routing: Routing) -> Optional[RefusedInput]:
+        """Why this rank's top-k ids are refused (out of range, an expert twice), or None. A host read,
+        so not in sync-free mode on a backend that has one (the domain backend drops bad ids there)."""
+        sync_free = not self.config.blocking and self.capabilities.non_blocking
+        if routing.form != TOPK or sync_free:
+            return None
+        try:
+            check_topk_values(routing.topk_idx, self.num_experts)
+        except ValueError as error:
+            return RefusedInput(error)
+        return None
+
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple, **options) -> DispatchOutput:
         self.scaleout.check_usable()
         number = self._num_dispatches + 1
         where = f"dispatch #{number}"
+        refused = self._refused_ids(routing)
         fp8 = isinstance(hidden, (tuple, list))
         data, scales = (hidden[0], hidden[1]) if fp8 else (hidden, None)
         T, D, G, E, L = routing.num_tokens, self.num_domains, self.experts_per_domain, self.num_experts, \
@@ -297,10 +324,10 @@ class HierarchicalBackend(Backend):
         fingerprint = OpFingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, form=routing.form,
                                     topk=min(k, _TOPK_FIELD_MAX), grad=self.op_records_backward)
         if self.config.blocking:  # the domain stage of the agreement comes with the segment counts below
-            splits, disagreement = self._rail_agreement(fingerprint, packer.row_bytes, where,
+            splits, disagreement = self._rail_agreement(fingerprint, packer.row_bytes, where, refused=refused,
                                                         send_counts=[len(tokens) for tokens in send_tokens])
         else:  # no counts to carry the agreement: both stages before any row moves
-            self._open(fingerprint, packer.row_bytes, where)
+            self._open(fingerprint, packer.row_bytes, where, refused=refused)
             capacity = self.config.max_tokens_per_rank
             splits, disagreement = RailSplits([capacity] * D, [capacity] * D, capacity), None
         if disagreement is None:
@@ -536,27 +563,30 @@ class HierarchicalBackend(Backend):
         return device if device.type == "cuda" and self._domain_counts.engine == "nccl" else torch.device("cpu")
 
     def _open(self, fingerprint: OpFingerprint, row_bytes: int, where: str, *,
-              send_counts: Optional[list[int]] = None, expected: Optional[list[int]] = None) -> Optional[RailSplits]:
+              send_counts: Optional[list[int]] = None, expected: Optional[list[int]] = None,
+              refused: Optional[RefusedInput] = None) -> Optional[RailSplits]:
         """The agreement every op opens with, before any payload moves: its rail stage, then its domain stage.
         (Blocking dispatch runs the same two stages around its rail payload: its domain stage carries the
-        segment counts.) Raises EPError on every rank when ranks disagree; returns blocking mode's rail
-        splits, None in sync-free mode."""
+        segment counts.) Raises EPError on every rank when ranks disagree (ValueError when a rank refused
+        its input, ``refused``); returns blocking mode's rail splits, None in sync-free mode."""
         splits, disagreement = self._rail_agreement(fingerprint, row_bytes, where, send_counts=send_counts,
-                                                    expected=expected)
+                                                    expected=expected, refused=refused)
         self._domain_agreement(fingerprint, disagreement, where)
         return splits
 
     def _rail_agreement(self, fingerprint: OpFingerprint, row_bytes: int, where: str, *,
-                        send_counts: Optional[list[int]] = None,
-                        expected: Optional[list[int]] = None) -> tuple[Optional[RailSplits], Optional[str]]:
+                        send_counts: Optional[list[int]] = None, expected: Optional[list[int]] = None,
+                        refused: Optional[RefusedInput] = None) -> tuple[Optional[RailSplits], Optional[str]]:
         """The rail stage: every rank of the rail sends every peer the op fingerprint and the width of its
-        rail rows; blocking mode in its count exchange (``send_counts``; ``expected``: the counts the handle
-        expects from the peers), sync-free mode as two words on the host (no counts).
+        rail rows (``_REFUSED_INPUT`` instead when this rank refused its input: ``refused`` says why);
+        blocking mode in its count exchange (``send_counts``; ``expected``: the counts the handle expects
+        from the peers), sync-free mode as two words on the host (no counts).
 
-        Returns (blocking mode's splits or None, None), or (..., what the rail peers disagree on); every rank
-        of the rail sees the same words, so every one of them finds the disagreement. No payload has moved.
+        Returns (blocking mode's splits or None, None), or (..., what the rail peers disagree on: a
+        ``RefusedInput`` when a rank refused its input); every rank of the rail sees the same words, so every
+        one of them finds the disagreement. No payload has moved.
         """
-        mine = (fingerprint.pack(), row_bytes)
+        mine = (fingerprint.pack(), _REFUSED_INPUT if refused is not None else row_bytes)
         if self.config.blocking:
             splits, theirs = self.scaleout.exchange_counts(send_counts, mine, where=f"{where}: rail/counts")
         else:
@@ -566,6 +596,14 @@ class HierarchicalBackend(Backend):
             if words[0] != mine[0]:
                 return splits, (f"{mismatch_message(self.name, self.rank, rail_ranks[peer], mine[0], words[0])} "
                                 f"(seen on {self.scaleout.level} in {where})")
+        if refused is not None:
+            return splits, refused
+        refusing = [rail_ranks[peer] for peer, words in enumerate(theirs) if words[1] == _REFUSED_INPUT]
+        if refusing:
+            return splits, RefusedInput(f"ep_plugin {self.name}: rank(s) {refusing} of the group refused their "
+                                        f"{where} input (their errors say why; seen on {self.scaleout.level}); "
+                                        f"every rank refuses it, and the backend stays usable")
+        for peer, words in enumerate(theirs):
             if words[1] != mine[1]:
                 return splits, (f"ep_plugin {self.name}: ranks disagree on {where} ({self.scaleout.level}): row bytes "
                                 f"{mine[1]} on rank {self.rank}, {words[1]} on rank {rail_ranks[peer]}")
@@ -591,7 +629,9 @@ class HierarchicalBackend(Backend):
         tensors on a group that moves them (no wait for the GPU); returns None.
         """
         S, code = self.domain_size, fingerprint.pack()
-        status = torch.tensor([[int(disagreement is not None), code]] * S, dtype=torch.int64)
+        # The flag: 0 agreed, 1 ranks disagree, 2 a rank refused its input (RefusedInput).
+        flag = 0 if disagreement is None else 2 if isinstance(disagreement, RefusedInput) else 1
+        status = torch.tensor([[flag, code]] * S, dtype=torch.int64)
         phase = "domain/segment counts" if counts is not None else "domain/agreement"
         if self.config.blocking:
             width, collectives = self.num_domains * (self.num_local_experts + 1), self._domain_counts
@@ -606,7 +646,13 @@ class HierarchicalBackend(Backend):
             sent.reshape(-1), words, words, where=f"{where}: {phase}", read_on_host=True)).view(S, -1)
         theirs = received[:, width:].tolist()  # [flag, fingerprint] per peer
         if disagreement is not None:
-            raise EPError(disagreement)
+            raise (ValueError if isinstance(disagreement, RefusedInput) else EPError)(str(disagreement))
+        refusing = [peer for peer, (flag, _) in enumerate(theirs) if flag == 2]
+        if refusing:
+            names = ", ".join(collectives.peer_name(peer) for peer in refusing)
+            raise ValueError(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found a rank "
+                             f"that refused its input (its error says why); every rank refuses it, and the backend "
+                             f"stays usable")
         flagged = [peer for peer, (flag, _) in enumerate(theirs) if flag]
         if flagged:
             names = ", ".join(collectives.peer_name(peer) for peer in flagged)
