@@ -318,6 +318,36 @@ def _construct_outcome(config) -> str:
     return f"{type(manager).__name__}:{getattr(manager, 'backend_name', '')}"
 
 
+def _backend_num_sms(knob: int, env_num_sms) -> int:
+    """num_sms of the backend our manager builds for a config whose flex-dispatcher SM knob is ``knob``
+    (0.19: moe_flex_dispatcher_num_sms, 0.16: moe_hybridep_num_sms), with EP_PLUGIN_NUM_SMS=env_num_sms."""
+    import os
+
+    import torch
+
+    from ep_plugin.integrations.megatron.manager import EPPluginManager
+
+    config = _make_config(2)
+    knob_field = ("moe_flex_dispatcher_num_sms" if hasattr(config, "moe_flex_dispatcher_num_sms")
+                  else "moe_hybridep_num_sms")
+    setattr(config, knob_field, knob)
+    before = os.environ.pop("EP_PLUGIN_NUM_SMS", None)
+    if env_num_sms is not None:
+        os.environ["EP_PLUGIN_NUM_SMS"] = env_num_sms
+    try:
+        manager = EPPluginManager("reference", group=torch.distributed.group.WORLD, num_local_experts=NUM_EXPERTS,
+                                  num_experts=NUM_EXPERTS, config=config)
+        routing_map = torch.zeros(4, NUM_EXPERTS, dtype=torch.bool)
+        routing_map[:, :2] = True
+        manager.setup_metadata(routing_map, routing_map.float())
+        manager.dispatch(torch.randn(4, HIDDEN))
+        return manager.backend.config.num_sms
+    finally:
+        os.environ.pop("EP_PLUGIN_NUM_SMS", None)
+        if before is not None:
+            os.environ["EP_PLUGIN_NUM_SMS"] = before
+
+
 def _rank_single(ctx) -> dict:
     """World of one: Megatron's own flex path asserts TP x EP > 1; the plugin path must not."""
     import torch
@@ -351,6 +381,8 @@ def _rank_single(ctx) -> dict:
         finally:
             ep_megatron.install(replace_builtin=False)
         results["builtin_hybridep"] = _construct_outcome(_make_config(2, "hybridep"))
+        # Megatron's SM knob reaches our backend; EP_PLUGIN_NUM_SMS, where set, decides instead.
+        results["num_sms"] = (_backend_num_sms(7, None), _backend_num_sms(7, "5"))
         return results
     finally:
         _finish_megatron()
@@ -423,6 +455,7 @@ def test_single_rank_plugin_path_and_traceable_metadata():
     _check_layer("single rank", result["layer"], 1e-5)
     assert result["compiled_shape"] == (4, NUM_EXPERTS)
     assert result["compiled_routing_shape"] == (4, NUM_EXPERTS)
+    assert result["num_sms"] == (7, 5), result["num_sms"]
     # Builtin names still reach Megatron's own code (which refuses a world of one).
     assert result["builtin_deepep"].startswith("AssertionError") and "TPxEP > 1" in result["builtin_deepep"]
     assert result["builtin_hybridep"] != "EPPluginManager:hybrid"

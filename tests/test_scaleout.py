@@ -215,7 +215,7 @@ def test_bad_topk_values_on_one_rank_raise_value_error_on_every_rank_across_doma
     assert results[0][0].startswith("ValueError: topk_idx holds expert id 37"), results[0]
     assert results[3][1].startswith("ValueError: topk_idx row 0 names the same expert twice"), results[3]
     for rank, seen in enumerate(results):
-        for case, (bad_rank, message) in enumerate(zip((0, 3), seen)):
+        for case, (bad_rank, message) in enumerate(zip((0, 3), seen, strict=True)):
             assert message.startswith("ValueError: "), (rank, case, message)
             if rank != bad_rank:
                 assert "refused" in message and "stays usable" in message, (rank, case, message)

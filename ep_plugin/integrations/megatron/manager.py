@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 from typing import Optional
 
 import torch
 
 import ep_plugin
 from ep_plugin.backends.base import Backend
-from ep_plugin.config import Config
+from ep_plugin.config import Config, env_var_name
 
 from . import arena, compat
 
@@ -86,18 +87,30 @@ def check_megatron_options(config, backend_class) -> None:
                          "they get; unset EP_PLUGIN_BLOCKING (blocking mode sizes the output exactly)")
 
 
+def backend_config(megatron_config) -> Config:
+    """The backend's Config: the EP_PLUGIN_* variables, and Megatron's SM knob for its flex dispatcher
+    (``compat.dispatcher_num_sms``) where EP_PLUGIN_NUM_SMS is not set."""
+    num_sms = compat.dispatcher_num_sms(megatron_config)
+    if num_sms is None or env_var_name("num_sms") in os.environ:
+        return Config.from_env()
+    return Config.from_env(num_sms=num_sms)
+
+
 def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int, device: torch.device, *,
-                   experts_per_token: int, pad_multiple: Optional[int]) -> Backend:
-    """One backend instance per (name, group, hidden size, experts, device, top-k, padding), shared by all
-    layers; a backend with a combine-input arena gets Megatron's default size (``arena.combine_input_options``)."""
-    key = (backend_name, group, hidden_size, num_experts, str(device), experts_per_token, pad_multiple)
+                   experts_per_token: int, pad_multiple: Optional[int], config: Optional[Config] = None) -> Backend:
+    """One backend instance per (name, group, hidden size, experts, device, top-k, padding, SMs), shared by
+    all layers; a backend with a combine-input arena gets Megatron's default size
+    (``arena.combine_input_options``). ``config``: the backend's (default: the EP_PLUGIN_* variables)."""
+    config = config if config is not None else Config.from_env()
+    key = (backend_name, group, hidden_size, num_experts, str(device), experts_per_token, pad_multiple,
+           config.num_sms)
     if key not in _backends:
         backend_class = ep_plugin.get_backend(backend_name)
         options = arena.combine_input_options(backend_class, group, device, num_experts=num_experts,
                                               experts_per_token=experts_per_token, pad_multiple=pad_multiple,
                                               hidden_size=hidden_size)
         _backends[key] = backend_class(group, hidden_size=hidden_size, num_experts=num_experts, device=device,
-                                       **options)
+                                       config=config, **options)
         if options.get("combine_input_rows"):
             arena.note_default_arena(_backends[key])
     return _backends[key]
@@ -244,6 +257,7 @@ class EPPluginManager:
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
             backend = shared_backend(self.backend_name, self.group, hidden_size, self.num_experts, device,
-                                     experts_per_token=self._experts_per_token(), pad_multiple=self.pad_multiple)
+                                     experts_per_token=self._experts_per_token(), pad_multiple=self.pad_multiple,
+                                     config=backend_config(self.config))
             self.backend = backend
         return backend
