@@ -18,6 +18,10 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+# The longest wait (about 11.6 days): far beyond any job's patience, and far below where the engines'
+# own timeouts break (gloo's wait hangs or fails at once past ~9e9 s: nanoseconds overflow int64).
+MAX_TIMEOUT_S = 1e6
+
 # The largest expert-segment padding (quantized formats pad to 16..128 rows; far larger pads would
 # overflow the kernels' 32-bit row counts long before they made sense).
 MAX_PAD_MULTIPLE = 1 << 16
@@ -79,7 +83,8 @@ class Config:
         "help": "watch the peers' processes on this host; seconds between looks where no pidfd (0 = off)"})
 
     def __post_init__(self) -> None:
-        _require(0 < self.timeout_s < math.inf, "timeout_s", "> 0 and finite", self.timeout_s)
+        _require(0 < self.timeout_s <= MAX_TIMEOUT_S, "timeout_s", f"> 0 and <= {MAX_TIMEOUT_S:.0e} s",
+                 self.timeout_s)
         _require(self.max_tokens_per_rank >= 1, "max_tokens_per_rank", ">= 1", self.max_tokens_per_rank)
         _require(0 <= self.num_sms <= 1024, "num_sms", "in [0, 1024] (0 = autosize)", self.num_sms)
         _require(1 <= self.pad_multiple <= MAX_PAD_MULTIPLE, "pad_multiple", f"in [1, {MAX_PAD_MULTIPLE}]",

@@ -249,6 +249,13 @@ def _check_co_residency(fabric: Fabric, options: Options, environ: Mapping[str, 
 def scaleout_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str],
                      probe: Optional[nccl_probe.NcclProbeResult] = None) -> Verdict:
     verdict = Verdict("scaleout", "scale-out (NCCL across nodes)", OK, "", asked=options.scaleout is not None)
+    if options.backend == "reference" and _no_gpu_reason(fabric) is not None:
+        # A job of CPU ranks: the reference backend crosses nodes over gloo, TCP sockets, no NCCL.
+        verdict.mode, verdict.title = nccl_probe.SOCKET, "scale-out (gloo across nodes)"
+        verdict.summary = f"{nccl_probe.SOCKET}: no GPU, so CPU ranks; the reference backend uses gloo (TCP)"
+        verdict.status = DEGRADED
+        verdict.passed = nccl_probe.RANK[nccl_probe.SOCKET] >= nccl_probe.REQUIREMENTS.get(options.scaleout or "", 0)
+        return verdict
     mode, summary = _static_scaleout(fabric, environ, verdict)
     if fabric.gpus:
         widths = ", ".join(f"GPU {g.info.index}: {g.scaleout_gbytes_per_s:g}"

@@ -312,6 +312,11 @@ def test_no_driver_says_no_gpu(tmp_path):
     assert "'reference' backend" in found["nvlink"].problems[0].fix
     assert found["mps"].status == NOT_NEEDED
     assert verdicts(fabric, backend="reference")[1] == 0
+    # CPU ranks on the reference backend cross nodes over gloo (TCP): a socket-level scale-out works.
+    found, code = verdicts(fabric, backend="reference", scaleout="socket")
+    assert (found["scaleout"].mode, code) == (nccl_probe.SOCKET, 0) and "gloo" in found["scaleout"].summary
+    assert verdicts(fabric, backend="reference", scaleout="rdma")[1] == 1  # no RDMA path for CPU ranks
+    assert verdicts(fabric, scaleout="socket")[1] == 1  # no backend named: NCCL's path, which needs a GPU
 
 
 def test_gpu_on_the_bus_without_driver(tmp_path):
