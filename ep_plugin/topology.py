@@ -155,25 +155,28 @@ def detect_topology(group: Optional[dist.ProcessGroup], device: torch.device, *,
     forced = config.scaleup_size if scaleup_size is None else scaleup_size
     group = group if group is not None else dist.group.WORLD
     comm = HostCollectives(group, owner="ep_plugin topology", timeout_s=config.timeout_s, label="topology")
-    mine = {"scaleup_size": int(forced), **_placement_facts(torch.device(device))}
+    # Where the size came from, for the messages: an argument (a backend's topology=) or the config.
+    source = "the topology= argument" if scaleup_size is not None else "EP_PLUGIN_SCALEUP_SIZE / config.scaleup_size"
+    mine = {"scaleup_size": int(forced), "source": source, **_placement_facts(torch.device(device))}
     everyone = comm.all_gather_object(mine, where=f"{purpose} (topology)", device=comm.word_device)
     world, rank = len(everyone), comm.rank
 
     forced_sizes = [facts["scaleup_size"] for facts in everyone]
     if any(size != forced_sizes[0] for size in forced_sizes):
-        per_rank = ", ".join(f"rank {q}: {size}" for q, size in enumerate(forced_sizes))
-        raise EPError(f"ep_plugin topology: ranks disagree on the forced domain size (EP_PLUGIN_SCALEUP_SIZE, "
-                      f"0 = detect): {per_rank}. Set it alike on every rank.")
+        per_rank = ", ".join(f"rank {q}: {facts['scaleup_size']} ({facts['source']})"
+                             for q, facts in enumerate(everyone))
+        raise EPError(f"ep_plugin topology: ranks disagree on the forced domain size (0 = detect): {per_rank}. "
+                      f"Force it alike on every rank.")
     detected = mappable_domain_size(everyone)
     gpus = tuple(facts["gpu"] for facts in everyone)
     size = forced_sizes[0]
     if size == 0:
         return Topology(world, detected, rank, forced=False, detected_domain_size=detected, gpu_of_rank=gpus)
     if world % size:
-        raise EPError(f"ep_plugin topology: EP_PLUGIN_SCALEUP_SIZE={size} does not divide the {world} ranks")
+        raise EPError(f"ep_plugin topology: domain size {size} ({source}) does not divide the {world} ranks")
     on_gpu = everyone[0]["gpu"] is not None
     if on_gpu and detected % size:
-        raise EPError(f"ep_plugin topology: EP_PLUGIN_SCALEUP_SIZE={size} does not divide the detected NVLink "
+        raise EPError(f"ep_plugin topology: domain size {size} ({source}) does not divide the detected NVLink "
                       f"domain size {detected} (ranks that can map each other's memory); domains can only be made "
                       f"smaller")
     return Topology(world, size, rank, forced=True, detected_domain_size=detected, gpu_of_rank=gpus)

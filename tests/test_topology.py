@@ -59,7 +59,8 @@ def test_detection_forced_size_and_disagreement_raise_on_every_rank():
         assert seen["forced"].startswith("2x2"), seen
         assert (seen["default backend"], seen["forced backend"]) == ("ReferenceBackend", "HierarchicalBackend"), seen
         assert "ranks disagree on the forced domain size" in seen["disagree"], (rank, seen)
-        assert "rank 0: 4, rank 1: 2" in seen["disagree"], (rank, seen)
+        assert "rank 0: 4 (the topology= argument), rank 1: 2 (the topology= argument)" in seen["disagree"], seen
+        assert "EP_PLUGIN_SCALEUP_SIZE" not in seen["disagree"], seen  # the sizes came from arguments, not the env
         assert "does not divide the 4 ranks" in seen["not a divisor"], (rank, seen)
 
 
