@@ -185,6 +185,37 @@ def test_options_the_plugin_cannot_honour_fail_at_model_build(ep_megatron, monke
 
 
 @needs_megatron
+def test_elastic_gets_megatrons_routing_map_as_top_k_ids(ep_megatron):
+    """ep_elastic takes top-k ids, not Megatron's routing map: the manager's conversion keeps exactly each
+    token's chosen experts (TP copies of the expert set included) with their probs, -1 and 0 elsewhere."""
+    from ep_plugin.integrations.megatron.manager import EPPluginManager
+
+    tp, experts, topk, tokens = 2, 8, 2, 64
+    config = _config(num_moe_experts=experts, moe_router_topk=topk, moe_flex_dispatcher_backend="ep_reference")
+    manager = EPPluginManager("reference", group=None, num_local_experts=experts, num_experts=tp * experts,
+                              config=config)
+    generator = torch.Generator().manual_seed(5)
+    scores = torch.rand(tokens, tp * experts, generator=generator)
+    routing_map = torch.zeros(tokens, tp * experts, dtype=torch.bool)
+    for token in range(tokens):  # 0 to topk experts in each TP copy: a token may be routed nowhere
+        for copy in range(tp):
+            chosen = torch.randperm(experts, generator=generator)[:token % (topk + 1)] + copy * experts
+            routing_map[token, chosen] = True
+    probs = torch.where(routing_map, scores, torch.zeros_like(scores))
+    manager.setup_metadata(routing_map.view(tokens, tp, experts), probs.view(tokens, tp, experts))
+    routing, options = manager._routing_for(ep_plugin.get_backend("elastic"), probs)
+
+    assert options == {"expand": True, "zero_padding": True}
+    ids, weights = routing["topk_idx"], routing["topk_weights"]
+    assert ids.shape == weights.shape == (tokens, tp * topk)
+    for token in range(tokens):
+        kept = ids[token][ids[token] >= 0]
+        assert sorted(kept.tolist()) == routing_map[token].nonzero().flatten().tolist(), token
+        assert torch.equal(weights[token][ids[token] >= 0], probs[token, kept]), token
+        assert not weights[token][ids[token] < 0].any(), token
+
+
+@needs_megatron
 def test_config_and_argument_parser_accept_plugin_names(ep_megatron):
     for name in PLUGIN_NAMES:
         config = _config(moe_flex_dispatcher_backend=name)
