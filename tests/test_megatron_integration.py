@@ -153,7 +153,7 @@ def test_plugin_name_without_the_flex_dispatcher_type_is_refused(ep_megatron):
             _config(moe_flex_dispatcher_backend="ep_reference", moe_token_dispatcher_type=dispatcher_type)
     config = _config(moe_flex_dispatcher_backend="ep_reference")
     config.moe_token_dispatcher_type = "alltoall"  # changed after construction, as recipes do
-    with pytest.raises(ValueError, match="needs moe_token_dispatcher_type='flex', got 'alltoall'"):
+    with pytest.raises(ValueError, match="requires moe_token_dispatcher_type='flex', got 'alltoall'"):
         validate_ep_plugin_backend(config)
     assert _config(moe_flex_dispatcher_backend="deepep", moe_token_dispatcher_type="alltoall")  # Megatron's own
 

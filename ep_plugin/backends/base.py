@@ -323,10 +323,13 @@ class Backend(abc.ABC):
 
     def _reads_ids_on_host(self) -> bool:
         """Whether dispatch range- and repeat-checks top-k ids with a host read: not where the kernels
-        check them, nor in sync-free mode; a backend without a sync-free mode (the reference) runs
-        blocking whatever ``config.blocking`` says, so it always checks."""
-        sync_free = not self.config.blocking and self.capabilities.non_blocking
-        return not self.checks_ids_on_device and not sync_free
+        check them, nor in sync-free mode."""
+        return not self.checks_ids_on_device and not self._sync_free()
+
+    def _sync_free(self) -> bool:
+        """Whether ops avoid host syncs: a backend without a sync-free mode (the reference) runs blocking
+        whatever ``config.blocking`` says."""
+        return not self.config.blocking and self.capabilities.non_blocking
 
     def check_hidden(self, name: str, hidden: torch.Tensor, num_rows: Optional[int]) -> None:
         check_tensor(name, hidden, dtypes=self.capabilities.hidden_dtypes, ndim=2, device=self.device)

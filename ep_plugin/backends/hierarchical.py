@@ -264,8 +264,7 @@ class HierarchicalBackend(Backend):
     def _refused_ids(self, routing: Routing) -> Optional[RefusedInput]:
         """Why this rank's top-k ids are refused (out of range, an expert twice), or None. A host read,
         so not in sync-free mode on a backend that has one (the domain backend drops bad ids there)."""
-        sync_free = not self.config.blocking and self.capabilities.non_blocking
-        if routing.form != TOPK or sync_free:
+        if routing.form != TOPK or self._sync_free():
             return None
         try:
             check_topk_values(routing.topk_idx, self.num_experts)

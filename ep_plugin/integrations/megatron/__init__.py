@@ -244,11 +244,7 @@ def _wrap_config_post_init() -> None:
     @functools.wraps(original)
     def __post_init__(self, *args, **kwargs):
         name = getattr(self, compat.BACKEND_FIELD, None)
-        dispatcher_type = getattr(self, "moe_token_dispatcher_type", "flex")
-        if name in PLUGIN_BACKENDS and dispatcher_type != "flex":  # as Megatron refuses it for "ncclep"
-            raise ValueError(f"moe_flex_dispatcher_backend={name!r} requires moe_token_dispatcher_type='flex', got "
-                             f"{dispatcher_type!r}: Megatron picks the dispatcher by its type and would run its own "
-                             f"{dispatcher_type} dispatcher instead of ep_plugin's")
+        check_dispatcher_type(self)  # as Megatron refuses another type for "ncclep"
         if getattr(self, "moe_enable_deepep", False) and name in PLUGIN_BACKENDS:
             raise ValueError(f"Only one backend is supported for flex token dispatcher: moe_enable_deepep=True "
                              f"selects DeepEP and moe_flex_dispatcher_backend={name!r} selects ep_plugin's "
@@ -256,6 +252,17 @@ def _wrap_config_post_init() -> None:
         return original(self, *args, **kwargs)
 
     config_class.__post_init__ = __post_init__
+
+
+def check_dispatcher_type(config) -> None:
+    """Raise ValueError when ``config`` names a plugin backend with another ``moe_token_dispatcher_type``
+    than "flex": Megatron picks the dispatcher by its type and would silently run that one instead."""
+    name = getattr(config, compat.BACKEND_FIELD, None)
+    dispatcher_type = getattr(config, "moe_token_dispatcher_type", "flex")
+    if name in PLUGIN_BACKENDS and dispatcher_type != "flex":
+        raise ValueError(f"moe_flex_dispatcher_backend={name!r} requires moe_token_dispatcher_type='flex', got "
+                         f"{dispatcher_type!r}: Megatron would run its own {dispatcher_type} dispatcher instead of "
+                         f"ep_plugin's (apply_ep_plugin_backend sets both)")
 
 
 # ---- 2. the Megatron-LM argument parser -------------------------------------------------------
@@ -281,4 +288,5 @@ def _widen_argparse_choices() -> None:
     argparse.ArgumentParser.parse_known_args = parse_known_args
 
 
-__all__ = ["PLUGIN_BACKENDS", "install", "is_installed", "plugin_backend_for", "uninstall", "valid_backend_names"]
+__all__ = ["PLUGIN_BACKENDS", "check_dispatcher_type", "install", "is_installed", "plugin_backend_for", "uninstall",
+           "valid_backend_names"]

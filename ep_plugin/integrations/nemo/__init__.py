@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..megatron import PLUGIN_BACKENDS, install
+from ..megatron import PLUGIN_BACKENDS, check_dispatcher_type, install
 
 logger = logging.getLogger(__name__)
 
@@ -125,10 +125,7 @@ def validate_ep_plugin_backend(model_config) -> None:
     name = getattr(model_config, "moe_flex_dispatcher_backend", None)
     if name not in PLUGIN_BACKENDS:
         return  # Megatron's own names: Bridge's validator covers them
-    dispatcher_type = getattr(model_config, "moe_token_dispatcher_type", None)
-    if dispatcher_type != "flex":  # Megatron would run that dispatcher, never ours
-        raise ValueError(f"moe_flex_dispatcher_backend={name!r} needs moe_token_dispatcher_type='flex', got "
-                         f"{dispatcher_type!r} (apply_ep_plugin_backend sets both)")
+    check_dispatcher_type(model_config)
     install()
     problem = gpu_problem(name)
     if problem is not None:
