@@ -119,6 +119,12 @@ def check_topk_values(topk_idx: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"topk_idx row {token} names the same expert twice: {topk_idx[token].tolist()}")
 
 
+def dropped_ids_error(num_experts: int) -> ValueError:
+    """What ``check_errors`` raises after a sync-free dispatch dropped out-of-range ids (no host read then)."""
+    return ValueError(f"a non-blocking dispatch got topk_idx values outside -1 or [0, {num_experts}); those "
+                      "pairs were dropped")
+
+
 def check_tensor(
     name: str,
     tensor: torch.Tensor,

@@ -13,8 +13,9 @@ the caller dropped its references). A prefix view keeps its whole allocation ali
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -97,3 +98,43 @@ def wait_for_stream(device: torch.device, timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise EPTimeoutError(f"{what}: the stream did not finish its queued work within {timeout_s:.1f} s")
         time.sleep(5e-5)
+
+
+def wait_for_device(device: torch.device, timeout_s: float, what: str,
+                    before_timeout: Optional[Callable[[], None]] = None) -> None:
+    """Host wait, with a timeout, until every stream of ``device`` has run what was queued so far.
+
+    ``torch.cuda.synchronize`` cannot be abandoned, so it runs in a helper thread (which releases the GIL)
+    and this thread waits for it. Past ``timeout_s``, ``before_timeout`` may raise a more precise error
+    (a device report); else EPTimeoutError names ``what``. The helper thread then stays blocked until the
+    device drains: the process is expected to stop, but it gets a message instead of a silent hang.
+    """
+    run_until_done(lambda: torch.cuda.synchronize(device), timeout_s, what, before_timeout,
+                   hint="some kernel on this GPU is still running: ours report their own timeouts, so most "
+                        "likely another library's (an NCCL collective waiting for a peer, a user kernel)")
+
+
+def run_until_done(call: Callable[[], None], timeout_s: float, what: str,
+                   before_timeout: Optional[Callable[[], None]] = None, hint: str = "") -> None:
+    """Run ``call`` (a blocking wait that cannot time out by itself) in a daemon thread; raise its error,
+    or EPTimeoutError naming ``what`` when it has not returned within ``timeout_s``."""
+    from .errors import EPTimeoutError
+
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as error:  # noqa: BLE001 - handed to the waiting thread, which raises it
+            failure.append(error)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="ep_plugin-wait", daemon=True).start()
+    if not done.wait(timeout_s):
+        if before_timeout is not None:
+            before_timeout()
+        raise EPTimeoutError(f"{what}: not done within {timeout_s:.1f} s" + (f" ({hint})" if hint else ""))
+    if failure:
+        raise failure[0]

@@ -232,3 +232,45 @@ def co_residency(ctx, backend_name: str) -> str:
 def test_oversubscribed_sms_are_refused(backend_name):
     results = run_ranks(co_residency, 4, backend_name, device="cuda", timeout_s=120)
     assert all("resident" in message for message in results), results
+
+
+# ---- a device kept busy by someone else's kernel -------------------------------------------------
+
+def busy_device(ctx, backend_name: str) -> dict:
+    """A kernel that is not ours (torch's sleep, standing in for an NCCL collective stuck on a peer) keeps
+    the GPU busy past the backend's timeout: check_errors, which syncs the device, must raise
+    EPTimeoutError within that timeout, not wait as long as the kernel runs; once the kernel is done the
+    backend works. Both ranks sleep, so every rank's wait is the same."""
+    backend = make_backend(ctx, backend_name, timeout_s=1.0)
+    x, routing = routed_tokens(ctx, 802)
+    first = backend.dispatch(x, **routing)
+    backend.combine(first.hidden, first.handle)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream(ctx.device)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(int(8e9))  # ~4 s at the H200's ~2 GHz (longer on a slower clock)
+    start = time.monotonic()
+    try:
+        backend.check_errors()
+        error = None
+    except ep_plugin.EPError as caught:
+        error = f"{type(caught).__name__}: {caught}"
+    seconds = time.monotonic() - start
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+    out = backend.dispatch(x, **routing)
+    back = backend.combine(out.hidden, out.handle).hidden
+    works = bool(torch.isfinite(back.float()).all()) and back.shape == x.shape
+    backend.check_errors()
+    backend.destroy()
+    return {"error": error, "seconds": seconds, "works": works}
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_check_errors_times_out_on_a_busy_device(backend_name):
+    results = run_ranks(busy_device, 2, backend_name, device="cuda", timeout_s=120)
+    for rank, result in enumerate(results):
+        assert result["error"] is not None and result["error"].startswith("EPTimeoutError: "), (rank, result)
+        assert "check_errors" in result["error"] and "another library" in result["error"], (rank, result)
+        assert result["seconds"] < 3.0, (rank, result)
+        assert result["works"], (rank, result)

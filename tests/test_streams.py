@@ -45,3 +45,30 @@ def test_current_stream_is_per_device():
         assert streams.current_stream(first).device == first
         assert streams.current_stream(second).device == second
         assert streams.current_stream(second) == torch.cuda.current_stream(second)
+
+
+# ---- waits that cannot time out by themselves (CPU) --------------------------------------------
+
+def test_a_wait_that_cannot_time_out_is_left_with_a_message():
+    # torch.cuda.synchronize has no timeout; run_until_done gives up on it and says what it waited for.
+    import threading
+    import time
+
+    from ep_plugin.errors import EPTimeoutError
+
+    release = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(EPTimeoutError, match=r"rank 3: destroy: not done within 0\.2 s \(a hint\)"):
+        streams.run_until_done(release.wait, 0.2, "rank 3: destroy", hint="a hint")
+    assert time.monotonic() - start < 2.0
+
+    # A more precise error (the device report) goes first; a call's own error comes back as it is.
+    def report():
+        raise ValueError("the device reported a peer")
+
+    with pytest.raises(ValueError, match="the device reported a peer"):
+        streams.run_until_done(release.wait, 0.1, "check_errors", before_timeout=report)
+    with pytest.raises(ZeroDivisionError):
+        streams.run_until_done(lambda: 1 / 0, 5.0, "a failing call")
+    streams.run_until_done(lambda: None, 5.0, "a quick call")  # returns at once
+    release.set()  # the abandoned waits end

@@ -15,7 +15,7 @@ import torch
 from .. import _cuda, streams
 from ..agreement import OP_BARRIER, fingerprint_code
 from ..errors import BackendUnavailableError
-from ..routing import ROUTING_MAP, Routing, check_topk_values
+from ..routing import ROUTING_MAP, Routing, check_topk_values, dropped_ids_error
 from ..transport.fabric import gpu_link_bandwidths
 from ..transport.placement import ranks_per_gpu
 from ..transport.sizing import co_residency_limit, mps_thread_percentage, resolve_num_sms
@@ -408,15 +408,14 @@ class CompiledBackend(Backend):
     def check_errors(self, synchronize: bool = True) -> None:
         """Raise what the device reported: EPTimeoutError (a wait timed out), EPError (ranks disagreed on
         an op), and, after a sync, ValueError if a non-blocking top-k dispatch held expert ids out of
-        range (they were dropped). ``synchronize`` waits for the device first."""
+        range (they were dropped). ``synchronize`` waits for the device first (EPTimeoutError past timeout_s)."""
         if synchronize:
-            torch.cuda.synchronize(self.device)
+            self.buffer.synchronize("check_errors")
         self.buffer.raise_if_failed()
         flags = self.invalid_expert_ids
         if synchronize and flags is not None and bool((flags & self._C.INPUT_ID_OUT_OF_RANGE).any()):
             self.invalid_expert_ids = None
-            raise ValueError(f"a non-blocking dispatch got topk_idx values outside -1 or [0, {self.num_experts}); "
-                             "those pairs were dropped")
+            raise dropped_ids_error(self.num_experts)
 
     def barrier(self) -> None:
         """Every rank of the domain reaches this point (a device handshake; the host waits for it)."""

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import _cuda
+from .. import _cuda, streams
 from ..agreement import mismatch_message
 from ..errors import EPError, EPTimeoutError
 from ..host_collectives import HostCollectives
@@ -55,6 +55,7 @@ class SymmetricBuffer:
         self.device = device
         self.backend = backend
         self.phase_names = phase_names or {}
+        self.timeout_s = float(timeout_s)
         self._C = _cuda.extension()
         index = device.index if device.index is not None else torch.cuda.current_device()
         self._buffer = self._C.SymmetricBuffer(index, self.rank, self.num_ranks, int(region_bytes), int(count_words),
@@ -158,11 +159,20 @@ class SymmetricBuffer:
                                      f"{timeout_s:.1f} s and the device reported nothing")
         self.raise_if_failed()
 
+    def synchronize(self, what: str, *, raise_report: bool = True) -> None:
+        """Wait, with the buffer's timeout, until the device ran everything queued so far (every stream);
+        then raise the device report, if there is one and ``raise_report``."""
+        streams.wait_for_device(self.device, self.timeout_s, f"ep_plugin {self.backend}: rank {self.rank}: {what}: "
+                                "waiting for the device", before_timeout=self.raise_if_failed if raise_report else None)
+        if raise_report:
+            self.raise_if_failed()
+
     def destroy(self) -> None:
         """Collective: wait until no peer can still write here, then free everything."""
         if self._destroyed:
             return
-        torch.cuda.synchronize(self.device)  # our writes into peers are complete ...
+        # Our writes into peers are complete (a failed backend is destroyed too: its report is not raised) ...
+        self.synchronize("destroy", raise_report=False)
         self._collectives.barrier(where="destroy")  # ... and so are everyone's into ours
         WATCH.unwatch(self)  # before the report's memory goes
         self._region_tensors.clear()
