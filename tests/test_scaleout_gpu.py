@@ -100,6 +100,19 @@ def _step_grads(backend, inputs, form: str, **options):
     return y.detach(), hidden.grad, routing[key].grad
 
 
+def _check_sync_free_drops_bad_ids(ctx, sync_free, x, idx, w) -> None:
+    """Sync-free mode reads no ids on the host: rank 0's out-of-range id goes nowhere, and check_errors
+    (after its sync) raises it there, once; the other ranks have nothing to report."""
+    bad_idx = idx.clone()
+    if ctx.rank == 0:
+        bad_idx[0, 0] = NUM_EXPERTS + 3
+    sync_free.dispatch(x, topk_idx=bad_idx, topk_weights=w)
+    if ctx.rank == 0:
+        with pytest.raises(ValueError, match=rf"outside -1 or \[0, {NUM_EXPERTS}\)"):
+            sync_free.check_errors()
+    sync_free.check_errors()  # reported once, and nothing on the other ranks
+
+
 def hybrid_suite(ctx) -> list[str]:
     checked = []
     config = _config()
@@ -165,6 +178,7 @@ def hybrid_suite(ctx) -> list[str]:
                            r"rank\(s\) \[0\] of the group|refused its input"):
             layered.dispatch(inputs[0], topk_idx=bad_idx, topk_weights=inputs[2])
         layered.barrier()
+        _check_sync_free_drops_bad_ids(ctx, sync_free, inputs[0], inputs[1], inputs[2])
         torch.cuda.synchronize()
         for backend in (layered, sync_free):
             backend.destroy()
@@ -226,7 +240,14 @@ def elastic_suite(ctx) -> list[str]:
                 for label, a, b in zip(("output", "grad hidden", "grad weights"), got_grads, want_grads, strict=True):
                     assert_combine_close(a, b, f"{name} {label}")
             checked.append(name)
+        # An option value the domain backend refuses is refused before the rail exchange: the op never
+        # begins (its number is not taken) and the backend goes on.
+        begun = getattr(layered, "_num_dispatches", None)
+        with pytest.raises(TypeError, match="must be bools"):
+            layered.dispatch(x, topk_idx=idx, topk_weights=w, in_place=1)
+        assert getattr(layered, "_num_dispatches", None) == begun, f"elastic {layout}: the op began"
         layered.barrier()
+        _check_sync_free_drops_bad_ids(ctx, sync_free, x, idx, w)
         torch.cuda.synchronize()
         for backend in (layered, sync_free):
             backend.destroy()

@@ -381,6 +381,11 @@ class Backend(abc.ABC):
             takes = f"it takes {', '.join(known)}" if known else "it takes none"
             raise TypeError(f"backend {self.name!r} has no {op} option(s) {unknown}; {takes}")
 
+    def check_dispatch_flags(self, **options) -> None:
+        """The values of this backend's own dispatch options (``check_options`` checks their names), before
+        any communication. None by default; the hierarchical backend asks its domain backend's first."""
+        return None
+
     def check_handle(self, handle: Handle) -> None:
         if not isinstance(handle, Handle):
             raise TypeError(f"expected an ep_plugin Handle, got {type(handle).__name__}")

@@ -208,18 +208,22 @@ class ElasticBackend(CompiledBackend):
         if routing_map is not None:
             raise ValueError("backend 'elastic' takes topk_idx (+ topk_weights), not routing_map; top-k ids come "
                              "from routing_map.int().topk(k) where every row has k experts")
-        if not all(isinstance(flag, bool) for flag in (expand, zero_padding, in_place)):
-            raise TypeError(f"expand, zero_padding and in_place must be bools, got {expand!r}, {zero_padding!r} "
-                            f"and {in_place!r}")
-        if in_place and (expand or not self.in_place_dispatch):
-            raise ValueError("in_place needs the compact form (expand=False) and a backend built with "
-                             "in_place_dispatch=True")
+        self.check_dispatch_flags(expand=expand, zero_padding=zero_padding, in_place=in_place)
         if topk_idx is not None and topk_idx.dim() == 2 and topk_idx.shape[1] > self.max_topk:
             raise ValueError(f"topk_idx has k={topk_idx.shape[1]} columns; this elastic backend was built with "
                              f"max_topk={self.max_topk}")
         return super().dispatch(hidden, probs=probs, topk_idx=topk_idx, topk_weights=topk_weights,
                                 pad_multiple=pad_multiple, expand=expand, zero_padding=zero_padding,
                                 in_place=in_place)
+
+    def check_dispatch_flags(self, *, expand: bool = False, zero_padding: bool = False,
+                             in_place: bool = False) -> None:
+        if not all(isinstance(flag, bool) for flag in (expand, zero_padding, in_place)):
+            raise TypeError(f"expand, zero_padding and in_place must be bools, got {expand!r}, {zero_padding!r} "
+                            f"and {in_place!r}")
+        if in_place and (expand or not self.in_place_dispatch):
+            raise ValueError("in_place needs the compact form (expand=False) and a backend built with "
+                             "in_place_dispatch=True")
 
     def combine(self, rows, handle: Handle, *, row_probs=None, bias=None) -> CombineOutput:
         """Sum each token's rows at its source (see the module docstring).

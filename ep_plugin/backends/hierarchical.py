@@ -93,7 +93,7 @@ from ..agreement import (
 from ..errors import EPError
 from ..handle import COMPACT, CombineOutput, DispatchOutput, Handle
 from ..host_collectives import HostCollectives
-from ..routing import ROUTING_MAP, TOPK, Routing, check_tensor, check_topk_values
+from ..routing import ROUTING_MAP, TOPK, Routing, check_tensor, check_topk_values, dropped_ids_error
 from ..topology import Topology
 from ..transport.scaleout import RailSplits, RowPacker, ScaleOut, flat_order_index
 from .base import Backend, merge_alignment
@@ -174,6 +174,8 @@ class HierarchicalBackend(Backend):
             self._domain_words = HostCollectives(words_group, owner=f"ep_plugin {self.name} {self.domain_level}",
                                                  timeout_s=self.config.timeout_s, label="domain words")
         self._num_dispatches = 0
+        # Sync-free top-k dispatches: a device bool, whether any held an id out of range (check_errors raises).
+        self._invalid_expert_ids: Optional[torch.Tensor] = None
 
     def _check_gpu_sharing(self, topology: Topology) -> None:
         """The domain backend checked co-residency for its own domain's ranks; when domains share a GPU (forced
@@ -218,6 +220,8 @@ class HierarchicalBackend(Backend):
         if max_topk is not None and topk_idx is not None and topk_idx.shape[1] > max_topk:
             raise ValueError(f"topk_idx has k={topk_idx.shape[1]} columns; this {self.name} backend was built with "
                              f"max_topk={max_topk}")
+        self.check_options("dispatch", options, self.capabilities.dispatch_options)
+        self.domain.check_dispatch_flags(**options)  # before the rail exchange, not in the domain's dispatch
         return super().dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
                                 topk_weights=topk_weights, pad_multiple=pad_multiple, **options)
 
@@ -245,10 +249,15 @@ class HierarchicalBackend(Backend):
         self.scaleout.release_host_buffers()
 
     def check_errors(self, synchronize: bool = True) -> None:
-        """The domain backend's pending device errors (compiled backends), raised with the domain named."""
+        """The domain backend's pending device errors (compiled backends), raised with the domain named; then,
+        after a sync, ValueError if a sync-free top-k dispatch held ids out of range (they went nowhere)."""
         check = getattr(self.domain, "check_errors", None)
         if check is not None:
             self._at_domain_level(lambda: check(synchronize))
+        flagged = self._invalid_expert_ids
+        if synchronize and flagged is not None and bool(flagged):
+            self._invalid_expert_ids = None
+            raise dropped_ids_error(self.num_experts)
 
     @property
     def over_budget(self) -> Optional[torch.Tensor]:
@@ -291,6 +300,10 @@ class HierarchicalBackend(Backend):
                                       torch.full_like(idx, D))
             to_domain = torch.zeros(T, D + 1, dtype=torch.bool, device=dev).scatter_(1, slot_domain, True)[:, :D]
             to_domain = to_domain.contiguous()
+            if self._sync_free():  # no host read here: such ids go to no domain, and check_errors reports them
+                flagged = ((idx < -1) | (idx >= E)).any()
+                previous = self._invalid_expert_ids
+                self._invalid_expert_ids = flagged if previous is None else previous | flagged
         send_tokens, send_slot = self._rail_layout(to_domain)
 
         k = routing.topk_idx.shape[1] if routing.form == TOPK else 0
