@@ -24,6 +24,9 @@ With FP8 or FP4 configured, each local expert's rows must be padded to Megatron'
 for the quantized expert GEMMs (what its HybridEP manager passes as ``pad_multiple``); padding
 rows are zero and the layer still matches the dense one.
 
+On a GPU the same layer case runs on the compiled backends (``ep_hybrid``, ``ep_elastic``: 2 ranks,
+bf16 tokens and weights, top-1 and top-4) against the dense layer over the same rounded values.
+
 One process launch per rank count (2 and 4) runs all cases; a 1-rank launch covers the
 plugin path Megatron's own code refuses (TP x EP == 1), that builtin names still reach
 Megatron's code, replace_builtin=True, and torch.compile traceability of setup_metadata.
@@ -82,7 +85,9 @@ def _global_inputs(world_size: int, topk: int, seed: int):
     return hidden, routing_map, probs, grad_out, fc1, fc2
 
 
-def _make_config(topk: int, backend: str = "ep_reference", tensor_parallel: int = 1, quantization=None):
+def _make_config(topk: int, backend: str = "ep_reference", tensor_parallel: int = 1, quantization=None,
+                 bf16: bool = False):
+    import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     quantization = quantization or {}
@@ -94,6 +99,7 @@ def _make_config(topk: int, backend: str = "ep_reference", tensor_parallel: int 
         moe_flex_dispatcher_backend=backend, moe_router_dtype="fp32", add_bias_linear=False,
         moe_router_pre_softmax=topk == 1, use_cpu_initialization=True,
         tensor_model_parallel_size=tensor_parallel, sequence_parallel=tensor_parallel > 1,
+        **({"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}),
         **{name: value for name, value in quantization.items() if name not in fp8_fields})
     # TransformerConfig refuses MoE with FP8 unless TransformerEngine (absent on CPU) is installed;
     # the dispatcher, its manager and SequentialMLP only read these fields, so set them afterwards.
@@ -179,23 +185,32 @@ def _max_error(actual, expected) -> float:
         return float("inf")
     if not actual.numel():
         return 0.0
-    scale = max(1.0, float(expected.double().abs().max()))
-    return float((actual.double() - expected.double()).abs().max()) / scale
+    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
+    scale = max(1.0, float(expected.abs().max()))
+    return float((actual - expected).abs().max()) / scale
 
 
-def _layer_case(ctx, topk: int, probs_dtype: str, seed: int, tensor_parallel: int = 1, quantization=None) -> dict:
-    """Our dispatcher + SequentialMLP vs the dense float64 layer; returns max errors."""
+def _layer_case(ctx, topk: int, probs_dtype: str, seed: int, tensor_parallel: int = 1, quantization=None,
+                backend: str = "ep_reference", device: str = "cpu") -> dict:
+    """Our dispatcher + SequentialMLP vs the dense float64 layer; returns max errors. On ``device="cuda"``
+    tokens and weights are bf16 (what the compiled backends move); the dense layer gets them rounded alike."""
     import torch
 
     rank, world = ctx.rank, ctx.world_size
     hidden_all, routing_all, probs_all, grad_all, fc1, fc2 = _global_inputs(world, topk, seed)
-    config = _make_config(topk, tensor_parallel=tensor_parallel, quantization=quantization)
+    on_gpu = device == "cuda"
+    if on_gpu:  # the dense layer sees the values the bf16 layer holds
+        hidden_all, fc1, fc2 = (t.to(torch.bfloat16).float() for t in (hidden_all, fc1, fc2))
+    config = _make_config(topk, backend, tensor_parallel=tensor_parallel, quantization=quantization, bf16=on_gpu)
     dispatcher, experts, local_indices, ffn_slice = _make_layer(config, fc1, fc2)
+    experts.to(device)
 
-    hidden = hidden_all[rank].clone().requires_grad_()
-    probs = probs_all[rank].to(getattr(torch, probs_dtype)).requires_grad_()
-    out, tokens_per_expert, row_probs, rows = _moe_forward(dispatcher, experts, hidden, routing_all[rank], probs)
-    (out * grad_all[rank]).sum().backward()
+    hidden = hidden_all[rank].to(device, config.params_dtype, copy=True).requires_grad_()
+    probs = probs_all[rank].to(device, getattr(torch, probs_dtype), copy=True).requires_grad_()
+    routing_map = routing_all[rank].to(device)
+    out, tokens_per_expert, row_probs, rows = _moe_forward(dispatcher, experts, hidden, routing_map, probs)
+    (out.float() * grad_all[rank].to(device)).sum().backward()
+    tokens_per_expert, row_probs, rows = tokens_per_expert.cpu(), row_probs.detach().cpu(), rows.detach().cpu()
 
     # Dense float64 layer over the tokens of all ranks.
     dense_hidden = hidden_all.reshape(-1, HIDDEN).double().requires_grad_()
@@ -228,6 +243,7 @@ def _layer_case(ctx, topk: int, probs_dtype: str, seed: int, tensor_parallel: in
         "real_tokens_per_expert": routed_here.tolist(), "pad_multiple": pad_multiple,
         "padding_rows_zero": bool((rows[padding] == 0).all()) and bool((row_probs[padding] == 0).all()),
         "manager": type(dispatcher._comm_manager).__name__,
+        "backend": getattr(dispatcher._comm_manager, "backend_name", None),
         "probs_grad_dtype": str(probs.grad.dtype),
     }
 
@@ -388,6 +404,19 @@ def _rank_single(ctx) -> dict:
         _finish_megatron()
 
 
+def _rank_compiled(ctx, backend: str) -> dict:
+    """The layer on a compiled backend, bf16 on the GPU (ranks share it where there are fewer GPUs)."""
+    import torch
+
+    torch.cuda.set_device(ctx.device)
+    _init_megatron(ctx)
+    try:
+        return {f"top{topk}": _layer_case(ctx, topk, "float32", seed=600 + topk, backend=backend, device="cuda")
+                for topk in (1, 4)}
+    finally:
+        _finish_megatron()
+
+
 # ---- parent side ---------------------------------------------------------------------------------
 
 def _check_layer(name: str, result: dict, tolerance: float) -> None:
@@ -463,3 +492,28 @@ def test_single_rank_plugin_path_and_traceable_metadata():
     replaced = result["replaced_hybridep"]
     assert replaced == "EPPluginManager:hybrid" or (
         replaced.startswith("BackendUnavailableError") and "'hybrid'" in replaced), replaced
+
+
+# bf16 tokens, weights and expert GEMMs against float64 over the same rounded values: a few bf16 ulps
+# (2**-8 relative) of the largest value; a wrong row, weight or count is off by order one.
+BF16_TOLERANCE = 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["ep_hybrid", "ep_elastic"])
+def test_compiled_backends_match_dense_layer_on_the_gpu(backend):
+    """Megatron's MoE layer on our compiled kernels: output and every gradient as the dense layer's."""
+    from ep_plugin.integrations.megatron import PLUGIN_BACKENDS
+    from ep_plugin.testing.launcher import run_ranks
+
+    results = run_ranks(_rank_compiled, 2, backend, device="cuda", timeout_s=400)
+    for rank, per_rank in enumerate(results):
+        for name, result in per_rank.items():
+            label = f"{backend} rank {rank}/2 {name}"
+            assert result["backend"] == PLUGIN_BACKENDS[backend], (label, result["backend"])
+            errors = {key: result[key] for key in ("out", "grad_hidden", "grad_probs", "grad_fc1", "grad_fc2")}
+            print(label, {key: f"{error:.2e}" for key, error in errors.items()})  # shown with -s
+            assert all(error < BF16_TOLERANCE for error in errors.values()), (label, errors)
+            assert result["tokens_per_expert"] == result["expected_tokens_per_expert"], (label, result)
+            assert result["out_dtype"] == "torch.bfloat16" and result["out_shape"] == (TOKENS_PER_RANK, HIDDEN), label
+            assert result["row_probs_dtype"] == "torch.float32", label
