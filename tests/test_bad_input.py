@@ -3,6 +3,9 @@
 Only rank 0 makes each bad call; the other ranks go straight on to the next valid call.
 Had a bad call entered any collective, the ranks' collectives would pair up wrongly and
 the valid calls would return wrong data or hang (the launcher's timeout reports that).
+
+Top-k ids out of range or naming an expert twice are the exception: every rank calls, the
+opening exchange carries the bad rank's verdict, and every rank raises ValueError.
 """
 
 import pytest
@@ -20,10 +23,6 @@ def _bad_calls(backend, problem, rank):
     """(expected error type, text the message must contain, call) for each kind of bad input."""
     x, rmap, probs = problem.hidden[rank], problem.routing_map[rank], problem.probs[rank]
     idx, weights = problem.topk_idx[rank], problem.topk_weights[rank]
-    out_of_range = idx.clone()
-    out_of_range[0, 0] = EXPERTS
-    repeated = idx.clone()
-    repeated[0, 1] = repeated[0, 0]
     too_many = torch.zeros(backend.config.max_tokens_per_rank + 1, HIDDEN)
     too_many_map = torch.zeros(len(too_many), EXPERTS, dtype=torch.bool)
 
@@ -39,8 +38,6 @@ def _bad_calls(backend, problem, rank):
         (ValueError, "hidden_size=8", dispatch(torch.zeros(len(x), HIDDEN + 1), routing_map=rmap, probs=probs)),
         (ValueError, "routing_map must have shape", dispatch(x, routing_map=rmap[:, :2].contiguous(),
                                                              probs=probs)),
-        (ValueError, "expert id 4", dispatch(x, topk_idx=out_of_range, topk_weights=weights)),
-        (ValueError, "same expert twice", dispatch(x, topk_idx=repeated, topk_weights=weights)),
         (ValueError, "max_tokens_per_rank", dispatch(too_many, routing_map=too_many_map,
                                                      probs=too_many_map.float())),
         (ValueError, "contiguous", dispatch(torch.zeros(HIDDEN, len(x)).t(), routing_map=rmap, probs=probs)),
@@ -84,7 +81,41 @@ def test_bad_input_rejected_before_communication(blocking):
     """blocking=False too: the reference has no sync-free mode, so it reads the ids on the host anyway
     (it skipped that check there and delivered a repeated expert's row twice)."""
     rejected = run_ranks(check_bad_inputs_leave_backend_usable, 2, blocking, timeout_s=120)
-    assert rejected[0] == 18 and rejected[1] == 0
+    assert rejected[0] == 16 and rejected[1] == 0
+
+
+def bad_ids_on_one_rank(ctx, blocking: bool) -> list[str]:
+    """Rank 1 passes top-k ids out of range, then an expert twice; every rank calls dispatch each time."""
+    config = Config.from_env(max_tokens_per_rank=64, blocking=blocking, timeout_s=20.0)
+    backend = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=EXPERTS, config=config,
+                                                 device="cpu")
+    problem = make_problem(2, [6] * ctx.world_size, HIDDEN, EXPERTS, TOPK)
+    x, idx, weights = problem.hidden[ctx.rank], problem.topk_idx[ctx.rank], problem.topk_weights[ctx.rank]
+    rows, _, _ = expected_dispatch(problem, ctx.rank, 1)
+    out_of_range, repeated = idx.clone(), idx.clone()
+    out_of_range[0, 0] = EXPERTS
+    repeated[0, 1] = repeated[0, 0]
+    messages = []
+    for bad in (out_of_range, repeated):
+        with pytest.raises(ValueError) as caught:
+            ep_plugin.dispatch(backend, x, topk_idx=bad if ctx.rank == 1 else idx, topk_weights=weights)
+        messages.append(str(caught.value))
+        out = ep_plugin.dispatch(backend, x, topk_idx=idx, topk_weights=weights)  # the backend goes on
+        assert torch.equal(out.hidden, rows), "valid dispatch after refused ids returned wrong rows"
+    return messages
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_bad_topk_ids_on_one_rank_raise_on_every_rank(blocking):
+    """As the compiled backends do: not only the bad rank raises while the others time out."""
+    messages = run_ranks(bad_ids_on_one_rank, 4, blocking, timeout_s=120)
+    out_of_range, repeated = messages[1]
+    assert out_of_range.startswith("topk_idx holds expert id 4") and "(on rank 1)" in out_of_range, out_of_range
+    assert repeated.startswith("topk_idx row 0 names the same expert twice"), repeated
+    for rank in (0, 2, 3):
+        for message in messages[rank]:
+            assert message.startswith("rank(s) [1] of the group passed topk_idx"), (rank, message)
+            assert "the backend stays usable" in message, (rank, message)
 
 
 def check_foreign_handle(ctx) -> None:

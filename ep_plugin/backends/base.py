@@ -20,7 +20,7 @@ from ..agreement import check_construction
 from ..config import MAX_PAD_MULTIPLE, Config
 from ..handle import CombineOutput, DispatchOutput, Handle
 from ..host_collectives import HostCollectives
-from ..routing import Routing, check_tensor, make_routing, route_counts
+from ..routing import TOPK, Routing, check_tensor, check_topk_values, make_routing, route_counts
 from ..topology import Topology, resolve_topology
 
 
@@ -88,6 +88,9 @@ class Backend(abc.ABC):
     # Top-k ids are range- and repeat-checked by the backend's own kernels, every rank told of any
     # rank's bad ids (so blocking mode needs no host read of them before the op).
     checks_ids_on_device: bool = False
+    # Top-k ids are checked on the host inside the op (``_refused_ids``), and the verdict travels in the
+    # op's first exchange, so that every rank raises ValueError, not only the one with bad ids.
+    refuses_ids_in_exchange: bool = False
     # Whether the op running now was recorded by autograd, so its backward will run on this rank: set
     # by ``ep_plugin.dispatch``/``combine`` around the call, and part of the op's fingerprint
     # (``OpFingerprint.grad``). Ranks that differ (inputs needing grad on some ranks only) raise EPError
@@ -322,9 +325,20 @@ class Backend(abc.ABC):
         return routing, weights, pad_multiple
 
     def _reads_ids_on_host(self) -> bool:
-        """Whether dispatch range- and repeat-checks top-k ids with a host read: not where the kernels
-        check them, nor in sync-free mode."""
-        return not self.checks_ids_on_device and not self._sync_free()
+        """Whether dispatch range- and repeat-checks top-k ids with a host read before the op: not where
+        the kernels check them, nor where the op's exchange carries the verdict, nor in sync-free mode."""
+        return not self.checks_ids_on_device and not self.refuses_ids_in_exchange and not self._sync_free()
+
+    def _refused_ids(self, routing: Routing) -> Optional[str]:
+        """Why this rank's top-k ids are refused (an id out of range, an expert twice), or None; for a
+        backend that ``refuses_ids_in_exchange``. A host read, so none in sync-free mode."""
+        if routing.form != TOPK or self._sync_free():
+            return None
+        try:
+            check_topk_values(routing.topk_idx, self.num_experts)
+        except ValueError as error:
+            return str(error)
+        return None
 
     def _sync_free(self) -> bool:
         """Whether ops avoid host syncs: a backend without a sync-free mode (the reference) runs blocking

@@ -93,7 +93,7 @@ from ..agreement import (
 from ..errors import EPError
 from ..handle import COMPACT, CombineOutput, DispatchOutput, Handle
 from ..host_collectives import HostCollectives
-from ..routing import ROUTING_MAP, TOPK, Routing, check_tensor, check_topk_values, dropped_ids_error
+from ..routing import ROUTING_MAP, TOPK, Routing, check_tensor, dropped_ids_error
 from ..topology import Topology
 from ..transport.scaleout import RailSplits, RowPacker, ScaleOut, flat_order_index
 from .base import Backend, merge_alignment
@@ -131,6 +131,7 @@ class HierarchicalBackend(Backend):
     """
 
     _spans_domains = True
+    refuses_ids_in_exchange = True  # in the rail agreement word and the domain flag
 
     def __init__(self, group=None, *, domain_backend: type, topology: Topology, hidden_size: int, num_experts: int,
                  config=None, device=None, **domain_options: Any) -> None:
@@ -268,26 +269,12 @@ class HierarchicalBackend(Backend):
 
     # ---- Backend protocol ---------------------------------------------------------------------
 
-    def _reads_ids_on_host(self) -> bool:
-        """Not before the op: ``_refused_ids`` checks them, and the agreement tells every rank."""
-        return False
-
-    def _refused_ids(self, routing: Routing) -> Optional[RefusedInput]:
-        """Why this rank's top-k ids are refused (out of range, an expert twice), or None. A host read,
-        so not in sync-free mode on a backend that has one (the domain backend drops bad ids there)."""
-        if routing.form != TOPK or self._sync_free():
-            return None
-        try:
-            check_topk_values(routing.topk_idx, self.num_experts)
-        except ValueError as error:
-            return RefusedInput(error)
-        return None
-
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple, **options) -> DispatchOutput:
         self.scaleout.check_usable()
         number = self._num_dispatches + 1
         where = f"dispatch #{number}"
-        refused = self._refused_ids(routing)
+        refused = self._refused_ids(routing)  # the agreement tells every rank
+        refused = None if refused is None else RefusedInput(refused)
         fp8 = isinstance(hidden, (tuple, list))
         data, scales = (hidden[0], hidden[1]) if fp8 else (hidden, None)
         T, D, G, E, L = routing.num_tokens, self.num_domains, self.experts_per_domain, self.num_experts, \

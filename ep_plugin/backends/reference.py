@@ -12,7 +12,9 @@ expert segment zero-padded to a multiple of ``pad_multiple``.
 Agreement: every op (dispatch, dispatch_again, combine, barrier) opens with one small
 all-to-all of four int64 per pair of ranks: the rows the sender will send to that peer, the
 op's ``OpFingerprint``, the number of this backend among the reference backends built on the
-group (ranks must use their backends in the same order), and the probs dtype. For dispatch
+group (ranks must use their backends in the same order), and the probs dtype. A rank whose top-k ids
+are out of range or name an expert twice announces -1 rows: every rank then raises ``ValueError``
+(the backend stays usable), as the compiled backends do, instead of the others timing out. For dispatch
 this is the count exchange it needs anyway; dispatch_again, combine and barrier have no count
 exchange of their own, so for them it is one extra small collective and one host read. Every
 rank compares what each peer sent with its own before any payload moves; a difference raises
@@ -46,6 +48,7 @@ from .base import Backend, Capabilities
 # Codes of the probs dtype in the opening exchange (0 = the op carries no probs).
 _PROBS_DTYPES = (None, torch.float32, torch.float64)
 _OPEN_WORDS = 4  # per pair of ranks: rows sent, fingerprint, backend number, probs dtype
+_REFUSED = -1  # the rows count a rank announces when it refused its dispatch's top-k ids
 _TOPK_FIELD_MAX = 127  # OpFingerprint.topk has 7 bits; wider top-k (reference only) compares as 127
 
 
@@ -68,6 +71,7 @@ class ReferenceBackend(Backend):
         hidden_dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16),
         probs_dtypes=(torch.float32, torch.float64),
     )
+    refuses_ids_in_exchange = True  # announced as -1 rows in the opening exchange (see _open)
 
     def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None) -> None:
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
@@ -85,10 +89,15 @@ class ReferenceBackend(Backend):
         topk = min(routing.topk_idx.shape[1], _TOPK_FIELD_MAX) if routing.form == TOPK else 0
         fingerprint = OpFingerprint(OP_DISPATCH, dtype=hidden.dtype, probs=probs is not None, form=routing.form,
                                     topk=topk, grad=self.op_records_backward)
-        token, expert, slot = routing.pairs()
-        dest_rank = torch.div(expert, self.num_local_experts, rounding_mode="floor")
-        send_splits = torch.bincount(dest_rank, minlength=self.num_ranks).tolist()
-        recv_splits = self._open(fingerprint, where, send_splits, None if probs is None else probs.dtype)
+        refused = self._refused_ids(routing)
+        if refused is None:
+            token, expert, slot = routing.pairs()
+            dest_rank = torch.div(expert, self.num_local_experts, rounding_mode="floor")
+            send_splits = torch.bincount(dest_rank, minlength=self.num_ranks).tolist()
+        else:  # the opening exchange tells every rank, and every rank raises ValueError
+            send_splits = [_REFUSED] * self.num_ranks
+        recv_splits = self._open(fingerprint, where, send_splits, None if probs is None else probs.dtype,
+                                 refused=refused)
         self._num_dispatches = number
 
         layout, real_counts, padded_counts = self._make_layout(number, token, expert, slot, dest_rank, send_splits,
@@ -143,10 +152,12 @@ class ReferenceBackend(Backend):
     # ---- helpers ------------------------------------------------------------------------
 
     def _open(self, fingerprint: OpFingerprint, where: str, send_splits: list[int],
-              probs_dtype: Optional[torch.dtype], *, expected: Optional[list[int]] = None) -> list[int]:
+              probs_dtype: Optional[torch.dtype], *, expected: Optional[list[int]] = None,
+              refused: Optional[str] = None) -> list[int]:
         """The exchange every op starts with (see the module docstring); returns each peer's row count.
 
-        Raises EPError on every rank when the ranks disagree, before any payload moves.
+        Raises EPError on every rank when the ranks disagree, before any payload moves; else ValueError on
+        every rank when a rank refused its top-k ids (``refused``: why, on that rank; it sends -1 rows).
         ``expected``: the rows each peer should announce (known from the handle), checked too.
         """
         fingerprint_word, instance, probs_code = mine = (fingerprint.pack(), self._comm.instance,
@@ -177,6 +188,13 @@ class ReferenceBackend(Backend):
             raise EPError(
                 f"ep_plugin reference: ranks disagree on {where}: probs dtype: {_PROBS_DTYPES[probs_code]} on rank "
                 f"{self.rank}, {_PROBS_DTYPES[theirs[q][2]]} on rank {q}. All ranks must pass probs of one dtype.")
+        refusing = [q for q in range(self.num_ranks) if counts[q] == _REFUSED]
+        if refusing:
+            stays = "every rank of backend 'reference' refused this dispatch; the backend stays usable"
+            if refused is not None:
+                raise ValueError(f"{refused} (on rank {self.rank}); {stays}")
+            raise ValueError(f"rank(s) {refusing} of the group passed topk_idx with an expert id outside -1 and "
+                             f"[0, {self.num_experts}) or a token naming the same expert twice: {stays}")
         if expected is not None and counts != expected:
             raise EPError(f"ep_plugin reference: rank {self.rank}: in {where} the peers announce {counts} rows, the "
                           f"handle expects {expected}; the ranks' handles come from different dispatches.")
