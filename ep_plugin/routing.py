@@ -66,8 +66,9 @@ def make_routing(
 ) -> tuple[Routing, Optional[torch.Tensor]]:
     """Validate one of the two routing forms against ``hidden``; return (Routing, probs-or-None).
 
-    ``check_values`` reads expert ids on the host to range-check them; modes that may not
-    sync pass False and validate on the device instead.
+    ``check_values`` reads expert ids on the host to range-check them before the op; backends that
+    check them inside the op pass False (on the device, or on the host with the verdict carried in the
+    op's first exchange, see ``Backend._refused_ids``), and sync-free modes, which drop bad ids.
     """
     num_tokens = hidden.shape[0]
     if (routing_map is None) == (topk_idx is None):

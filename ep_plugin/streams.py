@@ -109,6 +109,8 @@ def wait_for_device(device: torch.device, timeout_s: float, what: str,
     (a device report); else EPTimeoutError names ``what``. The helper thread then stays blocked until the
     device drains: the process is expected to stop, but it gets a message instead of a silent hang.
     """
+    if device.index is None:  # resolved here: the helper thread's current device is its own
+        device = torch.device("cuda", torch.cuda.current_device())
     run_until_done(lambda: torch.cuda.synchronize(device), timeout_s, what, before_timeout,
                    hint="some kernel on this GPU is still running: ours report their own timeouts, so most "
                         "likely another library's (an NCCL collective waiting for a peer, a user kernel)")

@@ -78,8 +78,8 @@ def check_bad_inputs_leave_backend_usable(ctx, blocking: bool) -> int:
 
 @pytest.mark.parametrize("blocking", [True, False])
 def test_bad_input_rejected_before_communication(blocking):
-    """blocking=False too: the reference has no sync-free mode, so it reads the ids on the host anyway
-    (it skipped that check there and delivered a repeated expert's row twice)."""
+    """blocking=False too: the reference has no sync-free mode, so it checks everything anyway. Top-k id
+    values are the next test's (every rank calls there)."""
     rejected = run_ranks(check_bad_inputs_leave_backend_usable, 2, blocking, timeout_s=120)
     assert rejected[0] == 16 and rejected[1] == 0
 

@@ -239,7 +239,8 @@ def test_oversubscribed_sms_are_refused(backend_name):
 def busy_device(ctx, backend_name: str) -> dict:
     """A kernel that is not ours (torch's sleep, standing in for an NCCL collective stuck on a peer) keeps
     the GPU busy past the backend's timeout: check_errors, which syncs the device, must raise
-    EPTimeoutError within that timeout, not wait as long as the kernel runs; once the kernel is done the
+    EPTimeoutError after that timeout plus its margin (as long again, at 1 s), not wait as long as the
+    kernel runs; once the kernel is done the
     backend works. Both ranks sleep, so every rank's wait is the same."""
     backend = make_backend(ctx, backend_name, timeout_s=1.0)
     x, routing = routed_tokens(ctx, 802)

@@ -162,8 +162,11 @@ class SymmetricBuffer:
     def synchronize(self, what: str, *, raise_report: bool = True) -> None:
         """Wait, with the buffer's timeout, until the device ran everything queued so far (every stream);
         then raise the device report, if there is one and ``raise_report``."""
-        streams.wait_for_device(self.device, self.timeout_s, f"ep_plugin {self.backend}: rank {self.rank}: {what}: "
-                                "waiting for the device", before_timeout=self.raise_if_failed if raise_report else None)
+        # A margin past the kernels' own timeout (up to 5 s, as for the op waits): a kernel that began its wait
+        # just after this one can still write its report, which names the peer, before the host gives up.
+        streams.wait_for_device(self.device, self.timeout_s + min(5.0, self.timeout_s),
+                                f"ep_plugin {self.backend}: rank {self.rank}: {what}: waiting for the device",
+                                before_timeout=self.raise_if_failed if raise_report else None)
         if raise_report:
             self.raise_if_failed()
 

@@ -126,10 +126,18 @@ def combine_counts() -> dict[str, int]:
 
 
 def clear_backend_cache() -> None:
-    """Destroy the shared backends (call before destroying the process groups they use)."""
-    for backend in _backends.values():
-        backend.destroy()
+    """Destroy the shared backends (call before destroying the process groups they use). The cache is
+    emptied even when a destroy raises (a timeout, say): the first error is raised after the others ran."""
+    backends = list(_backends.values())
     _backends.clear()
+    first_error = None
+    for backend in backends:
+        try:
+            backend.destroy()
+        except Exception as error:  # noqa: BLE001 - the others are still destroyed; the first is raised
+            first_error = first_error or error
+    if first_error is not None:
+        raise first_error
 
 
 class EPPluginManager:
