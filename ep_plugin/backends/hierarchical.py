@@ -221,10 +221,6 @@ class HierarchicalBackend(Backend):
         if max_topk is not None and topk_idx is not None and topk_idx.shape[1] > max_topk:
             raise ValueError(f"topk_idx has k={topk_idx.shape[1]} columns; this {self.name} backend was built with "
                              f"max_topk={max_topk}")
-        # The option values too, before the rail exchange begins the op (names first: an unknown one is
-        # named as such, not as an unexpected argument of the domain's check).
-        self.check_options("dispatch", options, self.capabilities.dispatch_options)
-        self.domain.check_dispatch_flags(**options)
         return super().dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
                                 topk_weights=topk_weights, pad_multiple=pad_multiple, **options)
 
@@ -271,6 +267,7 @@ class HierarchicalBackend(Backend):
 
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple, **options) -> DispatchOutput:
         self.scaleout.check_usable()
+        self.domain.check_dispatch_flags(**options)  # their names were checked; values before the rail exchange
         number = self._num_dispatches + 1
         where = f"dispatch #{number}"
         refused = self._refused_ids(routing)  # the agreement tells every rank
