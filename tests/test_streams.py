@@ -72,3 +72,72 @@ def test_a_wait_that_cannot_time_out_is_left_with_a_message():
         streams.run_until_done(lambda: 1 / 0, 5.0, "a failing call")
     streams.run_until_done(lambda: None, 5.0, "a quick call")  # returns at once
     release.set()  # the abandoned waits end
+
+
+# ---- one backend, ops on two streams (GPU, compiled backends) -----------------------------------
+
+def _ops_on_two_streams(ctx, backend_name: str) -> dict:
+    """Two sync-free dispatches, the first on one stream and the second on another. On rank 0 the first
+    is held back by a sleep queued ahead of it, so without ordering its second dispatch would run first
+    and meet rank 1's first: rows of the wrong op, or an error. The backend must make the second stream
+    wait; the rows then equal the same two dispatches on one stream."""
+    from test_faults_gpu import make_backend, routed_tokens
+
+    import ep_plugin
+
+    backend = make_backend(ctx, backend_name, timeout_s=5.0, blocking=False)
+    x, routing = routed_tokens(ctx, 803)
+    main = torch.cuda.current_stream(ctx.device)
+    first_stream, second_stream = torch.cuda.Stream(ctx.device), torch.cuda.Stream(ctx.device)
+
+    def two_dispatches(sleep_cycles: int):
+        """(first, second, whether rank 0's sleep was still running when the second was issued)."""
+        for stream in (first_stream, second_stream):
+            stream.wait_stream(main)  # the inputs were made on the main stream
+        slept = torch.cuda.Event()
+        with torch.cuda.stream(first_stream):
+            if sleep_cycles:
+                torch.cuda._sleep(sleep_cycles)
+            slept.record()
+            first = backend.dispatch(x, **routing)
+        with torch.cuda.stream(second_stream):
+            second = backend.dispatch(x * 2, **routing)
+        overtaking_possible = not slept.query()
+        torch.cuda.synchronize()
+        return first, second, overtaking_possible
+
+    # A first round without the sleep fills the allocator's cache on both streams: a fresh cudaMalloc may
+    # wait for the device, and would hold the host back until the sleep ended (no overtaking then).
+    two_dispatches(0)
+    first, second, overtaking_possible = two_dispatches(int(2e9) if ctx.rank == 0 else 0)  # ~1 s on rank 0
+    result = {"error": None, "same": None, "overtaking_possible": overtaking_possible or ctx.rank != 0}
+    try:
+        backend.check_errors()
+    except ep_plugin.EPError as error:
+        result["error"] = str(error)
+    else:
+        want_first, want_second = backend.dispatch(x, **routing), backend.dispatch(x * 2, **routing)
+        torch.cuda.synchronize()
+
+        def rows(out):
+            valid = out.hidden.shape[0] if out.num_valid_rows is None else int(out.num_valid_rows.item())
+            return out.hidden[:valid]
+
+        result["same"] = (torch.equal(rows(first), rows(want_first)), torch.equal(rows(second), rows(want_second)))
+    backend.destroy()
+    return result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend_name", ["hybrid", "elastic"])
+def test_ops_on_two_streams_run_in_the_order_they_were_issued(backend_name):
+    from ep_plugin.testing import run_ranks
+
+    # Streams share a hardware queue when a process has fewer connections than streams (Megatron often sets
+    # CUDA_DEVICE_MAX_CONNECTIONS=1; MPS may give its clients few), and then run in issue order anyway.
+    results = run_ranks(_ops_on_two_streams, 2, backend_name, device="cuda", timeout_s=120,
+                        env={"CUDA_DEVICE_MAX_CONNECTIONS": "32"})
+    for rank, result in enumerate(results):
+        # overtaking_possible: rank 0 issued the second dispatch while the sleep still ran (else the test
+        # proves nothing).
+        assert result == {"error": None, "same": (True, True), "overtaking_possible": True}, (rank, result)

@@ -119,6 +119,9 @@ class CompiledBackend(Backend):
         # set by such a combine, cleared by the next op's handshake (every op starts with one, in
         # _exchange or _layout_and_exchange), after which every peer has finished that combine.
         self._peers_may_read_arena = False
+        # The stream of the last launch: an op on another stream first waits for it (see _stream).
+        self._last_stream_handle: Optional[int] = None
+        self._last_stream: Optional[torch.cuda.Stream] = None
 
     def _construction_facts(self) -> dict:
         # Kernels wait for as many blocks of every peer as they run themselves, and the regions hold
@@ -323,7 +326,22 @@ class CompiledBackend(Backend):
     # ---- helpers the stages use -------------------------------------------------------------
 
     def _stream(self) -> int:
-        return streams.stream_handle(self.device)
+        """The current stream's handle, for a launch. The device handshakes need this backend's kernels in
+        the order they were enqueued: when the caller moved to another stream (a comm stream for some ops,
+        say), that stream first waits for the previous one, so an op cannot overtake an earlier op still
+        queued there."""
+        handle = streams.stream_handle(self.device)
+        if handle != self._last_stream_handle:
+            self._follow_previous_stream(handle)
+        return handle
+
+    def _follow_previous_stream(self, handle: int) -> None:
+        current = streams.current_stream(self.device)
+        # Not inside a capture: torch.cuda.graph already orders its capture stream after the caller's,
+        # and a capture may not wait on work outside it.
+        if self._last_stream is not None and not torch.cuda.is_current_stream_capturing():
+            current.wait_stream(self._last_stream)
+        self._last_stream_handle, self._last_stream = handle, current
 
     def _keep_on_stream(self, *tensors) -> None:
         streams.keep_on_stream(self.device, tensors, avoid_record_stream=self.config.avoid_record_stream)
