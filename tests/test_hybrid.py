@@ -101,6 +101,8 @@ def sweep(ctx, hidden: int) -> int:
         ref = reference.dispatch(inputs[0], pad_multiple=pad, **kwargs)
         out = hybrid.dispatch(inputs[0], pad_multiple=pad, **kwargs)
         assert torch.equal(out.tokens_per_expert, ref.tokens_per_expert), f"{name}: tokens_per_expert"
+        # Blocking mode's host copy (what Megatron's experts get), read with the row count.
+        assert out.tokens_per_expert_list == ref.tokens_per_expert.tolist(), f"{name}: host tokens_per_expert"
         assert out.hidden.shape == ref.hidden.shape, f"{name}: rows {out.hidden.shape} vs {ref.hidden.shape}"
         assert torch.equal(out.hidden, ref.hidden), f"{name}: dispatched rows"
         assert torch.equal(out.probs, ref.probs), f"{name}: dispatched probs"

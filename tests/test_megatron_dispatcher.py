@@ -210,6 +210,7 @@ def _layer_case(ctx, topk: int, probs_dtype: str, seed: int, tensor_parallel: in
     routing_map = routing_all[rank].to(device)
     out, tokens_per_expert, row_probs, rows = _moe_forward(dispatcher, experts, hidden, routing_map, probs)
     (out.float() * grad_all[rank].to(device)).sum().backward()
+    counts_device = tokens_per_expert.device.type  # the experts' counts are on the host, as DeepEP's
     tokens_per_expert, row_probs, rows = tokens_per_expert.cpu(), row_probs.detach().cpu(), rows.detach().cpu()
 
     # Dense float64 layer over the tokens of all ranks.
@@ -240,6 +241,7 @@ def _layer_case(ctx, topk: int, probs_dtype: str, seed: int, tensor_parallel: in
         "out_dtype": str(out.dtype), "out_shape": tuple(out.shape),
         "row_probs_dtype": str(row_probs.dtype),
         "tokens_per_expert": tokens_per_expert.tolist(), "expected_tokens_per_expert": padded_here.tolist(),
+        "tokens_per_expert_device": counts_device,
         "real_tokens_per_expert": routed_here.tolist(), "pad_multiple": pad_multiple,
         "padding_rows_zero": bool((rows[padding] == 0).all()) and bool((row_probs[padding] == 0).all()),
         "manager": type(dispatcher._comm_manager).__name__,
@@ -515,5 +517,8 @@ def test_compiled_backends_match_dense_layer_on_the_gpu(backend):
             print(label, {key: f"{error:.2e}" for key, error in errors.items()})  # shown with -s
             assert all(error < BF16_TOLERANCE for error in errors.values()), (label, errors)
             assert result["tokens_per_expert"] == result["expected_tokens_per_expert"], (label, result)
+            # On the host, as DeepEP's dispatcher gives them: the legacy GroupedMLP refuses device counts,
+            # and SequentialMLP's .tolist() of device counts would wait for the dispatch.
+            assert result["tokens_per_expert_device"] == "cpu", (label, result["tokens_per_expert_device"])
             assert result["out_dtype"] == "torch.bfloat16" and result["out_shape"] == (TOKENS_PER_RANK, HIDDEN), label
             assert result["row_probs_dtype"] == "torch.float32", label

@@ -47,6 +47,7 @@ def check_dispatch_combine_scenarios(ctx, num_experts: int) -> int:
 
         rows, row_probs, tokens_per_expert = expected_dispatch(problem, rank, pad_multiple)
         assert torch.equal(out.tokens_per_expert, tokens_per_expert), f"{name}: tokens_per_expert"
+        assert out.tokens_per_expert_list == tokens_per_expert.tolist(), f"{name}: host tokens_per_expert"
         assert torch.equal(out.hidden, rows), f"{name}: dispatched rows"
         assert torch.equal(out.probs, row_probs), f"{name}: dispatched probs"
 

@@ -301,10 +301,12 @@ class HybridBackend(CompiledBackend):
         send = self._C.hybrid.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
                                        send_slot=at("send_slot"), k_index=at("k_index"), probs=dense_probs,
                                        num_tokens=T, bulk_copy=self._bulk, overflow=at("overflow"))
+        tokens_list = None  # blocking mode: the padded counts, read with the total
         if self.config.blocking:
             self._C.hybrid.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
             with nvtx_range("ep.hybrid.dispatch.wait_count"):
-                budget = self._dispatch_counts(counted, routing)[self._C.MAILBOX_TOTAL_ROWS]
+                words = self._dispatch_counts(counted, routing)
+                budget, tokens_list = words[self._C.MAILBOX_TOTAL_ROWS], words[self._C.MAILBOX_EXPERT_ROWS:]
         out, out_scales, out_probs = outputs or self._dispatch_outputs(budget, data.dtype, fp8, probs is not None)
         permute = self._C.hybrid.PermuteArgs(
             out=out, row_bytes=row_bytes, out_scales=out_scales, scale_bytes=scale_bytes, out_probs=out_probs,
@@ -336,7 +338,7 @@ class HybridBackend(CompiledBackend):
         rows = (out, out_scales) if fp8 else out
         return DispatchOutput(rows, out_probs, tokens_per_expert, handle,
                               num_valid_rows=None if self.config.blocking else total_rows,
-                              ready=streams.record_ready(self.device))
+                              tokens_per_expert_list=tokens_list, ready=streams.record_ready(self.device))
 
     @op_range("dispatch_again")
     def _dispatch_again(self, hidden, handle: Handle) -> torch.Tensor:

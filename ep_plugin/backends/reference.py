@@ -115,7 +115,7 @@ class ReferenceBackend(Backend):
             row_probs = probs.new_zeros(num_rows)
             row_probs[layout.recv_row] = self._all_to_all(sent, layout.recv_splits, layout.send_splits,
                                                           f"{where} (probs)")
-        return DispatchOutput(rows, row_probs, padded_counts, handle)
+        return DispatchOutput(rows, row_probs, padded_counts, handle, tokens_per_expert_list=padded_counts.tolist())
 
     def _dispatch_again(self, hidden, handle: Handle) -> torch.Tensor:
         layout: ReferenceLayout = handle.layout

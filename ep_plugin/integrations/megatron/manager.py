@@ -204,7 +204,12 @@ class EPPluginManager:
                                  **options)
         self.handle = out.handle
         self.dispatched_probs = out.probs
-        self.tokens_per_expert = out.tokens_per_expert
+        # On the host, as DeepEP's dispatcher hands them to the experts: SequentialMLP and TEGroupedMLP call
+        # .tolist() on them (a device tensor would make the host wait for the dispatch there), and the
+        # legacy GroupedMLP's grouped GEMM refuses a device tensor. Blocking mode read them with the count.
+        counts = out.tokens_per_expert_list
+        self.tokens_per_expert = (torch.tensor(counts, dtype=torch.int64) if counts is not None
+                                  else out.tokens_per_expert.cpu())
         # The experts may put their output where combine reads it.
         arena.expect_expert_output(backend, out.handle.num_rows)
         return out.hidden
@@ -214,7 +219,7 @@ class EPPluginManager:
         return hidden_states, self.dispatched_probs
 
     def get_number_of_tokens_per_expert(self) -> torch.Tensor:
-        """[num_local_experts] int64 rows per local expert (segments padded to pad_multiple)."""
+        """[num_local_experts] int64 rows per local expert (segments padded to pad_multiple), on the CPU."""
         return self.tokens_per_expert
 
     def get_restored_hidden_states_by_experts(self, hidden_states: torch.Tensor) -> torch.Tensor:
