@@ -372,6 +372,20 @@ def combine_in_place(ctx) -> int:
         with pytest.raises(ValueError, match="compact"):
             elastic.combine_input(expanded.handle)
         elastic.combine(expanded.hidden, expanded.handle)  # still usable
+        # Two batches in flight: right after the first's in-place combine a slower peer may still read the
+        # buffer, so the second's combine input is refused (before any launch) until another op ran.
+        first = elastic.dispatch(x, topk_idx=idx, topk_weights=w)
+        second = elastic.dispatch(x, topk_idx=idx, topk_weights=w)
+        rows = elastic.combine_input(first.handle)
+        rows.copy_(expert_side_rows(first.hidden, me))
+        elastic.combine(rows, first.handle)
+        with pytest.raises(ValueError, match="may still be reading"):
+            elastic.combine_input(second.handle)
+        elastic.barrier()
+        rows = elastic.combine_input(second.handle)
+        rows.copy_(expert_side_rows(second.hidden, me))
+        want, _ = compact_combine_oracle(x, idx, w, world)
+        assert torch.equal(elastic.combine(rows, second.handle).hidden, want), f"blocking={blocking}: two in flight"
         torch.cuda.synchronize()
         elastic.destroy()
 

@@ -276,6 +276,20 @@ def autograd_and_misuse(ctx) -> int:
     back = hybrid.combine(rows_second, second.handle)  # still usable: its own handle combines as before
     ref = reference.dispatch(inputs[0] * 2, **routing_kwargs("topk", inputs))
     assert_combine_close(back.hidden, reference.combine(ref.hidden, ref.handle).hidden, "after the misuse")
+    # Two batches in flight: right after the first's in-place combine a slower peer may still read the
+    # buffer, so the second's combine input is refused (before any launch) until another op ran.
+    first = hybrid.dispatch(inputs[0], **routing_kwargs("topk", inputs))
+    second = hybrid.dispatch(inputs[0] * 2, **routing_kwargs("topk", inputs))
+    rows_first = hybrid.combine_input(first.handle)
+    rows_first.copy_(first.hidden)
+    hybrid.combine(rows_first, first.handle)
+    with pytest.raises(ValueError, match="may still be reading"):
+        hybrid.combine_input(second.handle)
+    hybrid.barrier()
+    rows_second = hybrid.combine_input(second.handle)
+    rows_second.copy_(second.hidden)
+    back = hybrid.combine(rows_second, second.handle)
+    assert_combine_close(back.hidden, reference.combine(ref.hidden, ref.handle).hidden, "two batches in flight")
 
     for bad, error in (("8", TypeError), (True, TypeError), (-1, ValueError)):  # refused before anything is built
         with pytest.raises(error, match="combine_input_rows"):

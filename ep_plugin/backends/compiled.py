@@ -299,7 +299,16 @@ class CompiledBackend(Backend):
 
     def _combine_input_view(self, layout, offset: int, rows: int) -> torch.Tensor:
         """[rows, H] bf16 over this rank's buffer at region ``offset``, remembered on ``layout`` (its
-        ``combine_input`` field) as the combine input handed out for that dispatch."""
+        ``combine_input`` field) as the combine input handed out for that dispatch.
+
+        Raises ValueError while the peers may still read the last in-place combine's input there (no op
+        since that combine): the expert's write into the new view could overtake a slower peer's read."""
+        if self._peers_may_read_arena:
+            raise ValueError(
+                "combine_input: the last combine read its input in place from this rank's buffer, and a slower "
+                "peer may still be reading it; a combine input handed out now would overlap it. Another op of "
+                "this backend first tells every rank that the peers are done (dispatch the next batch, or call "
+                "backend.barrier()), or combine this handle from a tensor of your own")
         view = self.buffer.region_tensor(offset, (rows, self.hidden_size), torch.bfloat16)
         layout.combine_input = weakref.ref(view)
         self._combine_input_owner = weakref.ref(layout)  # the buffer holds one combine input

@@ -41,8 +41,9 @@ What a DeepEP user knows, under our names (DeepEP's in parentheses):
   they are instead of receiving a copy (DeepEP's low-latency combine buffer, for the normal kernels).
   It is valid from the dispatch of ``handle`` until that handle's combine; any other op on the
   backend in between may overwrite it, and a combine of it for a handle it was not last handed out
-  for raises ``ValueError`` (before any launch). Ranks must agree on whether a combine is in place (the
-  handshake checks it).
+  for raises ``ValueError`` (before any launch), as does ``combine_input`` right after an in-place
+  combine until another op ran (the peers may still read those rows). Ranks must agree on whether a
+  combine is in place (the handshake checks it).
 - Backward of dispatch is combine; backward of combine is a cached dispatch, through
   ``ep_plugin.dispatch`` / ``ep_plugin.combine``.
 
@@ -390,7 +391,8 @@ class ElasticBackend(CompiledBackend):
         self._exchange(PHASE_CACHED, self._fingerprint(OP_DISPATCH_AGAIN, dtype=data.dtype, handle=handle))
         row_bytes = H if fp8 else 2 * H
         scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
-        self._keep_on_stream(data, scales, layout.scratch.memory)  # the handle may go before this op has run
+        # The handle may go before this op has run: what it reads of the layout is tied to this stream too.
+        self._keep_on_stream(data, scales, layout.scratch.memory, layout.packet_rows)
         send = self._C.elastic.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
                                         send_slot=at("send_slot"), num_tokens=handle.num_tokens,
                                         bulk_copy=self._bulk)
@@ -448,7 +450,11 @@ class ElasticBackend(CompiledBackend):
         rows_in = None if in_place else self._aligned(rows)  # in place: the buffer is read, not the tensor
         self._exchange(PHASE_COMBINE, self._fingerprint(op, dtype=rows.dtype, probs=row_probs is not None,
                                                         handle=handle))
-        self._keep_on_stream(rows_in, row_probs, bias, layout.scratch.memory)  # the handle may go before it has run
+        self._peers_may_read_arena = in_place  # until the next op's handshake (see combine_input)
+        # The handle may go before this op has run: what it reads of the layout is tied to this stream too
+        # (packet_rows: the expanded form's send; topk_idx: where values are routed back).
+        self._keep_on_stream(rows_in, row_probs, bias, layout.scratch.memory, layout.packet_rows,
+                             layout.topk_idx if row_probs is not None else None)
         # In place, only the routed-back values (if any) travel ahead of the receive.
         send_needed = not in_place or row_probs is not None
         if send_needed:

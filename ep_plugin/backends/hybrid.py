@@ -45,7 +45,8 @@ Two ways to put the output there, one per backend (the first used takes the aren
 - ``combine_input(handle)``: the arena's first rows as a [num_rows, H] bf16 tensor, to write the expert
   output into (``out=``). One combine input at a time (combining it for a handle it was not last
   handed out for raises ``ValueError``, before any launch); valid from the dispatch of ``handle``
-  until its combine; its address never changes, so CUDA graphs capture it.
+  until its combine; its address never changes, so CUDA graphs capture it. Refused (``ValueError``)
+  right after an in-place combine, until another op ran: the peers may still read those rows.
 - ``combine_input_arena()``: a context in which torch's caching allocator takes this thread's
   allocations from the arena (a ``torch.cuda.MemPool`` over it), so an output computed there by any
   torch op is in place; what does not fit gets ordinary memory. The peers read a rank's input until
@@ -451,7 +452,9 @@ class HybridBackend(CompiledBackend):
         self.combine_counts["in_place" if in_place else "pushed"] += 1
         # In place the sources read the rows in the buffer: only the scalars (if any) travel ahead.
         send_needed = not in_place or row_probs is not None
-        self._keep_on_stream(rows, row_probs, layout.scratch.memory)  # the handle may go before this op has run
+        # The handle may go before this op has run (topk_idx: the values routed back are gathered by it).
+        self._keep_on_stream(rows, row_probs, layout.scratch.memory,
+                             layout.topk_idx if row_probs is not None else None)
         if send_needed:
             send = self._C.hybrid.CombineSendArgs(rows=None if in_place else rows, row_probs=row_probs,
                                                   packet_rows=at("packet_rows"), num_packets=at("num_packets"),
