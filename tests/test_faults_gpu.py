@@ -240,8 +240,7 @@ def busy_device(ctx, backend_name: str) -> dict:
     """A kernel that is not ours (torch's sleep, standing in for an NCCL collective stuck on a peer) keeps
     the GPU busy past the backend's timeout: check_errors, which syncs the device, must raise
     EPTimeoutError after that timeout plus its margin (as long again, at 1 s), not wait as long as the
-    kernel runs; once the kernel is done the
-    backend works. Both ranks sleep, so every rank's wait is the same."""
+    kernel runs; once the kernel is done the backend works. Both ranks sleep, so every rank's wait is the same."""
     backend = make_backend(ctx, backend_name, timeout_s=1.0)
     x, routing = routed_tokens(ctx, 802)
     first = backend.dispatch(x, **routing)

@@ -102,7 +102,8 @@ class ReferenceBackend(Backend):
 
         layout, real_counts, padded_counts = self._make_layout(number, token, expert, slot, dest_rank, send_splits,
                                                                recv_splits, pad_multiple, where)
-        num_rows = int(padded_counts.sum())
+        padded_list = padded_counts.tolist()  # one host read for the row count and the host copy
+        num_rows = sum(padded_list)
         handle = Handle(
             backend=self, num_tokens=routing.num_tokens, hidden_size=self.hidden_size, hidden_dtype=hidden.dtype,
             probs_shape=routing.probs_shape if probs is not None else None, num_experts=self.num_experts,
@@ -115,7 +116,7 @@ class ReferenceBackend(Backend):
             row_probs = probs.new_zeros(num_rows)
             row_probs[layout.recv_row] = self._all_to_all(sent, layout.recv_splits, layout.send_splits,
                                                           f"{where} (probs)")
-        return DispatchOutput(rows, row_probs, padded_counts, handle, tokens_per_expert_list=padded_counts.tolist())
+        return DispatchOutput(rows, row_probs, padded_counts, handle, tokens_per_expert_list=padded_list)
 
     def _dispatch_again(self, hidden, handle: Handle) -> torch.Tensor:
         layout: ReferenceLayout = handle.layout
