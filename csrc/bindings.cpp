@@ -34,6 +34,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_device_count", &ep::cuda_device_count, "visible CUDA devices; 0 without device or driver");
   m.def("describe_devices", &ep::describe_devices, "one line per device, or 'no CUDA device (...)'");
   m.def("cuda_runtime_version", &ep::compiled_cuda_runtime_version, "CUDART_VERSION at build time");
+  m.def("stream_capture_info", &ep::stream_capture_info, py::arg("stream"),
+        "(status, capture id) of a stream: status 0 not capturing, 1 capturing, 2 capture invalidated, -1 unknown");
 
   m.attr("MAILBOX_TOTAL_ROWS") = ep::kMailboxTotalRows;
   m.attr("MAILBOX_TOTAL_PACKETS") = ep::kMailboxTotalPackets;

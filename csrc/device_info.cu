@@ -38,4 +38,14 @@ std::string describe_devices() {
 
 int compiled_cuda_runtime_version() { return CUDART_VERSION; }
 
+std::pair<int, unsigned long long> stream_capture_info(uintptr_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  if (cudaStreamGetCaptureInfo(reinterpret_cast<cudaStream_t>(stream), &status, &id) != cudaSuccess) {
+    cudaGetLastError();
+    return {-1, 0};
+  }
+  return {static_cast<int>(status), status == cudaStreamCaptureStatusNone ? 0 : id};
+}
+
 }  // namespace ep

@@ -83,47 +83,87 @@ def _ops_on_two_streams(ctx, backend_name: str) -> dict:
     wait; the rows then equal the same two dispatches on one stream."""
     from test_faults_gpu import make_backend, routed_tokens
 
-    import ep_plugin
-
     backend = make_backend(ctx, backend_name, timeout_s=5.0, blocking=False)
     x, routing = routed_tokens(ctx, 803)
     main = torch.cuda.current_stream(ctx.device)
     first_stream, second_stream = torch.cuda.Stream(ctx.device), torch.cuda.Stream(ctx.device)
 
     def two_dispatches(sleep_cycles: int):
-        """(first, second, whether rank 0's sleep was still running when the second was issued)."""
+        """(first, second, whether rank 0's sleep was still running when the second was issued, whether the
+        first was done when a host wait issued after both returned)."""
         for stream in (first_stream, second_stream):
             stream.wait_stream(main)  # the inputs were made on the main stream
-        slept = torch.cuda.Event()
+        slept, first_done = torch.cuda.Event(), torch.cuda.Event()
         with torch.cuda.stream(first_stream):
             if sleep_cycles:
                 torch.cuda._sleep(sleep_cycles)
             slept.record()
             first = backend.dispatch(x, **routing)
+            first_done.record()
         with torch.cuda.stream(second_stream):
             second = backend.dispatch(x * 2, **routing)
         overtaking_possible = not slept.query()
+        # A host wait on yet another stream (the hierarchical barrier's, before its rail traffic) covers
+        # the ops on both.
+        backend._wait_for_host("the test's wait")
+        waited = first_done.query()
         torch.cuda.synchronize()
-        return first, second, overtaking_possible
+        return first, second, overtaking_possible, waited
 
     # A first round without the sleep fills the allocator's cache on both streams: a fresh cudaMalloc may
     # wait for the device, and would hold the host back until the sleep ended (no overtaking then).
     two_dispatches(0)
-    first, second, overtaking_possible = two_dispatches(int(2e9) if ctx.rank == 0 else 0)  # ~1 s on rank 0
-    result = {"error": None, "same": None, "overtaking_possible": overtaking_possible or ctx.rank != 0}
+    first, second, overtaking_possible, waited = two_dispatches(int(2e9) if ctx.rank == 0 else 0)  # ~1 s on rank 0
+    result = {"overtaking_possible": overtaking_possible or ctx.rank != 0, "host_wait_covered_both": waited,
+              **_compare_with_one_stream(backend, x, routing, first, second)}
+    backend.destroy()
+    return result
+
+
+def _compare_with_one_stream(backend, x, routing, first, second) -> dict:
+    """{"error": the backend's pending error or None, "same": (first, second) rows equal to the same two
+    dispatches issued on one stream (None after an error)}; synchronizes."""
+    import ep_plugin
+
     try:
         backend.check_errors()
     except ep_plugin.EPError as error:
-        result["error"] = str(error)
-    else:
-        want_first, want_second = backend.dispatch(x, **routing), backend.dispatch(x * 2, **routing)
-        torch.cuda.synchronize()
+        return {"error": str(error), "same": None}
+    want_first, want_second = backend.dispatch(x, **routing), backend.dispatch(x * 2, **routing)
+    torch.cuda.synchronize()
 
-        def rows(out):
-            valid = out.hidden.shape[0] if out.num_valid_rows is None else int(out.num_valid_rows.item())
-            return out.hidden[:valid]
+    def rows(out):
+        valid = out.hidden.shape[0] if out.num_valid_rows is None else int(out.num_valid_rows.item())
+        return out.hidden[:valid]
 
-        result["same"] = (torch.equal(rows(first), rows(want_first)), torch.equal(rows(second), rows(want_second)))
+    return {"error": None,
+            "same": (torch.equal(rows(first), rows(want_first)), torch.equal(rows(second), rows(want_second)))}
+
+
+def _ops_on_two_streams_in_one_graph(ctx, backend_name: str) -> dict:
+    """The same two dispatches captured in one CUDA graph: the second on a stream forked from the capture
+    stream before the first was issued, so the graph holds them as two branches, which a replay may run in
+    either order, unless the backend made the second wait for the first (an edge of the graph). On rank 0
+    a sleep captured ahead of the first holds that branch back."""
+    from test_faults_gpu import make_backend, routed_tokens
+
+    backend = make_backend(ctx, backend_name, timeout_s=5.0, blocking=False)
+    x, routing = routed_tokens(ctx, 805)
+    twice = x * 2
+    backend.dispatch(x, **routing)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph, capture, branch = torch.cuda.CUDAGraph(), torch.cuda.Stream(ctx.device), torch.cuda.Stream(ctx.device)
+    with torch.cuda.graph(graph, stream=capture):
+        branch.wait_stream(capture)  # the fork: the branch sees none of what follows on the capture stream
+        if ctx.rank == 0:
+            torch.cuda._sleep(int(2e9))  # ~1 s
+        first = backend.dispatch(x, **routing)
+        with torch.cuda.stream(branch):
+            second = backend.dispatch(twice, **routing)
+        capture.wait_stream(branch)  # the join: a capture ends with every branch joined
+    graph.replay()
+    torch.cuda.synchronize()
+    result = _compare_with_one_stream(backend, x, routing, first, second)
     backend.destroy()
     return result
 
@@ -140,4 +180,16 @@ def test_ops_on_two_streams_run_in_the_order_they_were_issued(backend_name):
     for rank, result in enumerate(results):
         # overtaking_possible: rank 0 issued the second dispatch while the sleep still ran (else the test
         # proves nothing).
-        assert result == {"error": None, "same": (True, True), "overtaking_possible": True}, (rank, result)
+        assert result == {"error": None, "same": (True, True), "overtaking_possible": True,
+                          "host_wait_covered_both": True}, (rank, result)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend_name", ["hybrid", "elastic"])
+def test_ops_on_two_streams_of_one_capture_replay_in_the_order_they_were_issued(backend_name):
+    from ep_plugin.testing import run_ranks
+
+    results = run_ranks(_ops_on_two_streams_in_one_graph, 2, backend_name, device="cuda", timeout_s=120,
+                        env={"CUDA_DEVICE_MAX_CONNECTIONS": "32"})
+    for rank, result in enumerate(results):
+        assert result == {"error": None, "same": (True, True)}, (rank, result)

@@ -346,11 +346,20 @@ class CompiledBackend(Backend):
 
     def _follow_previous_stream(self, handle: int) -> None:
         current = streams.current_stream(self.device)
-        # Not inside a capture: torch.cuda.graph already orders its capture stream after the caller's,
-        # and a capture may not wait on work outside it.
-        if self._last_stream is not None and not torch.cuda.is_current_stream_capturing():
+        if self._last_stream is not None and self._may_wait(handle, self._last_stream_handle):
             current.wait_stream(self._last_stream)
         self._last_stream_handle, self._last_stream = handle, current
+
+    def _may_wait(self, stream: int, other: int) -> bool:
+        """Whether ``stream`` may wait for ``other`` (handles): neither is capturing, or both are in one
+        capture, where the wait becomes an edge of the graph (two branches of one graph run in any order
+        at replay). A capture may not wait on work outside it, nor the other way round; torch.cuda.graph
+        synchronizes before it starts capturing, so an op issued before the capture is done by then."""
+        status, capture = self._C.stream_capture_info(stream)
+        other_status, other_capture = self._C.stream_capture_info(other)
+        if status == other_status == 0:
+            return True
+        return status == other_status == 1 and capture == other_capture
 
     def _keep_on_stream(self, *tensors) -> None:
         streams.keep_on_stream(self.device, tensors, avoid_record_stream=self.config.avoid_record_stream)
@@ -391,7 +400,10 @@ class CompiledBackend(Backend):
         self._peers_may_read_arena = False
 
     def _mark(self) -> torch.cuda.Event:
-        """An event after what the current stream has enqueued so far (for ``_wait_for_host``)."""
+        """An event after what the current stream has enqueued so far (for ``_wait_for_host``), the last op's
+        stream included when that was another (a host wait before this rank's next launch, such as the
+        hierarchical barrier's, must cover it)."""
+        self._stream()
         event = torch.cuda.Event()
         event.record(streams.current_stream(self.device))
         return event
