@@ -487,6 +487,25 @@ def dispatch_in_place(ctx) -> int:
         torch.cuda.synchronize()
         elastic.destroy()
 
+    # Rows saved for a backward (an expert's input, for its weight gradient) and then written over by the
+    # next in-place dispatch: autograd sees the write and the backward raises (it would use the new rows).
+    elastic = build(blocking=True)
+    x, idx, w, _, _ = all_inputs(1200, world, 0, hidden, 6, skewed=False, drop_some=False)[me]
+    weight = torch.ones(hidden, 4, dtype=torch.bfloat16, device=ctx.device, requires_grad=True)
+    out = elastic.dispatch(x, topk_idx=idx, topk_weights=w, in_place=True)
+    loss = (out.hidden @ weight).float().sum()  # the matmul keeps out.hidden for weight's gradient
+    elastic.dispatch(x * 2, topk_idx=idx, topk_weights=w, in_place=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    out = elastic.dispatch(x, topk_idx=idx, topk_weights=w, in_place=True)
+    (out.hidden @ weight).float().sum().backward()  # saved and used before the next in-place dispatch: fine
+    column_sums = out.hidden.float().sum(0)[:, None].expand(-1, 4)
+    scale = float(column_sums.abs().max())
+    torch.testing.assert_close(weight.grad.float(), column_sums, rtol=2**-6, atol=2**-6 * scale)
+    torch.cuda.synchronize()
+    elastic.destroy()
+    checked += 1
+
     # Misuse on a backend without the regions; the backend stays usable.
     _, plain = make_backends(ctx, hidden)
     x, idx, w, _, _ = all_inputs(1100, world, 0, hidden, 4, skewed=False, drop_some=False)[me]

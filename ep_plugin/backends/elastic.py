@@ -158,6 +158,7 @@ class ElasticBackend(CompiledBackend):
                                                max_blocks=self.num_blocks, max_topk=self.max_topk,
                                                in_place_dispatch=in_place_dispatch)
         self._open_buffer(self.regions.total_bytes, self.regions.count_words)
+        self._in_place_rows: tuple = ()  # weak references to the last in-place dispatch's rows (and scales)
 
     @classmethod
     def in_place_options(cls, *, num_ranks: int, max_tokens_per_rank: int, num_experts: int, topk: int) -> dict:
@@ -302,6 +303,8 @@ class ElasticBackend(CompiledBackend):
                                         dest_base=None if expand else at("dest_base"),
                                         push_payload=in_place, topk=k, num_tokens=T, bulk_copy=self._bulk)
         self._C.elastic.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
+        if in_place:
+            self._writing_over_in_place_rows()
         packet_capacity = R * self.config.max_tokens_per_rank
         worst_case = self._capacity(k, expand, pad_multiple)
         receive = dict(row_bytes=row_bytes, scale_bytes=scale_bytes, num_packets=at("num_packets"), topk=k,
@@ -326,6 +329,7 @@ class ElasticBackend(CompiledBackend):
                                             torch.float32) if fp8 else None)
             out_idx = out_idx[:capacity]
             out_weights = out_weights[:capacity] if out_weights is not None else None
+            self._in_place_rows = tuple(weakref.ref(t) for t in (out, out_scales) if t is not None)
         else:
             out = self._empty(capacity, H, dtype=data.dtype)
             out_scales = self._empty(capacity, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
@@ -363,6 +367,16 @@ class ElasticBackend(CompiledBackend):
         return DispatchOutput(rows, out_weights, tokens_per_expert, handle, topk_idx=out_idx,
                               num_valid_rows=valid_rows, tokens_per_expert_list=tokens_list,
                               ready=streams.record_ready(dev))
+
+    def _writing_over_in_place_rows(self) -> None:
+        """The send just enqueued writes over the rows the last in-place dispatch handed out: bump their
+        version counter (shared by every view of the region), as an in-place op would, so that a backward
+        that saved them (an expert's input, kept for its weight gradient) raises instead of computing
+        with the new rows."""
+        for ref in self._in_place_rows:
+            rows = ref()
+            if rows is not None and not rows.is_inference():  # inference tensors keep no version
+                torch.autograd.graph.increment_version(rows)
 
     def _receive_in_place(self, rows: int, with_weights: bool, receive: dict):
         """Launch the receive of an in-place dispatch: the payload is in the buffer already, so it only
