@@ -10,7 +10,7 @@ inputs and weights: with an arena and without. With the arena the forward combin
 combine's rounding of each rank's partial sum, and every gradient must be bitwise the same (the
 backward never reads the arena: the experts saw the same inputs, and the combine of gradients is
 pushed in both runs). Both experts shapes are covered: several local experts (the output is their
-concatenation) and one (the output is its fc2's).
+concatenation) and one (the output is its fc2's, left out of the arena under an FP8/FP4 recipe).
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ TOKENS = 64
 ROOM = 4096  # combine input rows the arena holds: more than any rank receives here
 
 
-def _run_layer(ctx, num_experts: int, topk: int, seed: int) -> dict:
-    """The layer once, on the backend the environment configures; returns output, gradients, counts."""
+def _run_layer(ctx, num_experts: int, topk: int, seed: int, fp8: bool = False) -> dict:
+    """The layer once, on the backend the environment configures; returns output, gradients, counts.
+    ``fp8``: the config names an FP8 recipe (the experts here are plain bf16 linears, which ignore it, but
+    SequentialMLP pads its rows for it and the arena's hook takes its choice from it)."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -52,6 +54,8 @@ def _run_layer(ctx, num_experts: int, topk: int, seed: int) -> dict:
         moe_router_topk=topk, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ep_hybrid",
         moe_router_dtype="fp32", add_bias_linear=False, use_cpu_initialization=True, bf16=True,
         params_dtype=torch.bfloat16)
+    if fp8:
+        config.fp8 = "e4m3"  # after construction: its checks would want Transformer Engine
     pg_collection = get_default_pg_collection()
     num_local = num_experts // parallel_state.get_expert_model_parallel_world_size()
     local_indices = [ctx.rank * num_local + i for i in range(num_local)]
@@ -114,6 +118,9 @@ def _rank_arena(ctx) -> dict:
                 clear_backend_cache()  # the next dispatch builds the backend from the environment
                 runs[rows] = _run_layer(ctx, num_experts, topk, seed=7 + num_experts)
             megatron_arena.DEFAULT_MIN_OUTPUT_BYTES = shipped_threshold
+            os.environ["EP_PLUGIN_COMBINE_INPUT_ROWS"] = str(ROOM)
+            clear_backend_cache()
+            fp8 = _run_layer(ctx, num_experts, topk, seed=7 + num_experts, fp8=True)
             arena, plain, default, small = runs[ROOM], runs[0], runs[None], runs["small"]
             results[name] = {
                 "arena_built": (arena["arena"], plain["arena"]),
@@ -125,6 +132,7 @@ def _rank_arena(ctx) -> dict:
                 "default_small": (small["arena"], small["forward_counts"]),
                 "default_out_equal": torch.equal(default["out"], (arena if default["arena"] else plain)["out"]),
                 "one_gpu": ctx.plan.ranks_per_gpu == ctx.world_size,
+                "fp8": (fp8["arena"], fp8["forward_counts"]),
             }
     finally:
         clear_backend_cache()
@@ -157,3 +165,7 @@ def test_sequential_mlp_output_is_combined_in_place(num_ranks):
             # As shipped, the default arena leaves outputs this small (decode-sized) to the two-stage combine.
             expected = (one_gpu, {"pushed": 1})
             assert result["default_small"] == expected, f"{label}: the default, small output: {result['default_small']}"
+            # Under an FP8 recipe one local expert's fc2 would run inside the arena (its GEMM's caches would
+            # land there): that output is pushed; several experts' concatenation still lands in place.
+            expected = (True, {"pushed": 1} if name == "one local expert" else {"in_place": 1})
+            assert result["fp8"] == expected, f"{label}, FP8 recipe: {result['fp8']}"

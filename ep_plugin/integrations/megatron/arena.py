@@ -8,9 +8,9 @@ experts are ``SequentialMLP``. After each dispatch the manager
 names its backend (``expect_expert_output``); the experts' forward, wrapped by ``install()``, takes it
 and opens the arena (``combine_input_arena()``) just before its output is allocated, until it returns:
 after the last local expert has run (their outputs are then concatenated into the output) or, with
-one local expert, from its fc2 on. What comes earlier (activations kept for backward) stays in torch's
-ordinary memory and cannot fill the arena. An output that does not fit, or any other experts module,
-is combined the two-stage way, as before.
+one local expert, from its fc2 on (not under FP8/FP4: that fc2 allocates what outlives the combine). What
+comes earlier (activations kept for backward) stays in torch's ordinary memory and cannot fill the arena.
+An output that does not fit, or any other experts module, is combined the two-stage way, as before.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from ep_plugin.config import Config, env_var_name
 from ep_plugin.host_collectives import HostCollectives
 from ep_plugin.transport.arena import ARENA_OVERHEAD_BYTES, arena_bytes
 from ep_plugin.transport.placement import ranks_per_gpu
+
+from . import compat
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +77,17 @@ def run_experts(experts, forward: Callable, *args, **kwargs):
     _pending.backend = None
     if backend is None:
         return forward(experts, *args, **kwargs)
+    local = experts.local_experts
+    if len(local) == 1 and compat.quantized(getattr(experts, "config", None)):
+        # One expert's output is its fc2's, so the arena would be open during fc2, whose FP8/FP4 GEMM
+        # allocates what outlives the combine (the quantized input kept for backward, Transformer
+        # Engine's weight cache): arena memory, freed under them when the backend goes. Two-stage.
+        return forward(experts, *args, **kwargs)
     arena = contextlib.ExitStack()
 
     def open_arena(*_) -> None:  # a hook: returning None leaves the module's output as it is
         arena.enter_context(backend.combine_input_arena())
 
-    local = experts.local_experts
     hook = (local[-1].register_forward_hook(open_arena) if len(local) > 1 else
             local[0].linear_fc2.register_forward_pre_hook(open_arena))
     try:

@@ -116,9 +116,14 @@ def default_pg_collection():
     return get_default_pg_collection()
 
 
+def quantized(config) -> bool:
+    """Whether the experts' GEMMs run in FP8 or FP4 (Transformer Engine's recipes)."""
+    return bool(getattr(config, "fp8", None) or getattr(config, "fp4", None))
+
+
 def quantization_pad_multiple(config) -> Optional[int]:
     """Row alignment FP8/FP4 expert GEMMs need (None without FP8/FP4), like HybridEP's pad_multiple."""
-    if not (getattr(config, "fp8", None) or getattr(config, "fp4", None)):
+    if not quantized(config):
         return None
     from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
 
