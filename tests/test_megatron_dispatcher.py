@@ -395,7 +395,7 @@ def _rank_single(ctx) -> dict:
         # (or our BackendUnavailableError where this install lacks it), never Megatron's HybridEP.
         ep_megatron.install(replace_builtin=True)
         try:
-            results["replaced_hybridep"] = _construct_outcome(_make_config(2, "hybridep"))
+            results["replaced_hybridep"] = _construct_outcome(_make_config(2, "hybridep", bf16=True))  # hybrid: bf16
         finally:
             ep_megatron.install(replace_builtin=False)
         results["builtin_hybridep"] = _construct_outcome(_make_config(2, "hybridep"))

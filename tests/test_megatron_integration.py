@@ -130,9 +130,29 @@ def test_a_backend_that_cannot_run_here_fails_at_model_build(ep_megatron):
     """Not at the first forward, and as BackendUnavailableError naming the config value and why."""
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
 
-    config = _config(moe_flex_dispatcher_backend="ep_hybrid")
+    config = _config(moe_flex_dispatcher_backend="ep_hybrid", bf16=True, params_dtype=torch.bfloat16)
     with pytest.raises(ep_plugin.BackendUnavailableError, match="moe_flex_dispatcher_backend='ep_hybrid'.*cuda"):
         MoEFlexTokenDispatcher(2, [0, 1], config=config)
+
+
+@needs_megatron
+def test_activations_the_backend_does_not_move_fail_at_model_build(ep_megatron):
+    """The compiled backends move bf16: an fp32 or fp16 model is refused when its dispatcher is built (before
+    any process group is touched), naming the flags, not at the first forward."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    for name in ("ep_hybrid", "ep_elastic"):
+        for flags, dtype in (({}, "float32"), ({"fp16": True, "params_dtype": torch.float16}, "float16")):
+            config = _config(moe_flex_dispatcher_backend=name, **flags)
+            with pytest.raises(ValueError, match=f"'{name}': backend .* moves bfloat16 tokens, but this config's "
+                                                 f"activations are {dtype} .*bf16=True"):
+                MoEFlexTokenDispatcher(2, [0, 1], config=config)
+    # bf16 parameters without the mixed-precision flag are bf16 activations too: no dtype error (without a GPU
+    # the backend is unavailable instead).
+    config = _config(moe_flex_dispatcher_backend="ep_hybrid", params_dtype=torch.bfloat16)
+    with pytest.raises(Exception) as raised:  # noqa: PT011 - what matters is that it is not the dtype refusal
+        MoEFlexTokenDispatcher(2, [0, 1], config=config)
+    assert "moves bfloat16 tokens" not in str(raised.value)
 
 
 @needs_megatron

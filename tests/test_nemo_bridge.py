@@ -303,8 +303,9 @@ def _provide_rank(ctx, name: str) -> list[str]:
     ep_megatron.install()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
     gpt_provider = import_bridge_module("megatron.bridge.models.gpt_provider")
+    # bf16, as Bridge's mixed-precision recipes set it: the compiled backends refuse an fp32 model at build.
     model_config = recipe_model(SimpleNamespace(gpt_provider=gpt_provider), use_cpu_initialization=True,
-                                gradient_accumulation_fusion=False)
+                                gradient_accumulation_fusion=False, bf16=True, params_dtype=torch.bfloat16)
     model_config.expert_model_parallel_size = ctx.world_size
     assert apply_ep_plugin_backend(model_config, name)
     model_config.finalize()

@@ -116,6 +116,18 @@ def default_pg_collection():
     return get_default_pg_collection()
 
 
+def activation_dtype(config):
+    """The dtype of the hidden states Megatron hands the dispatcher: bf16 or fp16 under those
+    mixed-precision flags (Float16Module casts the model), else the parameters' dtype."""
+    import torch
+
+    if getattr(config, "bf16", False):
+        return torch.bfloat16
+    if getattr(config, "fp16", False):
+        return torch.float16
+    return getattr(config, "params_dtype", None) or torch.float32
+
+
 def quantized(config) -> bool:
     """Whether the experts' GEMMs run in FP8 or FP4 (Transformer Engine's recipes)."""
     return bool(getattr(config, "fp8", None) or getattr(config, "fp4", None))

@@ -69,6 +69,8 @@ def check_megatron_options(config, backend_class) -> None:
     - Non-blocking mode (EP_PLUGIN_BLOCKING=0): its outputs are sized to a budget with rows past the
       count left unwritten, while Megatron's experts use every row (SequentialMLP splits them by
       ``tokens_per_expert``, a single expert computes them all and its weight gradients with them).
+    - Activations of a dtype the backend does not move (the compiled backends take bf16; a config
+      without ``bf16=True``, such as a provider's fp32 default, would fail at the first forward).
     """
     name = config.moe_flex_dispatcher_backend
     selected = (f"moe_flex_dispatcher_backend={name!r}" +
@@ -85,6 +87,14 @@ def check_megatron_options(config, backend_class) -> None:
         raise ValueError(f"{selected} with EP_PLUGIN_BLOCKING=0: non-blocking outputs are sized to a budget and "
                          "their rows past the count are not written, while Megatron's experts compute every row "
                          "they get; unset EP_PLUGIN_BLOCKING (blocking mode sizes the output exactly)")
+    dtype = compat.activation_dtype(config)
+    moved = backend_class.capabilities.hidden_dtypes
+    if dtype not in moved:
+        names = ", ".join(str(d).replace("torch.", "") for d in moved)
+        raise ValueError(f"{selected}: backend {backend_class.name!r} moves {names} tokens, but this config's "
+                         f"activations are {str(dtype).replace('torch.', '')} (bf16={config.bf16}, "
+                         f"fp16={config.fp16}, params_dtype={config.params_dtype}): train in bf16 (bf16=True, "
+                         "Megatron-LM's --bf16, a bf16 mixed-precision recipe), or choose 'ep_reference'")
 
 
 def backend_config(megatron_config) -> Config:
