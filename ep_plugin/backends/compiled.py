@@ -378,10 +378,13 @@ class CompiledBackend(Backend):
         self._dispatch_count += 1
         return self._dispatch_count
 
-    def _exchange(self, phase: int, fingerprint: int, op_word: Optional[int] = None, **counts) -> None:
+    def _exchange(self, phase: int, fingerprint: int, op_word: Optional[int] = None, *,
+                  input_read_in_place: bool = False, **counts) -> None:
         """The op prologue on the current stream: handshake with the op fingerprint (packed, see
         ``agreement.fingerprint_code``), plus the count exchange when ``counts`` are given (see
-        ``_C.ExchangeArgs`` for the fields), or the op word this rank tells every peer (an int32)."""
+        ``_C.ExchangeArgs`` for the fields), or the op word this rank tells every peer (an int32).
+        ``input_read_in_place``: the op (an in-place combine) lets the peers read its input in this
+        rank's buffer, until the next op's handshake (see ``_combine_input_view``)."""
         if counts:
             fields = {"num_local_experts": self.num_local_experts, "pad_multiple": 1, **counts}
             args = self._C.ExchangeArgs(phase=phase, fingerprint=fingerprint, **fields)
@@ -397,7 +400,7 @@ class CompiledBackend(Backend):
         self._C.exchange(self.buffer.raw, args, self._stream())
         # Only once enqueued (an argument the launch refuses leaves the arena closed): the peers' reads
         # of the last combine input come before this handshake completes.
-        self._peers_may_read_arena = False
+        self._peers_may_read_arena = input_read_in_place
 
     def _mark(self) -> torch.cuda.Event:
         """An event after what the current stream has enqueued so far (for ``_wait_for_host``), the last op's

@@ -463,8 +463,7 @@ class ElasticBackend(CompiledBackend):
         op = OP_COMBINE_IN_PLACE if in_place else OP_COMBINE
         rows_in = None if in_place else self._aligned(rows)  # in place: the buffer is read, not the tensor
         self._exchange(PHASE_COMBINE, self._fingerprint(op, dtype=rows.dtype, probs=row_probs is not None,
-                                                        handle=handle))
-        self._peers_may_read_arena = in_place  # until the next op's handshake (see combine_input)
+                                                        handle=handle), input_read_in_place=in_place)
         # The handle may go before this op has run: what it reads of the layout is tied to this stream too
         # (packet_rows: the expanded form's send; topk_idx: where values are routed back).
         self._keep_on_stream(rows_in, row_probs, bias, layout.scratch.memory, layout.packet_rows,

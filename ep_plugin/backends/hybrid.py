@@ -447,8 +447,7 @@ class HybridBackend(CompiledBackend):
         op_word = None if not layout.in_place_ready else (
             offset // 16 if in_place else self._C.hybrid.COMBINE_PUSHED)
         self._exchange(PHASE_COMBINE, self._fingerprint(OP_COMBINE, dtype=rows.dtype, probs=row_probs is not None,
-                                                        handle=handle), op_word=op_word)
-        self._peers_may_read_arena = in_place  # until the next op's handshake
+                                                        handle=handle), op_word=op_word, input_read_in_place=in_place)
         self.combine_counts["in_place" if in_place else "pushed"] += 1
         # In place the sources read the rows in the buffer: only the scalars (if any) travel ahead.
         send_needed = not in_place or row_probs is not None
