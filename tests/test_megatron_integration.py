@@ -136,23 +136,37 @@ def test_a_backend_that_cannot_run_here_fails_at_model_build(ep_megatron):
 
 
 @needs_megatron
-def test_activations_the_backend_does_not_move_fail_at_model_build(ep_megatron):
-    """The compiled backends move bf16: an fp32 or fp16 model is refused when its dispatcher is built (before
-    any process group is touched), naming the flags, not at the first forward."""
+def test_activations_the_backend_does_not_move_are_named_at_model_build(ep_megatron, caplog):
+    """The compiled backends move bf16. An fp16 model is refused when its dispatcher is built (before any
+    process group is touched), naming the flags; an fp32 config is warned about once (a script may cast
+    the model to bf16 itself); bf16 parameters or Megatron's bf16 autocast pass silently."""
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
 
+    from ep_plugin.integrations.megatron import manager
+
+    def build_outcome(name, **flags) -> tuple[str, list[str]]:
+        """(the error building raised, the dtype warnings it logged)."""
+        manager._dtype_warnings.clear()
+        caplog.clear()
+        try:
+            MoEFlexTokenDispatcher(2, [0, 1], config=_config(moe_flex_dispatcher_backend=name, **flags))
+            error = ""
+        except Exception as raised:  # noqa: BLE001 - without process groups (or a GPU) building fails later on
+            error = f"{type(raised).__name__}: {raised}"
+        return error, [r.getMessage() for r in caplog.records if "moves bfloat16 tokens" in r.getMessage()]
+
+    caplog.set_level("WARNING", logger=manager.__name__)
     for name in ("ep_hybrid", "ep_elastic"):
-        for flags, dtype in (({}, "float32"), ({"fp16": True, "params_dtype": torch.float16}, "float16")):
-            config = _config(moe_flex_dispatcher_backend=name, **flags)
-            with pytest.raises(ValueError, match=f"'{name}': backend .* moves bfloat16 tokens, but this config's "
-                                                 f"activations are {dtype} .*bf16=True"):
-                MoEFlexTokenDispatcher(2, [0, 1], config=config)
-    # bf16 parameters without the mixed-precision flag are bf16 activations too: no dtype error (without a GPU
-    # the backend is unavailable instead).
-    config = _config(moe_flex_dispatcher_backend="ep_hybrid", params_dtype=torch.bfloat16)
-    with pytest.raises(Exception) as raised:  # noqa: PT011 - what matters is that it is not the dtype refusal
-        MoEFlexTokenDispatcher(2, [0, 1], config=config)
-    assert "moves bfloat16 tokens" not in str(raised.value)
+        error, warnings = build_outcome(name, fp16=True, params_dtype=torch.float16)
+        assert error.startswith(f"ValueError: moe_flex_dispatcher_backend='{name}': backend") and \
+            "moves bfloat16 tokens, but this config's activations are float16" in error and "bf16=True" in error, error
+        assert warnings == [], warnings
+        error, warnings = build_outcome(name)  # fp32: a warning, and no dtype error
+        assert "moves bfloat16 tokens" not in error, error
+        assert len(warnings) == 1 and "activations are float32" in warnings[0], warnings
+        for flags in ({"params_dtype": torch.bfloat16}, {"enable_autocast": True, "autocast_dtype": torch.bfloat16}):
+            error, warnings = build_outcome(name, **flags)
+            assert "moves bfloat16 tokens" not in error and warnings == [], (flags, error, warnings)
 
 
 @needs_megatron

@@ -354,9 +354,13 @@ class CompiledBackend(Backend):
         """Whether ``stream`` may wait for ``other`` (handles): neither is capturing, or both are in one
         capture, where the wait becomes an edge of the graph (two branches of one graph run in any order
         at replay). A capture may not wait on work outside it, nor the other way round; torch.cuda.graph
-        synchronizes before it starts capturing, so an op issued before the capture is done by then."""
+        synchronizes before it starts capturing, so an op issued before the capture is done by then.
+        An op outside a capture still in progress on ``other`` is not ordered either: it runs now, the
+        captured op at each replay, and the ranks pair ops in the order they run."""
         status, capture = self._C.stream_capture_info(stream)
         other_status, other_capture = self._C.stream_capture_info(other)
+        if status < 0 or other_status < 0:  # the query failed (a stream since destroyed, say): the plain rule
+            return not torch.cuda.is_current_stream_capturing()
         if status == other_status == 0:
             return True
         return status == other_status == 1 and capture == other_capture

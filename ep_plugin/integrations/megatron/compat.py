@@ -117,14 +117,18 @@ def default_pg_collection():
 
 
 def activation_dtype(config):
-    """The dtype of the hidden states Megatron hands the dispatcher: bf16 or fp16 under those
-    mixed-precision flags (Float16Module casts the model), else the parameters' dtype."""
+    """The dtype of the hidden states Megatron hands the dispatcher, as far as the config tells: bf16 or
+    fp16 under those mixed-precision flags (Float16Module casts the model), Megatron's own autocast
+    dtype (``enable_autocast``, 0.16 on), else the parameters' dtype. A script may still cast the model
+    itself (``model.bfloat16()``) with the config left at fp32."""
     import torch
 
     if getattr(config, "bf16", False):
         return torch.bfloat16
     if getattr(config, "fp16", False):
         return torch.float16
+    if getattr(config, "enable_autocast", False) and getattr(config, "autocast_dtype", None) is not None:
+        return config.autocast_dtype
     return getattr(config, "params_dtype", None) or torch.float32
 
 

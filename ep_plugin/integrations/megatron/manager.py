@@ -34,6 +34,7 @@ from ep_plugin.config import Config, env_var_name
 from . import arena, compat
 
 logger = logging.getLogger(__name__)
+_dtype_warnings: set[str] = set()  # the activation-dtype warnings given (check_megatron_options)
 
 # (backend name, process group, hidden size, experts, device) -> Backend instance.
 _backends: dict[tuple, Backend] = {}
@@ -69,8 +70,9 @@ def check_megatron_options(config, backend_class) -> None:
     - Non-blocking mode (EP_PLUGIN_BLOCKING=0): its outputs are sized to a budget with rows past the
       count left unwritten, while Megatron's experts use every row (SequentialMLP splits them by
       ``tokens_per_expert``, a single expert computes them all and its weight gradients with them).
-    - Activations of a dtype the backend does not move (the compiled backends take bf16; a config
-      without ``bf16=True``, such as a provider's fp32 default, would fail at the first forward).
+    - fp16 activations (``fp16=True``) on a backend that does not move them (the compiled backends take
+      bf16). An fp32 config is only warned about: a script may cast the model to bf16 itself, and
+      otherwise the first dispatch refuses the fp32 tokens.
     """
     name = config.moe_flex_dispatcher_backend
     selected = (f"moe_flex_dispatcher_backend={name!r}" +
@@ -91,10 +93,16 @@ def check_megatron_options(config, backend_class) -> None:
     moved = backend_class.capabilities.hidden_dtypes
     if dtype not in moved:
         names = ", ".join(str(d).replace("torch.", "") for d in moved)
-        raise ValueError(f"{selected}: backend {backend_class.name!r} moves {names} tokens, but this config's "
-                         f"activations are {str(dtype).replace('torch.', '')} (bf16={config.bf16}, "
-                         f"fp16={config.fp16}, params_dtype={config.params_dtype}): train in bf16 (bf16=True, "
-                         "Megatron-LM's --bf16, a bf16 mixed-precision recipe), or choose 'ep_reference'")
+        problem = (f"{selected}: backend {backend_class.name!r} moves {names} tokens, but this config's "
+                   f"activations are {str(dtype).replace('torch.', '')} (bf16={config.bf16}, fp16={config.fp16}, "
+                   f"params_dtype={config.params_dtype}); train in bf16 (bf16=True, Megatron-LM's --bf16, a bf16 "
+                   "mixed-precision recipe), or choose 'ep_reference'")
+        if config.fp16:
+            raise ValueError(problem)
+        if problem not in _dtype_warnings:  # once, not once per MoE layer
+            _dtype_warnings.add(problem)
+            logger.warning("%s. (A model cast to bf16 by the script itself runs; otherwise its first dispatch "
+                           "refuses the tokens.)", problem)
 
 
 def backend_config(megatron_config) -> Config:
