@@ -168,16 +168,18 @@ def _ops_on_two_streams_in_one_graph(ctx, backend_name: str) -> dict:
     return result
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend_name", ["hybrid", "elastic"])
-def test_ops_on_two_streams_run_in_the_order_they_were_issued(backend_name):
+def _on_two_ranks_with_many_queues(case, backend_name: str) -> list:
     from ep_plugin.testing import run_ranks
 
     # Streams share a hardware queue when a process has fewer connections than streams (Megatron often sets
     # CUDA_DEVICE_MAX_CONNECTIONS=1; MPS may give its clients few), and then run in issue order anyway.
-    results = run_ranks(_ops_on_two_streams, 2, backend_name, device="cuda", timeout_s=120,
-                        env={"CUDA_DEVICE_MAX_CONNECTIONS": "32"})
-    for rank, result in enumerate(results):
+    return run_ranks(case, 2, backend_name, device="cuda", timeout_s=120, env={"CUDA_DEVICE_MAX_CONNECTIONS": "32"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend_name", ["hybrid", "elastic"])
+def test_ops_on_two_streams_run_in_the_order_they_were_issued(backend_name):
+    for rank, result in enumerate(_on_two_ranks_with_many_queues(_ops_on_two_streams, backend_name)):
         # overtaking_possible: rank 0 issued the second dispatch while the sleep still ran (else the test
         # proves nothing).
         assert result == {"error": None, "same": (True, True), "overtaking_possible": True,
@@ -187,9 +189,5 @@ def test_ops_on_two_streams_run_in_the_order_they_were_issued(backend_name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend_name", ["hybrid", "elastic"])
 def test_ops_on_two_streams_of_one_capture_replay_in_the_order_they_were_issued(backend_name):
-    from ep_plugin.testing import run_ranks
-
-    results = run_ranks(_ops_on_two_streams_in_one_graph, 2, backend_name, device="cuda", timeout_s=120,
-                        env={"CUDA_DEVICE_MAX_CONNECTIONS": "32"})
-    for rank, result in enumerate(results):
+    for rank, result in enumerate(_on_two_ranks_with_many_queues(_ops_on_two_streams_in_one_graph, backend_name)):
         assert result == {"error": None, "same": (True, True)}, (rank, result)
