@@ -535,7 +535,8 @@ SLACK_S = 4.0  # process scheduling on a loaded 2-core machine
 
 
 def missing_rank(ctx) -> dict:
-    """At 8x1, then at 2x4 (new groups): rank 0 builds the backend and never dispatches; the others do."""
+    """At 8x1, then at 2x4 (new groups): rank 0 builds the backend and never dispatches; the others do, then
+    ranks 1-3 try a barrier."""
     torch.set_num_threads(1)
     config = ep_plugin.Config.from_env().replace(timeout_s=TIMEOUT_S)
     store = torch.distributed.distributed_c10d._get_default_store()
@@ -556,6 +557,14 @@ def missing_rank(ctx) -> dict:
         except Exception as exc:  # noqa: BLE001 - the test reports it
             outcome = type(exc).__name__, str(exc)
         outcomes[size] = (*outcome, time.monotonic() - start)
+        if ctx.rank < 4:  # domain 0 at 2x4: a next op (a barrier, as a cleanup would call) its rail peers skip
+            start = time.monotonic()
+            try:
+                backend.barrier()
+                outcome = "no error", ""
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                outcome = type(exc).__name__, str(exc)
+            outcomes[size, "next op"] = (*outcome, time.monotonic() - start)
         store.set(f"{size}/gave_up/{ctx.rank}", "1")
     return outcomes
 
@@ -574,6 +583,13 @@ def test_missing_rank_times_out_naming_the_rail_phase_and_peer():
                 assert "Late peer(s): rank 0 (never reached" in message, (where, message)
             else:  # 2x4: rank 0's domain peers wait for it there; the rest for rank 4, which waits on the rail
                 assert "domain" in message and "segment counts" in message, (where, message)
+            if rank >= 4:
+                continue
+            # Refused at once, whichever level timed out. A rank whose domain stage had timed out used to enter
+            # the next op's rail exchange and blame its rail peer (which did not call it) after another timeout.
+            kind, message, seconds = per_rank[rank][size, "next op"]
+            assert kind == "EPError" and "cannot run more ops after an earlier failure" in message, (where, message)
+            assert seconds < TIMEOUT_S / 2, (where, seconds)
 
 
 # ---- pieces, without ranks ------------------------------------------------------------------------

@@ -247,6 +247,11 @@ class Backend(abc.ABC):
         """Release communication resources; the backend is unusable afterwards."""
         return None
 
+    def check_usable(self) -> None:
+        """Raise ``EPError`` at once when an earlier op of this backend failed in a way that leaves it out of
+        step with its peers (a timed-out collective): another op would wait out a timeout instead."""
+        self._host.check_usable()
+
     def _wait_for_host(self, what: str) -> None:
         """Host wait, with the timeout, until the current stream has run what was queued so far
         (backends whose kernels report failures from the device override it to raise that report)."""

@@ -470,6 +470,12 @@ class CompiledBackend(Backend):
             self._exchange(self.barrier_phase, fingerprint_code(OP_BARRIER))
             self._wait_for_host("the barrier")
 
+    def check_usable(self) -> None:
+        """Also what the device reported (a timed-out wait, ranks that disagreed), as every op checks first."""
+        super().check_usable()
+        if self.buffer is not None:
+            self.buffer.raise_if_failed()
+
     def destroy(self) -> None:
         if self.buffer is not None:
             self.buffer.destroy()

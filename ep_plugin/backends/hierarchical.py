@@ -235,7 +235,7 @@ class HierarchicalBackend(Backend):
     def barrier(self) -> None:
         """Every rank of every domain reached this point: the op agreement (rail, then domain stage), then
         the domain backend's barrier."""
-        self.scaleout.check_usable()
+        self.check_usable()
         # This rank's NVLink stores are complete before the rail traffic; the domain backend's wait raises
         # what its kernels reported (a peer that never arrived) rather than a bare timeout.
         self.domain._wait_for_host("the barrier (this rank's queued work)")
@@ -246,6 +246,17 @@ class HierarchicalBackend(Backend):
     def destroy(self) -> None:
         self.domain.destroy()
         self.scaleout.release_host_buffers()
+
+    def check_usable(self) -> None:
+        """Every op's first check: an earlier failure at either level (the rail's or the domain's
+        collectives, the domain backend's own) raises at once. Without the domain's, a rank whose domain
+        stage had timed out entered the rail exchange of its next op and blamed a rail peer after another
+        timeout."""
+        super().check_usable()
+        self.scaleout.check_usable()
+        self._domain_counts.check_usable()
+        self._domain_words.check_usable()
+        self._at_domain_level(self.domain.check_usable)
 
     def check_errors(self, synchronize: bool = True) -> None:
         """The domain backend's pending device errors (compiled backends), raised with the domain named; then,
@@ -266,7 +277,7 @@ class HierarchicalBackend(Backend):
     # ---- Backend protocol ---------------------------------------------------------------------
 
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple, **options) -> DispatchOutput:
-        self.scaleout.check_usable()
+        self.check_usable()
         self.domain.check_dispatch_flags(**options)  # their names were checked; values before the rail exchange
         number = self._num_dispatches + 1
         where = f"dispatch #{number}"
@@ -396,7 +407,7 @@ class HierarchicalBackend(Backend):
                               ready=self._ready())
 
     def _combine(self, rows, handle: Handle, row_probs, bias=None) -> CombineOutput:
-        self.scaleout.check_usable()
+        self.check_usable()
         layout: HierarchicalLayout = handle.layout
         where = f"combine of dispatch #{layout.dispatch_id}"
         T, H = handle.num_tokens, self.hidden_size
@@ -504,7 +515,7 @@ class HierarchicalBackend(Backend):
                     forward: Callable):
         """Rail stage of a dispatch along an existing layout (dispatch_again, cached dispatch), then
         ``forward(received hidden)`` at the domain level."""
-        self.scaleout.check_usable()
+        self.check_usable()
         layout: HierarchicalLayout = handle.layout
         fields = [("hidden", data.dtype, (self.hidden_size,))]
         if scales is not None:
