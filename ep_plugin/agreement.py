@@ -122,6 +122,12 @@ WHAT_RANKS_SHARE = ("All ranks must issue the same ops in the same order with th
                     "handles and grad.")
 
 
+def ordinal(number: int) -> str:
+    """1st, 2nd, 3rd, 4th, ... 11th, 21st: which backend built on a group (messages)."""
+    suffix = "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+    return f"{number}{suffix}"
+
+
 def mismatch_message(backend: str, rank: int, peer: int, mine: int, theirs: int) -> str:
     """Name the op, every field that differs, both ranks and their values."""
     a, b = OpFingerprint.unpack(mine), OpFingerprint.unpack(theirs)

@@ -245,6 +245,39 @@ def test_ranks_that_disagree_across_the_rail_raise(case, words):
     assert all("ranks disagree" in message and words in message for message in messages), messages
 
 
+def two_backends_in_two_orders(ctx, blocking: bool) -> list:
+    """2 domains x 2: two backends of one shape but for their experts (8 and 16) on one group; domain 0 uses
+    the first one first, domain 1 the second. Then every rank uses the first (the same order again)."""
+    torch.set_num_threads(1)
+    config = ep_plugin.Config.from_env().replace(timeout_s=20.0, blocking=blocking, max_tokens_per_rank=8)
+    first, second = (ep_plugin.get_backend("reference")(hidden_size=4, num_experts=experts, device="cpu",
+                                                        config=config, topology=Topology(4, 2, ctx.rank))
+                     for experts in (8, 16))
+    x, idx = torch.full((2, 4), float(ctx.rank + 1)), torch.tensor([[0, 5], [3, 7]])
+    outcomes = []
+    for backend in (first, second) if ctx.rank < 2 else (second, first):
+        try:
+            backend.dispatch(x, topk_idx=idx)
+            outcomes.append("no error")
+        except Exception as error:  # noqa: BLE001 - the test compares what came
+            outcomes.append(f"{type(error).__name__}: {error}")
+    out = first.dispatch(x, topk_idx=idx)
+    outcomes.append(float(first.combine(out.hidden, out.handle).hidden.sum()))
+    return outcomes
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_ranks_that_use_two_backends_in_two_orders_all_raise(blocking):
+    """Before the backend's number was in the agreement words, the ranks of domain 0 decoded domain 1's rows
+    with the other backend's experts: an IndexError on some ranks, rows without an error on the others."""
+    per_rank = run_ranks(two_backends_in_two_orders, 4, blocking, timeout_s=120)
+    for rank, outcomes in enumerate(per_rank):
+        for outcome in outcomes[:2]:
+            assert outcome.startswith("EPError") and "Ranks must use their backends in the same order" in outcome, \
+                (rank, outcome)
+        assert outcomes[2] == 2 * 2 * 4 * (rank + 1), (rank, outcomes[2])  # usable after: each token's 2 experts
+
+
 # ---- the compact form (elastic's) on CPU -----------------------------------------------------------
 
 class CompactBackend(Backend):

@@ -89,6 +89,7 @@ from ..agreement import (
     WHAT_RANKS_SHARE,
     OpFingerprint,
     mismatch_message,
+    ordinal,
 )
 from ..errors import EPError
 from ..handle import COMPACT, CombineOutput, DispatchOutput, Handle
@@ -586,21 +587,26 @@ class HierarchicalBackend(Backend):
     def _rail_agreement(self, fingerprint: OpFingerprint, row_bytes: int, where: str, *,
                         send_counts: Optional[list[int]] = None, expected: Optional[list[int]] = None,
                         refused: Optional[RefusedInput] = None) -> tuple[Optional[RailSplits], Optional[str]]:
-        """The rail stage: every rank of the rail sends every peer the op fingerprint and the width of its
-        rail rows (``_REFUSED_INPUT`` instead when this rank refused its input: ``refused`` says why);
+        """The rail stage: every rank of the rail sends every peer the op fingerprint, the width of its
+        rail rows (``_REFUSED_INPUT`` instead when this rank refused its input: ``refused`` says why) and the
+        backend's number on its group (ranks that use two backends in two orders differ there first);
         blocking mode in its count exchange (``send_counts``; ``expected``: the counts the handle expects
-        from the peers), sync-free mode as two words on the host (no counts).
+        from the peers), sync-free mode as three words on the host (no counts).
 
         Returns (blocking mode's splits or None, None), or (..., what the rail peers disagree on: a
         ``RefusedInput`` when a rank refused its input); every rank of the rail sees the same words, so every
         one of them finds the disagreement. No payload has moved.
         """
-        mine = (fingerprint.pack(), _REFUSED_INPUT if refused is not None else row_bytes)
+        mine = (fingerprint.pack(), _REFUSED_INPUT if refused is not None else row_bytes, self._host.instance)
         if self.config.blocking:
             splits, theirs = self.scaleout.exchange_counts(send_counts, mine, where=f"{where}: rail/counts")
         else:
             splits, theirs = None, self.scaleout.exchange_words(torch.tensor(mine), where=f"{where}: rail/agreement")
         rail_ranks = self._topology.rail_ranks()  # the peers' ranks in the EP group, by domain
+        for peer, words in enumerate(theirs):  # first: the other words mean nothing across two backends
+            if words[2] != mine[2]:
+                return splits, (self._other_backend_message(where, rail_ranks[peer], words[2]) +
+                                f" (seen on {self.scaleout.level})")
         for peer, words in enumerate(theirs):
             if words[0] != mine[0]:
                 return splits, (f"{mismatch_message(self.name, self.rank, rail_ranks[peer], mine[0], words[0])} "
@@ -622,25 +628,31 @@ class HierarchicalBackend(Backend):
                             f"different dispatches.")
         return splits, None
 
+    def _other_backend_message(self, where: str, peer_rank: int, peer_number: int) -> str:
+        """Ranks ran an op on two backends: this one and the ``peer_number``-th built on the group."""
+        return (f"ep_plugin {self.name}: ranks disagree on {where}: rank {self.rank} ran it on the backend built "
+                f"{ordinal(self._host.instance)} on this process group, rank {peer_rank} on the one built "
+                f"{ordinal(peer_number)}. Ranks must use their backends in the same order.")
+
     def _domain_agreement(self, fingerprint: OpFingerprint, disagreement: Optional[str], where: str, *,
                           counts: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The domain stage: every rank of the domain sends every peer whether its rail found ranks that
-        disagree (``disagreement``) and its op fingerprint. Raises EPError on every rank of the domain when a
-        rail flagged or two fingerprints differ.
+        disagree (``disagreement``), its op fingerprint and the backend's number on its group. Raises EPError
+        on every rank of the domain when a rail flagged or two fingerprints or numbers differ.
 
         Why that reaches every rank of every domain: a rail whose ranks disagree flags on all of them, and a
         rail has a rank in every domain; where every rail agrees, a rank's fingerprint depends on its local
         index alone, and every domain holds every local index, so if not all are equal every domain sees two.
 
-        Blocking mode: the two words follow blocking dispatch's segment counts ``counts`` [S, D * (L + 1)]
+        Blocking mode: the three words follow blocking dispatch's segment counts ``counts`` [S, D * (L + 1)]
         (zeros for the other ops: an op that meets another then differs in the words, not in the sizes, which
-        gloo would abort on); returns the peers' counts (a host read). Sync-free mode: only the two words, CPU
+        gloo would abort on); returns the peers' counts (a host read). Sync-free mode: only the three words, CPU
         tensors on a group that moves them (no wait for the GPU); returns None.
         """
-        S, code = self.domain_size, fingerprint.pack()
+        S, code, instance = self.domain_size, fingerprint.pack(), self._host.instance
         # The flag: 0 agreed, 1 ranks disagree, 2 a rank refused its input (RefusedInput).
         flag = 0 if disagreement is None else 2 if isinstance(disagreement, RefusedInput) else 1
-        status = torch.tensor([[flag, code]] * S, dtype=torch.int64)
+        status = torch.tensor([[flag, code, instance]] * S, dtype=torch.int64)
         phase = "domain/segment counts" if counts is not None else "domain/agreement"
         if self.config.blocking:
             width, collectives = self.num_domains * (self.num_local_experts + 1), self._domain_counts
@@ -650,25 +662,29 @@ class HierarchicalBackend(Backend):
             sent = torch.cat([counts.to(device), status.to(device)], 1)
         else:
             width, collectives, sent = 0, self._domain_words, status
-        words = [width + 2] * S
+        words = [width + 3] * S
         received = self._at_domain_level(lambda: collectives.all_to_all(
             sent.reshape(-1), words, words, where=f"{where}: {phase}", read_on_host=True)).view(S, -1)
-        theirs = received[:, width:].tolist()  # [flag, fingerprint] per peer
+        theirs = received[:, width:].tolist()  # [flag, fingerprint, backend number] per peer
         if disagreement is not None:
             raise (ValueError if isinstance(disagreement, RefusedInput) else EPError)(str(disagreement))
-        refusing = [peer for peer, (flag, _) in enumerate(theirs) if flag == 2]
+        for peer, (_, _, number) in enumerate(theirs):
+            if number != instance:
+                raise EPError(f"{self._other_backend_message(where, self._topology.domain_ranks()[peer], number)} "
+                              f"(seen in {self.domain_level})")
+        refusing = [peer for peer, (flag, _, _) in enumerate(theirs) if flag == 2]
         if refusing:
             names = ", ".join(collectives.peer_name(peer) for peer in refusing)
             raise ValueError(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found a rank "
                              f"that refused its input (its error says why); every rank refuses it, and the backend "
                              f"stays usable")
-        flagged = [peer for peer, (flag, _) in enumerate(theirs) if flag]
+        flagged = [peer for peer, (flag, _, _) in enumerate(theirs) if flag]
         if flagged:
             names = ", ".join(collectives.peer_name(peer) for peer in flagged)
             raise EPError(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found that "
                           f"ranks disagree on the op (their errors say how); every rank of this domain stops here. "
                           f"{WHAT_RANKS_SHARE}")
-        for peer, (_, word) in enumerate(theirs):
+        for peer, (_, word, _) in enumerate(theirs):
             if word != code:
                 peer_rank = self._topology.domain_ranks()[peer]
                 raise EPError(f"{mismatch_message(self.name, self.rank, peer_rank, code, word)} (seen in "

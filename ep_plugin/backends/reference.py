@@ -38,7 +38,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..agreement import OP_BARRIER, OP_COMBINE, OP_DISPATCH, OP_DISPATCH_AGAIN, OpFingerprint, mismatch_message
+from ..agreement import (
+    OP_BARRIER,
+    OP_COMBINE,
+    OP_DISPATCH,
+    OP_DISPATCH_AGAIN,
+    OpFingerprint,
+    mismatch_message,
+    ordinal,
+)
 from ..errors import EPError
 from ..handle import CombineOutput, DispatchOutput, Handle
 from ..host_collectives import HostCollectives
@@ -178,8 +186,8 @@ class ReferenceBackend(Backend):
             q = differing(1)[0]
             raise EPError(
                 f"ep_plugin reference: ranks disagree on {where}: {self._comm.peer_name(self.rank)} ran it on the "
-                f"reference backend built {_ordinal(instance)} on this process group, {self._comm.peer_name(q)} on "
-                f"the one built {_ordinal(theirs[q][1])}. Ranks must use their backends in the same order.")
+                f"reference backend built {ordinal(instance)} on this process group, {self._comm.peer_name(q)} on "
+                f"the one built {ordinal(theirs[q][1])}. Ranks must use their backends in the same order.")
         if differing(0):
             bad = differing(0)
             raise EPError(mismatch_message(self.name, self.rank, bad[0], fingerprint_word, theirs[bad[0]][0])
@@ -241,6 +249,3 @@ class ReferenceBackend(Backend):
         return out.to(device)
 
 
-def _ordinal(number: int) -> str:
-    suffix = "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
-    return f"{number}{suffix}"
