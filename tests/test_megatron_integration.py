@@ -133,6 +133,15 @@ def test_a_backend_that_cannot_run_here_fails_at_model_build(ep_megatron):
     config = _config(moe_flex_dispatcher_backend="ep_hybrid", bf16=True, params_dtype=torch.bfloat16)
     with pytest.raises(ep_plugin.BackendUnavailableError, match="moe_flex_dispatcher_backend='ep_hybrid'.*cuda"):
         MoEFlexTokenDispatcher(2, [0, 1], config=config)
+    # Megatron's own name routed to the plugin: the message says so (else it reads as HybridEP's problem).
+    ep_megatron.install(replace_builtin=True)
+    try:
+        config = _config(moe_flex_dispatcher_backend="hybridep", bf16=True, params_dtype=torch.bfloat16)
+        with pytest.raises(ep_plugin.BackendUnavailableError,
+                           match=r"'hybridep' \(routed to ep_plugin by install\(replace_builtin=True\)\): .*cuda"):
+            MoEFlexTokenDispatcher(2, [0, 1], config=config)
+    finally:
+        ep_megatron.install(replace_builtin=False)
 
 
 @needs_megatron
@@ -183,7 +192,8 @@ def test_plugin_name_without_the_flex_dispatcher_type_is_refused(ep_megatron):
     from ep_plugin.integrations.nemo import validate_ep_plugin_backend
 
     for dispatcher_type in ("alltoall", "allgather"):
-        with pytest.raises(ValueError, match=f"requires moe_token_dispatcher_type='flex', got '{dispatcher_type}'"):
+        with pytest.raises(ValueError, match=f"requires moe_token_dispatcher_type='flex', got '{dispatcher_type}'.*"
+                                             "Megatron-LM: --moe-token-dispatcher-type flex"):
             _config(moe_flex_dispatcher_backend="ep_reference", moe_token_dispatcher_type=dispatcher_type)
     config = _config(moe_flex_dispatcher_backend="ep_reference")
     config.moe_token_dispatcher_type = "alltoall"  # changed after construction, as recipes do

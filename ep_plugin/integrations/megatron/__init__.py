@@ -262,7 +262,8 @@ def check_dispatcher_type(config) -> None:
     if name in PLUGIN_BACKENDS and dispatcher_type != "flex":
         raise ValueError(f"moe_flex_dispatcher_backend={name!r} requires moe_token_dispatcher_type='flex', got "
                          f"{dispatcher_type!r}: Megatron would run its own {dispatcher_type} dispatcher instead of "
-                         f"ep_plugin's (apply_ep_plugin_backend sets both)")
+                         f"ep_plugin's. Set moe_token_dispatcher_type='flex' (Megatron-LM: "
+                         f"--moe-token-dispatcher-type flex; NeMo: apply_ep_plugin_backend sets both)")
 
 
 # ---- 2. the Megatron-LM argument parser -------------------------------------------------------

@@ -47,19 +47,26 @@ def resolve_backend_class(backend_name: str, config):
     backend without a GPU or its extension)."""
     from ep_plugin.cli import backend_problem
 
-    config_name = config.moe_flex_dispatcher_backend
+    selected = selected_by(config)
     try:
         backend_class = ep_plugin.get_backend(backend_name)
     except (ImportError, ValueError) as error:
         raise ep_plugin.BackendUnavailableError(
-            f"moe_flex_dispatcher_backend={config_name!r} selects ep_plugin backend {backend_name!r}, which "
-            f"this installation cannot provide ({error}); available backends: "
-            f"{', '.join(ep_plugin.list_backends())}") from error
+            f"{selected} selects ep_plugin backend {backend_name!r}, which this installation cannot provide "
+            f"({error}); available backends: {', '.join(ep_plugin.list_backends())}") from error
     check_megatron_options(config, backend_class)
     problem = backend_problem(backend_name, "cuda" if torch.cuda.is_available() else "cpu")
     if problem:
-        raise ep_plugin.BackendUnavailableError(f"moe_flex_dispatcher_backend={config_name!r}: {problem}")
+        raise ep_plugin.BackendUnavailableError(f"{selected}: {problem}")
     return backend_class
+
+
+def selected_by(config) -> str:
+    """How the config chose the plugin, for messages: its backend name, and whether install(replace_builtin=True)
+    routed Megatron's own "hybridep" here (so a message about ep_plugin's backend is not read as HybridEP's)."""
+    name = config.moe_flex_dispatcher_backend
+    return (f"moe_flex_dispatcher_backend={name!r}" +
+            (" (routed to ep_plugin by install(replace_builtin=True))" if name == "hybridep" else ""))
 
 
 def check_megatron_options(config, backend_class) -> None:
@@ -74,9 +81,7 @@ def check_megatron_options(config, backend_class) -> None:
       bf16). An fp32 config is only warned about: a script may cast the model to bf16 itself, and
       otherwise the first dispatch refuses the fp32 tokens.
     """
-    name = config.moe_flex_dispatcher_backend
-    selected = (f"moe_flex_dispatcher_backend={name!r}" +
-                (" (routed to ep_plugin by install(replace_builtin=True))" if name == "hybridep" else ""))
+    selected = selected_by(config)
     if config.moe_pad_expert_input_to_capacity:
         raise ValueError(f"{selected}: ep_plugin backends are dropless; moe_pad_expert_input_to_capacity=True is not "
                          "supported")
