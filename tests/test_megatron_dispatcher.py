@@ -390,6 +390,15 @@ def _rank_single(ctx) -> dict:
         traced = compiled(routing_map, routing_map.float())
         results["compiled_shape"] = tuple(traced.shape)
         results["compiled_routing_shape"] = tuple(manager.routing_map.shape)
+        # A model kept across clear_backend_cache() takes the new cache's backend, not the destroyed one.
+        from ep_plugin.integrations.megatron.manager import clear_backend_cache
+
+        manager.setup_metadata(routing_map, routing_map.float())
+        manager.dispatch(torch.randn(4, HIDDEN))
+        before = manager.backend
+        clear_backend_cache()
+        manager.dispatch(torch.randn(4, HIDDEN))
+        results["new_backend_after_clear"] = manager.backend is not None and manager.backend is not before
         results["builtin_deepep"] = _construct_outcome(_make_config(2, "deepep"))
         # replace_builtin=True: "hybridep" reaches our manager on the plugin's hybrid backend
         # (or our BackendUnavailableError where this install lacks it), never Megatron's HybridEP.
@@ -487,6 +496,7 @@ def test_single_rank_plugin_path_and_traceable_metadata():
     assert result["compiled_shape"] == (4, NUM_EXPERTS)
     assert result["compiled_routing_shape"] == (4, NUM_EXPERTS)
     assert result["num_sms"] == (7, 5), result["num_sms"]
+    assert result["new_backend_after_clear"]
     # Builtin names still reach Megatron's own code (which refuses a world of one).
     assert result["builtin_deepep"].startswith("AssertionError") and "TPxEP > 1" in result["builtin_deepep"]
     assert result["builtin_hybridep"] != "EPPluginManager:hybrid"

@@ -38,6 +38,7 @@ _dtype_warnings: set[str] = set()  # the activation-dtype warnings given (check_
 
 # (backend name, process group, hidden size, experts, device) -> Backend instance.
 _backends: dict[tuple, Backend] = {}
+_cache_generation = 0  # how many times clear_backend_cache() ran: a manager's backend from before is destroyed
 
 
 def resolve_backend_class(backend_name: str, config):
@@ -151,8 +152,10 @@ def combine_counts() -> dict[str, int]:
 def clear_backend_cache() -> None:
     """Destroy the shared backends (call before destroying the process groups they use). The cache is
     emptied even when a destroy raises (a timeout, say): the first error is raised after the others ran."""
+    global _cache_generation
     backends = list(_backends.values())
     _backends.clear()
+    _cache_generation += 1
     first_error = None
     for backend in backends:
         try:
@@ -193,6 +196,7 @@ class EPPluginManager:
         self.tokens_per_expert: Optional[torch.Tensor] = None  # [num_local_experts] int64
         self.handle: Optional[ep_plugin.Handle] = None
         self.backend: Optional[Backend] = None
+        self._backend_generation = -1  # the cache generation self.backend came from (see _backend_for)
         # Read (and reset) by 0.19's paged stash through dispatcher.check_over_budget(). Plugin
         # backends size the output exactly in blocking mode and never drop a token, so it stays False.
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -288,12 +292,15 @@ class EPPluginManager:
     def _backend_for(self, hidden_states: torch.Tensor) -> Backend:
         hidden_size = hidden_states.shape[-1]
         backend = self.backend
-        if backend is None or backend.hidden_size != hidden_size or backend.device != hidden_states.device:
+        # A model kept across clear_backend_cache() (a rebuild of the process groups, say) must not use the
+        # destroyed backend: it takes the new cache's.
+        if (backend is None or self._backend_generation != _cache_generation or backend.hidden_size != hidden_size
+                or backend.device != hidden_states.device):
             device = hidden_states.device
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
             backend = shared_backend(self.backend_name, self.group, hidden_size, self.num_experts, device,
                                      experts_per_token=self._experts_per_token(), pad_multiple=self.pad_multiple,
                                      config=backend_config(self.config))
-            self.backend = backend
+            self.backend, self._backend_generation = backend, _cache_generation
         return backend
