@@ -111,6 +111,45 @@ def test_install_then_uninstall_restores_megatron(ep_megatron):
 
 
 @needs_megatron
+def test_uninstall_takes_back_the_widened_parser_choices(ep_megatron):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--moe-flex-dispatcher-backend", type=str, default="deepep", choices=["deepep", "hybridep"])
+    assert parser.parse_args(["--moe-flex-dispatcher-backend", "ep_hybrid"]).moe_flex_dispatcher_backend == "ep_hybrid"
+    ep_megatron.uninstall()
+    try:
+        with pytest.raises(SystemExit):  # Megatron's own choices again
+            parser.parse_args(["--moe-flex-dispatcher-backend", "ep_hybrid"])
+        parsed = parser.parse_args(["--moe-flex-dispatcher-backend", "hybridep"])
+        assert parsed.moe_flex_dispatcher_backend == "hybridep"
+    finally:
+        ep_megatron.install()
+
+
+@needs_megatron
+def test_an_install_that_fails_half_way_leaves_megatron_as_it_was(ep_megatron, monkeypatch):
+    """A step that raises (here the last one, made to fail) takes back the steps before it: no half-patched
+    Megatron that uninstall() would not undo, and a later install() wraps the originals once."""
+    ep_megatron.uninstall()
+    original = _snapshot()
+
+    def fails():
+        raise RuntimeError("this step failed")
+
+    monkeypatch.setattr(ep_megatron, "_wrap_config_post_init", fails)
+    with pytest.raises(RuntimeError, match="this step failed"):
+        ep_megatron.install()
+    assert not ep_megatron.is_installed()
+    assert _snapshot() == original
+    monkeypatch.undo()
+    ep_megatron.install()
+    installed = _snapshot()
+    assert all(installed[key] is not original[key] for key in original), "install() after the failed one"
+    ep_megatron.uninstall()
+    assert _snapshot() == original
+    ep_megatron.install()
+
+
+@needs_megatron
 def test_unknown_backend_name_lists_valid_names(ep_megatron):
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
 

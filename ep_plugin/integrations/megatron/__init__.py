@@ -67,6 +67,7 @@ class _State:
     original_config_post_init = None
     original_functions: dict = {}  # (module, function) -> original callable
     original_parse_known_args = None
+    widened_choices: list = []  # (argparse action, its choices before): put back by uninstall()
 
 
 _state = _State()
@@ -90,12 +91,16 @@ def install(replace_builtin: Optional[bool] = None) -> None:
         if _state.installed:
             return
         _state.builtin_names = compat.literal_names(compat.backend_field().type)
-        compat.set_backend_names(_state.builtin_names + tuple(PLUGIN_BACKENDS))
-        _wrap_dispatcher_init()
-        _wrap_name_spots()
-        _widen_argparse_choices()
-        _wrap_experts_forward()
-        _wrap_config_post_init()
+        try:  # all or nothing: a step that fails takes back the ones before it
+            compat.set_backend_names(_state.builtin_names + tuple(PLUGIN_BACKENDS))
+            _wrap_dispatcher_init()
+            _wrap_name_spots()
+            _widen_argparse_choices()
+            _wrap_experts_forward()
+            _wrap_config_post_init()
+        except BaseException:
+            _restore_megatron()
+            raise
         _state.installed = True
 
 
@@ -104,16 +109,30 @@ def uninstall() -> None:
     with _lock:
         if not _state.installed:
             return
-        compat.flex_dispatcher_class().__init__ = _state.original_init
-        for (module_name, function_name), original in _state.original_functions.items():
-            _rebind(getattr(sys.modules[module_name], function_name), original)
-        _state.original_functions = {}
-        argparse.ArgumentParser.parse_known_args = _state.original_parse_known_args
-        compat.sequential_mlp_class().forward = _state.original_experts_forward
-        compat.transformer_config_class().__post_init__ = _state.original_config_post_init
-        compat.set_backend_names(_state.builtin_names)
+        _restore_megatron()
         _state.installed = False
         _state.replace_builtin = False
+
+
+def _restore_megatron() -> None:
+    """Put back every original that install() recorded (each is recorded as its patch goes in, so this
+    also undoes an install() that failed half-way), and the argparse choices it widened."""
+    if _state.original_init is not None:
+        compat.flex_dispatcher_class().__init__ = _state.original_init
+    for (module_name, function_name), original in _state.original_functions.items():
+        _rebind(getattr(sys.modules[module_name], function_name), original)
+    if _state.original_parse_known_args is not None:
+        argparse.ArgumentParser.parse_known_args = _state.original_parse_known_args
+    for action, choices in _state.widened_choices:
+        action.choices = choices
+    if _state.original_experts_forward is not None:
+        compat.sequential_mlp_class().forward = _state.original_experts_forward
+    if _state.original_config_post_init is not None:
+        compat.transformer_config_class().__post_init__ = _state.original_config_post_init
+    compat.set_backend_names(_state.builtin_names)
+    _state.original_init = _state.original_parse_known_args = None
+    _state.original_experts_forward = _state.original_config_post_init = None
+    _state.original_functions, _state.widened_choices = {}, []
 
 
 def is_installed() -> bool:
@@ -283,6 +302,7 @@ def _widen_argparse_choices() -> None:
             if CLI_OPTION in action.option_strings and action.choices is not None:
                 missing = [name for name in PLUGIN_BACKENDS if name not in action.choices]
                 if missing:
+                    _state.widened_choices.append((action, action.choices))
                     action.choices = list(action.choices) + missing
         return original(self, *args, **kwargs)
 
