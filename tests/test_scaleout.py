@@ -245,17 +245,23 @@ def test_ranks_that_disagree_across_the_rail_raise(case, words):
     assert all("ranks disagree" in message and words in message for message in messages), messages
 
 
-def two_backends_in_two_orders(ctx, blocking: bool) -> list:
-    """2 domains x 2: two backends of one shape but for their experts (8 and 16) on one group; domain 0 uses
-    the first one first, domain 1 the second. Then every rank uses the first (the same order again)."""
+def two_backends_in_two_orders(ctx, kind: str, split: str) -> list:
+    """2 domains x 2: two backends on one group that differ in their experts (8 and 16; ``kind``
+    "experts_blocking" or "experts_sync_free") or their mode (``kind`` "modes": blocking and sync-free).
+    Half the ranks (``split``: a domain, or a rail) use the first backend first, the others the second. Then
+    every rank uses the first (the same order again)."""
     torch.set_num_threads(1)
-    config = ep_plugin.Config.from_env().replace(timeout_s=20.0, blocking=blocking, max_tokens_per_rank=8)
-    first, second = (ep_plugin.get_backend("reference")(hidden_size=4, num_experts=experts, device="cpu",
-                                                        config=config, topology=Topology(4, 2, ctx.rank))
-                     for experts in (8, 16))
+    config = ep_plugin.Config.from_env().replace(timeout_s=20.0, max_tokens_per_rank=8,
+                                                 blocking=kind != "experts_sync_free")
+    configs = (config, config.replace(blocking=False)) if kind == "modes" else (config, config)
+    experts = (8, 8) if kind == "modes" else (8, 16)
+    first, second = (ep_plugin.get_backend("reference")(hidden_size=4, num_experts=e, device="cpu", config=c,
+                                                        topology=Topology(4, 2, ctx.rank))
+                     for e, c in zip(experts, configs, strict=True))
     x, idx = torch.full((2, 4), float(ctx.rank + 1)), torch.tensor([[0, 5], [3, 7]])
+    first_group = ctx.rank < 2 if split == "domain" else ctx.rank % 2 == 0
     outcomes = []
-    for backend in (first, second) if ctx.rank < 2 else (second, first):
+    for backend in (first, second) if first_group else (second, first):
         try:
             backend.dispatch(x, topk_idx=idx)
             outcomes.append("no error")
@@ -266,11 +272,14 @@ def two_backends_in_two_orders(ctx, blocking: bool) -> list:
     return outcomes
 
 
-@pytest.mark.parametrize("blocking", [True, False])
-def test_ranks_that_use_two_backends_in_two_orders_all_raise(blocking):
-    """Before the backend's number was in the agreement words, the ranks of domain 0 decoded domain 1's rows
-    with the other backend's experts: an IndexError on some ranks, rows without an error on the others."""
-    per_rank = run_ranks(two_backends_in_two_orders, 4, blocking, timeout_s=120)
+@pytest.mark.parametrize("kind, split", [("experts_blocking", "domain"), ("experts_sync_free", "domain"),
+                                         ("experts_blocking", "rail"), ("modes", "domain"), ("modes", "rail")])
+def test_ranks_that_use_two_backends_in_two_orders_all_raise(kind, split):
+    """Before the backend's number was in the agreement words, split by domain the ranks decoded the other
+    domain's rows with the other backend's experts (an IndexError on some ranks, rows without an error on
+    the others); where the two backends' words differed in size (split by rail, or two modes) gloo aborted
+    the processes."""
+    per_rank = run_ranks(two_backends_in_two_orders, 4, kind, split, timeout_s=120)
     for rank, outcomes in enumerate(per_rank):
         for outcome in outcomes[:2]:
             assert outcome.startswith("EPError") and "Ranks must use their backends in the same order" in outcome, \

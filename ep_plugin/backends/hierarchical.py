@@ -102,6 +102,9 @@ from .base import Backend, merge_alignment
 _TOPK_FIELD_MAX = 127  # OpFingerprint.topk has 7 bits
 # Sent in place of the rail row width by a rank whose dispatch input was refused (see _rail_agreement).
 _REFUSED_INPUT = -1
+# Local experts the domain stage's count words have room for on every backend (more only where a backend has
+# more: the compiled ones allow 256); see HierarchicalBackend._domain_count_width.
+DOMAIN_COUNT_EXPERTS = 256
 
 
 class RefusedInput(str):
@@ -175,6 +178,11 @@ class HierarchicalBackend(Backend):
         if words_group is not None and words_group is not self.scaleout.domain_group:
             self._domain_words = HostCollectives(words_group, owner=f"ep_plugin {self.name} {self.domain_level}",
                                                  timeout_s=self.config.timeout_s, label="domain words")
+        # Words of segment counts in every op's domain stage: sized for DOMAIN_COUNT_EXPERTS local experts
+        # whatever this backend has, so that two backends on one group (other expert counts, or modes) send
+        # words of one size: ranks that use them in two orders then see two backend numbers, where gloo
+        # would abort on two sizes.
+        self._domain_count_width = self.num_domains * (max(self.num_local_experts, DOMAIN_COUNT_EXPERTS) + 1)
         self._num_dispatches = 0
         # Sync-free top-k dispatches: a device bool, whether any held an id out of range (check_errors raises).
         self._invalid_expert_ids: Optional[torch.Tensor] = None
@@ -600,8 +608,10 @@ class HierarchicalBackend(Backend):
         mine = (fingerprint.pack(), _REFUSED_INPUT if refused is not None else row_bytes, self._host.instance)
         if self.config.blocking:
             splits, theirs = self.scaleout.exchange_counts(send_counts, mine, where=f"{where}: rail/counts")
-        else:
-            splits, theirs = None, self.scaleout.exchange_words(torch.tensor(mine), where=f"{where}: rail/agreement")
+        else:  # in the row blocking mode sends (count, words, counts): one size for both modes' backends
+            row = torch.tensor([0, *mine] + [0] * self.num_domains)
+            rows = self.scaleout.exchange_words(row, where=f"{where}: rail/agreement")
+            splits, theirs = None, [tuple(words[1:1 + len(mine)]) for words in rows]
         rail_ranks = self._topology.rail_ranks()  # the peers' ranks in the EP group, by domain
         for peer, words in enumerate(theirs):  # first: the other words mean nothing across two backends
             if words[2] != mine[2]:
@@ -644,23 +654,28 @@ class HierarchicalBackend(Backend):
         rail has a rank in every domain; where every rail agrees, a rank's fingerprint depends on its local
         index alone, and every domain holds every local index, so if not all are equal every domain sees two.
 
-        Blocking mode: the three words follow blocking dispatch's segment counts ``counts`` [S, D * (L + 1)]
-        (zeros for the other ops: an op that meets another then differs in the words, not in the sizes, which
-        gloo would abort on); returns the peers' counts (a host read). Sync-free mode: only the three words, CPU
-        tensors on a group that moves them (no wait for the GPU); returns None.
+        Blocking mode: the three words follow blocking dispatch's segment counts ``counts`` [S, D * (L + 1)],
+        zero-padded to ``_domain_count_width`` (zeros for the other ops: an op that meets another, or another
+        backend's op, then differs in the words, not in the sizes, which gloo would abort on); returns the
+        peers' counts (a host read). Sync-free mode: the three words, CPU tensors on a group that moves them
+        (no wait for the GPU), after as many zeros where that group is the blocking mode's too; returns None.
         """
         S, code, instance = self.domain_size, fingerprint.pack(), self._host.instance
         # The flag: 0 agreed, 1 ranks disagree, 2 a rank refused its input (RefusedInput).
         flag = 0 if disagreement is None else 2 if isinstance(disagreement, RefusedInput) else 1
         status = torch.tensor([[flag, code, instance]] * S, dtype=torch.int64)
         phase = "domain/segment counts" if counts is not None else "domain/agreement"
+        width = self._domain_count_width
         if self.config.blocking:
-            width, collectives = self.num_domains * (self.num_local_experts + 1), self._domain_counts
+            collectives = self._domain_counts
             device = self._domain_counts_device(counts.device if counts is not None else self.device)
-            if counts is None:
-                counts = torch.zeros(S, width, dtype=torch.int64, device=device)
-            sent = torch.cat([counts.to(device), status.to(device)], 1)
-        else:
+            padded = torch.zeros(S, width, dtype=torch.int64, device=device)
+            if counts is not None:
+                padded[:, :counts.shape[1]] = counts
+            sent = torch.cat([padded, status.to(device)], 1)
+        elif self._domain_words is self._domain_counts:  # one group for both modes' words (gloo): one size
+            collectives, sent = self._domain_words, torch.cat([torch.zeros(S, width, dtype=torch.int64), status], 1)
+        else:  # the words on a group of their own: only this mode's backends use it
             width, collectives, sent = 0, self._domain_words, status
         words = [width + 3] * S
         received = self._at_domain_level(lambda: collectives.all_to_all(
@@ -689,7 +704,7 @@ class HierarchicalBackend(Backend):
                 peer_rank = self._topology.domain_ranks()[peer]
                 raise EPError(f"{mismatch_message(self.name, self.rank, peer_rank, code, word)} (seen in "
                               f"{self.domain_level} in {where})")
-        return received[:, :width] if self.config.blocking else None
+        return received[:, :self.num_domains * (self.num_local_experts + 1)] if self.config.blocking else None
 
     def _at_domain_level(self, call: Callable):
         """Run a domain-level step; its errors come back naming the domain."""
