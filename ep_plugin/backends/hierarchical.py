@@ -671,7 +671,7 @@ class HierarchicalBackend(Backend):
             device = self._domain_counts_device(counts.device if counts is not None else self.device)
             padded = torch.zeros(S, width, dtype=torch.int64, device=device)
             if counts is not None:
-                padded[:, :counts.shape[1]] = counts
+                padded[:, :counts.shape[1]] = counts.to(device)
             sent = torch.cat([padded, status.to(device)], 1)
         elif self._domain_words is self._domain_counts:  # one group for both modes' words (gloo): one size
             collectives, sent = self._domain_words, torch.cat([torch.zeros(S, width, dtype=torch.int64), status], 1)
