@@ -138,3 +138,30 @@ def test_bf16_combine_accumulates_in_fp32():
 def test_bf16_combine_accumulates_in_fp32_on_cuda():
     # On the GPU a bf16 index_add_ rounds at every (atomic) add; on the CPU torch's kernel hides that.
     run_ranks(check_bf16_combine_rounds_once_from_fp32, 2, device="cuda", timeout_s=180)
+
+
+def _silent_rank_then_check_usable(ctx) -> tuple:
+    """Rank 0 never dispatches; rank 1's dispatch times out, after which check_usable() must raise at once."""
+    import time
+
+    backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",
+                                                 config=ep_plugin.Config.from_env(timeout_s=2.0))
+    store = torch.distributed.distributed_c10d._get_default_store()
+    if ctx.rank == 0:
+        store.wait(["gave_up"])  # alive and silent until rank 1 gave up
+        return ()
+    with pytest.raises(ep_plugin.EPTimeoutError):
+        backend.dispatch(torch.ones(2, 4), topk_idx=torch.tensor([[0, 1], [2, 3]]))
+    start = time.monotonic()
+    try:
+        backend.check_usable()
+        outcome = "no error"
+    except ep_plugin.EPError as error:
+        outcome = str(error)
+    store.set("gave_up", "1")
+    return outcome, time.monotonic() - start
+
+
+def test_check_usable_refuses_after_a_timed_out_op():
+    outcome, seconds = run_ranks(_silent_rank_then_check_usable, 2, timeout_s=120)[1]
+    assert "cannot run more ops after an earlier failure" in outcome and seconds < 1.0, (outcome, seconds)

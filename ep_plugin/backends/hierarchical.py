@@ -599,7 +599,8 @@ class HierarchicalBackend(Backend):
         rail rows (``_REFUSED_INPUT`` instead when this rank refused its input: ``refused`` says why) and the
         backend's number on its group (ranks that use two backends in two orders differ there first);
         blocking mode in its count exchange (``send_counts``; ``expected``: the counts the handle expects
-        from the peers), sync-free mode as three words on the host (no counts).
+        from the peers), sync-free mode on the host in the same row layout with zero counts (so the two modes'
+        backends send rows of one size).
 
         Returns (blocking mode's splits or None, None), or (..., what the rail peers disagree on: a
         ``RefusedInput`` when a rank refused its input); every rank of the rail sees the same words, so every

@@ -160,6 +160,11 @@ class ReferenceBackend(Backend):
 
     # ---- helpers ------------------------------------------------------------------------
 
+    def check_usable(self) -> None:
+        """Also the collectives the ops run on (``_comm``): after one timed out, the next op raises at once."""
+        super().check_usable()
+        self._comm.check_usable()
+
     def _open(self, fingerprint: OpFingerprint, where: str, send_splits: list[int],
               probs_dtype: Optional[torch.dtype], *, expected: Optional[list[int]] = None,
               refused: Optional[str] = None) -> list[int]:
