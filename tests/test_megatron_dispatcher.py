@@ -410,9 +410,49 @@ def _rank_single(ctx) -> dict:
         results["builtin_hybridep"] = _construct_outcome(_make_config(2, "hybridep"))
         # Megatron's SM knob reaches our backend; EP_PLUGIN_NUM_SMS, where set, decides instead.
         results["num_sms"] = (_backend_num_sms(7, None), _backend_num_sms(7, "5"))
+        results["decode_padding"] = _decode_padding_case()
         return results
     finally:
         _finish_megatron()
+
+
+def _decode_padding_case() -> dict:
+    """A real MoELayer on ep_reference, switched to drop-and-pad by Megatron's inference helper (what
+    moe_pad_experts_for_cuda_graph_inference does for decode) and back: the step in between raises.
+
+    The step is the layer's router (its routing function, which applies the capacity: Megatron's gating
+    matmul itself runs on CUDA only), dispatcher and experts."""
+    import torch
+    from megatron.core.inference.utils import set_decode_expert_padding
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    topk = 2
+    experts = ModuleSpec(module=SequentialMLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                          linear_fc2=RowParallelLinear))
+    layer = MoELayer(_make_config(topk), MoESubmodules(experts=experts))
+    generator = torch.Generator().manual_seed(11)
+    hidden = torch.randn(TOKENS_PER_RANK, HIDDEN, generator=generator)
+    logits = torch.randn(TOKENS_PER_RANK, NUM_EXPERTS, generator=generator)
+
+    def step():
+        probs, routing_map = layer.router.routing(logits)
+        return _moe_forward(layer.token_dispatcher, layer.experts, hidden, routing_map, probs)[0]
+
+    with torch.no_grad():
+        before = step()
+        set_decode_expert_padding(layer, True, capacity_factor=NUM_EXPERTS / topk)
+        try:
+            step()
+            padded = "ran"
+        except ValueError as error:
+            padded = str(error)
+        set_decode_expert_padding(layer, False)
+        after = step()  # the layer and its backend stay usable
+    return {"padded": padded, "same_after": torch.equal(before, after)}
 
 
 def _rank_compiled(ctx, backend: str) -> dict:
@@ -497,6 +537,12 @@ def test_single_rank_plugin_path_and_traceable_metadata():
     assert result["compiled_routing_shape"] == (4, NUM_EXPERTS)
     assert result["num_sms"] == (7, 5), result["num_sms"]
     assert result["new_backend_after_clear"]
+    # Megatron's decode padding (switched on after the build-time check) is refused at the forward, not run
+    # as a dropless dispatch of every token to every expert; switched off again, the layer runs as before.
+    padding = result["decode_padding"]
+    assert "drop-and-pad was switched on after the model was built" in padding["padded"], padding
+    assert "moe_pad_experts_for_cuda_graph_inference" in padding["padded"], padding
+    assert padding["same_after"], padding
     # Builtin names still reach Megatron's own code (which refuses a world of one).
     assert result["builtin_deepep"].startswith("AssertionError") and "TPxEP > 1" in result["builtin_deepep"]
     assert result["builtin_hybridep"] != "EPPluginManager:hybrid"

@@ -243,8 +243,9 @@ def test_plugin_name_without_the_flex_dispatcher_type_is_refused(ep_megatron):
 
 @needs_megatron
 def test_options_the_plugin_cannot_honour_fail_at_model_build(ep_megatron, monkeypatch):
-    """Drop-and-pad, 0.19's fixed receive budget and non-blocking outputs raise ValueError when the
-    dispatcher is built (before any process group is touched), naming the option and the config value."""
+    """Drop-and-pad (also 0.19's for decode), 0.19's fixed receive budget and non-blocking outputs raise
+    ValueError when the dispatcher is built (before any process group is touched), naming the option and
+    the config value."""
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
 
     def build(name, **overrides):
@@ -259,6 +260,12 @@ def test_options_the_plugin_cannot_honour_fail_at_model_build(ep_megatron, monke
     config = _config(moe_flex_dispatcher_backend="ep_reference")
     config.moe_expert_rank_capacity_factor = 1.5  # a Megatron-Core 0.19 field (only hybridep/ncclep take it)
     with pytest.raises(ValueError, match="moe_expert_rank_capacity_factor=1.5"):
+        MoEFlexTokenDispatcher(2, [0, 1], config=config)
+    # 0.19's inference option that switches the built model to drop-and-pad for CUDA-graph decode
+    # (test_megatron_dispatcher: a switch made after the build is refused at the next forward).
+    config = _config(moe_flex_dispatcher_backend="ep_reference")
+    config.moe_pad_experts_for_cuda_graph_inference = True
+    with pytest.raises(ValueError, match="ep_plugin backends are dropless and would send each token to every expert"):
         MoEFlexTokenDispatcher(2, [0, 1], config=config)
     # Sync-free outputs have unwritten rows past the count, which Megatron's experts would compute with.
     monkeypatch.setenv("EP_PLUGIN_BLOCKING", "0")

@@ -70,11 +70,22 @@ def selected_by(config) -> str:
             (" (routed to ep_plugin by install(replace_builtin=True))" if name == "hybridep" else ""))
 
 
+# Megatron's inference switches a built model to drop-and-pad for CUDA-graph decode (set_decode_expert_padding,
+# under moe_pad_experts_for_cuda_graph_inference): the router then pads every expert to a capacity of all
+# the tokens, which a dropless dispatcher would send to every expert, each step.
+DECODE_PADDING_PROBLEM = (
+    "Megatron's drop-and-pad for CUDA-graph decode (moe_pad_experts_for_cuda_graph_inference, which calls "
+    "megatron.core.inference.utils.set_decode_expert_padding) pads every expert's input to all the tokens; ep_plugin "
+    "backends are dropless and would send each token to every expert. Leave moe_pad_experts_for_cuda_graph_inference "
+    "False")
+
+
 def check_megatron_options(config, backend_class) -> None:
     """Raise ValueError, at model build, for what a plugin backend would otherwise get wrong silently.
 
-    - Drop-and-pad (``moe_pad_expert_input_to_capacity``) and 0.19's fixed receive budget
-      (``moe_expert_rank_capacity_factor``): the plugin is dropless, its outputs sized exactly.
+    - Drop-and-pad (``moe_pad_expert_input_to_capacity``, and 0.19's
+      ``moe_pad_experts_for_cuda_graph_inference``, which switches it on for decode) and 0.19's fixed
+      receive budget (``moe_expert_rank_capacity_factor``): the plugin is dropless, its outputs sized exactly.
     - Non-blocking mode (EP_PLUGIN_BLOCKING=0): its outputs are sized to a budget with rows past the
       count left unwritten, while Megatron's experts use every row (SequentialMLP splits them by
       ``tokens_per_expert``, a single expert computes them all and its weight gradients with them).
@@ -86,6 +97,8 @@ def check_megatron_options(config, backend_class) -> None:
     if config.moe_pad_expert_input_to_capacity:
         raise ValueError(f"{selected}: ep_plugin backends are dropless; moe_pad_expert_input_to_capacity=True is not "
                          "supported")
+    if getattr(config, "moe_pad_experts_for_cuda_graph_inference", False):  # a TransformerConfig field from 0.19
+        raise ValueError(f"{selected}: {DECODE_PADDING_PROBLEM}")
     capacity = getattr(config, "moe_expert_rank_capacity_factor", None)  # Megatron-Core >= 0.19
     if capacity is not None:
         raise ValueError(f"{selected}: ep_plugin backends are dropless and size their outputs exactly; "
@@ -222,6 +235,9 @@ class EPPluginManager:
         """
         if self.routing_map is None:
             raise RuntimeError("EPPluginManager.dispatch called before setup_metadata")
+        if self.config.moe_pad_expert_input_to_capacity:  # switched on after the build-time check
+            raise ValueError(f"{selected_by(self.config)}: drop-and-pad was switched on after the model was built. "
+                             f"{DECODE_PADDING_PROBLEM}")
         probs = self.token_probs
         if probs.dtype != torch.float32:
             probs = probs.float()  # ep_plugin carries fp32 probs, like HybridEP
