@@ -98,10 +98,14 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, handle: Handle, options, grad_enabled: bool):
+    def forward(ctx, rows, bias, handle: Handle, options, grad_enabled: bool):
+        # ``bias`` (a backend's combine option, elastic's) is an input here so that autograd sees it.
         ctx.handle = handle
         backend = handle.backend
+        # Only the rows' gradient is an op of the backend (dispatch_again): the bias's is the output's.
         backend.op_records_backward = _records(grad_enabled, ctx.needs_input_grad[:1])
+        if bias is not None:
+            options = {**options, "bias": bias}
         try:
             return backend.combine(rows, handle, **options).hidden
         finally:
@@ -110,9 +114,13 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         handle: Handle = ctx.handle
-        with torch.no_grad():
-            grad_rows = handle.backend.dispatch_again(grad_out.contiguous(), handle)
-        return *_differentiable_once("combine", (grad_out,), (grad_rows,)), None, None, None
+        grad_rows = None
+        if ctx.needs_input_grad[0]:
+            with torch.no_grad():
+                grad_rows = handle.backend.dispatch_again(grad_out.contiguous(), handle)
+        (grad_rows,) = _differentiable_once("combine", (grad_out,), (grad_rows,))
+        grad_bias = grad_out if ctx.needs_input_grad[1] else None  # out = sum of rows + bias
+        return grad_rows, grad_bias, None, None, None
 
 
 def dispatch(
@@ -153,9 +161,14 @@ def combine(rows: torch.Tensor, handle: Handle, **options) -> torch.Tensor:
     Args:
         rows: [R, H] in the layout of ``handle``'s dispatch (padding rows are ignored).
         handle: from ``dispatch``.
-        options: the backend's own combine options (``backend.capabilities.combine_options``).
+        options: the backend's own combine options (``backend.capabilities.combine_options``; for
+            ``elastic``: ``bias`` [T, H], added to the sum, whose gradient is the output's).
     Returns: [T, H] in source token order, same dtype as ``rows`` (accumulated in fp32).
     """
     if not isinstance(handle, Handle):
         raise TypeError(f"combine needs the Handle returned by dispatch, got {type(handle).__name__}")
-    return _Combine.apply(rows, handle, options, torch.is_grad_enabled())
+    if "row_probs" in options:  # what backend.combine returns besides the rows would be lost here
+        raise TypeError("ep_plugin.combine returns the combined rows only; row_probs (the backward of dispatch's "
+                        "probs, returned next to the rows) goes through backend.combine(rows, handle, row_probs=...)")
+    bias = options.pop("bias", None)
+    return _Combine.apply(rows, bias, handle, options, torch.is_grad_enabled())

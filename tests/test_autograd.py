@@ -10,12 +10,16 @@
   backward keeps the local slice). Every rank then makes the same calls in the same order.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import ep_plugin
+from ep_plugin.backends.reference import ReferenceBackend
 from ep_plugin.config import Config
+from ep_plugin.handle import CombineOutput
 from ep_plugin.testing import run_ranks
 from ep_plugin.testing.dense import dense_moe, make_problem, run_local_experts
 from ep_plugin.topology import Topology
@@ -391,3 +395,67 @@ def test_a_cached_dispatch_across_domains_carries_the_grad_bit():
         for result in results:
             assert result.startswith("EPError: ") and ("grad: " in result or "found that ranks disagree" in result), \
                 (rank, result)
+
+
+class _ReferenceWithBias(ReferenceBackend):
+    """``reference`` plus elastic's combine option ``bias`` [T, H] (added to the sum), so that the autograd
+    layer's handling of a tensor option runs on CPU ranks; test_elastic checks elastic's own on the GPU."""
+
+    capabilities = dataclasses.replace(ReferenceBackend.capabilities, combine_options=("bias",))
+    backward_ops = 0  # dispatch_again calls (combine's backward)
+
+    def dispatch_again(self, hidden, handle):
+        self.backward_ops += 1
+        return super().dispatch_again(hidden, handle)
+
+    def combine(self, rows, handle, *, row_probs=None, bias=None):
+        out = super().combine(rows, handle, row_probs=row_probs)
+        return out if bias is None else CombineOutput(out.hidden + bias, out.probs)
+
+
+def combine_bias_gradients(ctx) -> dict:
+    backend = _ReferenceWithBias(hidden_size=HIDDEN, num_experts=2 * ctx.world_size, device=torch.device("cpu"),
+                                 config=Config.from_env(timeout_s=60.0))
+    generator = torch.Generator().manual_seed(70 + ctx.rank)
+    tokens = 5 + ctx.rank
+    hidden = torch.randn(tokens, HIDDEN, generator=generator, dtype=torch.float64)
+    topk_idx = torch.randint(0, backend.num_experts, (tokens, 1), generator=generator)
+    upstream = torch.randn(tokens, HIDDEN, generator=generator, dtype=torch.float64)
+
+    def step(rows_need_grad: bool, with_bias: bool):
+        x = hidden.clone().requires_grad_(rows_need_grad)
+        bias = torch.randn(tokens, HIDDEN, generator=generator, dtype=torch.float64).requires_grad_()
+        out = ep_plugin.dispatch(backend, x, topk_idx=topk_idx)
+        y = ep_plugin.combine(out.hidden * 2, out.handle, **({"bias": bias} if with_bias else {}))
+        (y * upstream).sum().backward()
+        return x.grad, bias.grad if with_bias else None
+
+    plain_x_grad, _ = step(True, with_bias=False)
+    x_grad, bias_grad = step(True, with_bias=True)
+    ops_before = backend.backward_ops
+    _, bias_grad_alone = step(False, with_bias=True)  # only the bias needs a gradient: no backward op runs
+    backward_ops_for_bias_alone = backend.backward_ops - ops_before
+    try:
+        ep_plugin.combine(hidden, backend.dispatch(hidden, topk_idx=topk_idx).handle, row_probs=hidden[:, :1])
+        row_probs = "accepted"
+    except TypeError as error:
+        row_probs = str(error)
+    backend.barrier()  # every rank made the same ops: a backward that ran an op on one rank only would hang here
+    backend.destroy()
+    return {"x_grad_unchanged": torch.equal(x_grad, plain_x_grad),
+            "bias_grad_is_upstream": bias_grad is not None and torch.equal(bias_grad, upstream),
+            "bias_grad_alone_is_upstream": bias_grad_alone is not None and torch.equal(bias_grad_alone, upstream),
+            "backward_ops": (ops_before, backward_ops_for_bias_alone),
+            "row_probs": row_probs}
+
+
+def test_a_bias_given_to_combine_gets_its_gradient():
+    """A tensor combine option (elastic's ``bias``) reaches autograd: its gradient is the output's, the rows'
+    gradient is as without it, and a bias alone needing one runs no backward op. ``row_probs``, whose
+    result ``ep_plugin.combine`` would drop, is refused."""
+    for result in run_ranks(combine_bias_gradients, 2, timeout_s=120):
+        assert result["x_grad_unchanged"], result
+        assert result["bias_grad_is_upstream"], result
+        assert result["bias_grad_alone_is_upstream"], result
+        assert result["backward_ops"] == (2, 0), result  # one for each step whose rows need a gradient
+        assert "row_probs" in result["row_probs"] and "backend.combine" in result["row_probs"], result

@@ -242,11 +242,17 @@ def autograd_end_to_end(ctx) -> int:
                 expert_of_row = torch.repeat_interleave(torch.arange(local, device=ctx.device), out.tokens_per_expert,
                                                         output_size=out.hidden.shape[0])
                 y = out.hidden * (expert_scale[expert_of_row] * out.probs).unsqueeze(1).to(torch.bfloat16)
-            z = ep_plugin.combine(y, out.handle)
+            # Elastic's combine option in the last case: a bias, whose gradient is the output's.
+            bias = (torch.randn(x.shape, device=ctx.device).to(torch.bfloat16).requires_grad_()
+                    if backend is elastic and case == 3 else None)
+            z = ep_plugin.combine(y, out.handle, **({"bias": bias} if bias is not None else {}))
             (z.float() * target.float()).sum().backward()
             results.append((z.detach(), x.grad, weights.grad))
         (z_ref, gx_ref, gw_ref), (z, gx, gw) = results
         label = f"autograd expand={expand}"
+        if bias is not None:
+            assert torch.equal(bias.grad, target), f"{label}: bias grad"
+            z_ref = (z_ref.float() + bias.detach().float()).to(torch.bfloat16)
         assert_combine_close(z, z_ref, f"{label}: forward")
         assert_combine_close(gx, gx_ref, f"{label}: hidden grad")
         assert torch.allclose(gw, gw_ref, rtol=2e-2, atol=2e-2), f"{label}: weights grad"
