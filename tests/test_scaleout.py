@@ -18,7 +18,9 @@ import torch.distributed as dist
 import ep_plugin
 from ep_plugin.backends.base import Backend, Capabilities
 from ep_plugin.backends.hierarchical import HierarchicalBackend
+from ep_plugin.backends.reference import ReferenceBackend
 from ep_plugin.config import Config
+from ep_plugin.errors import EPError
 from ep_plugin.handle import COMPACT, CombineOutput, DispatchOutput, Handle
 from ep_plugin.host_collectives import _grace_s
 from ep_plugin.testing import run_ranks
@@ -135,6 +137,40 @@ def test_forced_domains_in_an_ep_subgroup_of_the_world():
     """The domain and rail groups are made by the EP group's ranks alone (torch's new_group would
     otherwise wait for every rank of the world, which here builds the other EP group: a hang)."""
     assert run_ranks(domains_in_an_ep_subgroup, 4, timeout_s=120) == [True] * 4
+
+
+class _ReferenceWithGrid(ReferenceBackend):
+    """``reference`` that, like the compiled backends, makes its domain agree on ``num_sms`` when built: a
+    setting only the domain backend checks (over its own domain)."""
+
+    def _construction_facts(self) -> dict:
+        return {**super()._construction_facts(), "num_sms": self.config.num_sms}
+
+
+def build_with_one_domain_refusing(ctx) -> tuple:
+    """2 x 2 forced domains; rank 1 alone has another num_sms, so domain 0's build is refused."""
+    config = Config.from_env(num_sms=8 if ctx.rank == 1 else 16, timeout_s=30.0)
+    try:
+        backend = _ReferenceWithGrid(hidden_size=4, num_experts=4, device="cpu", config=config,
+                                     topology=Topology(4, 2, ctx.rank))
+    except (ValueError, EPError) as error:
+        # The group is still usable: a flat backend on it runs an op.
+        flat = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu")
+        flat.barrier()
+        return type(error).__name__, str(error)
+    backend.destroy()
+    return "built", ""
+
+
+def test_a_domain_that_refuses_its_build_makes_every_rank_raise():
+    """Before: domain 1 built its backend and would have waited for domain 0 at its first op."""
+    results = run_ranks(build_with_one_domain_refusing, 4, timeout_s=120)
+    for rank, (kind, message) in enumerate(results):
+        assert kind == "ValueError", (rank, kind, message)
+        if rank < 2:  # the domain's own agreement check names the setting
+            assert "num_sms (rank 0: 16, rank 1: 8)" in message, (rank, message)
+        else:
+            assert "could not be built on rank(s) [0, 1]" in message and "num_sms" in message, (rank, message)
 
 
 def across_a_restarted_world(ctx, store_path: str) -> list:

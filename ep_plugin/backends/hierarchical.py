@@ -164,7 +164,7 @@ class HierarchicalBackend(Backend):
                                    "combine_input_rows": 0}
         if self.config.forward_sms and domain_backend.needs_shared_memory:
             changes["num_sms"] = self.config.forward_sms  # the domain kernels are the forwarding
-        self.domain = self._at_domain_level(lambda: domain_backend(
+        self.domain = self._build_domain(lambda: domain_backend(
             self.scaleout.domain_group, hidden_size=hidden_size, num_experts=self.experts_per_domain,
             config=self.config.replace(**changes), device=self.device,
             topology=Topology.flat(S, topology.local_index), **domain_options))
@@ -186,6 +186,33 @@ class HierarchicalBackend(Backend):
         self._num_dispatches = 0
         # Sync-free top-k dispatches: a device bool, whether any held an id out of range (check_errors raises).
         self._invalid_expert_ids: Optional[torch.Tensor] = None
+
+    def _build_domain(self, build: Callable[[], Backend]) -> Backend:
+        """Build the domain backend, then tell the whole group how every domain's build went.
+
+        A domain backend checks its own settings over its domain only (a compiled one's num_sms, say), and
+        can fail in one domain alone (out of memory, a co-residency limit): its ranks raise, and without
+        this the other domains would go on and wait for them at their first op until the timeout. Now every
+        rank raises: the failed ones their own error, the others naming them (ValueError when every
+        failure was a ValueError, as for settings that differ, else EPError)."""
+        try:
+            domain, failure = self._at_domain_level(build), None
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the others have heard of it
+            domain, failure = None, exc
+        outcome = None if failure is None else (type(failure).__name__, str(failure))
+        outcomes = self._host.all_gather_object(outcome, where="building the domain backends",
+                                                device=self._host.word_device)
+        failed = {rank: o for rank, o in enumerate(outcomes) if o is not None}
+        if not failed:
+            return domain
+        if domain is not None:
+            domain.destroy()
+        if failure is not None:
+            raise failure
+        first, (kind, message) = next(iter(failed.items()))
+        error = ValueError if all(k == "ValueError" for k, _ in failed.values()) else EPError
+        raise error(f"ep_plugin {self.name}: the domain backend could not be built on rank(s) {sorted(failed)} "
+                    f"(rank {first}: {kind}: {message})")
 
     def _check_gpu_sharing(self, topology: Topology) -> None:
         """The domain backend checked co-residency for its own domain's ranks; when domains share a GPU (forced
