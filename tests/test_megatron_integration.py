@@ -430,12 +430,19 @@ TRAINING_SCRIPT = textwrap.dedent("""
                                moe_flex_dispatcher_backend=args.moe_flex_dispatcher_backend)
     print("RAN", __name__, config.moe_flex_dispatcher_backend, args.steps, sys.argv[1:])
     print("WRAPPED", hasattr(MoEFlexTokenDispatcher.__init__, "__wrapped__"))
+    import megatron.core
+    print("CORE", megatron.core.__file__)
 """)
 
 
 @needs_megatron
 def test_run_launcher_installs_then_runs_unmodified_script(tmp_path):
-    script = tmp_path / "pretrain_toy.py"
+    """The script runs as ``python script.py`` would, from another folder too: with the megatron package of
+    a Megatron-LM checkout next to it (here the installed one, linked there), not the installed one."""
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    (checkout / "megatron").symlink_to(importlib.util.find_spec("megatron").submodule_search_locations[0])
+    script = checkout / "pretrain_toy.py"
     script.write_text(TRAINING_SCRIPT)
     command = [sys.executable, "-m", "ep_plugin.integrations.megatron.run", str(script),
                "--moe-flex-dispatcher-backend", "ep_reference", "--steps", "3"]
@@ -444,6 +451,7 @@ def test_run_launcher_installs_then_runs_unmodified_script(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "RAN __main__ ep_reference 3" in result.stdout, result.stdout
     assert "WRAPPED True" in result.stdout, result.stdout
+    assert f"CORE {checkout / 'megatron'}" in result.stdout, result.stdout  # the checkout's, as the plugin's
 
     missing = subprocess.run([sys.executable, "-m", "ep_plugin.integrations.megatron.run", str(tmp_path / "no.py")],
                              capture_output=True, text=True, timeout=120)

@@ -8,7 +8,8 @@ Options before the script (all optional):
     --replace-builtin   also route "hybridep" to the plugin's hybrid backend
 
 The script runs as ``__main__`` with ``sys.argv = [script, *its args]`` and its folder first
-on ``sys.path``, as ``python script.py`` would run it.
+on ``sys.path``, as ``python script.py`` would run it: a Megatron-LM checkout's ``megatron`` package
+next to the script is the one the plugin installs into, ahead of an installed megatron-core.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def main(argv: list[str] | None = None) -> None:
     script = argv[0]
     if not os.path.isfile(script):
         raise SystemExit(f"training script not found: {script}\n{USAGE}")
-    install(replace_builtin=replace_builtin)
     sys.argv = argv
+    # Before install() imports megatron.core: a Megatron-LM checkout next to the script is the one it runs with.
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    install(replace_builtin=replace_builtin)
     runpy.run_path(script, run_name="__main__")
 
 
