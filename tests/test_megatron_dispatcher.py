@@ -411,6 +411,17 @@ def _rank_single(ctx) -> dict:
         # Megatron's SM knob reaches our backend; EP_PLUGIN_NUM_SMS, where set, decides instead.
         results["num_sms"] = (_backend_num_sms(7, None), _backend_num_sms(7, "5"))
         results["decode_padding"] = _decode_padding_case()
+        # Megatron's teardown of the process groups destroys the shared backends first (they hold buffers
+        # on those groups); a model built after an in-process restart gets new ones.
+        from megatron.core import parallel_state
+
+        from ep_plugin.integrations.megatron import manager as manager_module
+
+        generation = manager_module._cache_generation
+        manager.dispatch(torch.randn(4, HIDDEN))  # a backend in the cache again
+        parallel_state.destroy_model_parallel()
+        results["teardown_cleared_cache"] = (not manager_module._backends,
+                                             manager_module._cache_generation == generation + 1)
         return results
     finally:
         _finish_megatron()
@@ -537,6 +548,7 @@ def test_single_rank_plugin_path_and_traceable_metadata():
     assert result["compiled_routing_shape"] == (4, NUM_EXPERTS)
     assert result["num_sms"] == (7, 5), result["num_sms"]
     assert result["new_backend_after_clear"]
+    assert result["teardown_cleared_cache"] == (True, True), result["teardown_cleared_cache"]
     # Megatron's decode padding (switched on after the build-time check) is refused at the forward, not run
     # as a dropless dispatch of every token to every expert; switched off again, the layer runs as before.
     padding = result["decode_padding"]

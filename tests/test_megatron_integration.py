@@ -66,6 +66,7 @@ def _should_free_input(node: str, config) -> bool:
 
 def _snapshot():
     """Everything install() touches, by identity."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import fine_grained_callables
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
@@ -81,6 +82,7 @@ def _snapshot():
         "annotation": TransformerConfig.__annotations__["moe_flex_dispatcher_backend"],
         "parse_known_args": argparse.ArgumentParser.parse_known_args,
         "config_post_init": TransformerConfig.__post_init__,
+        "destroy_model_parallel": parallel_state.destroy_model_parallel,
     }
 
 

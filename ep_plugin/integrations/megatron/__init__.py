@@ -10,7 +10,7 @@ or, for an unmodified Megatron-LM script:
     python -m ep_plugin.integrations.megatron.run pretrain_gpt.py --moe-token-dispatcher-type flex \\
         --moe-flex-dispatcher-backend ep_hybrid ...
 
-``install()`` (idempotent) does six things:
+``install()`` (idempotent) does seven things:
 
 1. wraps ``MoEFlexTokenDispatcher.__init__`` (the class attribute, so the name that
    moe_layer.py bound at import sees it): a plugin name builds an ``EPPluginManager``;
@@ -28,7 +28,10 @@ or, for an unmodified Megatron-LM script:
 6. wraps ``TransformerConfig.__post_init__`` to refuse ``moe_enable_deepep=True`` next to a plugin
    name, as Megatron refuses it next to "hybridep" (it would overwrite the name with "deepep"), and a
    plugin name with another ``moe_token_dispatcher_type`` than "flex" (Megatron would silently run
-   that dispatcher), as Megatron refuses it for "ncclep".
+   that dispatcher), as Megatron refuses it for "ncclep";
+7. wraps ``parallel_state.destroy_model_parallel`` to destroy the shared backends first
+   (``clear_backend_cache``): their buffers, IPC mappings and arena belong to the groups it destroys,
+   and an in-process restart builds new ones.
 
 Importing this package does not import Megatron; ``install()`` raises an ImportError naming
 the pip package ``megatron-core`` when it is missing. Version differences live in ``compat``.
@@ -44,6 +47,7 @@ from contextlib import contextmanager
 from typing import Optional
 
 from . import compat
+from .manager import clear_backend_cache
 
 # moe_flex_dispatcher_backend value -> ep_plugin registry name.
 PLUGIN_BACKENDS: dict[str, str] = {
@@ -98,6 +102,7 @@ def install(replace_builtin: Optional[bool] = None) -> None:
             _widen_argparse_choices()
             _wrap_experts_forward()
             _wrap_config_post_init()
+            _wrap_destroy_model_parallel()
         except BaseException:
             _restore_megatron()
             raise
@@ -285,6 +290,24 @@ def check_dispatcher_type(config) -> None:
                          f"--moe-token-dispatcher-type flex; NeMo: apply_ep_plugin_backend sets both)")
 
 
+# ---- 7. the shared backends go with the process groups ----------------------------------------
+
+def _wrap_destroy_model_parallel() -> None:
+    from megatron.core import parallel_state
+
+    original = parallel_state.destroy_model_parallel
+
+    @functools.wraps(original)
+    def destroy_model_parallel(*args, **kwargs):
+        try:
+            clear_backend_cache()  # a destroy that raises still lets Megatron's teardown run, then raises
+        finally:
+            original(*args, **kwargs)
+
+    _state.original_functions[(parallel_state.__name__, "destroy_model_parallel")] = original
+    _rebind(original, destroy_model_parallel)  # callers that imported it by name too
+
+
 # ---- 2. the Megatron-LM argument parser -------------------------------------------------------
 
 def _widen_argparse_choices() -> None:
@@ -309,5 +332,5 @@ def _widen_argparse_choices() -> None:
     argparse.ArgumentParser.parse_known_args = parse_known_args
 
 
-__all__ = ["PLUGIN_BACKENDS", "check_dispatcher_type", "install", "is_installed", "plugin_backend_for", "uninstall",
-           "valid_backend_names"]
+__all__ = ["PLUGIN_BACKENDS", "check_dispatcher_type", "clear_backend_cache", "install", "is_installed",
+           "plugin_backend_for", "uninstall", "valid_backend_names"]
