@@ -33,7 +33,7 @@ TOKENS = 64
 ROOM = 4096  # combine input rows the arena holds: more than any rank receives here
 
 
-def _run_layer(ctx, num_experts: int, topk: int, seed: int, fp8: bool = False) -> dict:
+def _run_layer(ctx, num_experts: int, topk: int, seed: int, fp8: bool = False, grouped_gemm: bool = False) -> dict:
     """The layer once, on the backend the environment configures; returns output, gradients, counts.
     ``fp8``: the config names an FP8 recipe (the experts here are plain bf16 linears, which ignore it, but
     SequentialMLP pads its rows for it and the arena's hook takes its choice from it)."""
@@ -56,6 +56,9 @@ def _run_layer(ctx, num_experts: int, topk: int, seed: int, fp8: bool = False) -
         params_dtype=torch.bfloat16)
     if fp8:
         config.fp8 = "e4m3"  # after construction: its checks would want Transformer Engine
+    # Megatron would build grouped-GEMM experts, whose output never goes to the arena (TEGroupedMLP needs
+    # Transformer Engine, absent here: the experts stay SequentialMLP, and the backend must have no default arena).
+    config.moe_grouped_gemm = grouped_gemm
     pg_collection = get_default_pg_collection()
     num_local = num_experts // parallel_state.get_expert_model_parallel_world_size()
     local_indices = [ctx.rank * num_local + i for i in range(num_local)]
@@ -117,6 +120,10 @@ def _rank_arena(ctx) -> dict:
                 megatron_arena.DEFAULT_MIN_OUTPUT_BYTES = shipped_threshold if rows == "small" else 0
                 clear_backend_cache()  # the next dispatch builds the backend from the environment
                 runs[rows] = _run_layer(ctx, num_experts, topk, seed=7 + num_experts)
+            megatron_arena.DEFAULT_MIN_OUTPUT_BYTES = 0  # the default's arena would take these outputs
+            os.environ.pop("EP_PLUGIN_COMBINE_INPUT_ROWS", None)
+            clear_backend_cache()
+            grouped = _run_layer(ctx, num_experts, topk, seed=7 + num_experts, grouped_gemm=True)
             megatron_arena.DEFAULT_MIN_OUTPUT_BYTES = shipped_threshold
             os.environ["EP_PLUGIN_COMBINE_INPUT_ROWS"] = str(ROOM)
             clear_backend_cache()
@@ -133,6 +140,7 @@ def _rank_arena(ctx) -> dict:
                 "default_out_equal": torch.equal(default["out"], (arena if default["arena"] else plain)["out"]),
                 "one_gpu": ctx.plan.ranks_per_gpu == ctx.world_size,
                 "fp8": (fp8["arena"], fp8["forward_counts"]),
+                "grouped_gemm_default": (grouped["arena"], grouped["forward_counts"]),
             }
     finally:
         clear_backend_cache()
@@ -169,3 +177,6 @@ def test_sequential_mlp_output_is_combined_in_place(num_ranks):
             # land there): that output is pushed; several experts' concatenation still lands in place.
             expected = (True, {"pushed": 1} if name == "one local expert" else {"in_place": 1})
             assert result["fp8"] == expected, f"{label}, FP8 recipe: {result['fp8']}"
+            # Grouped-GEMM experts never write into the arena: the default gives such a model none.
+            grouped = result["grouped_gemm_default"]
+            assert grouped == (False, {"pushed": 1}), f"{label}, moe_grouped_gemm: {grouped}"

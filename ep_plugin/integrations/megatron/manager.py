@@ -134,18 +134,21 @@ def backend_config(megatron_config) -> Config:
 
 
 def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int, device: torch.device, *,
-                   experts_per_token: int, pad_multiple: Optional[int], config: Optional[Config] = None) -> Backend:
+                   experts_per_token: int, pad_multiple: Optional[int], config: Optional[Config] = None,
+                   experts_take_arena: bool = True) -> Backend:
     """One backend instance per (name, group, hidden size, experts, device, top-k, padding, SMs), shared by
     all layers; a backend with a combine-input arena gets Megatron's default size
-    (``arena.combine_input_options``). ``config``: the backend's (default: the EP_PLUGIN_* variables)."""
+    (``arena.combine_input_options``) where the experts can put their output there (``experts_take_arena``:
+    SequentialMLP; grouped-GEMM experts cannot, and an arena would be memory nothing uses).
+    ``config``: the backend's (default: the EP_PLUGIN_* variables)."""
     config = config if config is not None else Config.from_env()
     key = (backend_name, group, hidden_size, num_experts, str(device), experts_per_token, pad_multiple,
-           config.num_sms)
+           config.num_sms, experts_take_arena)
     if key not in _backends:
         backend_class = ep_plugin.get_backend(backend_name)
-        options = arena.combine_input_options(backend_class, group, device, num_experts=num_experts,
-                                              experts_per_token=experts_per_token, pad_multiple=pad_multiple,
-                                              hidden_size=hidden_size)
+        options = {} if not experts_take_arena else arena.combine_input_options(
+            backend_class, group, device, num_experts=num_experts, experts_per_token=experts_per_token,
+            pad_multiple=pad_multiple, hidden_size=hidden_size)
         _backends[key] = backend_class(group, hidden_size=hidden_size, num_experts=num_experts, device=device,
                                        config=config, **options)
         if options.get("combine_input_rows"):
@@ -317,6 +320,8 @@ class EPPluginManager:
                 device = torch.device("cuda", torch.cuda.current_device())
             backend = shared_backend(self.backend_name, self.group, hidden_size, self.num_experts, device,
                                      experts_per_token=self._experts_per_token(), pad_multiple=self.pad_multiple,
-                                     config=backend_config(self.config))
+                                     config=backend_config(self.config),
+                                     # Only SequentialMLP's output goes to the arena (arena.run_experts).
+                                     experts_take_arena=not getattr(self.config, "moe_grouped_gemm", False))
             self.backend, self._backend_generation = backend, _cache_generation
         return backend
