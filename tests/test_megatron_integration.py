@@ -152,6 +152,23 @@ def test_an_install_that_fails_half_way_leaves_megatron_as_it_was(ep_megatron, m
 
 
 @needs_megatron
+def test_an_annotation_without_megatrons_names_is_refused_at_install(ep_megatron, monkeypatch):
+    """A megatron-core whose backend field is not a Literal of names (a future one, say): install() raises
+    instead of wrapping a dispatcher that would refuse "deepep" and "hybridep" as unknown."""
+    ep_megatron.uninstall()
+    original = _snapshot()
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    monkeypatch.setattr(TransformerConfig.__dataclass_fields__["moe_flex_dispatcher_backend"], "type", str)
+    with pytest.raises(RuntimeError, match="is annotated <class 'str'>, not a Literal of names"):
+        ep_megatron.install()
+    assert not ep_megatron.is_installed()
+    monkeypatch.undo()
+    assert _snapshot() == original
+    ep_megatron.install()
+
+
+@needs_megatron
 def test_unknown_backend_name_lists_valid_names(ep_megatron):
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
 

@@ -87,6 +87,8 @@ def install(replace_builtin: Optional[bool] = None) -> None:
             is installed (the NeMo helpers) does not switch off what the launcher switched on.
     Raises:
         ImportError: megatron-core is missing or older than 0.16.1 (the message names the package).
+        RuntimeError: this megatron-core does not list its flex dispatcher backends as a ``Literal`` (the
+            plugin could not tell Megatron's own names from unknown ones); Megatron is left as it was.
     """
     compat.require_megatron()
     with _lock:
@@ -94,7 +96,12 @@ def install(replace_builtin: Optional[bool] = None) -> None:
             _state.replace_builtin = bool(replace_builtin)
         if _state.installed:
             return
-        _state.builtin_names = compat.literal_names(compat.backend_field().type)
+        annotation = compat.backend_field().type
+        _state.builtin_names = compat.literal_names(annotation)
+        if not _state.builtin_names:  # the wrapped __init__ would refuse Megatron's own names as unknown
+            raise RuntimeError(f"ep_plugin cannot read Megatron's flex dispatcher backends from this megatron-core: "
+                               f"TransformerConfig.{compat.BACKEND_FIELD} is annotated {annotation!r}, not a Literal "
+                               "of names (supported: megatron-core 0.16.1 to 0.19.x); nothing was installed")
         try:  # all or nothing: a step that fails takes back the ones before it
             compat.set_backend_names(_state.builtin_names + tuple(PLUGIN_BACKENDS))
             _wrap_dispatcher_init()
