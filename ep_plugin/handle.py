@@ -46,8 +46,9 @@ class Handle:
     layout: Any
     # Objects that queued work still uses (tensors, events); released with the Handle.
     keepalive: list = field(default_factory=list)
-    # Which dispatch of its backend made this handle (from 1): ops that use it carry the number,
-    # so ranks that use their handles in different orders are told apart.
+    # Which dispatch of its backend made this handle (from 1; 0 on backends whose ops do not carry it,
+    # reference): ops that use it carry the number, so ranks that use their handles in different orders
+    # are told apart.
     handle_id: int = 0
     # What the dispatch output looks like (EXPERT_ROWS or COMPACT), and the shape combine expects
     # for its per-row values (the gradient of the dispatched probs): [num_rows] by default.

@@ -21,6 +21,10 @@ per domain):
    The rows (and probs, top-k ids) are moved with one index (``flat_order_index``, device ops only),
    from per-(peer, source domain, segment) counts exchanged once in the domain. The result equals the
    flat backend's bitwise: payloads, row order, probs, ``tokens_per_expert``, ``num_valid_rows``.
+   Except after an overflow (non-blocking mode, ``num_permuted_tokens`` below what arrived; the domain
+   backend's ``over_budget`` is set): the domain backend dropped the rows past the budget in its own
+   order, not in the flat one, so the output's rows are then unspecified, also below the budget (the
+   flat backend keeps the first rows in its order). Treat an overflow as an error there.
 4. combine: rows go back to the domain-level order, the domain backend combines them (one partial sum
    per received row, rounded to the payload dtype), the partials go back over the rail (one row per
    (token, destination domain)), and the source adds them in fp32 in domain order, rounds once.
