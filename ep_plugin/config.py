@@ -1,6 +1,7 @@
 """Every knob of ep_plugin in one dataclass, each with an ``EP_PLUGIN_<NAME>`` env override.
 
-Precedence: explicit keyword arguments > environment variables > defaults.
+Precedence: explicit keyword arguments > environment variables > defaults. A variable set to an
+empty value counts as unset.
 ``Config.from_env()`` is what backends use when the caller passes no config.
 """
 
@@ -15,7 +16,7 @@ from typing import Any, Optional
 ENV_PREFIX = "EP_PLUGIN_"
 
 _TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+_FALSE = {"0", "false", "no", "off"}
 
 
 # The longest wait (about 11.6 days): far beyond any job's patience, and far below where the engines'
@@ -109,7 +110,7 @@ class Config:
         values: dict[str, Any] = {}
         for name, f in known.items():
             env_name = env_var_name(name)
-            if env_name in environ:
+            if env_is_set(name, environ):
                 values[name] = _parse(env_name, environ[env_name], f.type)
         values.update(overrides)
         return cls(**values)
@@ -120,6 +121,13 @@ class Config:
 
 def env_var_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
+
+
+def env_is_set(field_name: str, environ: Optional[dict] = None) -> bool:
+    """Whether the field's variable overrides its default: set and not blank (``docker -e NAME=`` or an
+    empty export means "unset", never False or 0)."""
+    environ = os.environ if environ is None else environ
+    return bool(environ.get(env_var_name(field_name), "").strip())
 
 
 def describe() -> list[tuple[str, str, str]]:

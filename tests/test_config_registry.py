@@ -19,6 +19,13 @@ def test_env_overrides_and_keyword_precedence():
     assert Config.from_env({}).timeout_s == Config().timeout_s
 
 
+def test_a_variable_set_to_nothing_is_unset():
+    """``docker -e EP_PLUGIN_BLOCKING=`` (or an empty export) keeps the default: it used to turn blocking off,
+    while an empty int variable raised."""
+    env = {"EP_PLUGIN_BLOCKING": "", "EP_PLUGIN_BULK_COPY": " ", "EP_PLUGIN_NUM_SMS": "", "EP_PLUGIN_TIMEOUT_S": ""}
+    assert Config.from_env(env) == Config()
+
+
 @pytest.mark.parametrize("env,text", [
     ({"EP_PLUGIN_TIMEOUT_S": "soon"}, "cannot parse EP_PLUGIN_TIMEOUT_S"),
     ({"EP_PLUGIN_TIMEOUT_S": "-1"}, "timeout_s must be > 0"),

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import weakref
 from typing import Callable, Optional
 
 import torch
 
-from ep_plugin.config import Config, env_var_name
+from ep_plugin.config import Config, env_is_set
 from ep_plugin.host_collectives import HostCollectives
 from ep_plugin.transport.arena import ARENA_OVERHEAD_BYTES, arena_bytes
 from ep_plugin.transport.placement import ranks_per_gpu
@@ -133,7 +132,7 @@ def combine_input_options(backend_class, group, device: torch.device, *, num_exp
     Nothing for a backend without an arena or when EP_PLUGIN_COMBINE_INPUT_ROWS is set (the backend
     reads it). Otherwise the ranks find out whether they all share one GPU (a timed exchange) and
     ``default_combine_input_rows`` decides; every input is equal on every rank, so is the size."""
-    if not hasattr(backend_class, "combine_input_arena") or env_var_name("combine_input_rows") in os.environ:
+    if not hasattr(backend_class, "combine_input_arena") or env_is_set("combine_input_rows"):
         return {}
     config = Config.from_env()
     num_ranks = torch.distributed.get_world_size(group)

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 from typing import Optional
 
 import torch
 
 import ep_plugin
 from ep_plugin.backends.base import Backend
-from ep_plugin.config import Config, env_var_name
+from ep_plugin.config import Config, env_is_set
 
 from . import arena, compat
 
@@ -128,7 +127,7 @@ def backend_config(megatron_config) -> Config:
     """The backend's Config: the EP_PLUGIN_* variables, and Megatron's SM knob for its flex dispatcher
     (``compat.dispatcher_num_sms``) where EP_PLUGIN_NUM_SMS is not set."""
     num_sms = compat.dispatcher_num_sms(megatron_config)
-    if num_sms is None or env_var_name("num_sms") in os.environ:
+    if num_sms is None or env_is_set("num_sms"):
         return Config.from_env()
     return Config.from_env(num_sms=num_sms)
 
