@@ -339,7 +339,7 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
                                 "bring those links up (ports must read ACTIVE)"))
     if _uverbs_missing(fabric, problems):
         return nccl_probe.SOCKET, "RDMA NICs not reachable from user space"
-    if fabric.efa and not (fabric.nccl.net_plugin or fabric.nccl.plugin_libraries):
+    if fabric.efa and not fabric.nccl.plugin_may_load:
         problems.append(Problem("EFA needs the aws-ofi-nccl NCCL net plugin and none was found",
                                 "install aws-ofi-nccl; set NCCL_NET_PLUGIN or put its lib directory on "
                                 "LD_LIBRARY_PATH"))
@@ -402,8 +402,7 @@ def _socket_forced_by_env(fabric: Fabric, environ: Mapping[str, str]) -> Optiona
         return f"NCCL_NET={net}"
     # NCCL reads NCCL_IB_DISABLE as an integer; it turns off only its built-in IB transport, not a net plugin.
     ib_disable = environ.get("NCCL_IB_DISABLE", "").strip()
-    plugin = fabric.nccl.net_plugin or fabric.nccl.plugin_libraries
-    if not plugin and ib_disable.lstrip("-").isdigit() and int(ib_disable) != 0:
+    if not fabric.nccl.plugin_may_load and ib_disable.lstrip("-").isdigit() and int(ib_disable) != 0:
         return f"NCCL_IB_DISABLE={ib_disable}"
     return None
 

@@ -106,6 +106,13 @@ def test_environment_can_force_sockets(tmp_path):
     efa = {"FI_PROVIDER": "efa", "NCCL_IB_DISABLE": "1"}
     found, code = scaleout(tmp_path / "efa", p5en_efa(tmp_path / "efa"), efa)
     assert (found["scaleout"].mode, code) == (nccl_probe.GDR_DMABUF, 0)
+    # NCCL_NET_PLUGIN=none loads no plugin (NCCL compares it case-blind): sockets, and EFA has no transport.
+    found, code = scaleout(tmp_path, report, {"NCCL_IB_DISABLE": "1", "NCCL_NET_PLUGIN": "none"})
+    assert (found["scaleout"].mode, code) == (nccl_probe.SOCKET, 1)
+    efa_off = {"FI_PROVIDER": "efa", "NCCL_NET_PLUGIN": "None"}
+    found, code = scaleout(tmp_path / "efa_off", p5en_efa(tmp_path / "efa_off"), efa_off)
+    assert (found["scaleout"].mode, code) == (nccl_probe.SOCKET, 1)
+    assert "aws-ofi-nccl" in fixes(found["scaleout"])
 
 
 def test_old_kernel_cannot_import_dmabuf(tmp_path):

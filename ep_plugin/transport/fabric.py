@@ -151,6 +151,15 @@ class NcclInfo:
     plugin_libraries: list[str]  # libnccl-net*.so found on LD_LIBRARY_PATH and the usual places
     env: dict[str, str]  # the relevant variables that are set
 
+    @property
+    def plugin_may_load(self) -> bool:
+        """Whether NCCL may load a net plugin: NCCL_NET_PLUGIN names one, or (unset) a library was found.
+        NCCL_NET_PLUGIN=none (any case) turns plugins off: NCCL then uses its built-in IB or sockets."""
+        named = (self.net_plugin or "").strip()
+        if named:
+            return named.lower() != "none"
+        return bool(self.plugin_libraries)
+
 
 @dataclass
 class MpsInfo:
