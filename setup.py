@@ -89,5 +89,5 @@ setup(
     install_requires=["torch>=2.1", "numpy", "tqdm"],
     extras_require={"test": ["pytest", "pytest-timeout"], "plots": ["matplotlib"],
                     "megatron": ["megatron-core>=0.16.1"]},
-    entry_points={"console_scripts": ["ep-plugin=ep_plugin.__main__:main"]},
+    entry_points={"console_scripts": ["ep-plugin=ep_plugin.__main__:run"]},
 )

@@ -69,9 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     return info()
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The process entry (``python -m ep_plugin`` and the ``ep-plugin`` console script): ``main``'s status."""
     try:
-        sys.exit(main())
-    except BrokenPipeError:  # `python -m ep_plugin info | head`: the reader left; nothing to report
+        status = main()
+        sys.stdout.flush()  # here, not at exit, where a closed pipe could no longer be caught
+        sys.exit(status)
+    except BrokenPipeError:  # `ep-plugin info | head`: the reader left; nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
+
+
+if __name__ == "__main__":
+    run()

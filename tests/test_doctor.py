@@ -440,6 +440,21 @@ def test_module_and_console_script_entry_points():
     assert result.returncode == 0 and json.loads(result.stdout)["verdicts"]
 
 
+@pytest.mark.parametrize("entry", ["module", "console script"])
+def test_a_reader_that_leaves_early_gets_no_traceback(entry):
+    """``ep-plugin info | head -1``: the pipe closes under the writer; both entry points exit 0, quietly."""
+    command = [sys.executable, "-m", "ep_plugin", "info"]
+    if entry == "console script":
+        command = [os.path.join(os.path.dirname(sys.executable), "ep-plugin"), "info"]
+        if not os.path.exists(command[0]):
+            pytest.skip("ep-plugin console script not installed next to this python")
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        process.stdout.close()  # the reader leaves before the first line
+        stderr = process.stderr.read().decode()
+        assert process.wait(timeout=120) == 0, stderr
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
 def test_info_prints_the_fabric_line(capsys):
     from ep_plugin.__main__ import main
 
