@@ -26,7 +26,7 @@ import ep_plugin
 from ep_plugin.cli import OneLineParser, backend_problem, config_problem, default_device, device_problem, gpu_count
 from ep_plugin.config import Config
 from ep_plugin.testing import RankContext, plan_launch, run_ranks
-from ep_plugin.testing.launcher import CPU_RANKS_PER_CORE, cpu_ranks_problem
+from ep_plugin.testing.launcher import CPU_RANKS_PER_CORE, cpu_ranks_problem, mps_problem
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,8 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
                         ("--hidden", args.hidden), ("--experts", args.experts), ("--topk", args.topk)):
         if value < 1:
             return f"{flag} must be at least 1, got {value}"
-    problem = cpu_ranks_problem(args.ranks, args.device)
+    problem = cpu_ranks_problem(args.ranks, args.device) or (
+        mps_problem(args.ranks, gpu_count()) if args.device == "cuda" else None)
     if problem:
         return f"--ranks {args.ranks}: {problem}"
     max_tokens = Config.from_env().max_tokens_per_rank  # the backend is built with the environment's config

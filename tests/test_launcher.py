@@ -44,6 +44,20 @@ def test_cpu_ranks_beyond_the_cores_are_refused_before_any_process_starts(monkey
         run_ranks(report_rank, too_many, 0, timeout_s=60)
 
 
+def test_ranks_sharing_a_gpu_without_mps_are_refused_in_one_line(tmp_path, monkeypatch):
+    """More ranks than GPUs need nvidia-cuda-mps-control (the demo asks before it starts any process)."""
+    from ep_plugin.testing import launcher
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # a machine without the MPS tools
+    assert "nvidia-cuda-mps-control is not on PATH" in launcher.mps_problem(4, 1)
+    assert "run at most 2 rank(s)" in launcher.mps_problem(3, 2)
+    assert launcher.mps_problem(2, 2) is None and launcher.mps_problem(1, 1) is None  # one GPU each
+    control = tmp_path / "nvidia-cuda-mps-control"
+    control.write_text("#!/bin/sh\n")
+    control.chmod(0o755)
+    assert launcher.mps_problem(4, 1) is None
+
+
 def report_rank(ctx, offset):
     tensor = __import__("torch").tensor([ctx.rank + offset])
     dist.all_reduce(tensor)

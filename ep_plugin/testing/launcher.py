@@ -20,6 +20,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import tempfile
 import time
 import traceback
@@ -49,6 +50,18 @@ def cpu_ranks_problem(num_ranks: int, device: str) -> Optional[str]:
     return (f"at most {max_cpu_ranks()} CPU ranks here ({CPU_RANKS_PER_CORE} per core, {_usable_cores()} "
             f"core(s)): each rank is a process with its own torch and a gloo link to every other rank, so more "
             f"of them mostly wait for a core")
+
+
+def mps_problem(num_ranks: int, num_gpus: int) -> Optional[str]:
+    """Why ``num_ranks`` CUDA ranks on ``num_gpus`` GPUs cannot start here, or None: more ranks than GPUs
+    share them under a private MPS daemon, whose control program must be on PATH."""
+    from .mps import CONTROL
+
+    if num_gpus < 1 or num_ranks <= num_gpus or shutil.which(CONTROL) is not None:
+        return None
+    return (f"{num_ranks} ranks on {num_gpus} GPU(s) share them under CUDA MPS, and {CONTROL} is not on PATH "
+            f"(a container or WSL without it): run at most {num_gpus} rank(s), install the CUDA MPS tools, "
+            "or use the CPU")
 
 
 def _usable_cores() -> int:
