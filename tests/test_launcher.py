@@ -58,6 +58,20 @@ def test_ranks_sharing_a_gpu_without_mps_are_refused_in_one_line(tmp_path, monke
     assert launcher.mps_problem(4, 1) is None
 
 
+def killed_while_peers_wait(ctx):
+    import signal
+
+    if ctx.rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer would: no report, no cleanup
+    dist.all_reduce(__import__("torch").ones(1))  # the peers' link to rank 0 closes under them
+
+
+def test_a_killed_rank_is_named_before_the_peer_whose_link_broke():
+    """Before: 'rank 2 raised: ... Connection closed by peer', rank 0 never named."""
+    with pytest.raises(EPError, match=r"rank\(s\) \[0\] exited with code\(s\) \[-9\]"):
+        run_ranks(killed_while_peers_wait, 3, timeout_s=60)
+
+
 def report_rank(ctx, offset):
     tensor = __import__("torch").tensor([ctx.rank + offset])
     dist.all_reduce(tensor)

@@ -201,9 +201,22 @@ def _collect(processes, results, num_ranks: int, timeout_s: float) -> list[Any]:
                                      f"(finished: {sorted(outputs)})") from None
             continue
         if not ok:
-            raise EPError(f"rank {rank} raised:\n{payload}")
+            raise EPError(_failure_report(processes, outputs, rank, payload))
         outputs[rank] = ForkingPickler.loads(payload)
     return [outputs[rank] for rank in range(num_ranks)]
+
+
+def _failure_report(processes, outputs: dict, rank: int, payload: str) -> str:
+    """A rank's error, after the ranks that died without a word: the peers of a rank killed by a signal
+    (out of memory, a segfault) raise connection errors that name nobody, and one of them often reports
+    first. A rank that raises reports and then exits with code 0, so a nonzero code means it never reported."""
+    dead = [r for r, p in enumerate(processes)
+            if r != rank and r not in outputs and not p.is_alive() and p.exitcode not in (None, 0)]
+    if not dead:
+        return f"rank {rank} raised:\n{payload}"
+    codes = [processes[r].exitcode for r in dead]
+    return (f"rank(s) {dead} exited with code(s) {codes} (negative: killed by that signal) without reporting; "
+            f"then rank {rank} raised:\n{payload}")
 
 
 def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dict[str, str], results) -> None:
