@@ -52,6 +52,9 @@ class NvccBuildExt(build_ext):
             "-I" + pybind11.get_include(),
             "-I" + sysconfig.get_paths()["include"],
         ] + [f"-gencode=arch=compute_{arch},code=sm_{arch}" for arch in archs]
+        # The module says what it was built for (_C.BUILT_ARCHS): a GPU outside it is refused by name
+        # when a backend is built, not met with CUDA's "no kernel image" at the first launch.
+        flags.append(f'-DEP_PLUGIN_BUILT_ARCHS="{";".join(archs)}"')
         flags += os.environ.get("EP_PLUGIN_NVCC_FLAGS", "").split()  # e.g. -DNAME for a measured variant
         object_dir = os.path.join(self.build_temp, "ep_plugin_objects")
         os.makedirs(object_dir, exist_ok=True)

@@ -19,6 +19,11 @@
 
 namespace py = pybind11;
 
+// EP_PLUGIN_CUDA_ARCHS at build time, e.g. "90;100" (setup.py defines it).
+#ifndef EP_PLUGIN_BUILT_ARCHS
+#define EP_PLUGIN_BUILT_ARCHS ""
+#endif
+
 namespace ep {
 namespace hybrid {
 void bind(py::module_& parent);
@@ -37,6 +42,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("stream_capture_info", &ep::stream_capture_info, py::arg("stream"),
         "(status, capture id) of a stream: status 0 not capturing, 1 capturing, 2 capture invalidated, -1 unknown");
 
+  m.attr("BUILT_ARCHS") = EP_PLUGIN_BUILT_ARCHS;
   m.attr("MAILBOX_TOTAL_ROWS") = ep::kMailboxTotalRows;
   m.attr("MAILBOX_TOTAL_PACKETS") = ep::kMailboxTotalPackets;
   m.attr("MAILBOX_INPUT_FLAGS") = ep::kMailboxInputFlags;

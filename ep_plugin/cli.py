@@ -83,8 +83,14 @@ def backend_problem(name: str, device: str) -> Optional[str]:
     if device not in devices:
         no_gpu = " (and there is no GPU here)" if "cuda" in devices and not gpu_count() else ""
         return f"backend {name!r} runs on {' and '.join(devices)} only, not on {device}{no_gpu}"
-    if device == "cuda" and "cpu" not in devices and not _cuda.available():
-        return f"backend {name!r} needs the compiled extension: {_cuda.describe()}"
+    if device == "cuda" and "cpu" not in devices:
+        if not _cuda.available():
+            return f"backend {name!r} needs the compiled extension: {_cuda.describe()}"
+        import torch
+
+        problem = _cuda.arch_problem(torch.cuda.get_device_capability(torch.cuda.current_device()))
+        if problem:
+            return f"backend {name!r}: {problem}"
     return None
 
 

@@ -23,6 +23,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
+from . import _cuda
 from .transport import nccl_probe
 from .transport.fabric import Fabric, probe_fabric
 from .transport.sizing import SmSizing, autosize_sms, co_residency_limit
@@ -71,8 +72,6 @@ class Options:
 
 
 def _extension_state() -> tuple[bool, str]:
-    from . import _cuda
-
     if _cuda._module is None:
         return False, f"ep_plugin._C is not built ({_cuda._import_error})"
     return True, "ep_plugin._C is built"
@@ -191,9 +190,13 @@ def nvlink_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str],
         verdict.status = _worst(verdict.status, DEGRADED)
     for gpu in gpus:
         major, minor = gpu.info.compute_capability
-        if major < 9:
+        mismatch = _cuda.arch_mismatch((major, minor))
+        if mismatch:  # the installed kernels cannot run there
+            problems.append(Problem(f"GPU {gpu.info.index}: {mismatch[0]}", mismatch[1]))
+            verdict.status = _worst(verdict.status, UNAVAILABLE)
+        elif major < 9 and not _cuda.built_archs():  # not built here: the default build targets sm_90
             problems.append(Problem(f"GPU {gpu.info.index} is sm_{major}{minor}; the extension's default build "
-                                    f"targets sm_90", f"rebuild with EP_PLUGIN_CUDA_ARCHS={major}{minor}"))
+                                    f"targets sm_90", f"build with EP_PLUGIN_CUDA_ARCHS={major}{minor}"))
             verdict.status = _worst(verdict.status, DEGRADED)
     _check_scaleup_size(fabric, options, environ, verdict)
     _check_co_residency(fabric, options, environ, verdict)

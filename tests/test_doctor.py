@@ -21,7 +21,7 @@ from fake_fabric import (
     write,
 )
 
-from ep_plugin import doctor
+from ep_plugin import _cuda, doctor
 from ep_plugin.doctor import DEGRADED, NOT_NEEDED, OK, UNAVAILABLE, Options, assess, exit_code
 from ep_plugin.transport import nccl_probe
 from ep_plugin.transport.cuda_driver import DriverReport
@@ -365,7 +365,32 @@ def test_sm_autosize_line_honours_max_sms_per_gpu(tmp_path, capsys):
 
 def test_older_architecture_is_flagged(tmp_path):
     found, _ = verdicts(make_fabric(tmp_path, driver([gpu(0, "0000:00:05.0", cc=(8, 0), nvlinks=0)])))
-    assert "EP_PLUGIN_CUDA_ARCHS=80" in fixes(found["nvlink"])
+    built = _cuda.built_archs()
+    if not built:  # no extension here: the default build's targets
+        assert "EP_PLUGIN_CUDA_ARCHS=80" in fixes(found["nvlink"])
+    elif "80" not in built:  # the kernels installed here cannot run on it
+        assert found["nvlink"].status == UNAVAILABLE
+        assert f'EP_PLUGIN_CUDA_ARCHS="{";".join(built)};80"' in fixes(found["nvlink"])
+
+
+def test_a_gpu_the_installed_kernels_were_not_built_for_is_unavailable(tmp_path, monkeypatch):
+    """A Blackwell GPU (sm_100) with the default sm_90 build: the kernels cannot run there, so the NVLink
+    path is unavailable (it said ok, and the first launch failed with CUDA's 'no kernel image')."""
+    monkeypatch.setattr(_cuda, "built_archs", lambda: ("90",))
+    found, code = verdicts(make_fabric(tmp_path, driver([gpu(0, "0000:00:05.0", cc=(10, 0), nvlinks=0)])),
+                           backend="hybrid")
+    assert found["nvlink"].status == UNAVAILABLE and code == 1
+    assert 'EP_PLUGIN_CUDA_ARCHS="90;100"' in fixes(found["nvlink"])
+
+
+@pytest.mark.parametrize("archs,capability,runs", [
+    (("90",), (9, 0), True), (("90",), (10, 0), False), (("90",), (8, 0), False),
+    (("80",), (8, 6), True), (("86",), (8, 0), False),  # same major, a minor at least the build's
+    (("90a",), (9, 0), True), (("100a",), (10, 3), False),  # architecture-specific: that GPU only
+    (("90", "100"), (10, 3), True), ((), (7, 0), True),  # unknown builds are not judged here
+])
+def test_which_gpus_a_build_runs_on(archs, capability, runs):
+    assert (_cuda.arch_mismatch(capability, archs) is None) == runs
 
 
 # ---- MPS ---------------------------------------------------------------------------------------------

@@ -90,6 +90,9 @@ class CompiledBackend(Backend):
                 f"backend {self.name!r} needs the CUDA extension and a GPU: {_cuda.describe()}")
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        problem = _cuda.arch_problem(torch.cuda.get_device_capability(self.device))
+        if problem:  # before any collective: every rank of a job has such GPUs, so every rank raises
+            raise BackendUnavailableError(f"backend {self.name!r}: {problem}")
         self._C = _cuda.extension()
         if self.num_ranks > self._C.MAX_RANKS:
             raise ValueError(f"backend {self.name!r} supports at most {self._C.MAX_RANKS} ranks per NVLink domain, "
