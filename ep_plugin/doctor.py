@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -293,8 +294,8 @@ def _kernel_at_least(release: Optional[str], major: int, minor: int) -> Optional
     if not release:
         return None
     parts = release.split(".")
-    try:
-        return (int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)) >= (major, minor)
+    try:  # the minor's leading digits: "5.1-rc3" is 5.1, not 5.13
+        return (int(parts[0]), int(re.match(r"\d*", parts[1]).group() or 0)) >= (major, minor)
     except (IndexError, ValueError):
         return None
 

@@ -513,3 +513,10 @@ def test_bad_sizes_are_one_line_errors(argv, words, capsys):
         doctor.main(argv, environ={})  # the parser stops it before any probe
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("release,at_least_5_12", [("6.18.44-fc-v1252", True), ("5.12.0", True), ("5.11.22", False),
+                                                   ("5.1-rc3", False), ("5.4.0-150-generic", False), ("", None)])
+def test_kernel_release_against_dmabuf_import_minimum(release, at_least_5_12):
+    """DMA-BUF import needs Linux 5.12; the minor is its leading digits (5.1-rc3 once read as 5.13)."""
+    assert doctor._kernel_at_least(release, 5, 12) is at_least_5_12
