@@ -12,7 +12,7 @@ def info() -> int:
     import ep_plugin
     from ep_plugin import _cuda
     from ep_plugin.cli import available_backends, default_device, describe_gpus
-    from ep_plugin.config import describe
+    from ep_plugin.config import describe, unknown_variables
 
     print(f"ep_plugin {ep_plugin.__version__}, torch {torch.__version__}")
     print(f"GPU: {describe_gpus()}")
@@ -23,6 +23,8 @@ def info() -> int:
     print("knobs:")
     for env_name, default, help_text in describe():
         print(f"  {env_name:36s} {default:10s} {help_text}")
+    for variable, hint in unknown_variables().items():
+        print(f"  {variable} is set but is not a knob: ignored{hint}")
     return 0
 
 

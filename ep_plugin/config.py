@@ -8,12 +8,19 @@ empty value counts as unset.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 ENV_PREFIX = "EP_PLUGIN_"
+# Variables of the build and the test bed, not knobs: setup.py and tests/conftest.py read them.
+OTHER_VARIABLES = ("EP_PLUGIN_CUDA_ARCHS", "EP_PLUGIN_NO_CUDA", "EP_PLUGIN_NVCC_FLAGS", "EP_PLUGIN_REQUIRE_GPU")
+
+logger = logging.getLogger(__name__)
+_warned_unknown: set[str] = set()
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -108,6 +115,10 @@ class Config:
         if unknown:
             raise TypeError(f"Config has no field(s) {sorted(unknown)}; known fields: {sorted(known)}")
         values: dict[str, Any] = {}
+        for variable, hint in unknown_variables(environ).items():
+            if variable not in _warned_unknown:  # once per process: from_env runs at every backend build
+                _warned_unknown.add(variable)
+                logger.warning("ep_plugin: %s is not a knob and is ignored%s", variable, hint)
         for name, f in known.items():
             env_name = env_var_name(name)
             if env_is_set(name, environ):
@@ -121,6 +132,19 @@ class Config:
 
 def env_var_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
+
+
+def unknown_variables(environ: Optional[dict] = None) -> dict[str, str]:
+    """EP_PLUGIN_* variables that name no knob (a typo such as EP_PLUGIN_NUM_SM would go unnoticed), each with
+    a hint naming the closest knob ("" when none is close)."""
+    environ = os.environ if environ is None else environ
+    knobs = [env_var_name(f.name) for f in fields(Config)]
+    unknown = {}
+    for variable in sorted(environ):
+        if variable.startswith(ENV_PREFIX) and variable not in knobs and variable not in OTHER_VARIABLES:
+            close = difflib.get_close_matches(variable, knobs, n=1)
+            unknown[variable] = f" (did you mean {close[0]}?)" if close else ""
+    return unknown
 
 
 def env_is_set(field_name: str, environ: Optional[dict] = None) -> bool:

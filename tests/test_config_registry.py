@@ -19,6 +19,25 @@ def test_env_overrides_and_keyword_precedence():
     assert Config.from_env({}).timeout_s == Config().timeout_s
 
 
+def test_a_variable_that_names_no_knob_is_named_once(caplog, capsys, monkeypatch):
+    """A typo (EP_PLUGIN_NUM_SM) used to be ignored without a word: from_env warns once per process with the
+    closest knob, and ``info`` lists it. The build's and the test bed's own variables are not knobs."""
+    from ep_plugin import config
+    from ep_plugin.__main__ import main
+
+    monkeypatch.setattr(config, "_warned_unknown", set())
+    env = {"EP_PLUGIN_NUM_SM": "8", "EP_PLUGIN_CUDA_ARCHS": "90", "EP_PLUGIN_TIMEOUT_S": "5"}
+    with caplog.at_level("WARNING", logger="ep_plugin.config"):
+        assert Config.from_env(env).num_sms == Config().num_sms
+        Config.from_env(env)
+    warned = [r.getMessage() for r in caplog.records if "not a knob" in r.getMessage()]
+    assert warned == ["ep_plugin: EP_PLUGIN_NUM_SM is not a knob and is ignored (did you mean EP_PLUGIN_NUM_SMS?)"]
+    monkeypatch.setenv("EP_PLUGIN_NUM_SM", "8")
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "EP_PLUGIN_NUM_SM is set but is not a knob: ignored (did you mean EP_PLUGIN_NUM_SMS?)" in out
+
+
 def test_a_variable_set_to_nothing_is_unset():
     """``docker -e EP_PLUGIN_BLOCKING=`` (or an empty export) keeps the default: it used to turn blocking off,
     while an empty int variable raised."""
