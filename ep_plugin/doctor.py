@@ -362,6 +362,8 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
         return nccl_probe.STAGED, "GPU without GPUDirect RDMA"
     dmabuf_ok, dmabuf_why = _dmabuf_usable(fabric, environ, first)
     peermem = bool(fabric.peermem)
+    if (dmabuf_ok or peermem) and _too_far_for_gdr(fabric, gdr_level, problems):
+        return nccl_probe.STAGED, "every GPU's NIC is farther than NCCL_NET_GDR_LEVEL allows"
     _note_gdr_distance(fabric, verdict)
     if dmabuf_ok:
         also = " (nvidia-peermem is loaded too)" if peermem else ""
@@ -425,6 +427,31 @@ def _dmabuf_usable(fabric: Fabric, environ: Mapping[str, str], gpu) -> tuple[boo
     if _kernel_at_least(fabric.kernel_release, 5, 12) is False:
         return False, f"Linux {fabric.kernel_release} is older than 5.12"
     return True, "ok"
+
+
+# NCCL_NET_GDR_LEVEL's names and numbers, and the level a NIC's affinity to its GPU needs.
+_GDR_LEVELS = {"LOC": 0, "PIX": 1, "PXB": 2, "PHB": 3, "SYS": 4}
+_NCCL_DEFAULT_GDR_LEVEL = "PXB"  # NIC and GPU behind PCIe switches, not through the CPU's root complex
+_AFFINITY_GDR_LEVEL = {"PCIe switch": 2, "PCI root": 3, "NUMA node": 4}
+
+
+def _too_far_for_gdr(fabric: Fabric, gdr_level: str, problems: list[Problem]) -> bool:
+    """Whether every GPU's nearest NIC is farther than NCCL_NET_GDR_LEVEL (default PXB) lets NCCL use
+    GPUDirect RDMA: then NCCL stages every transfer through host memory (a problem naming the level)."""
+    text = gdr_level or _NCCL_DEFAULT_GDR_LEVEL
+    allowed = int(text) if text.isdigit() else _GDR_LEVELS.get(text)
+    placed = [g for g in fabric.gpus if g.nearest_nics and g.nic_affinity in _AFFINITY_GDR_LEVEL]
+    if allowed is None or not placed or any(_AFFINITY_GDR_LEVEL[g.nic_affinity] <= allowed for g in placed):
+        return False
+    needed = max(_AFFINITY_GDR_LEVEL[g.nic_affinity] for g in placed)
+    name = next(level for level, number in _GDR_LEVELS.items() if number == needed)
+    problems.append(Problem(f"every GPU's nearest NIC shares only its {placed[0].nic_affinity} (or less) with it, "
+                            f"farther than NCCL_NET_GDR_LEVEL={text}{'' if gdr_level else ' (the default)'} lets "
+                            "NCCL use GPUDirect RDMA: it stages every transfer through host memory",
+                            f"give each GPU a NIC behind its PCIe switch (NCCL_IB_HCA); NCCL_NET_GDR_LEVEL={name} "
+                            "allows GPUDirect RDMA across that path, which can be slower than the staging: measure "
+                            "it"))
+    return True
 
 
 def _note_gdr_distance(fabric: Fabric, verdict: Verdict) -> None:

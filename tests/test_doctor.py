@@ -115,6 +115,26 @@ def test_environment_can_force_sockets(tmp_path):
     assert "aws-ofi-nccl" in fixes(found["scaleout"])
 
 
+def test_nics_farther_than_nccls_gdr_level_mean_staging(tmp_path):
+    """A flat VM: both GPUs share only the PCI root with the one NIC. NCCL's default NCCL_NET_GDR_LEVEL (PXB)
+    then turns GPUDirect RDMA off, so the verdict is staged (it said dma-buf GDR, with a note below
+    contradicting it); a level that covers the root complex gives GDR back."""
+    add_gpu_pci(tmp_path, ["pci0000:00", "0000:00:05.0"])
+    add_gpu_pci(tmp_path, ["pci0000:00", "0000:00:06.0"])
+    add_rdma(tmp_path, "mlx5_0", ["pci0000:00", "0000:00:07.0"])
+    add_uverbs(tmp_path, 1)
+    report = driver([gpu(0, "0000:00:05.0"), gpu(1, "0000:00:06.0")])
+    found, code = scaleout(tmp_path, report)
+    assert (found["scaleout"].mode, code) == (nccl_probe.STAGED, 1)
+    assert "NCCL_NET_GDR_LEVEL=PXB (the default)" in found["scaleout"].problems[0].text
+    assert "NCCL_NET_GDR_LEVEL=PHB" in fixes(found["scaleout"])
+    for level in ("PHB", "SYS", "3"):
+        found, code = scaleout(tmp_path, report, {"NCCL_NET_GDR_LEVEL": level})
+        assert (found["scaleout"].mode, code) == (nccl_probe.GDR_DMABUF, 0), level
+    found, _ = scaleout(tmp_path, report, {"NCCL_NET_GDR_LEVEL": "PXB"})
+    assert found["scaleout"].mode == nccl_probe.STAGED
+
+
 def test_old_kernel_cannot_import_dmabuf(tmp_path):
     report = dgx_cx7(tmp_path, peermem=False)
     write(tmp_path / "proc/sys/kernel/osrelease", "5.4.0-150-generic")
