@@ -21,6 +21,7 @@ differs makes every rank raise ``EPError`` (never a hang in a later collective).
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ import torch.distributed as dist
 from .config import Config
 from .errors import EPError
 from .host_collectives import HostCollectives
+
+logger = logging.getLogger(__name__)
+_warned_isolated: set[str] = set()  # hosts warned about (once per process)
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,7 @@ class Topology:
 
 def _placement_facts(device: torch.device) -> dict:
     """What this rank knows about where it runs (compared across ranks by ``detect_topology``)."""
-    facts: dict = {"host": socket.gethostname(), "gpu": None, "peers": ()}
+    facts: dict = {"host": socket.gethostname(), "gpu": None, "peers": (), "visible_gpus": 0}
     if device.type == "cuda":
         from .transport.placement import gpu_identity
 
@@ -112,7 +116,22 @@ def _placement_facts(device: torch.device) -> dict:
             if other != index and torch.cuda.can_device_access_peer(index, other):
                 peers.append(gpu_identity(torch.device("cuda", other)))
         facts["peers"] = tuple(peers)
+        facts["visible_gpus"] = torch.cuda.device_count()
     return facts
+
+
+def isolated_gpus(placements: list[dict]) -> dict[str, list[int]]:
+    """Hosts whose ranks each see only their own GPU (CUDA_VISIBLE_DEVICES of one device per process, as
+    with Slurm's --gpus-per-task=1) while several GPUs there have ranks: host -> those ranks.
+
+    Peer access between their GPUs cannot be checked from such a process (the peer is not visible), so
+    detection makes each rank an NVLink domain of its own, and every token between them goes through the
+    scale-out path."""
+    ranks: dict[str, list[int]] = {}
+    for q, facts in enumerate(placements):
+        if facts["gpu"] is not None and facts.get("visible_gpus") == 1:
+            ranks.setdefault(facts["host"], []).append(q)
+    return {host: qs for host, qs in ranks.items() if len({placements[q]["gpu"] for q in qs}) > 1}
 
 
 def mappable_domain_size(placements: list[dict]) -> int:
@@ -168,6 +187,14 @@ def detect_topology(group: Optional[dist.ProcessGroup], device: torch.device, *,
         raise EPError(f"ep_plugin topology: ranks disagree on the forced domain size (0 = detect): {per_rank}. "
                       f"Force it alike on every rank.")
     detected = mappable_domain_size(everyone)
+    for host, ranks in isolated_gpus(everyone).items():
+        if rank == 0 and host not in _warned_isolated:
+            _warned_isolated.add(host)
+            logger.warning("ep_plugin topology: ranks %s on %s each see only their own GPU, so peer access between "
+                           "them cannot be checked: each is an NVLink domain of its own and their tokens go through "
+                           "the scale-out path (NCCL). Give every process the node's GPUs (no per-task "
+                           "CUDA_VISIBLE_DEVICES) and pick its own with torch.cuda.set_device(local_rank).",
+                           ranks, host)
     gpus = tuple(facts["gpu"] for facts in everyone)
     size = forced_sizes[0]
     if size == 0:

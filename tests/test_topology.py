@@ -35,6 +35,24 @@ def test_detected_domain_is_the_ranks_that_can_map_each_other():
     assert mappable_domain_size(no_peer_access) == 2  # 2 ranks per GPU, GPUs that cannot map each other
 
 
+def test_ranks_that_each_see_one_gpu_are_found():
+    """One GPU per process (Slurm's --gpus-per-task=1): domains of one rank, and detection names the ranks."""
+    from ep_plugin.topology import isolated_gpus
+
+    def isolated(host, gpu):
+        return {**_gpu(host, gpu), "visible_gpus": 1}
+
+    per_task = [isolated("a", f"a{i}") for i in range(4)] + [isolated("b", f"b{i}") for i in range(4)]
+    assert mappable_domain_size(per_task) == 1
+    assert isolated_gpus(per_task) == {"a": [0, 1, 2, 3], "b": [4, 5, 6, 7]}
+    whole_node = [{**_gpu("a", f"a{i}", [f"a{j}" for j in range(4) if j != i]), "visible_gpus": 4}
+                  for i in range(4)]
+    assert isolated_gpus(whole_node) == {}
+    shared = [isolated("a", "a0")] * 4  # ranks sharing the one GPU they see can map each other
+    assert isolated_gpus(shared) == {} and mappable_domain_size(shared) == 4
+    assert isolated_gpus([{"host": "h", "gpu": None, "peers": (), "visible_gpus": 0}] * 2) == {}
+
+
 def detection_and_disagreement(ctx) -> dict:
     config = Config.from_env()
     group = torch.distributed.group.WORLD
