@@ -1,6 +1,7 @@
 """The multi-rank launcher: placement logic, results, errors and hangs reported by rank."""
 
 import os
+import sys
 import threading
 import time
 
@@ -70,6 +71,54 @@ def test_a_killed_rank_is_named_before_the_peer_whose_link_broke():
     """Before: 'rank 2 raised: ... Connection closed by peer', rank 0 never named."""
     with pytest.raises(EPError, match=r"rank\(s\) \[0\] exited with code\(s\) \[-9\]"):
         run_ranks(killed_while_peers_wait, 3, timeout_s=60)
+
+
+LAUNCHER_SCRIPT = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from ep_plugin.testing import run_ranks
+from test_launcher import write_pid_and_sleep
+run_ranks(write_pid_and_sleep, 2, {folder!r}, timeout_s=120)
+"""
+
+
+def write_pid_and_sleep(ctx, folder):
+    with open(os.path.join(folder, f"rank{ctx.rank}.pid"), "w") as file:
+        file.write(str(os.getpid()))
+    time.sleep(120)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_ranks_go_with_a_launcher_that_was_killed(tmp_path):
+    """A launcher killed by SIGKILL (a CI timeout) cannot stop its ranks: they must not outlive it."""
+    import signal
+    import subprocess
+
+    script = LAUNCHER_SCRIPT.format(tests=os.path.dirname(__file__), folder=str(tmp_path))
+    launcher = subprocess.Popen([sys.executable, "-c", script])
+    pid_files = [tmp_path / f"rank{r}.pid" for r in range(2)]
+    deadline = time.monotonic() + 60
+    while not all(f.exists() and f.read_text() for f in pid_files):
+        assert time.monotonic() < deadline and launcher.poll() is None, "the ranks did not start"
+        time.sleep(0.1)
+    ranks = [int(f.read_text()) for f in pid_files]
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    while any(_running(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [pid for pid in ranks if _running(pid)]
+    for pid in alive:  # leave nothing behind, whatever the outcome
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"rank processes {alive} outlived their killed launcher"
 
 
 def report_rank(ctx, offset):

@@ -219,7 +219,23 @@ def _failure_report(processes, outputs: dict, rank: int, payload: str) -> str:
             f"then rank {rank} raised:\n{payload}")
 
 
+def _die_with_the_launcher() -> None:
+    """Linux: this rank gets SIGKILL when the launcher's process dies. A launcher that is killed (a CI job's
+    timeout, Ctrl-C twice) cannot stop its ranks itself, and they would hold the GPU and their ports."""
+    launcher = mp.parent_process()
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the launcher's own cleanup only
+        return
+    if launcher is not None and os.getppid() != launcher.pid:  # it died before the line above
+        os._exit(1)
+
+
 def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dict[str, str], results) -> None:
+    _die_with_the_launcher()
     os.environ.update(env)  # before any CUDA call: MPS pipes, EP_PLUGIN_* knobs
     try:
         import torch
