@@ -79,6 +79,20 @@ def test_step_row_is_the_median_over_ranks_of_the_loop_figure():
     assert step["algo_gbps"] is None  # no bytes per rank to rate: it is the round trip's time
 
 
+def test_an_fp8_dispatch_is_rated_in_its_rows_and_its_combine_in_bf16():
+    """An fp8 dispatch moves H + H/128 * 4 bytes a token, its combine 2H (bf16): the combine's GB/s once came
+    from the fp8 bytes, about half the real rate."""
+    hidden, tokens_in = 256, 10
+    fp8_row = hidden + hidden // 128 * 4
+    record = dict(backend="hybrid", mode="blocking", payload="fp8", tokens=8, hidden=hidden, topk=2, experts=4,
+                  sms=8, routing="balanced", ranks=1, samples_us=[[[10.0, 10.0]]],
+                  bytes={"recv_token_bytes": [tokens_in * fp8_row], "out_bytes": [0], "remote_bytes_in": [0]},
+                  ceiling_us={})
+    rows = {row["op"]: row for row in summarize(record, link_gbps=0.0)}
+    assert rows["dispatch"]["algo_gbps"] == pytest.approx(tokens_in * fp8_row / 10e-6 / 1e9)
+    assert rows["combine"]["algo_gbps"] == pytest.approx(tokens_in * 2 * hidden / 10e-6 / 1e9)
+
+
 def test_skewed_routing_is_skewed():
     shape = Shape(tokens=2048, hidden=8, topk=2, experts=16, payload="bf16", routing="skewed")
     routing_map, probs = make_routing(shape, 0, 0, torch.device("cpu"))

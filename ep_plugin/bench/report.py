@@ -8,6 +8,8 @@ import os
 import statistics
 from typing import Optional
 
+from .workload import Shape
+
 OPS = ("dispatch", "combine", "roundtrip")  # from the per-op events
 ROW_OPS = (*OPS, "step")  # every op a summary row can name; "step": a plain loop's µs per round trip
 
@@ -72,10 +74,21 @@ def _scaleout_columns(record: dict, op: str, median_us: float) -> dict:
     return dict(domains=record.get("domains"), scaleout_mb=num_bytes / 1e6, scaleout_gbps=rate)
 
 
+def _combine_token_bytes(record: dict) -> list[int]:
+    """recv_token_bytes in bf16 rows: what a combine moves back, whatever the dispatch's payload."""
+    received = record["bytes"]["recv_token_bytes"]
+    if record.get("payload") != "fp8":
+        return received
+    shape = Shape(record["tokens"], record["hidden"], record["topk"], record["experts"], "fp8", record["routing"])
+    return [b // shape.row_bytes() * 2 * shape.hidden for b in received]
+
+
 def _op_times(record: dict) -> list[tuple[str, list[float], list[float]]]:
     """(op, µs samples, GB/s per sample) for each op of a record: the per-op events' samples over ranks x
-    iterations, and the step row's one figure per rank (records written before it existed have none)."""
-    recv_bytes = record["bytes"]["recv_token_bytes"]
+    iterations, and the step row's one figure per rank (records written before it existed have none).
+    GB/s: the tokens a rank receives, in the op's rows: the payload's for dispatch, bf16 for combine (an fp8
+    dispatch is combined in bf16)."""
+    op_bytes = {"dispatch": record["bytes"]["recv_token_bytes"], "combine": _combine_token_bytes(record)}
     ops = []
     for op_index, op in enumerate(OPS):
         times, rates = [], []
@@ -84,7 +97,7 @@ def _op_times(record: dict) -> list[tuple[str, list[float], list[float]]]:
                 t = sample[0] + sample[1] if op == "roundtrip" else sample[op_index]
                 times.append(t)
                 if op != "roundtrip" and t > 0:
-                    rates.append(recv_bytes[rank] / (t * 1e-6) / 1e9)
+                    rates.append(op_bytes[op][rank] / (t * 1e-6) / 1e9)
         ops.append((op, times, rates))
     if record.get("step_us"):
         ops.append(("step", list(record["step_us"]), []))
