@@ -55,23 +55,26 @@ class MoELayer(torch.nn.Module):
         self.w_in = torch.nn.Parameter(torch.randn(local, spec.hidden_size, spec.ffn_size, device=device) * 0.1)
         self.w_out = torch.nn.Parameter(torch.randn(local, spec.ffn_size, spec.hidden_size, device=device) * 0.1)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(routing_map [T, E] bool, probs [T, E] float32): each token's top-k experts, weights renormalised."""
+    def route(self, x: torch.Tensor) -> dict:
+        """Each token's top-k experts, weights renormalised, in the routing form the backend takes:
+        routing_map [T, E] bool with probs [T, E] float32, or topk_idx [T, k] with topk_weights [T, k]."""
         scores = torch.softmax(self.router(x), dim=-1)
         top_scores, top_experts = scores.topk(self.spec.topk, dim=-1)
         top_scores = top_scores / top_scores.sum(dim=-1, keepdim=True)
+        if "routing_map" not in self.backend.capabilities.routing_forms:  # elastic
+            return dict(topk_idx=top_experts, topk_weights=top_scores)
         routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top_experts, True)
         probs = torch.zeros_like(scores).scatter(1, top_experts, top_scores)
-        return routing_map, probs
+        return dict(routing_map=routing_map, probs=probs)
 
     def expert(self, local_expert: int, rows: torch.Tensor) -> torch.Tensor:
         """This rank's expert ``local_expert`` (a two-layer MLP) on rows [N, H] float32."""
         return F.gelu(rows @ self.w_in[local_expert]) @ self.w_out[local_expert]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routing_map, probs = self.route(x)
-        out = ep_plugin.dispatch(self.backend, x.to(self.payload_dtype).contiguous(), routing_map=routing_map,
-                                 probs=probs)
+        # Rows grouped by local expert, one prob each: a backend that also has a compact form is asked for these.
+        expand = dict(expand=True, zero_padding=True) if "expand" in self.backend.capabilities.dispatch_options else {}
+        out = ep_plugin.dispatch(self.backend, x.to(self.payload_dtype).contiguous(), **self.route(x), **expand)
         segments = torch.split(out.hidden.float(), out.tokens_per_expert.tolist())
         expert_rows = [self.expert(e, seg) for e, seg in enumerate(segments)]
         rows = torch.cat(expert_rows) * out.probs.unsqueeze(1)
@@ -98,7 +101,8 @@ def train(ctx: RankContext, spec: DemoSpec) -> list[float]:
     device = torch.device(ctx.device)
     backend = ep_plugin.get_backend(spec.backend)(hidden_size=spec.hidden_size, num_experts=spec.num_experts,
                                                   device=device)
-    payload_dtype = torch.bfloat16 if spec.backend == "hybrid" else torch.float32
+    # fp32 tokens where the backend moves them (reference), else bf16 (the compiled backends).
+    payload_dtype = torch.float32 if torch.float32 in backend.capabilities.hidden_dtypes else torch.bfloat16
     model = MoELayer(spec, backend, payload_dtype, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=spec.lr)
     progress = _progress(ctx, spec)
@@ -197,14 +201,15 @@ def _describe_launch(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    device, backend = default_device_and_backend()
+    device, default_backend = default_device_and_backend()
     parser = OneLineParser(prog="python -m ep_plugin demo", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4,
                         help=f"number of rank processes (default 4; on CPU at most {CPU_RANKS_PER_CORE} per core)")
     parser.add_argument("--steps", type=int, default=DemoSpec.steps, help=f"training steps (default {DemoSpec.steps})")
-    parser.add_argument("--backend", default=backend,
-                        help=f"one of {', '.join(ep_plugin.list_backends())} (default here: {backend})")
+    parser.add_argument("--backend", default=None,
+                        help=f"one of {', '.join(ep_plugin.list_backends())} (default: hybrid on a GPU that runs it, "
+                             f"else reference; here: {default_backend})")
     parser.add_argument("--device", default=device, choices=["cpu", "cuda"], help=f"default here: {device}")
     parser.add_argument("--tokens", type=int, default=DemoSpec.tokens_per_rank,
                         help=f"tokens per rank per step (default {DemoSpec.tokens_per_rank})")
@@ -216,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"experts per token, at most --experts (default {DemoSpec.topk})")
     parser.add_argument("--lr", type=float, default=DemoSpec.lr, help=f"Adam learning rate (default {DemoSpec.lr})")
     args = parser.parse_args(argv)
+    if args.backend is None:  # after --device: --device cpu on a GPU machine means reference
+        args.backend = default_backend if args.device == device else "reference"
     problem = _argument_problem(args)
     if problem:
         parser.error(problem)  # one line, exit status 2, before any process starts

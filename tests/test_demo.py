@@ -1,6 +1,7 @@
 """The main job: the README's demo command trains, its loss goes down, and its losses are the
 ones the same model gets when trained in one process without dispatch or combine."""
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ep_plugin.backends.reference import ReferenceBackend
 from ep_plugin.demo import DemoSpec, MoELayer, synthetic_tokens, teacher, train
 from ep_plugin.testing import run_ranks
 
@@ -36,8 +38,10 @@ def train_in_one_process(spec: DemoSpec, world_size: int, payload_dtype: torch.d
     """
     local = spec.num_experts // world_size
     device = torch.device(device)
-    layers = [MoELayer(spec, SimpleNamespace(rank=rank, num_local_experts=local), payload_dtype, device)
-              for rank in range(world_size)]
+    # Stand-ins for each rank's backend: what MoELayer reads of it (the dense twin moves no tokens).
+    ranks = [SimpleNamespace(rank=rank, num_local_experts=local, capabilities=ReferenceBackend.capabilities)
+             for rank in range(world_size)]
+    layers = [MoELayer(spec, rank, payload_dtype, device) for rank in ranks]
     router = layers[0].router  # every rank builds the same router (one seed); ranks sum its gradients
     parameters = list(router.parameters()) + [p for layer in layers for p in (layer.w_in, layer.w_out)]
     optimizer = torch.optim.Adam(parameters, lr=spec.lr)
@@ -46,7 +50,8 @@ def train_in_one_process(spec: DemoSpec, world_size: int, payload_dtype: torch.d
         loss = torch.zeros((), device=device)
         for rank in range(world_size):
             x = synthetic_tokens(spec, step, rank, world_size).to(device)
-            routing_map, probs = layers[0].route(x)
+            routing = layers[0].route(x)  # the reference takes the routing-map form
+            routing_map, probs = routing["routing_map"], routing["probs"]
             payload = x.to(payload_dtype).float()
             moe = torch.zeros_like(x)
             for expert in range(spec.num_experts):
@@ -81,6 +86,40 @@ def test_hybrid_demo_losses_equal_single_process_training():
     single = train_in_one_process(spec, 2, torch.bfloat16, device="cuda")
     # hybrid rounds each rank's partial sum to bf16 (the dense twin rounds once): a few bf16 ulps.
     torch.testing.assert_close(torch.tensor(distributed[0]), torch.tensor(single), rtol=2e-2, atol=0)
+
+
+class _TopkOnlyReference(ReferenceBackend):
+    """The reference taking only top-k ids, as elastic does: the demo's other routing form, on CPU."""
+
+    capabilities = dataclasses.replace(ReferenceBackend.capabilities, routing_forms=("topk",))
+
+
+def train_in_topk_form(ctx, spec):
+    from ep_plugin.registry import register_backend
+
+    register_backend("reference_topk", _TopkOnlyReference, overwrite=True)  # in this rank's process
+    return train(ctx, replace(spec, backend="reference_topk"))
+
+
+def test_a_backend_that_takes_top_k_ids_trains_alike():
+    """The demo hands a backend the routing form it takes (elastic: top-k ids only; it used to pass a routing
+    map to every backend, so `--backend elastic` crashed on every rank): the same losses either way."""
+    spec = replace(DENSE_CHECK_SPEC, steps=3)
+    topk = run_ranks(train_in_topk_form, 2, spec, timeout_s=180)
+    routing_map = run_ranks(train, 2, spec, timeout_s=180)
+    assert topk[0] == routing_map[0]
+
+
+def test_device_cpu_on_a_gpu_machine_defaults_to_the_reference(monkeypatch):
+    """The default backend follows --device (it was chosen from the machine before the options were read,
+    so `--device cpu` on a GPU machine stopped with 'backend hybrid runs on cuda only')."""
+    import ep_plugin.demo as demo
+
+    launched = []
+    monkeypatch.setattr(demo, "default_device_and_backend", lambda: ("cuda", "hybrid"))
+    monkeypatch.setattr(demo, "run_ranks", lambda fn, ranks, spec, **kwargs: launched.append(spec) or [[0.5]])
+    assert demo.main(["--device", "cpu", "--steps", "1", "--ranks", "2"]) == 0
+    assert launched[0].backend == "reference"
 
 
 def test_demo_rejects_experts_not_divisible_by_ranks():

@@ -313,6 +313,11 @@ class Backend(abc.ABC):
         raise RuntimeError(f"ep_plugin {self.name}: {op} inside a CUDA graph capture: this backend {why}")
 
     def check_dispatch_input(self, hidden, *, routing_map, probs, topk_idx, topk_weights, pad_multiple):
+        form = "routing_map" if routing_map is not None else "topk" if topk_idx is not None else None
+        if form is not None and form not in self.capabilities.routing_forms:
+            given, takes = (("routing_map", "topk_idx (+ topk_weights)") if form == "routing_map" else
+                            ("topk_idx", "routing_map (+ probs)"))
+            raise ValueError(f"backend {self.name!r} takes {takes}, not {given}")
         if isinstance(hidden, (tuple, list)):
             hidden = self.check_fp8_hidden(hidden)
         else:
