@@ -110,6 +110,16 @@ def test_bench_rejects_unknown_axis_values_before_launching():
         assert result.returncode == 2 and "error:" in result.stderr, (bad, result.stderr[-500:])
 
 
+def test_an_out_folder_that_cannot_be_made_is_refused_before_the_sweep(tmp_path):
+    """It used to run the whole sweep, then fail making the folder, keeping nothing."""
+    taken = tmp_path / "bench.json"
+    taken.write_text("{}")
+    for out in (taken, taken / "inside"):
+        result = subprocess.run([sys.executable, "-m", "ep_plugin.bench", "--device", "cpu", "--out", str(out)],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and f"{taken} is a file, not a folder" in result.stderr, result.stderr[-500:]
+
+
 def _tiny_maps():
     """2 ranks, 4 experts (rank 0 owns 0-1, rank 1 owns 2-3), 3 tokens each."""
     first = torch.zeros(3, 4, dtype=torch.bool)

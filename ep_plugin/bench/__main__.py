@@ -226,6 +226,9 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
         return f"--ranks {args.ranks}: {problem}"
     if not args.timeout > 0:
         return f"--timeout must be a positive number of seconds, got {args.timeout}"
+    problem = _out_problem(args.out)
+    if problem:
+        return problem
     def runs_a_case(name: str) -> bool:  # the baseline runs every payload, modeless
         cls = None if name == ALL_TO_ALL else ep_plugin.get_backend(name.partition("+")[0])
         return cls is None or any(supported(cls, payload, mode) for payload in _words(args.payloads)
@@ -243,6 +246,18 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
     for experts in axes["experts"]:
         if experts % args.ranks:
             return f"--experts {experts} is not divisible by --ranks {args.ranks}"
+    return None
+
+
+def _out_problem(out: str) -> Optional[str]:
+    """Why the results could not be written to the folder ``out`` (found before the sweep, not after), or None."""
+    existing = out
+    while existing and not os.path.exists(existing):  # the nearest folder that exists must take a new one
+        existing = os.path.dirname(existing.rstrip(os.sep)) or (os.curdir if not os.path.isabs(out) else os.sep)
+    if not os.path.isdir(existing):
+        return f"--out {out}: {existing} is a file, not a folder (the results go into a folder)"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--out {out}: {existing} is not writable"
     return None
 
 
