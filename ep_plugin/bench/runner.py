@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import itertools
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -512,7 +513,16 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
     if ctx.rank == 0:
         from tqdm import tqdm
 
-        progress = tqdm(total=total, desc="bench", unit="case")
+        # Into a log file (not a terminal) a redraw every 30 s: progress to tail, not a line per case.
+        progress = tqdm(total=total, desc="bench", unit="case", mininterval=0.1 if sys.stderr.isatty() else 30.0)
+
+    def say(line: str) -> None:  # rank 0's messages, above the bar rather than on its line
+        if progress is not None:
+            progress.write(line)
+            sys.stdout.flush()
+        else:
+            print(line, flush=True)
+
     ceiling_cache: dict[int, float] = {}
     baseline_skipped = False
     reference_skips_said: set[int] = set()  # token counts whose reference skip was printed
@@ -527,7 +537,7 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                     records.append(_run_all_to_all_case(ctx, spec, Shape(tokens, hidden, topk, experts, payload,
                                                                          routing), device))
             if problem and not baseline_skipped and ctx.rank == 0:
-                print(f"skipped {ALL_TO_ALL}: {problem}", flush=True)
+                say(f"skipped {ALL_TO_ALL}: {problem}")
             baseline_skipped = baseline_skipped or bool(problem)
             continue
         base_name, _, variant = name.partition("+")  # "hybrid+in_place", "hybrid+arena": combine rows in the buffer
@@ -543,8 +553,8 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
             if _reference_skips(spec, name, tokens):
                 if ctx.rank == 0 and tokens not in reference_skips_said:
                     reference_skips_said.add(tokens)
-                    print(f"skipped reference at {tokens} tokens per rank: above --reference-max-tokens "
-                          f"{spec.reference_max_tokens} (0 = no limit)", flush=True)
+                    say(f"skipped reference at {tokens} tokens per rank: above --reference-max-tokens "
+                        f"{spec.reference_max_tokens} (0 = no limit)")
                 continue
             if not supported(cls, payload, mode):
                 continue
@@ -556,18 +566,18 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                     backend = cls(hidden_size=hidden, num_experts=experts, config=config, device=device, **options)
                 except ValueError as error:  # e.g. 8 ranks x 24 SMs do not fit one GPU: same on every rank
                     if ctx.rank == 0:
-                        print(f"skipped {name} sms={sms} {mode} H={hidden}: {error}", flush=True)
+                        say(f"skipped {name} sms={sms} {mode} H={hidden}: {error}")
                     break
                 if variant in IN_PLACE_VARIANTS and backend.topology.is_hierarchical:  # rows in a buffer: one domain
                     if ctx.rank == 0:
-                        print(f"skipped {name} at {backend.topology.describe()}: in-place rows live in one domain's "
-                              f"buffer", flush=True)
+                        say(f"skipped {name} at {backend.topology.describe()}: in-place rows live in one domain's "
+                            f"buffer")
                     break
             shape = Shape(tokens, hidden, topk, experts, payload, routing)
             short = _memory_shortfall(ctx, shape, device, spec.seed)
             if short:
                 if ctx.rank == 0:
-                    print(f"skipped {name} {mode} {shape}: {short}", flush=True)
+                    say(f"skipped {name} {mode} {shape}: {short}")
                 continue
             if mode == "nonblocking" and base_name == "hybrid":
                 budgeted = getattr(backend, "domain", backend)  # across domains the domain backend has the output
@@ -576,8 +586,8 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
             record = _run_case(ctx, spec, backend, shape, device, shared_gpu, ceiling_cache, variant)
             pushed = sum(counts.get("pushed", 0) for counts in record["combine_counts"])
             if variant in IN_PLACE_VARIANTS and pushed and ctx.rank == 0:  # a rank's rows missed the buffer
-                print(f"note: {name} {mode} {shape}: {pushed} combines (all ranks) read pushed partial sums, "
-                      f"not rows in place (a rank without rows, or its input outside the arena)", flush=True)
+                say(f"note: {name} {mode} {shape}: {pushed} combines (all ranks) read pushed partial sums, "
+                    f"not rows in place (a rank without rows, or its input outside the arena)")
             record.update(backend=name, mode=mode, sms=sms if name != "reference" else None,
                           **_scaleout_fields(backend, shape, ctx.world_size, spec.seed))
             records.append(record)
