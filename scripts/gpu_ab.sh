@@ -21,7 +21,7 @@
 #                                            and the geomean per op; run it here on the JSON files for
 #                                            all of it). The script exits 1 if a round trip or step got
 #                                            more than 5% slower (per-op columns trade time with each
-#                                            other within a run).
+#                                            other within a run), or base ran one that new did not.
 #                                            The device returns at most 8 files of a call's $OUT, so
 #                                            keep ROUNDS <= 4 (2 with bench.json files; or pack OUT
 #                                            into one .tgz before the call ends); files past the limit

@@ -467,3 +467,32 @@ def test_a_reference_skipped_for_its_token_limit_says_so(tmp_path, capfd):
     assert main(argv) == 1
     output = capfd.readouterr()
     assert "skipped reference at 64 tokens per rank: above --reference-max-tokens 32" in output.out, output
+
+
+def test_compare_fails_when_new_lost_a_case_or_nothing_matched(tmp_path, capsys):
+    """A case base ran that new failed (an error row) or did not run is a regression (it passed, listed as
+    'only in base', which scripts/gpu_ab.sh filters out); so is a comparison with no case on both sides."""
+    from ep_plugin.bench import compare
+
+    report, _ = _run_main(tmp_path, capsys, "--modes", "blocking")
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(report))
+
+    def new_side(name, change):
+        copy = json.loads(json.dumps(report))
+        change(copy["summary"])
+        path = tmp_path / name
+        path.write_text(json.dumps(copy))
+        return str(path)
+
+    lost = new_side("lost.json", lambda rows: rows.pop(0))
+    failed = new_side("failed.json", lambda rows: rows[0].update(error="graph capture failed", median_us=None))
+    for new in (lost, failed):
+        assert compare.main(["--new", new, "--base", str(base)]) == 1
+        out = capsys.readouterr().out
+        assert "missing in new (failed or not run)" in out and "1 missing in new" in out, out
+        assert compare.main(["--new", new, "--base", str(base), "--allow-missing"]) == 0
+        capsys.readouterr()
+    elsewhere = new_side("elsewhere.json", lambda rows: [row.update(tokens=row["tokens"] + 1) for row in rows])
+    assert compare.main(["--new", elsewhere, "--base", str(base), "--allow-missing"]) == 1
+    assert "no case is on both sides" in capsys.readouterr().out

@@ -5,7 +5,9 @@ Each side is one or more ``bench.json`` files of the same sweep (rounds of an A/
 median µs. Cases are matched by everything that names them (backend, mode, payload, shape, SMs,
 routing, ranks, domains, op). Prints one line per case, slowest first, the geometric mean of the
 ratios per op, and the cases found on one side only; exits 1 when any case is slower than
-``--worse`` allows (default 5%), so a script can stop on a regression.
+``--worse`` allows (default 5%), when a case of base is missing in new (it failed there, or was not
+run; ``--allow-missing`` accepts that) or when no case is on both sides, so a script can stop on a
+regression.
 
   python -m ep_plugin.bench.compare --new new_1/bench.json new_2/bench.json --base base_1/bench.json
 
@@ -124,6 +126,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="a case slower than base by more than this fraction counts as a regression (default 0.05)")
     parser.add_argument("--ops", default="",
                         help="comma list of the ops to compare (dispatch, combine, roundtrip, step; default all)")
+    parser.add_argument("--allow-missing", action="store_true",
+                        help="a case of base that new lacks (it failed, or was not run) is not a regression")
     args = parser.parse_args(argv)
     if not 0 <= args.worse < 10:
         parser.error(f"--worse is a fraction (0.05 = 5%), got {args.worse}")
@@ -144,11 +148,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("round by round (file i of new against file i of base), geomean new/base:")
         for index, means in enumerate(round_geomeans(args.new, args.base, ops), start=1):
             print(f"  round {index}: " + ", ".join(f"{op} {mean:.3f}" for op, mean in means.items()))
+    missing = [case for side, case in alone if side == "base"]
     for side, case in alone:
-        print(f"only in {side}: {_describe(case)}")
+        # A case base ran and new did not is a regression (new failed it, or stopped running it), not a detail.
+        print(f"missing in new (failed or not run): {_describe(case)}" if side == "base" else
+              f"only in {side}: {_describe(case)}")
     slower = sum(1 for row in rows if row[4])
-    print(f"{len(rows)} cases compared, {slower} slower than base by more than {args.worse:.0%}")
-    return 1 if slower else 0
+    print(f"{len(rows)} cases compared, {slower} slower than base by more than {args.worse:.0%}"
+          + (f", {len(missing)} missing in new" if missing else ""))
+    if not rows:
+        print("no case is on both sides: nothing was compared")
+        return 1
+    return 1 if slower or (missing and not args.allow_missing) else 0
 
 
 if __name__ == "__main__":
