@@ -123,8 +123,14 @@ class Config:
             env_name = env_var_name(name)
             if env_is_set(name, environ):
                 values[name] = _parse(env_name, environ[env_name], f.type)
+        from_environment = set(values) - set(overrides)
         values.update(overrides)
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ConfigValueError as error:  # name the variable only where the value came from one
+            if error.field in from_environment:
+                raise ConfigValueError(f"{error} (from {env_var_name(error.field)})", error.field) from None
+            raise
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -159,10 +165,17 @@ def describe() -> list[tuple[str, str, str]]:
     return [(env_var_name(f.name), repr(f.default), f.metadata.get("help", "")) for f in fields(Config)]
 
 
+class ConfigValueError(ValueError):
+    """A knob out of its bounds; ``field`` names it (``Config.from_env`` adds the variable it came from)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def _require(ok: bool, name: str, expected: str, actual: Any) -> None:
     if not ok:
-        raise ValueError(f"ep_plugin config: {name} must be {expected}, got {actual!r} "
-                         f"(env override {env_var_name(name)})")
+        raise ConfigValueError(f"ep_plugin config: {name} must be {expected}, got {actual!r}", name)
 
 
 def _parse(env_name: str, text: str, type_name: Any) -> Any:

@@ -104,7 +104,7 @@ def test_skewed_routing_is_skewed():
 def test_bench_rejects_unknown_axis_values_before_launching():
     for bad in (["--payloads", "fp16"], ["--modes", "async"], ["--backends", "nccl_magic"],
                 ["--backends", "reference+in_place"], ["--backends", "reference+arena"],
-                ["--backends", "reference+fast"], ["--experts", "10", "--ranks", "4"]):
+                ["--backends", "reference+fast"], ["--experts", "10", "--ranks", "4"], ["--sms", "2000"]):
         result = subprocess.run([sys.executable, "-m", "ep_plugin.bench", "--device", "cpu", *bad],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and "error:" in result.stderr, (bad, result.stderr[-500:])

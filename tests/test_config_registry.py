@@ -61,6 +61,14 @@ def test_bad_config_values_name_the_knob(env, text):
         Config.from_env(env)
 
 
+def test_a_bad_value_names_its_variable_only_when_it_came_from_one():
+    """A keyword (a bench's --sms) out of bounds used to be blamed on EP_PLUGIN_NUM_SMS, set or not."""
+    with pytest.raises(ValueError, match=r"got 2000 \(from EP_PLUGIN_NUM_SMS\)"):
+        Config.from_env({"EP_PLUGIN_NUM_SMS": "2000"})
+    with pytest.raises(ValueError, match=r"got 2000$"):
+        Config.from_env({}, num_sms=2000)
+
+
 def test_unknown_config_field():
     with pytest.raises(TypeError, match="no field"):
         Config.from_env({}, num_smz=3)

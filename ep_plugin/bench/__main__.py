@@ -59,6 +59,7 @@ from ep_plugin.cli import (
     default_device,
     device_problem,
 )
+from ep_plugin.config import Config
 from ep_plugin.testing.launcher import CPU_RANKS_PER_CORE, cpu_ranks_problem
 
 from .report import attach_all_to_all_ratio, attach_reference_ratio, format_table, summarize, write_json, write_plots
@@ -216,6 +217,12 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
             return f"--{key} takes a comma list of integers, got {getattr(args, key)!r}"
         if not axes[key] or min(axes[key]) < 1:
             return f"--{key} values must be at least 1, got {getattr(args, key)!r}"
+    for flag, field, value in (("--sms", "num_sms", max(axes["sms"])),
+                               ("--tokens", "max_tokens_per_rank", max(axes["tokens"]))):
+        try:  # every case's backend takes these as its config: the knob's own bounds, said here, once
+            Config.from_env(**{field: value})
+        except ValueError as error:
+            return f"{flag} {value}: {error}"
     for flag, value, least in (("--ranks", args.ranks, 1), ("--iters", args.iters, 1), ("--warmup", args.warmup, 0),
                                ("--reference-iters", args.reference_iters, 1),
                                ("--reference-max-tokens", args.reference_max_tokens, 0)):
