@@ -496,3 +496,12 @@ def test_compare_fails_when_new_lost_a_case_or_nothing_matched(tmp_path, capsys)
     elsewhere = new_side("elsewhere.json", lambda rows: [row.update(tokens=row["tokens"] + 1) for row in rows])
     assert compare.main(["--new", elsewhere, "--base", str(base), "--allow-missing"]) == 1
     assert "no case is on both sides" in capsys.readouterr().out
+
+
+def test_a_forced_size_that_gives_a_layout_already_run_is_skipped(tmp_path, capfd):
+    """--scaleup-size 2 on 2 CPU ranks is one domain of 2: the flat layout the detected run (0) already
+    timed. It ran twice (duplicate rows, the reference's time doubled); a real split (1) still runs, and
+    the flat one is labelled one domain (it read 2x1 like the split)."""
+    report, stdout = _run_main(tmp_path, capfd, "--modes", "blocking", "--scaleup-size", "2,1")
+    assert [record["domains"] for record in report["records"]] == ["1x2", "2x1"]
+    assert "skipped reference at scale-up size 2: the same layout (flat) already ran" in stdout

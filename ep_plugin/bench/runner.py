@@ -386,8 +386,10 @@ def _scaleout_fields(backend, shape: Shape, num_ranks: int, seed: int) -> dict:
     """The backend's domains ("2x4") and, across domains, each rank's bytes over its rail (the topology's
     byte model: a token once per remote domain holding any of its experts; combine one row back)."""
     topology = backend.topology
-    fields = {"domains": f"{topology.num_domains}x{topology.domain_size}"}
-    if topology.is_hierarchical and getattr(backend, "scaleout", None) is not None:
+    across = getattr(backend, "scaleout", None) is not None  # a HierarchicalBackend
+    # A flat instance is one domain, whatever its topology detected (a CPU reference's ranks are domains of 1).
+    fields = {"domains": f"{topology.num_domains}x{topology.domain_size}" if across else f"1x{num_ranks}"}
+    if topology.is_hierarchical and across:
         maps = list(_routing_maps(shape, num_ranks, seed))
         dispatch = scaleout_bytes(maps, topology, row_bytes=shape.row_bytes(), hidden=shape.hidden, with_probs=True)
         combine = scaleout_bytes(maps, topology, row_bytes=shape.row_bytes(), hidden=shape.hidden, with_probs=False)
@@ -524,6 +526,7 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
             print(line, flush=True)
 
     ceiling_cache: dict[int, float] = {}
+    layouts_run: set[tuple] = set()  # a forced size that gives a layout already run adds nothing but time
     baseline_skipped = False
     reference_skips_said: set[int] = set()  # token counts whose reference skip was printed
     for name, hidden, experts, sms, mode, scaleup in plan:
@@ -573,6 +576,14 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                         say(f"skipped {name} at {backend.topology.describe()}: in-place rows live in one domain's "
                             f"buffer")
                     break
+                across = getattr(backend, "scaleout", None) is not None  # flat: one layout (_scaleout_fields)
+                layout = (name, hidden, experts, sms, mode, backend.topology.describe() if across else "flat")
+                if layout in layouts_run:  # e.g. --scaleup-size equal to the detected domain size
+                    if ctx.rank == 0:
+                        say(f"skipped {name} at scale-up size {scaleup}: the same layout "
+                            f"({layout[-1]}) already ran")
+                    break
+                layouts_run.add(layout)
             shape = Shape(tokens, hidden, topk, experts, payload, routing)
             short = _memory_shortfall(ctx, shape, device, spec.seed)
             if short:
