@@ -88,12 +88,15 @@ class DispatchOutput(NamedTuple):
     def use_on(self, stream: Optional[torch.cuda.Stream] = None) -> "DispatchOutput":
         """Hand these outputs to ``stream`` (default: the current one): wait for the ready event, then
         ``record_stream`` every output storage there, so that the caching allocator keeps the memory
-        until that stream's work is done, even if every other reference is dropped. Returns self."""
-        stream = stream if stream is not None else torch.cuda.current_stream()
+        until that stream's work is done, even if every other reference is dropped. Returns self
+        (nothing to do for outputs on the CPU: a backend's CPU ops have finished when they return)."""
         hidden = self.hidden if isinstance(self.hidden, torch.Tensor) else None
         extra = list(self.hidden) if hidden is None else []  # FP8: (rows, scales)
-        streams.use_on(stream, self.ready, [hidden, *extra, self.probs, self.tokens_per_expert, self.topk_idx,
-                                            self.num_valid_rows])
+        outputs = [hidden, *extra, self.probs, self.tokens_per_expert, self.topk_idx, self.num_valid_rows]
+        if self.ready is None and not any(t is not None and t.is_cuda for t in outputs):
+            return self
+        stream = stream if stream is not None else torch.cuda.current_stream(self.handle.backend.device)
+        streams.use_on(stream, self.ready, outputs)
         return self
 
 

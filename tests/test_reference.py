@@ -83,6 +83,7 @@ def check_bf16_and_empty_world(ctx) -> None:
                              probs=problem.probs[ctx.rank])
     rows, _, _ = expected_dispatch(problem, ctx.rank, 1)
     assert out.hidden.dtype == torch.bfloat16 and torch.equal(out.hidden, rows)
+    assert out.use_on() is out  # CPU outputs: nothing to hand over (it asserted CUDA on a CPU build of torch)
     assert torch.equal(ep_plugin.combine(out.hidden, out.handle), problem.hidden[ctx.rank] * 2)
 
     empty = make_problem(8, [0] * ctx.world_size, HIDDEN, 8, 2)
