@@ -12,6 +12,7 @@ backend when it is built (else reference), ranks sharing the GPU under MPS.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -182,8 +183,8 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
         return f"--topk {args.topk} is more than the {args.experts} experts (--experts)"
     if args.experts % args.ranks:
         return f"--experts {args.experts} must be divisible by --ranks {args.ranks}"
-    if not args.lr > 0:
-        return f"--lr must be positive, got {args.lr}"
+    if not 0 < args.lr < math.inf:
+        return f"--lr must be a positive finite number, got {args.lr}"
     return None
 
 

@@ -104,7 +104,8 @@ def test_skewed_routing_is_skewed():
 def test_bench_rejects_unknown_axis_values_before_launching():
     for bad in (["--payloads", "fp16"], ["--modes", "async"], ["--backends", "nccl_magic"],
                 ["--backends", "reference+in_place"], ["--backends", "reference+arena"],
-                ["--backends", "reference+fast"], ["--experts", "10", "--ranks", "4"], ["--sms", "2000"]):
+                ["--backends", "reference+fast"], ["--experts", "10", "--ranks", "4"], ["--sms", "2000"],
+                ["--link-gbps", "-1"], ["--link-gbps", "nan"]):
         result = subprocess.run([sys.executable, "-m", "ep_plugin.bench", "--device", "cpu", *bad],
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and "error:" in result.stderr, (bad, result.stderr[-500:])
@@ -218,6 +219,24 @@ def test_failed_graph_capture_summarizes_without_samples():
     rows = summarize(record, link_gbps=1.0)
     assert all(row["algo_gbps"] is None and row["link_gbps"] is None and row["error"] for row in rows)
     assert "nonblocking+graph" in format_table(rows)
+
+
+def test_bench_json_is_strict_json(tmp_path):
+    """A failed capture's median is NaN; bench.json had it as a bare NaN, which jq and JavaScript refuse."""
+    from ep_plugin.bench.report import write_json
+
+    record = _per_gpu_record(backend="hybrid", mode="nonblocking+graph", sms=8, samples_us=[[], []],
+                             graph_error="rank 1: RuntimeError: capture refused")
+    rows = summarize(record, link_gbps=1.0)
+    assert any(isinstance(v, float) and v != v for row in rows for v in row.values())  # a NaN to write
+    path = tmp_path / "bench.json"
+    write_json(str(path), {"device": "cuda"}, [record], rows, ["--graph"])
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    report = json.loads(path.read_text(), parse_constant=refuse)
+    assert report["summary"][0]["median_us"] is None
 
 
 def test_sms_plot_draws_the_reference_as_levels(tmp_path):

@@ -128,6 +128,15 @@ def test_demo_rejects_experts_not_divisible_by_ranks():
     assert result.returncode == 2 and "divisible" in result.stderr
 
 
+def test_demo_rejects_a_learning_rate_that_is_not_finite():
+    """--lr inf was accepted and trained into NaN losses."""
+    import ep_plugin.demo as demo
+
+    with pytest.raises(SystemExit) as stop:
+        demo.main(["--lr", "inf", "--device", "cpu", "--backend", "reference"])
+    assert stop.value.code == 2
+
+
 def test_demo_with_one_step_is_a_smoke_run_not_a_failure(monkeypatch, capsys):
     """One step has no loss to compare with: the demo says so and exits 0 (it used to exit 1,
     "DID NOT DECREASE"). run_ranks is stubbed so that no rank process starts."""

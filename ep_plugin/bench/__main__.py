@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 from typing import Optional
@@ -233,6 +234,8 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
         return f"--ranks {args.ranks}: {problem}"
     if not args.timeout > 0:
         return f"--timeout must be a positive number of seconds, got {args.timeout}"
+    if not 0 < args.link_gbps < math.inf:
+        return f"--link-gbps must be a positive finite GB/s, got {args.link_gbps}"
     problem = _out_problem(args.out)
     if problem:
         return problem

@@ -173,10 +173,22 @@ def format_table(rows: list[dict]) -> str:
                      for line in cells)
 
 
+def _finite(value):
+    """``value`` with every NaN or infinity (a failed graph's median, a zero-byte ceiling) made None:
+    JSON has no NaN, and strict readers (jq, JavaScript) refuse Python's bare NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
 def write_json(path: str, environment: dict, records: list[dict], rows: list[dict], argv: list[str]) -> None:
+    report = _finite({"command": argv, "environment": environment, "summary": rows, "records": records})
     with open(path, "w") as f:
-        json.dump({"command": argv, "environment": environment, "summary": rows, "records": records}, f, indent=1,
-                  default=str)
+        json.dump(report, f, indent=1, default=str, allow_nan=False)
 
 
 def _series(rows: list[dict], x_key: str) -> dict[tuple, dict]:
