@@ -523,4 +523,4 @@ def test_a_forced_size_that_gives_a_layout_already_run_is_skipped(tmp_path, capf
     the flat one is labelled one domain (it read 2x1 like the split)."""
     report, stdout = _run_main(tmp_path, capfd, "--modes", "blocking", "--scaleup-size", "2,1")
     assert [record["domains"] for record in report["records"]] == ["1x2", "2x1"]
-    assert "skipped reference at scale-up size 2: the same layout (flat) already ran" in stdout
+    assert "skipped reference at scale-up size 2: the same layout (1x2) already ran" in stdout

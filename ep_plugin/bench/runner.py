@@ -382,14 +382,21 @@ def _compact_remote_bytes(shape: Shape, packets: list[list[int]]) -> dict[str, l
     return {"dispatch": sent, "combine": back}
 
 
+def _layout(backend) -> str:
+    """The domains a backend instance runs on ("2x4"); "1xR" for a flat one, whatever its topology detected
+    (a CPU reference's ranks are domains of 1, but it runs as one domain)."""
+    topology = backend.topology
+    if getattr(backend, "scaleout", None) is not None:  # a HierarchicalBackend
+        return f"{topology.num_domains}x{topology.domain_size}"
+    return f"1x{topology.world_size}"
+
+
 def _scaleout_fields(backend, shape: Shape, num_ranks: int, seed: int) -> dict:
     """The backend's domains ("2x4") and, across domains, each rank's bytes over its rail (the topology's
     byte model: a token once per remote domain holding any of its experts; combine one row back)."""
     topology = backend.topology
-    across = getattr(backend, "scaleout", None) is not None  # a HierarchicalBackend
-    # A flat instance is one domain, whatever its topology detected (a CPU reference's ranks are domains of 1).
-    fields = {"domains": f"{topology.num_domains}x{topology.domain_size}" if across else f"1x{num_ranks}"}
-    if topology.is_hierarchical and across:
+    fields = {"domains": _layout(backend)}
+    if topology.is_hierarchical and getattr(backend, "scaleout", None) is not None:
         maps = list(_routing_maps(shape, num_ranks, seed))
         dispatch = scaleout_bytes(maps, topology, row_bytes=shape.row_bytes(), hidden=shape.hidden, with_probs=True)
         combine = scaleout_bytes(maps, topology, row_bytes=shape.row_bytes(), hidden=shape.hidden, with_probs=False)
@@ -576,12 +583,10 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                         say(f"skipped {name} at {backend.topology.describe()}: in-place rows live in one domain's "
                             f"buffer")
                     break
-                across = getattr(backend, "scaleout", None) is not None  # flat: one layout (_scaleout_fields)
-                layout = (name, hidden, experts, sms, mode, backend.topology.describe() if across else "flat")
+                layout = (name, hidden, experts, sms, mode, _layout(backend))
                 if layout in layouts_run:  # e.g. --scaleup-size equal to the detected domain size
                     if ctx.rank == 0:
-                        say(f"skipped {name} at scale-up size {scaleup}: the same layout "
-                            f"({layout[-1]}) already ran")
+                        say(f"skipped {name} at scale-up size {scaleup}: the same layout ({layout[-1]}) already ran")
                     break
                 layouts_run.add(layout)
             shape = Shape(tokens, hidden, topk, experts, payload, routing)
