@@ -392,6 +392,11 @@ def check_compact_form(ctx) -> list[str]:
         config = ep_plugin.Config.from_env().replace(blocking=blocking)
         layered = CompactBackend(**build, config=config, topology=Topology(NUM_RANKS, size, ctx.rank))
         assert isinstance(layered, HierarchicalBackend)
+        # A routing form the backend does not take is refused by name, flat or across domains.
+        routing_map = torch.zeros(2, NUM_EXPERTS, dtype=torch.bool)
+        for backend in (flat, layered):
+            with pytest.raises(ValueError, match="takes topk_idx"):
+                backend.dispatch(torch.zeros(2, HIDDEN), routing_map=routing_map)
         for case, skewed in enumerate((False, True)):
             name = f"compact {NUM_RANKS // size}x{size} blocking={blocking} skewed={skewed}"
             problem = make_problem(60 + case, _tokens(case), HIDDEN, NUM_EXPERTS, 4, skewed=skewed,

@@ -312,12 +312,17 @@ class Backend(abc.ABC):
                "does not support CUDA graphs (hybrid and elastic in non-blocking mode do)")
         raise RuntimeError(f"ep_plugin {self.name}: {op} inside a CUDA graph capture: this backend {why}")
 
+    def check_routing_form(self, routing_map, topk_idx) -> None:
+        """ValueError, before any communication, for a routing form this backend does not take
+        (``capabilities.routing_forms``; elastic takes top-k ids only)."""
+        if routing_map is not None and "routing_map" not in self.capabilities.routing_forms:
+            raise ValueError(f"backend {self.name!r} takes topk_idx (+ topk_weights), not routing_map; top-k ids "
+                             "come from routing_map.int().topk(k) where every row has k experts")
+        if routing_map is None and topk_idx is not None and "topk" not in self.capabilities.routing_forms:
+            raise ValueError(f"backend {self.name!r} takes routing_map (+ probs), not topk_idx")
+
     def check_dispatch_input(self, hidden, *, routing_map, probs, topk_idx, topk_weights, pad_multiple):
-        form = "routing_map" if routing_map is not None else "topk" if topk_idx is not None else None
-        if form is not None and form not in self.capabilities.routing_forms:
-            given, takes = (("routing_map", "topk_idx (+ topk_weights)") if form == "routing_map" else
-                            ("topk_idx", "routing_map (+ probs)"))
-            raise ValueError(f"backend {self.name!r} takes {takes}, not {given}")
+        self.check_routing_form(routing_map, topk_idx)
         if isinstance(hidden, (tuple, list)):
             hidden = self.check_fp8_hidden(hidden)
         else:

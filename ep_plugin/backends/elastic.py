@@ -207,9 +207,7 @@ class ElasticBackend(CompiledBackend):
             if in_place:
                 raise ValueError("in_place applies to a first dispatch; a cached dispatch returns new tensors")
             return self._cached_dispatch(hidden, handle)
-        if routing_map is not None:
-            raise ValueError("backend 'elastic' takes topk_idx (+ topk_weights), not routing_map; top-k ids come "
-                             "from routing_map.int().topk(k) where every row has k experts")
+        self.check_routing_form(routing_map, topk_idx)
         self.check_dispatch_flags(expand=expand, zero_padding=zero_padding, in_place=in_place)
         if topk_idx is not None and topk_idx.dim() == 2 and topk_idx.shape[1] > self.max_topk:
             raise ValueError(f"topk_idx has k={topk_idx.shape[1]} columns; this elastic backend was built with "

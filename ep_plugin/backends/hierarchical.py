@@ -248,8 +248,7 @@ class HierarchicalBackend(Backend):
             if any(v is not None for v in (routing_map, probs, topk_idx, topk_weights, pad_multiple)) or options:
                 raise ValueError("a cached dispatch (handle=...) takes no routing arguments: the handle has them")
             return self._cached_dispatch(hidden, handle)
-        if routing_map is not None and ROUTING_MAP not in self.capabilities.routing_forms:
-            raise ValueError(f"backend {self.name!r} takes topk_idx (+ topk_weights), not routing_map")
+        self.check_routing_form(routing_map, topk_idx)
         if topk_idx is not None:  # the k checks below read its shape
             check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2, device=self.device)
         if topk_idx is not None and topk_idx.shape[1] > self.experts_per_domain:
