@@ -333,6 +333,42 @@ def mid_word_inputs_and_capture(ctx) -> int:
     return 1
 
 
+def round_trip_matches(hybrid, reference, out, ref, name: str) -> None:
+    """``out`` (blocking, or non-blocking with its valid rows first) against ``ref``, then their combines."""
+    n = ref.hidden.shape[0]
+    assert torch.equal(out.tokens_per_expert, ref.tokens_per_expert), f"{name}: tokens_per_expert"
+    assert torch.equal(out.hidden[:n], ref.hidden), f"{name}: dispatched rows"
+    rows = torch.zeros_like(out.hidden)
+    rows[:n] = ref.hidden * 2
+    assert_combine_close(hybrid.combine(rows, out.handle).hidden,
+                         reference.combine(ref.hidden * 2, ref.handle).hidden, f"{name}: combine")
+
+
+def scratch_reuse(ctx) -> int:
+    """A loop of one shape: torch hands the dispatches' scratches the same few addresses again, and the
+    argument structs built over them serve again (``Scratch.args``) with each op's own tensors; every
+    round trip equals the reference, and a handle kept meanwhile is never written over."""
+    checked = 0
+    for blocking in (True, False):
+        reference, hybrid = make_backends(ctx, 256, blocking=blocking)
+        inputs = [make_inputs(300 + i, ctx.rank, ctx.world_size, 24, 256, NUM_EXPERTS, 2, skewed=i % 2 == 1,
+                              drop_some=i == 2) for i in range(4)]
+        kept, kept_ref = (backend.dispatch(inputs[0][0], **routing_kwargs("topk", inputs[0]))
+                          for backend in (hybrid, reference))
+        kept_counts = kept.tokens_per_expert.clone()
+        for step, i in enumerate([1, 2, 3] * 2):
+            out, ref = (backend.dispatch(inputs[i][0], **routing_kwargs("topk", inputs[i]))
+                        for backend in (hybrid, reference))
+            round_trip_matches(hybrid, reference, out, ref, f"scratch reuse blocking={blocking} step {step}")
+            del out  # its scratch's address is free for the next dispatch
+        assert torch.equal(kept.tokens_per_expert, kept_counts), "a held handle's counts were written over"
+        round_trip_matches(hybrid, reference, kept, kept_ref, f"scratch reuse blocking={blocking}: the kept handle")
+        torch.cuda.synchronize()
+        hybrid.destroy()
+        checked += 1
+    return checked
+
+
 def run_suite(ctx, hidden_sizes) -> dict:
     counts = {}
     for hidden in hidden_sizes:
@@ -342,6 +378,7 @@ def run_suite(ctx, hidden_sizes) -> dict:
     counts["non_blocking"] = non_blocking_overflow_and_graph(ctx)
     counts["bad_input"] = bad_input_then_good(ctx)
     counts["mid_word"] = mid_word_inputs_and_capture(ctx)
+    counts["scratch_reuse"] = scratch_reuse(ctx)
     return counts
 
 
@@ -349,6 +386,7 @@ def run_suite(ctx, hidden_sizes) -> dict:
 def test_hybrid_matches_reference(num_ranks):
     results = run_ranks(run_suite, num_ranks, (2048, 7168), device="cuda", timeout_s=LAUNCH_TIMEOUT_S)
     assert results[0]["sweep2048"] == 36 and results[0]["sweep7168"] == 36
+    assert results[0]["scratch_reuse"] == 2
     assert all(r == results[0] for r in results)
 
 

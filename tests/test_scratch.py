@@ -2,7 +2,9 @@
 
 The compiled backends hand the kernels the pieces' addresses and Python views of some of them; a
 piece that overlapped another, started off its alignment or viewed the wrong bytes would corrupt a
-dispatch. Runs on CPU memory: the carving is the same on any device.
+dispatch. The argument structs built over a scratch's addresses are kept for the next scratch of the
+same plan at the same address: one served at another address would point a kernel at memory the op
+does not own. Runs on CPU memory: the carving is the same on any device.
 """
 
 from __future__ import annotations
@@ -63,3 +65,31 @@ def test_tensors_refuses_pieces_it_cannot_cut_in_one_run():
     for names in (("a", "b"), ("c", "a"), ("b", "c")):  # dtypes differ, out of order, not 1-D
         with pytest.raises(ValueError, match="Scratch.tensors"):
             scratch.tensors(names)
+
+
+CPU = torch.device("cpu")
+
+
+def test_structs_are_shared_only_by_scratches_of_one_plan_at_one_address():
+    plan, other = ScratchPlan(FIELDS), ScratchPlan(FIELDS)
+    first, second = Scratch(plan, CPU), Scratch(plan, CPU)  # both alive: two addresses
+    assert first.args("send", lambda: [first.address("send_slot")]) is not \
+        second.args("send", lambda: [second.address("send_slot")])
+    assert second.args("send", list) == [second.address("send_slot")]  # its own addresses, not the first's
+    assert plan.prepared_at(first.base) is first.prepared  # a later allocation there gets these
+    assert other.prepared_at(first.base) is not first.prepared  # another plan's pieces lie elsewhere
+    for base in range(ScratchPlan.PREPARED_BASES + 1):  # addresses that keep changing: bounded
+        plan.prepared_at((1 << 20) + base)
+    assert len(plan.prepared) <= ScratchPlan.PREPARED_BASES
+
+
+def test_args_are_built_once_per_address_and_key():
+    scratch, builds = Scratch(ScratchPlan(FIELDS), CPU), []
+
+    def build():
+        builds.append(1)
+        return {"send_slot": scratch.address("send_slot")}
+
+    assert scratch.args("send", build) is scratch.args("send", build)
+    assert scratch.args(("send", True), build) is not scratch.args("send", build)
+    assert len(builds) == 2

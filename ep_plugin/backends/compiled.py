@@ -177,7 +177,9 @@ class CompiledBackend(Backend):
     # ---- the send-side layout (both backends) -----------------------------------------------
 
     def _scratch(self, key, fields: Callable[[], Iterable[tuple]]) -> "Scratch":
-        """A fresh ``Scratch`` for an op, its plan cached under ``key`` (``fields()`` runs on a miss)."""
+        """A fresh ``Scratch`` for an op, its plan cached under ``key`` (``fields()`` runs on a miss). ``key``
+        must decide every field that an argument struct built once over the plan's pieces takes
+        (``Scratch.args``)."""
         plan = self._scratch_plans.get(key)
         if plan is None:
             if len(self._scratch_plans) >= 64:  # token counts that vary from step to step
@@ -220,35 +222,42 @@ class CompiledBackend(Backend):
         return dense_probs
 
     def _layout_args(self, routing: Routing, probs: Optional[torch.Tensor], scratch: "Scratch"):
-        """(``_C.LayoutArgs`` writing into ``scratch``, the dense probs ``_layout`` returns)."""
-        T, R, L = routing.num_tokens, self.num_ranks, self.num_local_experts
+        """(``_C.LayoutArgs`` writing into ``scratch``, the dense probs ``_layout`` returns). The routing
+        form and whether probs come are part of the scratch's plan (``layout_fields``)."""
         at = scratch.address
-        args = self._C.LayoutArgs(num_tokens=T, num_ranks=R, num_local_experts=L, send_slot=at("send_slot"),
-                                  k_index=at("k_index"), expert_counts=at("expert_counts"),
-                                  rank_counts=at("rank_counts"), max_blocks=self.num_blocks)
+        args = scratch.args("layout", lambda: self._C.LayoutArgs(
+            num_tokens=routing.num_tokens, num_ranks=self.num_ranks, num_local_experts=self.num_local_experts,
+            send_slot=at("send_slot"), k_index=at("k_index"), expert_counts=at("expert_counts"),
+            rank_counts=at("rank_counts"), max_blocks=self.num_blocks,
+            input_flags=at("input_flags") if scratch.has("input_flags") else None,
+            dense_probs=at("dense_probs") if scratch.has("dense_probs") else None))
         dense_probs = None
         if routing.form == ROUTING_MAP:
             args.routing_map, dense_probs = routing.routing_map, probs  # probs are dense already
         else:
             args.topk_idx, args.topk = routing.topk_idx, routing.topk_idx.shape[1]
             if probs is not None:
-                dense_probs = at("dense_probs")
-                args.probs, args.dense_probs = probs, dense_probs
-            args.input_flags = at("input_flags")
+                dense_probs = args.dense_probs
+                args.probs = probs
         return args, dense_probs
 
     def _layout_and_exchange(self, routing: Routing, probs: Optional[torch.Tensor], scratch: "Scratch", phase: int,
-                             fingerprint: int, **counts):
+                             fingerprint: int, *, outputs: Callable[[], dict], pad_multiple: int = 1,
+                             receive_budget: Optional[int] = None):
         """``_layout`` and then ``_exchange`` of its counts, in one launch (``_C.layout_exchange``: the last
-        layout block runs the exchange). ``counts``: the exchange's outputs and options (see
-        ``_exchange``); its inputs are the layout's pieces of ``scratch``. Returns what ``_layout`` does."""
+        layout block runs the exchange). ``outputs()``: the exchange's outputs in ``scratch``, as
+        ``_C.ExchangeArgs`` fields (called when the struct is built: once per scratch); its inputs are
+        the layout's pieces of ``scratch``; ``pad_multiple`` and ``receive_budget`` are the op's own.
+        Returns what ``_layout`` does."""
         args, dense_probs = self._layout_args(routing, probs, scratch)
         at = scratch.address
-        exchange = self._C.ExchangeArgs(phase=phase, fingerprint=fingerprint,
-                                        num_local_experts=self.num_local_experts, expert_counts=at("expert_counts"),
-                                        rank_counts=at("rank_counts"),
-                                        input_flags=at("input_flags") if scratch.has("input_flags") else None,
-                                        **{"pad_multiple": 1, **counts})
+        exchange = scratch.args("exchange", lambda: self._C.ExchangeArgs(
+            phase=phase, num_local_experts=self.num_local_experts, expert_counts=at("expert_counts"),
+            rank_counts=at("rank_counts"), input_flags=at("input_flags") if scratch.has("input_flags") else None,
+            **outputs()))
+        exchange.fingerprint, exchange.pad_multiple = fingerprint, pad_multiple
+        if receive_budget is not None:
+            exchange.receive_budget = receive_budget
         self._C.layout_exchange(self.buffer.raw, args, exchange, self._stream())
         self._peers_may_read_arena = False  # once enqueued, as in _exchange
         return dense_probs
@@ -493,7 +502,11 @@ class ScratchPlan:
     ``fields``: (name, shape, dtype) for each piece; dtypes of 4 or 8 bytes.
     """
 
-    __slots__ = ("pieces", "words", "splits")
+    __slots__ = ("pieces", "words", "splits", "prepared")
+
+    # Allocations whose argument structs a plan remembers (see prepared_at): a loop of one shape gets
+    # two or three addresses back from torch's allocator, alternating.
+    PREPARED_BASES = 8
 
     def __init__(self, fields: Iterable[tuple]) -> None:
         self.pieces: dict[str, tuple] = {}  # name -> (first int32 word, words, shape, dtype)
@@ -505,6 +518,18 @@ class ScratchPlan:
             size += nbytes
         self.words = max(1, size // 4)
         self.splits: dict[tuple, tuple] = {}  # names -> how Scratch.tensors cuts them (see split_of)
+        self.prepared: dict[int, dict] = {}  # allocation address -> the structs built over it (prepared_at)
+
+    def prepared_at(self, base: int) -> dict:
+        """The argument structs built over an allocation of this plan at address ``base`` (see
+        ``Scratch.args``), by key: every address in them is ``base`` plus a piece's offset, so they
+        serve any later allocation of this plan that torch hands out at the same address."""
+        structs = self.prepared.get(base)
+        if structs is None:
+            if len(self.prepared) >= self.PREPARED_BASES:  # addresses that keep changing: start afresh
+                self.prepared.clear()
+            structs = self.prepared[base] = {}
+        return structs
 
     def split_of(self, names: tuple[str, ...]) -> tuple:
         """(first word, end word, dtype, sizes) for ``Scratch.tensors(names)``: the run of words from the
@@ -534,18 +559,31 @@ class Scratch:
     every piece alive; stream order makes reuse after that safe, as for any torch allocation.
     """
 
-    __slots__ = ("memory", "base", "plan")
+    __slots__ = ("memory", "base", "plan", "prepared")
 
     def __init__(self, plan: ScratchPlan, device: torch.device) -> None:
         self.memory = torch.empty(plan.words, dtype=torch.int32, device=device)
         self.base = self.memory.data_ptr()
         self.plan = plan
+        self.prepared = plan.prepared_at(self.base)  # structs over these addresses, shared (see args)
 
     def has(self, name: str) -> bool:
         return name in self.plan.pieces
 
     def address(self, name: str) -> int:
         return self.base + 4 * self.plan.pieces[name][0]
+
+    def args(self, key, build: Callable[[], object]):
+        """The argument struct ``build()`` makes over this scratch's pieces, built once per plan and
+        address: torch's allocator hands a loop of one shape the same few addresses again, and
+        building a struct costs several µs of the host time that paces eager decode (twenty-ninth
+        pass in benchmarks/NOTES.md). ``build`` sets only fields that ``key``, the plan and the
+        backend decide; the caller sets the op's own fields (its tensors, budget) on every call,
+        whatever an earlier op set (a launch copies the struct, so that is safe)."""
+        args = self.prepared.get(key)
+        if args is None:
+            args = self.prepared[key] = build()
+        return args
 
     def tensor(self, name: str) -> torch.Tensor:
         """The piece as a tensor of its shape and dtype (a view of the allocation)."""

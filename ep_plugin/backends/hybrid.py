@@ -288,20 +288,23 @@ class HybridBackend(CompiledBackend):
         outputs = None if budget is None else self._dispatch_outputs(budget, data.dtype, fp8, probs is not None)
         dense_probs = self._layout_and_exchange(
             routing, probs, scratch, PHASE_DISPATCH, fingerprint, pad_multiple=pad_multiple,
-            row_base=at("row_base"), expert_start=at("expert_start"), tokens_per_expert=at("tokens_per_expert"),
-            real_per_expert=at("real_per_expert"), num_packets=at("num_packets"), total_rows=at("total_rows"),
             receive_budget=self._C.UNBOUNDED_ROWS if budget is None else budget,
-            peer_row_base=at("peer_rows") if self.combine_input_rows else None)
+            outputs=lambda: dict(row_base=at("row_base"), expert_start=at("expert_start"),
+                                 tokens_per_expert=at("tokens_per_expert"), real_per_expert=at("real_per_expert"),
+                                 num_packets=at("num_packets"), total_rows=at("total_rows"),
+                                 peer_row_base=at("peer_rows") if self.combine_input_rows else None))
         counted = self._mark() if self.config.blocking else None
         # The send needs no host count: in blocking mode it runs while the host reads the counts, and
         # in non-blocking mode (the budget known) it shares one launch with the permute.
         row_bytes = H if fp8 else 2 * H
         scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
         self._keep_on_stream(data, scales, routing.routing_map, routing.topk_idx, probs)  # the layout read the last 3
-        # The send zeroes the overflow flag, the permute sets it.
-        send = self._C.hybrid.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
-                                       send_slot=at("send_slot"), k_index=at("k_index"), probs=dense_probs,
-                                       num_tokens=T, bulk_copy=self._bulk, overflow=at("overflow"))
+        # The send zeroes the overflow flag, the permute sets it. Both structs are built once per
+        # scratch (fp8 decides the row sizes); the op's own tensors and budget are set below.
+        send = scratch.args(("send", fp8), lambda: self._C.hybrid.SendArgs(
+            row_bytes=row_bytes, scale_bytes=scale_bytes, send_slot=at("send_slot"), k_index=at("k_index"),
+            num_tokens=T, bulk_copy=self._bulk, overflow=at("overflow")))
+        send.hidden, send.scales, send.probs = data, scales, dense_probs
         tokens_list = None  # blocking mode: the padded counts, read with the total
         if self.config.blocking:
             self._C.hybrid.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
@@ -309,12 +312,12 @@ class HybridBackend(CompiledBackend):
                 words = self._dispatch_counts(counted, routing)
                 budget, tokens_list = words[self._C.MAILBOX_TOTAL_ROWS], words[self._C.MAILBOX_EXPERT_ROWS:]
         out, out_scales, out_probs = outputs or self._dispatch_outputs(budget, data.dtype, fp8, probs is not None)
-        permute = self._C.hybrid.PermuteArgs(
-            out=out, row_bytes=row_bytes, out_scales=out_scales, scale_bytes=scale_bytes, out_probs=out_probs,
-            budget=budget, row_base=at("row_base"), expert_start=at("expert_start"),
+        permute = scratch.args(("permute", fp8), lambda: self._C.hybrid.PermuteArgs(
+            row_bytes=row_bytes, scale_bytes=scale_bytes, row_base=at("row_base"), expert_start=at("expert_start"),
             tokens_per_expert=at("tokens_per_expert"), real_per_expert=at("real_per_expert"),
             num_packets=at("num_packets"), total_rows=at("total_rows"), packet_rows=at("packet_rows"),
-            overflow=at("overflow"), bulk_copy=self._bulk)
+            overflow=at("overflow"), bulk_copy=self._bulk))
+        permute.out, permute.out_scales, permute.out_probs, permute.budget = out, out_scales, out_probs, budget
         if self.config.blocking:
             self._C.hybrid.permute(self.buffer.raw, self.regions, permute, self.num_blocks, self._stream())
         else:
@@ -454,18 +457,21 @@ class HybridBackend(CompiledBackend):
         # The handle may go before this op has run (topk_idx: the values routed back are gathered by it).
         self._keep_on_stream(rows, row_probs, layout.scratch.memory,
                              layout.topk_idx if row_probs is not None else None)
+        # Structs built once per scratch (see Scratch.args); the op's own fields are set on every call.
+        scratch = layout.scratch
         if send_needed:
-            send = self._C.hybrid.CombineSendArgs(rows=None if in_place else rows, row_probs=row_probs,
-                                                  packet_rows=at("packet_rows"), num_packets=at("num_packets"),
-                                                  budget=layout.budget)
+            send = scratch.args("combine_send", lambda: self._C.hybrid.CombineSendArgs(
+                packet_rows=at("packet_rows"), num_packets=at("num_packets")))
+            send.rows, send.row_probs, send.budget = None if in_place else rows, row_probs, layout.budget
             self._C.hybrid.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
         out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
         dense_probs = torch.zeros(T, self.num_experts, dtype=torch.float32, device=dev) \
             if row_probs is not None else None
-        receive = self._C.hybrid.CombineRecvArgs(out=out, out_probs=dense_probs, send_slot=at("send_slot"),
-                                                 k_index=at("k_index"), num_tokens=T,
-                                                 peer_rows=at("peer_rows") if op_word is not None else None,
-                                                 wait_for_send=send_needed)
+        # peer_rows: the dispatch derived them (layout.in_place_ready), so the combine sends an op word.
+        receive = scratch.args("combine_recv", lambda: self._C.hybrid.CombineRecvArgs(
+            send_slot=at("send_slot"), k_index=at("k_index"), num_tokens=T,
+            peer_rows=at("peer_rows") if op_word is not None else None))
+        receive.out, receive.out_probs, receive.wait_for_send = out, dense_probs, send_needed
         self._C.hybrid.combine_recv(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
         probs = None
         if dense_probs is not None:
