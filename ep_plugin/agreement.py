@@ -142,7 +142,7 @@ def mismatch_message(backend: str, rank: int, peer: int, mine: int, theirs: int)
 
 
 def check_construction(group: Optional[dist.ProcessGroup], backend: str, facts: dict[str, Any], *,
-                       timeout_s: Optional[float] = None) -> None:
+                       timeout_s: Optional[float] = None, device: Optional[torch.device] = None) -> None:
     """Raise ValueError on every rank unless every rank of ``group`` passed equal ``facts``.
 
     One gather of a small dict (two small all-to-alls); call it where the backend is built (a
@@ -151,7 +151,8 @@ def check_construction(group: Optional[dist.ProcessGroup], backend: str, facts: 
     """
     if timeout_s is None:
         timeout_s = Config.from_env().timeout_s
-    collectives = HostCollectives(group, owner=f"ep_plugin {backend}", timeout_s=timeout_s, label="construction")
+    collectives = HostCollectives(group, owner=f"ep_plugin {backend}", timeout_s=timeout_s, label="construction",
+                                  device=device)
     gathered = collectives.all_gather_object(facts, where=f"building the {backend} backend (agreement check)",
                                              device=collectives.word_device)
     problems = []

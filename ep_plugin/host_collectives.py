@@ -50,6 +50,18 @@ _OUT_OF_STEP = ("The process group's collectives are now out of step among its r
                 "a new backend on it.")
 
 
+def word_device(engine: str, device: Optional[torch.device]) -> torch.device:
+    """Where a collective's small tensors that the host reads go: host memory, except over NCCL (it moves
+    CUDA tensors only), where they go to the owner's GPU. Not the current GPU when the owner has its own:
+    a job that passes ``device=`` without ``torch.cuda.set_device`` would otherwise run every rank's
+    words on GPU 0, which NCCL refuses (two ranks on one GPU) or waits on."""
+    if engine != "nccl":
+        return torch.device("cpu")
+    if device is not None and torch.device(device).type == "cuda" and torch.device(device).index is not None:
+        return torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _grace_s(timeout_s: float) -> float:
     """How long a rank that timed out waits for its peers' posts before it reports."""
     return min(2.0, max(0.2, 0.1 * timeout_s))
@@ -65,15 +77,19 @@ class HostCollectives:
         label: what the owner is; together with the group name and a per-process count it
             names this instance's posts in the store, so it must be opened in the same order on
             every rank (backends are built collectively, so they are).
+        device: the owner's device; over NCCL the small words the host reads go there (see
+            ``word_device``). None: the current GPU.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup], *, owner: str, timeout_s: float, label: str) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup], *, owner: str, timeout_s: float, label: str,
+                 device: Optional[torch.device] = None) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.owner = owner
         self.timeout_s = float(timeout_s)
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
         self.engine = dist.get_backend(self.group)
+        self.word_device = word_device(self.engine, device)
         group_name = getattr(self.group, "group_name", "group")
         _sites[(group_name, label)] += 1
         # This owner's number among the owners of its kind opened on this group by this process,
@@ -126,12 +142,6 @@ class HostCollectives:
         ones = [1] * self.num_ranks
         self.all_to_all(torch.zeros(self.num_ranks, dtype=torch.int64, device=self.word_device), ones, ones,
                         where=where)
-
-    @property
-    def word_device(self) -> torch.device:
-        """Where small tensors the host reads go: the current GPU over NCCL (it moves CUDA tensors only), host
-        memory on every other engine."""
-        return torch.device("cuda", torch.cuda.current_device()) if self.engine == "nccl" else torch.device("cpu")
 
     def check_usable(self) -> None:
         if self.failed is not None:

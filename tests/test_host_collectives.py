@@ -13,7 +13,7 @@ import torch.distributed as dist
 import ep_plugin
 from ep_plugin.backends.base import Backend, Capabilities
 from ep_plugin.config import Config
-from ep_plugin.host_collectives import _grace_s
+from ep_plugin.host_collectives import _grace_s, word_device
 from ep_plugin.testing import run_ranks
 
 TIMEOUT_S = 2.0
@@ -157,3 +157,12 @@ def test_the_protocol_barrier_waits_with_the_timeout_too():
     assert "rank 0 timed out" in message and "in barrier over gloo" in message, message
     assert "Late peer(s): rank 1" in message, message
     assert seconds < TIMEOUT_S + _grace_s(TIMEOUT_S) + SLACK_S, seconds
+
+
+def test_words_over_nccl_go_to_the_owners_gpu_not_the_current_one():
+    """A job that passes ``device=`` without ``torch.cuda.set_device`` had every rank's host words on the
+    current GPU (GPU 0 everywhere), which NCCL refuses or waits on; gloo moves host memory."""
+    assert word_device("nccl", torch.device("cuda", 3)) == torch.device("cuda", 3)
+    assert word_device("nccl", "cuda:1") == torch.device("cuda", 1)
+    assert word_device("gloo", torch.device("cuda", 3)) == torch.device("cpu")
+    assert word_device("gloo", None) == torch.device("cpu")

@@ -175,13 +175,14 @@ class HierarchicalBackend(Backend):
         self._check_gpu_sharing(topology)
         self._domain_counts = HostCollectives(self.scaleout.domain_group, owner=f"ep_plugin {self.name} "
                                               f"{self.domain_level}", timeout_s=self.config.timeout_s,
-                                              label="domain counts")
+                                              label="domain counts", device=self.device)
         # Sync-free mode's domain agreement words: CPU tensors, on the gloo twin of an NCCL domain group.
         self._domain_words = self._domain_counts
         words_group = self.scaleout.domain_words_group
         if words_group is not None and words_group is not self.scaleout.domain_group:
             self._domain_words = HostCollectives(words_group, owner=f"ep_plugin {self.name} {self.domain_level}",
-                                                 timeout_s=self.config.timeout_s, label="domain words")
+                                                 timeout_s=self.config.timeout_s, label="domain words",
+                                                 device=self.device)
         # Words of segment counts in every op's domain stage: sized for DOMAIN_COUNT_EXPERTS local experts
         # whatever this backend has, so that two backends on one group (other expert counts, or modes) send
         # words of one size: ranks that use them in two orders then see two backend numbers, where gloo

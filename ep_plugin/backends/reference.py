@@ -88,7 +88,7 @@ class ReferenceBackend(Backend):
         self._stage_on_host = self.device.type == "cuda" and dist.get_backend(self.group) != "nccl"
         self._exchange_device = self.device if self.device.type == "cuda" and not self._stage_on_host else "cpu"
         self._comm = HostCollectives(self.group, owner="ep_plugin reference", timeout_s=self.config.timeout_s,
-                                     label="reference")
+                                     label="reference", device=self.device)
         self._num_dispatches = 0  # counts only dispatches that all ranks agreed on
 
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple) -> DispatchOutput:

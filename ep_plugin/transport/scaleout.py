@@ -165,7 +165,7 @@ class ScaleOut:
         rail_global = [dist.get_global_rank(group, r) for r in topology.rail_ranks()]
         self.level = f"rail {topology.local_index} (global ranks {rail_global})"
         self.rail = HostCollectives(self.rail_group, owner=f"{owner} scale-out, {self.level}", timeout_s=timeout_s,
-                                    label="rail")
+                                    label="rail", device=device)
         self.stage_on_host = device.type == "cuda" and self.engine != "nccl"
         self.exchange_device = device if device.type == "cuda" and not self.stage_on_host else torch.device("cpu")
         self._host_buffers: dict[str, torch.Tensor] = {}  # "send" / "receive": kept host rows (module docstring)
@@ -178,7 +178,8 @@ class ScaleOut:
             self.domain_words_group = domain_hosts[topology.domain_index]
             if rail_hosts[topology.local_index] is not self.rail_group:
                 self.rail_words = HostCollectives(rail_hosts[topology.local_index], timeout_s=timeout_s,
-                                                  owner=f"{owner} scale-out, {self.level}", label="rail words")
+                                                  owner=f"{owner} scale-out, {self.level}", label="rail words",
+                                                  device=device)
             self.words_device = torch.device("cpu")
 
     @property

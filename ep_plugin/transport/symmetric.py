@@ -63,7 +63,8 @@ class SymmetricBuffer:
         self._region_tensors: dict[tuple, torch.Tensor] = {}  # see region_tensor
         here = own_identity()
         # Timed (a rank that failed alone, out of memory above, say, is named instead of waited for).
-        self._collectives = HostCollectives(group, owner=f"ep_plugin {backend}", timeout_s=timeout_s, label="buffer")
+        self._collectives = HostCollectives(group, owner=f"ep_plugin {backend}", timeout_s=timeout_s, label="buffer",
+                                            device=torch.device("cuda", index))
         gathered = self._collectives.all_gather_object((self._buffer.export_handle(), here),
                                                        where="opening the peers' buffers",
                                                        device=self._collectives.word_device)
