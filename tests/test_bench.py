@@ -524,3 +524,22 @@ def test_a_forced_size_that_gives_a_layout_already_run_is_skipped(tmp_path, capf
     report, stdout = _run_main(tmp_path, capfd, "--modes", "blocking", "--scaleup-size", "2,1")
     assert [record["domains"] for record in report["records"]] == ["1x2", "2x1"]
     assert "skipped reference at scale-up size 2: the same layout (1x2) already ran" in stdout
+
+
+def test_a_sweep_the_timeout_ends_keeps_the_cases_that_finished(tmp_path, capfd):
+    """Before: when the launcher's --timeout ended a long sweep, every finished case was lost with it. Now
+    bench.json holds them, says the sweep is incomplete, and the exit status is 1. The second case (16384
+    tokens, 100 iterations through gloo) runs for minutes; the first is done in seconds."""
+    out = tmp_path / "bench"
+    argv = ["--device", "cpu", "--ranks", "2", "--backends", "reference", "--tokens", "8,16384", "--hidden", "1024",
+            "--experts", "16", "--topk", "8", "--routings", "balanced", "--modes", "blocking", "--payloads", "bf16",
+            "--warmup", "1", "--iters", "100", "--reference-iters", "100", "--reference-max-tokens", "0",
+            "--timeout", "30", "--out", str(out)]
+    assert main(argv) == 1
+    report = json.loads((out / "bench.json").read_text())
+    assert [record["tokens"] for record in report["records"]] == [8]
+    assert {row["op"] for row in report["summary"]} == {"dispatch", "combine", "roundtrip", "step"}
+    assert "--timeout 30 s ended the sweep after 1 record(s)" in report["environment"]["incomplete"]
+    assert not (out / "records.partial.jsonl").exists()
+    output = capfd.readouterr()
+    assert "INCOMPLETE" in output.err and " step " in output.out

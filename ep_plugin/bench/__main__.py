@@ -39,13 +39,16 @@ a captured allocation is not redone by a replay).
 
 Writes a table to stdout (last), and under --out (default ./bench_out, which the repository's
 .gitignore covers): bench.json (every sample + environment) and PNG plots (GB/s vs tokens; GB/s
-vs SMs with the reference as dashed levels); when no plot is written the output says why.
+vs SMs with the reference as dashed levels); when no plot is written the output says why. A sweep
+that --timeout ends still writes the cases that finished (rank 0 writes each down as it finishes), with
+``environment.incomplete`` saying so, and exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
 import sys
@@ -61,6 +64,7 @@ from ep_plugin.cli import (
     device_problem,
 )
 from ep_plugin.config import Config
+from ep_plugin.errors import EPTimeoutError
 from ep_plugin.testing.launcher import CPU_RANKS_PER_CORE, cpu_ranks_problem
 
 from .report import attach_all_to_all_ratio, attach_reference_ratio, format_table, summarize, write_json, write_plots
@@ -98,6 +102,7 @@ PRESETS = {
 # --device cpu refuses them unless --tokens and --hidden (the axes that set the size) are both given.
 GPU_PRESETS = tuple(name for name in PRESETS if name != "cpu")
 DEFAULT_OUT = "bench_out"  # relative to the current folder; the repository's .gitignore covers it
+PARTIAL_RECORDS = "records.partial.jsonl"  # under --out while the sweep runs (see SweepSpec.records_path)
 DEFAULT_RANKS = 8
 DEFAULT_WARMUP, DEFAULT_ITERS = 3, 10
 # The reference over gloo (CPU, or ranks sharing a GPU) goes through host memory: keep it short there.
@@ -314,8 +319,22 @@ def main(argv: list[str] | None = None) -> int:
                      sms=_ints(args.sms), routings=_words(args.routings), modes=_words(args.modes),
                      warmup=args.warmup, iters=args.iters, reference_iters=reference_iters,
                      reference_max_tokens=reference_max_tokens, sync_each_iter=args.sync_each_iter,
-                     graph=args.graph, scaleup_sizes=_ints(args.scaleup_size))
-    records = run_ranks(bench_rank, args.ranks, spec, device=args.device, timeout_s=args.timeout)[0]
+                     graph=args.graph, scaleup_sizes=_ints(args.scaleup_size),
+                     records_path=os.path.join(args.out, PARTIAL_RECORDS))
+    os.makedirs(args.out, exist_ok=True)
+    if os.path.exists(spec.records_path):  # an earlier run's, which the launcher's timeout ended
+        os.remove(spec.records_path)
+    incomplete = None
+    try:
+        records = run_ranks(bench_rank, args.ranks, spec, device=args.device, timeout_s=args.timeout)[0]
+    except EPTimeoutError as error:  # keep what finished: a long sweep's first hours are worth a table
+        records = _finished_records(spec.records_path)
+        if not records:
+            raise
+        incomplete = (f"--timeout {args.timeout:g} s ended the sweep after {len(records)} record(s); the cases after "
+                      f"them did not run ({error})")
+    if os.path.exists(spec.records_path):
+        os.remove(spec.records_path)
     if not records:  # every case was skipped (the lines above say why): no empty table
         print("python -m ep_plugin.bench: no case ran (every one was skipped, see above)", file=sys.stderr)
         return 1
@@ -330,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     env["timing"] = "barrier before every iteration" if args.sync_each_iter else "one barrier, then back to back"
     env["graph"] = _graph_note(args)
     env["reference"] = {"max_tokens": reference_max_tokens or "no limit", "iters": reference_iters}
+    if incomplete:
+        env["incomplete"] = incomplete
     write_json(os.path.join(args.out, "bench.json"), env, records, rows, argv)
     plots = write_plots(args.out, rows)
     print(f"environment: {env}")
@@ -341,7 +362,24 @@ def main(argv: list[str] | None = None) -> int:
                   f"hidden={record['hidden']} sms={record['sms']}): {record['graph_error']}")
     print(f"wrote {os.path.join(args.out, 'bench.json')}" + "".join(f", {p}" for p in plots))
     print(format_table(rows))  # last, so the table ends the output
+    if incomplete:
+        print(f"python -m ep_plugin.bench: INCOMPLETE: {incomplete}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _finished_records(path: str) -> list[dict]:
+    """The records rank 0 wrote down before the launcher gave up (a line cut short by the kill is dropped)."""
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return records
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import statistics
 import sys
 import time
@@ -72,6 +73,9 @@ class SweepSpec:
     # Ranks per NVLink domain to run each backend with (0 = detected); a smaller size splits the ranks into
     # domains joined by scale-out rails. The reference also runs flat (0), as the baseline.
     scaleup_sizes: tuple[int, ...] = (0,)
+    # Where rank 0 appends each finished record (a JSON line): a sweep that the launcher's timeout ends keeps
+    # what finished. "" = nowhere.
+    records_path: str = ""
 
 
 def supported(backend_cls, payload: str, mode: str) -> bool:
@@ -532,6 +536,12 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
         else:
             print(line, flush=True)
 
+    def keep(record: dict) -> None:  # every rank gathers every record; rank 0 writes it down at once
+        records.append(record)
+        if ctx.rank == 0 and spec.records_path:
+            with open(spec.records_path, "a") as f:
+                f.write(json.dumps(record, default=str) + "\n")
+
     ceiling_cache: dict[int, float] = {}
     layouts_run: set[tuple] = set()  # a forced size that gives a layout already run adds nothing but time
     baseline_skipped = False
@@ -544,8 +554,8 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                 if progress:
                     progress.update()
                 if not problem:
-                    records.append(_run_all_to_all_case(ctx, spec, Shape(tokens, hidden, topk, experts, payload,
-                                                                         routing), device))
+                    keep(_run_all_to_all_case(ctx, spec, Shape(tokens, hidden, topk, experts, payload, routing),
+                                              device))
             if problem and not baseline_skipped and ctx.rank == 0:
                 say(f"skipped {ALL_TO_ALL}: {problem}")
             baseline_skipped = baseline_skipped or bool(problem)
@@ -606,12 +616,12 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                     f"not rows in place (a rank without rows, or its input outside the arena)")
             record.update(backend=name, mode=mode, sms=sms if name != "reference" else None,
                           **_scaleout_fields(backend, shape, ctx.world_size, spec.seed))
-            records.append(record)
+            keep(record)
             # The instance: none across domains. Not "arena": a capture records no allocation for a replay.
             if _graph_applies(spec, backend, mode, device) and variant != "arena":
                 # Same shape, same backend: only the samples differ from the eager record.
                 graph = _run_graph_case(ctx, spec, backend, shape, device, variant)
-                records.append({**record, **graph, "mode": GRAPH_MODE})
+                keep({**record, **graph, "mode": GRAPH_MODE})
         if backend is not None:
             backend.destroy()
             del backend
