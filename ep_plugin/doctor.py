@@ -311,8 +311,9 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
     forced = _socket_forced_by_env(fabric, environ)
     if forced is not None:
         problems.append(Problem(f"{forced} makes NCCL use TCP sockets even where RDMA NICs are present",
-                                f"unset {forced.split('=')[0]}"))
-        return nccl_probe.SOCKET, f"{forced} in the environment"
+                                _unset(fabric, forced.split("=")[0])))
+        source = fabric.nccl.config_source.get(forced.split("=")[0])
+        return nccl_probe.SOCKET, f"{forced} in {source if source else 'the environment'}"
     if not fabric.rdma_devices:
         problems.append(Problem("no RDMA device in /sys/class/infiniband: NCCL falls back to TCP sockets",
                                 "for multi-node EP use InfiniBand / RoCE / EFA NICs with their kernel drivers"))
@@ -354,7 +355,7 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
     gdr_level = environ.get("NCCL_NET_GDR_LEVEL", "").upper()
     if gdr_level in ("0", "LOC"):
         problems.append(Problem(f"NCCL_NET_GDR_LEVEL={gdr_level} disables GPUDirect RDMA",
-                                "unset NCCL_NET_GDR_LEVEL"))
+                                _unset(fabric, "NCCL_NET_GDR_LEVEL")))
         return nccl_probe.STAGED, "GPUDirect RDMA disabled by the environment"
     if any(gpu.info.gpudirect_rdma is False for gpu in gpus):
         problems.append(Problem("the GPU does not support GPUDirect RDMA (attribute 116 is 0)",
@@ -376,6 +377,12 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
                             "modprobe nvidia_peermem, or use the open GPU kernel modules on Linux >= 5.12 "
                             "for DMA-BUF"))
     return nccl_probe.STAGED, "no GPUDirect RDMA mechanism"
+
+
+def _unset(fabric: Fabric, name: str) -> str:
+    """The fix for an NCCL variable that is in the way, wherever it is set."""
+    source = fabric.nccl.config_source.get(name)
+    return f"unset {name}" + (f" and remove it from {source} (NCCL's config file)" if source else "")
 
 
 def _uverbs_missing(fabric: Fabric, problems: list[Problem]) -> bool:
@@ -549,8 +556,9 @@ def sm_sizing(fabric: Fabric, options: Options, environ: Optional[Mapping[str, s
 def assess(fabric: Fabric, options: Options, *, environ: Optional[Mapping[str, str]] = None,
            extension: Optional[tuple[bool, str]] = None, registered: Optional[list[str]] = None,
            probe: Optional[nccl_probe.NcclProbeResult] = None) -> list[Verdict]:
-    """Every verdict for this fabric; pure given its inputs (the defaults read this process)."""
-    environ = os.environ if environ is None else environ
+    """Every verdict for this fabric; pure given its inputs (the defaults read this process). NCCL's
+    config files (``fabric.nccl.config``) count as the environment, under it."""
+    environ = fabric.nccl.effective_environ(os.environ if environ is None else environ)
     extension = extension if extension is not None else _extension_state()
     registered = registered if registered is not None else _registered_backends()
     nvlink = nvlink_verdict(fabric, options, environ, extension, registered)
@@ -620,6 +628,10 @@ def render(fabric: Fabric, verdicts: list[Verdict], sizing: Optional[SmSizing], 
     lines += _table(["", ""], facts)[1:]
     if fabric.nccl.env:
         lines.append("  env: " + " ".join(f"{k}={v}" for k, v in sorted(fabric.nccl.env.items())))
+    for path in sorted(set(fabric.nccl.config_source.values())):
+        lines.append(f"  NCCL config file {path} (the environment overrides it): "
+                     + " ".join(f"{k}={v}" for k, v in sorted(fabric.nccl.config.items())
+                                if fabric.nccl.config_source[k] == path))
     if fabric.gpus:
         lines += ["", "GPUs"]
         rows = []
@@ -674,7 +686,7 @@ def render(fabric: Fabric, verdicts: list[Verdict], sizing: Optional[SmSizing], 
 
 def summary_line(fabric: Fabric, environ: Optional[Mapping[str, str]] = None) -> str:
     """One line for ``python -m ep_plugin info``."""
-    environ = os.environ if environ is None else environ
+    environ = fabric.nccl.effective_environ(os.environ if environ is None else environ)
     probe_free = Verdict("scaleout", "", OK, "")
     mode, _ = _static_scaleout(fabric, environ, probe_free)
     nics = fabric.usable_nics

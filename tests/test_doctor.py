@@ -25,6 +25,7 @@ from ep_plugin import _cuda, doctor
 from ep_plugin.doctor import DEGRADED, NOT_NEEDED, OK, UNAVAILABLE, Options, assess, exit_code
 from ep_plugin.transport import nccl_probe
 from ep_plugin.transport.cuda_driver import DriverReport
+from ep_plugin.transport.fabric import nccl_config_files
 from ep_plugin.transport.nccl_probe import NcclProbeResult
 
 BUILT = (True, "ep_plugin._C is built")
@@ -92,6 +93,29 @@ def test_environment_can_turn_gdr_off(tmp_path):
     assert found["scaleout"].mode == nccl_probe.GDR_PEERMEM
     found, _ = scaleout(tmp_path, report, {"NCCL_NET_GDR_LEVEL": "LOC"})
     assert found["scaleout"].mode == nccl_probe.STAGED and "unset NCCL_NET_GDR_LEVEL" in fixes(found["scaleout"])
+
+
+def test_nccls_config_files_count_as_the_environment_under_it(tmp_path):
+    """NCCL reads NCCL_CONF_FILE (else ~/.nccl.conf), then /etc/nccl.conf, at init; the environment wins, and
+    the first file wins over the second. A cluster's /etc/nccl.conf forcing sockets was invisible before."""
+    report = dgx_cx7(tmp_path)
+    write(tmp_path / "etc" / "nccl.conf", "# site defaults\nNCCL_IB_DISABLE=1\nNCCL_DEBUG = WARN")
+    found, code = scaleout(tmp_path, report)
+    assert (found["scaleout"].mode, code) == (nccl_probe.SOCKET, 1)
+    assert "unset NCCL_IB_DISABLE and remove it from /etc/nccl.conf" in fixes(found["scaleout"])
+    assert "/etc/nccl.conf" in found["scaleout"].summary
+    found, code = scaleout(tmp_path, report, {"NCCL_IB_DISABLE": "0"})  # the environment beats the file
+    assert (found["scaleout"].mode, code) == (nccl_probe.GDR_DMABUF, 0)
+    write(tmp_path / "job.conf", "NCCL_IB_DISABLE=0")  # the user's file beats the site's
+    found, code = scaleout(tmp_path, report, {"NCCL_CONF_FILE": "/job.conf"})
+    assert (found["scaleout"].mode, code) == (nccl_probe.GDR_DMABUF, 0)
+    assert nccl_config_files({}, home="/home/u") == ["/home/u/.nccl.conf", "/etc/nccl.conf"]
+    assert nccl_config_files({"NCCL_CONF_FILE": "/job.conf"}, home="/home/u") == ["/job.conf", "/etc/nccl.conf"]
+    fabric = make_fabric(tmp_path, report, {"NCCL_CONF_FILE": "/job.conf"})
+    assert fabric.nccl.config == {"NCCL_IB_DISABLE": "0", "NCCL_DEBUG": "WARN"}
+    assert fabric.nccl.config_source == {"NCCL_IB_DISABLE": "/job.conf", "NCCL_DEBUG": "/etc/nccl.conf"}
+    assert "NCCL config file /etc/nccl.conf (the environment overrides it): NCCL_DEBUG=WARN" in \
+        doctor.render(fabric, assess(fabric, Options(), environ={}), None, Options())
 
 
 def test_environment_can_force_sockets(tmp_path):

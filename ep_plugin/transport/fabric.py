@@ -72,7 +72,7 @@ NCCL_ENV_KEYS = (
     "NCCL_NET_PLUGIN", "NCCL_NET", "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_DMABUF_ENABLE", "NCCL_NET_GDR_LEVEL",
     "NCCL_NET_GDR_READ", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_SOCKET_IFNAME", "NCCL_CUMEM_ENABLE",
     "NCCL_DEBUG", "FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA", "OFI_NCCL_DISABLE_DMABUF", "CUDA_VISIBLE_DEVICES",
-    "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "EP_PLUGIN_SCALEUP_SIZE",
+    "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "EP_PLUGIN_SCALEUP_SIZE", "NCCL_CONF_FILE",
 )
 # Where NCCL net plugins (aws-ofi-nccl: libnccl-net-ofi.so / libnccl-net.so) are usually installed.
 NCCL_PLUGIN_DIRS = ("/opt/amazon/ofi-nccl/lib", "/opt/amazon/ofi-nccl/lib64", "/opt/aws-ofi-nccl/lib",
@@ -149,7 +149,14 @@ class NcclInfo:
     version_error: Optional[str]
     net_plugin: Optional[str]  # NCCL_NET_PLUGIN
     plugin_libraries: list[str]  # libnccl-net*.so found on LD_LIBRARY_PATH and the usual places
-    env: dict[str, str]  # the relevant variables that are set
+    env: dict[str, str]  # the relevant variables that are set (in the environment or NCCL's config files)
+    # What NCCL's config files set (see read_nccl_config), and the file each variable came from.
+    config: dict[str, str] = field(default_factory=dict)
+    config_source: dict[str, str] = field(default_factory=dict)
+
+    def effective_environ(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """``environ`` with this machine's NCCL config files under it (``as_nccl_sees_it``)."""
+        return as_nccl_sees_it(environ, self.config)
 
     @property
     def plugin_may_load(self) -> bool:
@@ -429,8 +436,49 @@ def torch_nccl_version() -> tuple[Optional[str], Optional[str]]:
     return f"{code // 1000}.{(code // 100) % 10}.{code % 100}", None
 
 
-def _nccl_info(tree: _Tree, environ: Mapping[str, str], version: Callable[[], tuple[Optional[str], Optional[str]]]
-               ) -> NcclInfo:
+def as_nccl_sees_it(environ: Mapping[str, str], config: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` as NCCL sees it once initialized: its config files' settings (``config``) under it."""
+    return {**config, **environ}
+
+
+def nccl_config_files(environ: Mapping[str, str], home: Optional[str] = None) -> list[str]:
+    """The files NCCL (2.23 and later, as torch bundles it) reads settings from when it initializes, the
+    more binding first: ``NCCL_CONF_FILE`` when set, else ``~/.nccl.conf`` (the user's home in passwd, not
+    $HOME), then ``/etc/nccl.conf``. A variable already in the environment keeps its value."""
+    user_file = environ.get("NCCL_CONF_FILE", "")
+    if not user_file:
+        if home is None:
+            import pwd
+
+            try:
+                home = pwd.getpwuid(os.getuid()).pw_dir
+            except KeyError:  # a uid without a passwd entry (some containers): NCCL reads no user file either
+                home = ""
+        user_file = os.path.join(home, ".nccl.conf") if home else ""
+    return [path for path in (user_file, "/etc/nccl.conf") if path]
+
+
+def read_nccl_config(tree: _Tree, environ: Mapping[str, str], home: Optional[str] = None
+                     ) -> tuple[dict[str, str], dict[str, str]]:
+    """(variable -> value, variable -> the file that set it) from NCCL's config files: ``NAME=VALUE``
+    lines, ``#`` comments; a variable keeps the value of the first file that sets it (``nccl_config_files``'
+    order). A cluster's /etc/nccl.conf with NCCL_IB_DISABLE=1 changes the scale-out path as the variable does."""
+    settings: dict[str, str] = {}
+    sources: dict[str, str] = {}
+    for path in nccl_config_files(environ, home):
+        for line in (tree.read(path) or "").splitlines():
+            line = line.strip()
+            if not line or line.startswith("#") or "=" not in line:
+                continue
+            name, value = (part.strip() for part in line.split("=", 1))
+            if name and name not in settings:
+                settings[name], sources[name] = value, path
+    return settings, sources
+
+
+def _nccl_info(tree: _Tree, environ: Mapping[str, str], version: Callable[[], tuple[Optional[str], Optional[str]]],
+               config: tuple[dict[str, str], dict[str, str]] = ({}, {})) -> NcclInfo:
+    """``environ``: as NCCL sees it (its config files' settings included); ``config``: what those set."""
     text, error = version()
     directories = [d for d in environ.get("LD_LIBRARY_PATH", "").split(":") if d] + list(NCCL_PLUGIN_DIRS)
     libraries: list[str] = []
@@ -440,7 +488,8 @@ def _nccl_info(tree: _Tree, environ: Mapping[str, str], version: Callable[[], tu
             if shown not in libraries:
                 libraries.append(shown)
     return NcclInfo(version=text, version_error=error, net_plugin=environ.get("NCCL_NET_PLUGIN"),
-                    plugin_libraries=libraries, env={key: environ[key] for key in NCCL_ENV_KEYS if key in environ})
+                    plugin_libraries=libraries, env={key: environ[key] for key in NCCL_ENV_KEYS if key in environ},
+                    config=dict(config[0]), config_source=dict(config[1]))
 
 
 def _mps_info(tree: _Tree, environ: Mapping[str, str], warnings: list[str]) -> MpsInfo:
@@ -476,6 +525,8 @@ def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mappi
     """
     tree = _Tree(os.fspath(root))
     environ = os.environ if environ is None else environ
+    config = read_nccl_config(tree, environ)
+    environ = as_nccl_sees_it(environ, config[0])
     warnings: list[str] = []
     if driver is None:
         report = probe_driver(dmabuf_export=dmabuf_export)
@@ -503,7 +554,7 @@ def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mappi
         efa=bool(reasons), efa_reason="; ".join(reasons), queue_pair_cap=EFA_QUEUE_PAIR_CAP if reasons else None,
         memlock_soft_bytes=None if soft < 0 else soft, memlock_hard_bytes=None if hard < 0 else hard,
         peermem=[path for path in PEERMEM_PATHS if tree.exists(path)],
-        nccl=_nccl_info(tree, environ, nccl_version or torch_nccl_version),
+        nccl=_nccl_info(tree, environ, nccl_version or torch_nccl_version, config),
         mps=_mps_info(tree, environ, warnings), warnings=warnings)
     return fabric
 
