@@ -475,8 +475,13 @@ def mps_verdict(fabric: Fabric, options: Options) -> Verdict:
     state = (f"control daemon running (pipe dir {mps.pipe_directory}"
              + (f", pid {mps.pid})" if mps.pid else ")")) if mps.daemon_running \
         else f"no control daemon (pipe dir {mps.pipe_directory})"
-    if mps.control_pipe and mps.pid_alive is False:
-        verdict.notes.append(f"stale MPS pipe directory {mps.pipe_directory}: pid {mps.pid} is not running")
+    if mps.control_pipe and not mps.daemon_running:
+        why = "its control socket refuses connections" if mps.control_answers is False else \
+            f"pid {mps.pid} is not running"
+        verdict.notes.append(f"stale MPS pipe directory {mps.pipe_directory}: {why}")
+    elif mps.daemon_running and mps.pid_alive is False:
+        verdict.notes.append(f"the control daemon's pid {mps.pid} is not visible here (another PID namespace, "
+                             "a container sharing the pipe directory); its control socket answers")
     if not fabric.gpus:
         verdict.status, verdict.summary = NOT_NEEDED, f"no GPU; {state}"
         return verdict

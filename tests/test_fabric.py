@@ -17,6 +17,7 @@ from fake_fabric import (
     write,
 )
 
+from ep_plugin import doctor
 from ep_plugin.transport.cuda_driver import DriverReport, normalize_bus_id
 from ep_plugin.transport.fabric import (
     DEFAULT_SCALEOUT_GBYTES_PER_S,
@@ -237,6 +238,28 @@ def test_mps_daemon_state_from_the_pipe_directory(tmp_path):
     assert stale.control_pipe and stale.pid_alive is False and not stale.daemon_running
     bad = make_fabric(tmp_path, report, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "half"})
     assert bad.mps.active_thread_percentage is None and any("not a number" in w for w in bad.warnings)
+
+
+def test_mps_daemon_that_answers_on_its_control_socket_runs_whatever_its_pid(tmp_path):
+    """A container sharing the host's pipe directory sees the daemon's socket but not its pid (another PID
+    namespace): it read as a stale directory, and doctor asked to start a daemon that was running."""
+    import socket
+
+    report = DriverReport(loaded=False, error="none")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": "/mps"}
+    write(tmp_path / "mps/nvidia-cuda-mps-control.pid", "4242")  # no /proc/4242 here
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "mps/control"))
+    listener.listen(1)
+    with listener:
+        mps = make_fabric(tmp_path, report, env).mps
+        assert (mps.control_answers, mps.pid_alive, mps.daemon_running) == (True, False, True)
+        fabric = make_fabric(tmp_path, report, env)
+        notes = doctor.mps_verdict(fabric, doctor.Options()).notes
+        assert any("pid 4242 is not visible here" in note for note in notes), notes
+    (tmp_path / "proc" / "4242").mkdir(parents=True)  # a live pid, but nobody listens: stale all the same
+    stale = make_fabric(tmp_path, report, env).mps
+    assert (stale.control_answers, stale.pid_alive, stale.daemon_running) == (False, True, False)
 
 
 def test_empty_machine_probes_without_error(tmp_path):

@@ -173,13 +173,20 @@ class MpsInfo:
     pipe_directory: str
     control_pipe: bool  # <pipe dir>/control exists
     pid: Optional[int]  # from nvidia-cuda-mps-control.pid
-    pid_alive: Optional[bool]
+    pid_alive: Optional[bool]  # /proc/<pid> exists (a daemon in another PID namespace is not seen there)
     active_thread_percentage: Optional[float]
     active_thread_percentage_text: Optional[str]  # as set, also when unparsable
+    # The control socket accepted a connection (True), refused it (False: nobody listens, a stale pipe
+    # directory), or could not be tried (None: not a socket, no permission).
+    control_answers: Optional[bool] = None
 
     @property
     def daemon_running(self) -> bool:
-        return self.control_pipe and self.pid_alive is not False
+        """The control socket answers; where it cannot be tried, the pid file names a live process. A
+        container that shares the host's pipe directory sees the daemon answer but not its pid."""
+        if not self.control_pipe:
+            return False
+        return self.control_answers if self.control_answers is not None else self.pid_alive is not False
 
 
 @dataclass
@@ -503,9 +510,30 @@ def _mps_info(tree: _Tree, environ: Mapping[str, str], warnings: list[str]) -> M
             percentage = float(percentage_text)
         except ValueError:
             warnings.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percentage_text!r} is not a number")
-    return MpsInfo(pipe_directory=pipe_directory, control_pipe=tree.exists(os.path.join(pipe_directory, "control")),
+    control = os.path.join(pipe_directory, "control")
+    return MpsInfo(pipe_directory=pipe_directory, control_pipe=tree.exists(control),
                    pid=pid, pid_alive=None if pid is None else tree.exists(f"/proc/{pid}"),
-                   active_thread_percentage=percentage, active_thread_percentage_text=percentage_text)
+                   active_thread_percentage=percentage, active_thread_percentage_text=percentage_text,
+                   control_answers=_socket_answers(tree.path(control)))
+
+
+def _socket_answers(path: str) -> Optional[bool]:
+    """Whether a Unix socket accepts a connection (closed at once, no command sent); None where ``path`` is
+    no socket or the connection cannot be tried (permissions, a path too long for a socket address)."""
+    import socket
+    import stat
+
+    try:
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            return None
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.settimeout(1.0)
+            connection.connect(path)
+        return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return None
 
 
 def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mapping[str, str]] = None,
