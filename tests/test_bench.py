@@ -543,3 +543,14 @@ def test_a_sweep_the_timeout_ends_keeps_the_cases_that_finished(tmp_path, capfd)
     assert not (out / "records.partial.jsonl").exists()
     output = capfd.readouterr()
     assert "INCOMPLETE" in output.err and " step " in output.out
+
+
+def test_the_progress_bar_ends_full_when_a_backend_is_skipped(tmp_path, capfd):
+    """A backend skipped at its first case (here a forced scale-up size that repeats a layout) left its
+    other cases off the bar, which ended short of its total as if the sweep had stopped."""
+    argv = ["--device", "cpu", "--ranks", "2", "--backends", "reference", "--tokens", "16,32", "--hidden", "64",
+            "--experts", "8", "--topk", "2", "--payloads", "bf16", "--routings", "balanced", "--modes", "blocking",
+            "--iters", "2", "--warmup", "1", "--scaleup-size", "2,1", "--out", str(tmp_path / "bench")]
+    assert main(argv) == 0
+    err = capfd.readouterr().err
+    assert "6/6" in err, err[-500:]

@@ -325,8 +325,9 @@ def _memory_shortfall(ctx: RankContext, shape: Shape, device: torch.device, seed
 
 
 def _tight_budget(shape: Shape, num_ranks: int, seed: int) -> int:
-    """Non-blocking output rows for a case: the busiest rank's rows rounded up to 4096, as a Megatron
-    user sets num_permuted_tokens from the routing they expect. The worst case (every token at every
+    """Non-blocking output rows for a case: the next multiple of 4096 above the busiest rank's rows (an exact
+    multiple gets 4096 more: kept so that figures stay comparable across passes), as a Megatron user sets
+    num_permuted_tokens from the routing they expect. The worst case (every token at every
     local expert of every rank) would not fit 8 ranks on one GPU at 8192 tokens."""
     rows = _busiest_rank_rows(shape, num_ranks, seed)
     return (rows // 4096 + 1) * 4096
@@ -546,7 +547,10 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
     layouts_run: set[tuple] = set()  # a forced size that gives a layout already run adds nothing but time
     baseline_skipped = False
     reference_skips_said: set[int] = set()  # token counts whose reference skip was printed
-    for name, hidden, experts, sms, mode, scaleup in plan:
+    cases_per_entry = total // len(plan) if plan else 0
+    for number, (name, hidden, experts, sms, mode, scaleup) in enumerate(plan):
+        if progress:  # the cases of an entry skipped part way (a backend that cannot be built) count as done
+            progress.update(number * cases_per_entry - progress.n)
         if name == ALL_TO_ALL:
             problem = _all_to_all_problem(device)
             for tokens, topk, payload, routing in itertools.product(spec.tokens, spec.topk, spec.payloads,
@@ -628,6 +632,7 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if progress:
+        progress.update(total - progress.n)
         progress.close()
     return records if ctx.rank == 0 else None
 
