@@ -132,6 +132,7 @@ def _hot_functions() -> list:
     return [base.Backend.dispatch, base.Backend.combine, base.Backend.check_dispatch_input, base.Backend.check_hidden,
             base.Backend.check_handle, routing.make_routing, routing.check_tensor, streams.keep_on_stream,
             streams.record_ready, compiled.CompiledBackend._layout, compiled.CompiledBackend._exchange,
+            compiled.CompiledBackend._layout_args, compiled.CompiledBackend._layout_and_exchange, compiled.Scratch.args,
             hybrid.HybridBackend._dispatch, hybrid.HybridBackend._combine, hybrid.HybridBackend._fingerprint,
             elastic.ElasticBackend.dispatch, elastic.ElasticBackend.combine, elastic.ElasticBackend._dispatch,
             elastic.ElasticBackend._receive_in_place, elastic.ElasticBackend._combine,
