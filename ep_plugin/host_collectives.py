@@ -35,7 +35,7 @@ import pickle
 import time
 from collections import Counter
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ _OUT_OF_STEP = ("The process group's collectives are now out of step among its r
                 "a new backend on it.")
 
 
-def word_device(engine: str, device: Optional[torch.device]) -> torch.device:
+def word_device(engine: str, device: Union[torch.device, str, None]) -> torch.device:
     """Where a collective's small tensors that the host reads go: host memory, except over NCCL (it moves
     CUDA tensors only), where they go to the owner's GPU. Not the current GPU when the owner has its own:
     a job that passes ``device=`` without ``torch.cuda.set_device`` would otherwise run every rank's
@@ -82,7 +82,7 @@ class HostCollectives:
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], *, owner: str, timeout_s: float, label: str,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Union[torch.device, str, None] = None) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.owner = owner
         self.timeout_s = float(timeout_s)

@@ -242,22 +242,22 @@ class CompiledBackend(Backend):
         return args, dense_probs
 
     def _layout_and_exchange(self, routing: Routing, probs: Optional[torch.Tensor], scratch: "Scratch", phase: int,
-                             fingerprint: int, *, outputs: Callable[[], dict], pad_multiple: int = 1,
+                             fingerprint: int, *, addresses: Callable[[], dict], pad_multiple: int = 1,
                              receive_budget: Optional[int] = None):
         """``_layout`` and then ``_exchange`` of its counts, in one launch (``_C.layout_exchange``: the last
-        layout block runs the exchange). ``outputs()``: the exchange's outputs in ``scratch``, as
-        ``_C.ExchangeArgs`` fields (called when the struct is built: once per scratch); its inputs are
-        the layout's pieces of ``scratch``; ``pad_multiple`` and ``receive_budget`` are the op's own.
-        Returns what ``_layout`` does."""
+        layout block runs the exchange). ``addresses()``: where the exchange's outputs go in ``scratch``, as
+        ``_C.ExchangeArgs`` fields (called when the struct is built: once per plan and address, see
+        ``Scratch.args``); its inputs are the layout's pieces of ``scratch``; ``phase``, ``fingerprint``,
+        ``pad_multiple`` and ``receive_budget`` (None: unbounded) are the op's own. Returns what ``_layout``
+        does."""
         args, dense_probs = self._layout_args(routing, probs, scratch)
         at = scratch.address
         exchange = scratch.args("exchange", lambda: self._C.ExchangeArgs(
             phase=phase, num_local_experts=self.num_local_experts, expert_counts=at("expert_counts"),
             rank_counts=at("rank_counts"), input_flags=at("input_flags") if scratch.has("input_flags") else None,
-            **outputs()))
-        exchange.fingerprint, exchange.pad_multiple = fingerprint, pad_multiple
-        if receive_budget is not None:
-            exchange.receive_budget = receive_budget
+            **addresses()))
+        exchange.phase, exchange.fingerprint, exchange.pad_multiple = phase, fingerprint, pad_multiple
+        exchange.receive_budget = self._C.UNBOUNDED_ROWS if receive_budget is None else receive_budget
         self._C.layout_exchange(self.buffer.raw, args, exchange, self._stream())
         self._peers_may_read_arena = False  # once enqueued, as in _exchange
         return dense_probs
@@ -504,9 +504,10 @@ class ScratchPlan:
 
     __slots__ = ("pieces", "words", "splits", "prepared")
 
-    # Allocations whose argument structs a plan remembers (see prepared_at): a loop of one shape gets
-    # two or three addresses back from torch's allocator, alternating.
-    PREPARED_BASES = 8
+    # Allocations whose argument structs a plan remembers (see prepared_at): a decode loop gets two or
+    # three addresses back from torch's allocator, a training step one per MoE layer whose handle waits
+    # for the backward. Each is a few small objects.
+    PREPARED_BASES = 256
 
     def __init__(self, fields: Iterable[tuple]) -> None:
         self.pieces: dict[str, tuple] = {}  # name -> (first int32 word, words, shape, dtype)

@@ -285,11 +285,11 @@ class ElasticBackend(CompiledBackend):
         fingerprint = self._fingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, topk=k,
                                         expand=expand, in_place=in_place)
         self._layout_and_exchange(routing, None, scratch, PHASE_DISPATCH, fingerprint, pad_multiple=pad_multiple,
-                                  outputs=lambda: dict(row_base=at("row_base"), expert_start=at("expert_start"),
-                                                       tokens_per_expert=at("tokens_per_expert"),
-                                                       real_per_expert=at("real_per_expert"),
-                                                       num_packets=at("num_packets"), total_rows=at("total_rows"),
-                                                       total_packets=at("total_packets")))
+                                  addresses=lambda: dict(row_base=at("row_base"), expert_start=at("expert_start"),
+                                                         tokens_per_expert=at("tokens_per_expert"),
+                                                         real_per_expert=at("real_per_expert"),
+                                                         num_packets=at("num_packets"), total_rows=at("total_rows"),
+                                                         total_packets=at("total_packets")))
         counted = self._mark() if self.config.blocking else None
         # What needs no host count is enqueued before the blocking mode's count read, and runs
         # meanwhile: the send, and in place (rows in the buffer, metadata at worst-case size) the receive.

@@ -288,19 +288,20 @@ class HybridBackend(CompiledBackend):
         outputs = None if budget is None else self._dispatch_outputs(budget, data.dtype, fp8, probs is not None)
         dense_probs = self._layout_and_exchange(
             routing, probs, scratch, PHASE_DISPATCH, fingerprint, pad_multiple=pad_multiple,
-            receive_budget=self._C.UNBOUNDED_ROWS if budget is None else budget,
-            outputs=lambda: dict(row_base=at("row_base"), expert_start=at("expert_start"),
-                                 tokens_per_expert=at("tokens_per_expert"), real_per_expert=at("real_per_expert"),
-                                 num_packets=at("num_packets"), total_rows=at("total_rows"),
-                                 peer_row_base=at("peer_rows") if self.combine_input_rows else None))
+            receive_budget=budget,
+            addresses=lambda: dict(row_base=at("row_base"), expert_start=at("expert_start"),
+                                   tokens_per_expert=at("tokens_per_expert"),
+                                   real_per_expert=at("real_per_expert"), num_packets=at("num_packets"),
+                                   total_rows=at("total_rows"),
+                                   peer_row_base=at("peer_rows") if self.combine_input_rows else None))
         counted = self._mark() if self.config.blocking else None
         # The send needs no host count: in blocking mode it runs while the host reads the counts, and
         # in non-blocking mode (the budget known) it shares one launch with the permute.
         row_bytes = H if fp8 else 2 * H
         scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
         self._keep_on_stream(data, scales, routing.routing_map, routing.topk_idx, probs)  # the layout read the last 3
-        # The send zeroes the overflow flag, the permute sets it. Both structs are built once per
-        # scratch (fp8 decides the row sizes); the op's own tensors and budget are set below.
+        # The send zeroes the overflow flag, the permute sets it. Both structs are built once per plan
+        # and address (Scratch.args; fp8 decides the row sizes); the op's own tensors and budget are set here.
         send = scratch.args(("send", fp8), lambda: self._C.hybrid.SendArgs(
             row_bytes=row_bytes, scale_bytes=scale_bytes, send_slot=at("send_slot"), k_index=at("k_index"),
             num_tokens=T, bulk_copy=self._bulk, overflow=at("overflow")))
@@ -457,7 +458,7 @@ class HybridBackend(CompiledBackend):
         # The handle may go before this op has run (topk_idx: the values routed back are gathered by it).
         self._keep_on_stream(rows, row_probs, layout.scratch.memory,
                              layout.topk_idx if row_probs is not None else None)
-        # Structs built once per scratch (see Scratch.args); the op's own fields are set on every call.
+        # Structs built once per plan and address (Scratch.args); the op's own fields are set on every call.
         scratch = layout.scratch
         if send_needed:
             send = scratch.args("combine_send", lambda: self._C.hybrid.CombineSendArgs(
