@@ -356,7 +356,7 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
     if gdr_level in ("0", "LOC"):
         problems.append(Problem(f"NCCL_NET_GDR_LEVEL={gdr_level} disables GPUDirect RDMA",
                                 _unset(fabric, "NCCL_NET_GDR_LEVEL")))
-        return nccl_probe.STAGED, "GPUDirect RDMA disabled by the environment"
+        return nccl_probe.STAGED, "GPUDirect RDMA disabled by NCCL_NET_GDR_LEVEL"
     if any(gpu.info.gpudirect_rdma is False for gpu in gpus):
         problems.append(Problem("the GPU does not support GPUDirect RDMA (attribute 116 is 0)",
                                 "use a data-center GPU for RDMA scale-out"))
@@ -634,7 +634,7 @@ def render(fabric: Fabric, verdicts: list[Verdict], sizing: Optional[SmSizing], 
     if fabric.nccl.env:
         lines.append("  env: " + " ".join(f"{k}={v}" for k, v in sorted(fabric.nccl.env.items())))
     for path in sorted(set(fabric.nccl.config_source.values())):
-        lines.append(f"  NCCL config file {path} (the environment overrides it): "
+        lines.append(f"  NCCL config file {path} (what the environment does not set): "
                      + " ".join(f"{k}={v}" for k, v in sorted(fabric.nccl.config.items())
                                 if fabric.nccl.config_source[k] == path))
     if fabric.gpus:

@@ -99,23 +99,30 @@ def test_nccls_config_files_count_as_the_environment_under_it(tmp_path):
     """NCCL reads NCCL_CONF_FILE (else ~/.nccl.conf), then /etc/nccl.conf, at init; the environment wins, and
     the first file wins over the second. A cluster's /etc/nccl.conf forcing sockets was invisible before."""
     report = dgx_cx7(tmp_path)
-    write(tmp_path / "etc" / "nccl.conf", "# site defaults\nNCCL_IB_DISABLE=1\nNCCL_DEBUG = WARN")
+    write(tmp_path / "etc" / "nccl.conf", "# site defaults\nNCCL_IB_DISABLE=1\nNCCL_DEBUG=WARN\n"
+                                          "NCCL_SOCKET_IFNAME = eth0\nCUDA_VISIBLE_DEVICES=3\nNCCL_NET=IB")
     found, code = scaleout(tmp_path, report)
     assert (found["scaleout"].mode, code) == (nccl_probe.SOCKET, 1)
     assert "unset NCCL_IB_DISABLE and remove it from /etc/nccl.conf" in fixes(found["scaleout"])
     assert "/etc/nccl.conf" in found["scaleout"].summary
     found, code = scaleout(tmp_path, report, {"NCCL_IB_DISABLE": "0"})  # the environment beats the file
     assert (found["scaleout"].mode, code) == (nccl_probe.GDR_DMABUF, 0)
+    found, _ = scaleout(tmp_path, report, {"NCCL_NET": "Socket"})  # set in both: the environment's is to blame
+    assert fixes(found["scaleout"]) == "unset NCCL_NET" and "the environment" in found["scaleout"].summary
     write(tmp_path / "job.conf", "NCCL_IB_DISABLE=0")  # the user's file beats the site's
     found, code = scaleout(tmp_path, report, {"NCCL_CONF_FILE": "/job.conf"})
     assert (found["scaleout"].mode, code) == (nccl_probe.GDR_DMABUF, 0)
     assert nccl_config_files({}, home="/home/u") == ["/home/u/.nccl.conf", "/etc/nccl.conf"]
     assert nccl_config_files({"NCCL_CONF_FILE": "/job.conf"}, home="/home/u") == ["/job.conf", "/etc/nccl.conf"]
-    fabric = make_fabric(tmp_path, report, {"NCCL_CONF_FILE": "/job.conf"})
+    fabric = make_fabric(tmp_path, report, {"NCCL_CONF_FILE": "/job.conf", "NCCL_NET": "IB"})
+    # NCCL splits at the first '=' as written (the spaced name sets nothing it reads), and CUDA read its own
+    # variables before NCCL applied the file.
     assert fabric.nccl.config == {"NCCL_IB_DISABLE": "0", "NCCL_DEBUG": "WARN"}
     assert fabric.nccl.config_source == {"NCCL_IB_DISABLE": "/job.conf", "NCCL_DEBUG": "/etc/nccl.conf"}
-    assert "NCCL config file /etc/nccl.conf (the environment overrides it): NCCL_DEBUG=WARN" in \
-        doctor.render(fabric, assess(fabric, Options(), environ={}), None, Options())
+    assert any("NCCL ignores 'NCCL_SOCKET_IFNAME = eth0'" in warning for warning in fabric.warnings)
+    text = doctor.render(fabric, assess(fabric, Options(), environ={}), None, Options())
+    assert "NCCL config file /etc/nccl.conf (what the environment does not set): NCCL_DEBUG=WARN" in text
+    assert "env: NCCL_CONF_FILE=/job.conf NCCL_NET=IB" in text  # the environment's own, not the files'
 
 
 def test_environment_can_force_sockets(tmp_path):

@@ -240,26 +240,29 @@ def test_mps_daemon_state_from_the_pipe_directory(tmp_path):
     assert bad.mps.active_thread_percentage is None and any("not a number" in w for w in bad.warnings)
 
 
-def test_mps_daemon_that_answers_on_its_control_socket_runs_whatever_its_pid(tmp_path):
+def test_mps_daemon_that_answers_on_its_control_socket_runs_whatever_its_pid():
     """A container sharing the host's pipe directory sees the daemon's socket but not its pid (another PID
     namespace): it read as a stale directory, and doctor asked to start a daemon that was running."""
     import socket
+    import tempfile
+    from pathlib import Path
 
     report = DriverReport(loaded=False, error="none")
     env = {"CUDA_MPS_PIPE_DIRECTORY": "/mps"}
-    write(tmp_path / "mps/nvidia-cuda-mps-control.pid", "4242")  # no /proc/4242 here
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(tmp_path / "mps/control"))
-    listener.listen(1)
-    with listener:
-        mps = make_fabric(tmp_path, report, env).mps
-        assert (mps.control_answers, mps.pid_alive, mps.daemon_running) == (True, False, True)
-        fabric = make_fabric(tmp_path, report, env)
-        notes = doctor.mps_verdict(fabric, doctor.Options()).notes
-        assert any("pid 4242 is not visible here" in note for note in notes), notes
-    (tmp_path / "proc" / "4242").mkdir(parents=True)  # a live pid, but nobody listens: stale all the same
-    stale = make_fabric(tmp_path, report, env).mps
-    assert (stale.control_answers, stale.pid_alive, stale.daemon_running) == (False, True, False)
+    with tempfile.TemporaryDirectory(dir="/tmp") as short:  # a Unix socket's path has at most 107 bytes
+        root = Path(short)
+        write(root / "mps/nvidia-cuda-mps-control.pid", "4242")  # no /proc/4242 here
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(root / "mps/control"))
+        listener.listen(1)
+        with listener:
+            mps = make_fabric(root, report, env).mps
+            assert (mps.control_answers, mps.pid_alive, mps.daemon_running) == (True, False, True)
+            notes = doctor.mps_verdict(make_fabric(root, report, env), doctor.Options()).notes
+            assert any("pid 4242 is not visible here" in note for note in notes), notes
+        (root / "proc" / "4242").mkdir(parents=True)  # a live pid, but nobody listens: stale all the same
+        stale = make_fabric(root, report, env).mps
+        assert (stale.control_answers, stale.pid_alive, stale.daemon_running) == (False, True, False)
 
 
 def test_empty_machine_probes_without_error(tmp_path):

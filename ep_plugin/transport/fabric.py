@@ -149,7 +149,7 @@ class NcclInfo:
     version_error: Optional[str]
     net_plugin: Optional[str]  # NCCL_NET_PLUGIN
     plugin_libraries: list[str]  # libnccl-net*.so found on LD_LIBRARY_PATH and the usual places
-    env: dict[str, str]  # the relevant variables that are set (in the environment or NCCL's config files)
+    env: dict[str, str]  # the relevant variables the environment sets
     # What NCCL's config files set (see read_nccl_config), and the file each variable came from.
     config: dict[str, str] = field(default_factory=dict)
     config_source: dict[str, str] = field(default_factory=dict)
@@ -449,9 +449,9 @@ def as_nccl_sees_it(environ: Mapping[str, str], config: Mapping[str, str]) -> di
 
 
 def nccl_config_files(environ: Mapping[str, str], home: Optional[str] = None) -> list[str]:
-    """The files NCCL (2.23 and later, as torch bundles it) reads settings from when it initializes, the
-    more binding first: ``NCCL_CONF_FILE`` when set, else ``~/.nccl.conf`` (the user's home in passwd, not
-    $HOME), then ``/etc/nccl.conf``. A variable already in the environment keeps its value."""
+    """The files NCCL reads settings from when it initializes, the more binding first: ``NCCL_CONF_FILE``
+    when set (NCCL's docs name it since 2.23; torch bundles a later NCCL), else ``~/.nccl.conf`` (the
+    user's home in passwd, not $HOME), then ``/etc/nccl.conf``. The environment beats every file."""
     user_file = environ.get("NCCL_CONF_FILE", "")
     if not user_file:
         if home is None:
@@ -465,27 +465,39 @@ def nccl_config_files(environ: Mapping[str, str], home: Optional[str] = None) ->
     return [path for path in (user_file, "/etc/nccl.conf") if path]
 
 
-def read_nccl_config(tree: _Tree, environ: Mapping[str, str], home: Optional[str] = None
-                     ) -> tuple[dict[str, str], dict[str, str]]:
-    """(variable -> value, variable -> the file that set it) from NCCL's config files: ``NAME=VALUE``
-    lines, ``#`` comments; a variable keeps the value of the first file that sets it (``nccl_config_files``'
-    order). A cluster's /etc/nccl.conf with NCCL_IB_DISABLE=1 changes the scale-out path as the variable does."""
+# What NCCL's config files can change: NCCL applies them when it initializes, after CUDA and the dynamic
+# loader read their variables, so only its own and its net plugins' (libfabric, aws-ofi-nccl) count.
+NCCL_CONFIG_PREFIXES = ("NCCL_", "FI_", "OFI_NCCL_")
+
+
+def read_nccl_config(tree: _Tree, environ: Mapping[str, str], home: Optional[str] = None,
+                     warnings: Optional[list[str]] = None) -> tuple[dict[str, str], dict[str, str]]:
+    """(variable -> value, variable -> its file) for what NCCL's config files set and NCCL will use: a
+    variable the environment does not set, named by the first file that names it (``nccl_config_files``'
+    order). NCCL splits each line at its first ``=`` as it stands (no spaces trimmed, no comment syntax),
+    so ``NCCL_IB_DISABLE = 1`` sets nothing NCCL reads: such lines go to ``warnings``. A cluster's
+    /etc/nccl.conf with NCCL_IB_DISABLE=1 changes the scale-out path as the variable does."""
     settings: dict[str, str] = {}
     sources: dict[str, str] = {}
     for path in nccl_config_files(environ, home):
         for line in (tree.read(path) or "").splitlines():
-            line = line.strip()
-            if not line or line.startswith("#") or "=" not in line:
+            name, equals, value = line.partition("=")
+            if not equals:
                 continue
-            name, value = (part.strip() for part in line.split("=", 1))
-            if name and name not in settings:
+            if name != name.strip():  # a variable named with its spaces: nothing NCCL reads
+                if name.strip().startswith(NCCL_CONFIG_PREFIXES) and warnings is not None:
+                    warnings.append(f"{path}: NCCL ignores {line!r} (spaces around the name: write "
+                                    f"{name.strip()}=...)")
+                continue
+            if name.startswith(NCCL_CONFIG_PREFIXES) and name not in environ and name not in settings:
                 settings[name], sources[name] = value, path
     return settings, sources
 
 
 def _nccl_info(tree: _Tree, environ: Mapping[str, str], version: Callable[[], tuple[Optional[str], Optional[str]]],
                config: tuple[dict[str, str], dict[str, str]] = ({}, {})) -> NcclInfo:
-    """``environ``: as NCCL sees it (its config files' settings included); ``config``: what those set."""
+    """``environ``: as NCCL sees it (its config files' settings included); ``config``: what those set
+    (``read_nccl_config``). ``env`` lists the environment's own variables, not the files'."""
     text, error = version()
     directories = [d for d in environ.get("LD_LIBRARY_PATH", "").split(":") if d] + list(NCCL_PLUGIN_DIRS)
     libraries: list[str] = []
@@ -495,7 +507,8 @@ def _nccl_info(tree: _Tree, environ: Mapping[str, str], version: Callable[[], tu
             if shown not in libraries:
                 libraries.append(shown)
     return NcclInfo(version=text, version_error=error, net_plugin=environ.get("NCCL_NET_PLUGIN"),
-                    plugin_libraries=libraries, env={key: environ[key] for key in NCCL_ENV_KEYS if key in environ},
+                    plugin_libraries=libraries,
+                    env={key: environ[key] for key in NCCL_ENV_KEYS if key in environ and key not in config[1]},
                     config=dict(config[0]), config_source=dict(config[1]))
 
 
@@ -553,9 +566,9 @@ def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mappi
     """
     tree = _Tree(os.fspath(root))
     environ = os.environ if environ is None else environ
-    config = read_nccl_config(tree, environ)
-    environ = as_nccl_sees_it(environ, config[0])
     warnings: list[str] = []
+    config = read_nccl_config(tree, environ, warnings=warnings)
+    environ = as_nccl_sees_it(environ, config[0])
     if driver is None:
         report = probe_driver(dmabuf_export=dmabuf_export)
     elif isinstance(driver, DriverReport):
