@@ -6,11 +6,11 @@ Two checks keep ranks that disagree from crashing inside a collective or returni
   (hidden size, expert count, token budget, ...); ``check_construction`` gathers them once and
   raises ``ValueError`` on every rank naming each field that differs and every rank's value.
 - Every op carries a 64-bit fingerprint (``OpFingerprint.pack``): op kind, payload dtype, probs
-  present, routing form, top-k width, whether autograd recorded the op (its backward will run) and
-  the handle the op uses. The compiled backends publish
-  it with their device handshake; ``reference`` exchanges it with its counts. A rank that sees a
-  different fingerprint from a peer raises ``EPError`` (``mismatch_message`` names the op, the
-  fields, both ranks and their values).
+  present, routing form, top-k width, whether autograd recorded the op (its backward will run),
+  whether a dispatch's probs need a gradient (its backward routes them back) and the handle the op
+  uses. The compiled backends publish it with their device handshake; ``reference`` exchanges it with
+  its counts. A rank that sees a different fingerprint from a peer raises ``EPError``
+  (``mismatch_message`` names the op, the fields, both ranks and their values).
 """
 
 from __future__ import annotations
@@ -39,11 +39,12 @@ _FORMS = (None, "routing_map", "topk", "topk+expand", "topk+in_place")
 
 # Bit widths of the packed fields, low bits first. 63 bits in all, so the packed value is a
 # non-negative signed 64-bit integer on every side (Python, torch int64, CUDA u64).
-_LAYOUT = (("op", 3), ("dtype", 3), ("probs", 1), ("form", 3), ("topk", 7), ("grad", 1), ("handle_id", 45))
+_LAYOUT = (("op", 3), ("dtype", 3), ("probs", 1), ("form", 3), ("topk", 7), ("grad", 1), ("probs_grad", 1),
+           ("handle_id", 44))
 
 
 _LOW_BITS = sum(bits for _, bits in _LAYOUT[:-1])  # the fields below handle_id
-_PACKED_LOW_FIELDS: dict[tuple, int] = {}  # (op, dtype, probs, form, topk, grad) -> their packed bits
+_PACKED_LOW_FIELDS: dict[tuple, int] = {}  # (op, dtype, probs, form, topk, grad, probs_grad) -> packed bits
 
 
 def _pack_codes(codes: dict[str, int], layout: tuple[tuple[str, int], ...]) -> int:
@@ -69,6 +70,9 @@ class OpFingerprint:
     grad: autograd recorded the op (``ep_plugin.dispatch``/``combine`` with inputs that need grad, grad
         mode on), so its backward will run on this rank. A rank without it would never enter that
         backward and leave the others waiting in it; differing here is an error at the forward instead.
+    probs_grad: a recorded dispatch whose probs (or top-k weights) need a gradient: its backward routes
+        the per-row gradients back with the rows. Ranks that differ would meet in that backward with
+        different ops; differing here is an error at the forward instead.
     handle_id: which dispatch's handle a combine / dispatch_again uses (its per-backend dispatch
         number, counted from 1; 0 for a dispatch). Ranks that use their handles in different
         orders differ here.
@@ -81,9 +85,11 @@ class OpFingerprint:
     topk: int = 0
     handle_id: int = 0
     grad: bool = False
+    probs_grad: bool = False
 
     def pack(self) -> int:
-        return fingerprint_code(self.op, self.dtype, self.probs, self.form, self.topk, self.handle_id, self.grad)
+        return fingerprint_code(self.op, self.dtype, self.probs, self.form, self.topk, self.handle_id, self.grad,
+                                self.probs_grad)
 
     @classmethod
     def unpack(cls, value: int) -> "OpFingerprint":
@@ -97,21 +103,22 @@ class OpFingerprint:
 
         return cls(op=pick(_OPS, codes["op"]), dtype=pick(_DTYPES, codes["dtype"]), probs=bool(codes["probs"]),
                    form=pick(_FORMS, codes["form"]), topk=codes["topk"], handle_id=codes["handle_id"],
-                   grad=bool(codes["grad"]))
+                   grad=bool(codes["grad"]), probs_grad=bool(codes["probs_grad"]))
 
 
 def fingerprint_code(op: Optional[str], dtype: Optional[torch.dtype] = None, probs: bool = False,
-                     form: Optional[str] = None, topk: int = 0, handle_id: int = 0, grad: bool = False) -> int:
+                     form: Optional[str] = None, topk: int = 0, handle_id: int = 0, grad: bool = False,
+                     probs_grad: bool = False) -> int:
     """``OpFingerprint(...).pack()`` without building the dataclass (~4 µs): what the compiled
     backends' kernels take, on every op's host path."""
     # The fields but handle_id take few values, so their packed bits are remembered (a dict
     # lookup instead of ~3 µs of loop).
-    key = (op, dtype, probs, form, topk, grad)
+    key = (op, dtype, probs, form, topk, grad, probs_grad)
     low = _PACKED_LOW_FIELDS.get(key)
     if low is None:
         low = _PACKED_LOW_FIELDS[key] = _pack_codes(
             {"op": _OPS.index(op), "dtype": _DTYPES.index(dtype), "probs": int(probs), "form": _FORMS.index(form),
-             "topk": topk, "grad": int(grad)}, _LAYOUT[:-1])
+             "topk": topk, "grad": int(grad), "probs_grad": int(probs_grad)}, _LAYOUT[:-1])
     if not 0 <= handle_id < (1 << _LAYOUT[-1][1]):
         raise ValueError(f"op fingerprint field handle_id={handle_id} does not fit in {_LAYOUT[-1][1]} bits")
     return low | handle_id << _LOW_BITS
@@ -119,7 +126,7 @@ def fingerprint_code(op: Optional[str], dtype: Optional[torch.dtype] = None, pro
 
 # The rule every disagreement message ends with.
 WHAT_RANKS_SHARE = ("All ranks must issue the same ops in the same order with the same dtype, probs, routing form, "
-                    "handles and grad.")
+                    "handles and grad (of the inputs and of the probs).")
 
 
 def ordinal(number: int) -> str:
@@ -138,6 +145,9 @@ def mismatch_message(backend: str, rank: int, peer: int, mine: int, theirs: int)
     if "grad" in differing:  # the one field a user does not pass: say where it comes from
         details += (" (grad: autograd recorded the op, so its backward will run; the inputs need grad on some "
                     "ranks only, or some ranks run under torch.no_grad)")
+    if "probs_grad" in differing:
+        details += (" (probs_grad: the probs or top-k weights need a gradient on some ranks only; its backward "
+                    "would route them back there only)")
     return f"ep_plugin {backend}: ranks disagree on {op}: {details or 'fingerprints differ'}. {WHAT_RANKS_SHARE}"
 
 

@@ -64,11 +64,13 @@ class _Dispatch(torch.autograd.Function):
         # The backend validates the routing form; probs and topk_weights are inputs here only so
         # that autograd sees whichever one was given.
         backend.op_records_backward = _records(grad_enabled, ctx.needs_input_grad[:3])
+        weights_index = 1 if routing_map is not None else 2  # probs or topk_weights (backward reads the same)
+        backend.op_probs_need_grad = backend.op_records_backward and ctx.needs_input_grad[weights_index]
         try:
             result = backend.dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
                                       topk_weights=topk_weights, pad_multiple=pad_multiple, **options)
         finally:
-            backend.op_records_backward = False
+            backend.op_records_backward = backend.op_probs_need_grad = False
         ctx.handle = result.handle
         ctx.weights_are_probs = routing_map is not None
         ctx.mark_non_differentiable(*(t for t in (result.tokens_per_expert, result.topk_idx, result.num_valid_rows)

@@ -160,14 +160,14 @@ def test_fingerprints_pack_to_distinct_values_that_unpack_to_themselves():
 
     seen = {}
     for _ in range(2):  # the second round packs from the remembered bits
-        for op, dtype, probs, form, topk, grad, handle_id in product(
+        for op, dtype, probs, form, topk, grad, probs_grad, handle_id in product(
                 agreement._OPS[1:], agreement._DTYPES, (False, True), agreement._FORMS, (0, 1, 127), (False, True),
-                (0, 1, 2**45 - 1)):
+                (False, True), (0, 1, 2**44 - 1)):
             fingerprint = OpFingerprint(op, dtype=dtype, probs=probs, form=form, topk=topk, handle_id=handle_id,
-                                        grad=grad)
+                                        grad=grad, probs_grad=probs_grad)
             value = fingerprint.pack()
             assert 0 <= value < 2**63 and OpFingerprint.unpack(value) == fingerprint
             assert seen.setdefault(value, fingerprint) == fingerprint
-    for field, bad in (("topk", 128), ("handle_id", 2**45), ("handle_id", -1)):
+    for field, bad in (("topk", 128), ("handle_id", 2**44), ("handle_id", -1)):
         with pytest.raises(ValueError, match=f"field {field}={bad} does not fit"):
             OpFingerprint(OP_DISPATCH, **{field: bad}).pack()

@@ -319,6 +319,44 @@ def test_ranks_where_autograd_records_an_op_on_some_ranks_only_raise_at_the_forw
     assert all("grad: " in per_rank[0][key] for key in per_rank[0] if key[1] != "usable"), per_rank[0]
 
 
+def probs_grad_on_rank_0_only(ctx) -> dict:
+    """Every rank's hidden needs grad, but the top-k weights only on rank 0: the dispatch's backward would
+    route the weights' gradient back on rank 0 only, and the ranks met there in different ops (EPError
+    naming a combine the user never called). Every rank must get EPError naming ``probs_grad`` at the
+    forward (flat and 2 domains x 2 ranks); then a step with the weights' grad everywhere must work."""
+    torch.set_num_threads(1)
+    config = Config.from_env(timeout_s=30.0)
+    build = dict(hidden_size=HIDDEN, num_experts=8, device="cpu")
+    backends = {"flat": ep_plugin.get_backend("reference")(**build, config=config),
+                "2x2": ep_plugin.get_backend("reference")(**build, config=config, topology=Topology(4, 2, ctx.rank))}
+    problem = make_problem(37, [5, 3, 0, 4], HIDDEN, 8, 2, dtype=torch.float64)
+    results = {}
+    for name, backend in backends.items():
+        for weights_need_grad, what in ((ctx.rank == 0, "mixed"), (True, "usable")):
+            hidden = problem.hidden[ctx.rank].clone().requires_grad_()
+            weights = problem.topk_weights[ctx.rank].clone().requires_grad_(weights_need_grad)
+            try:
+                out = ep_plugin.dispatch(backend, hidden, topk_idx=problem.topk_idx[ctx.rank], topk_weights=weights)
+                ep_plugin.combine(out.hidden * out.probs.unsqueeze(1), out.handle).sum().backward()
+                results[name, what] = weights.grad is not None and hidden.grad is not None
+            except ep_plugin.EPError as error:
+                results[name, what] = f"{type(error).__name__}: {error}"
+    return results
+
+
+def test_ranks_where_only_some_probs_need_grad_raise_at_the_forward():
+    per_rank = run_ranks(probs_grad_on_rank_0_only, 4, timeout_s=180)
+    for rank, results in enumerate(per_rank):
+        for (name, what), result in results.items():
+            if what == "usable":
+                assert result is True, (rank, name, result)
+                continue
+            told = name != "flat" and "found that ranks disagree" in result  # through its domain peer
+            assert result.startswith("EPError: ") and ("ranks disagree on dispatch" in result or told), \
+                (rank, name, result)
+            assert "probs_grad: " in result or told, (rank, name, result)
+
+
 def grad_bit_follows_grad_mode(ctx) -> dict:
     """Autograd records an op only with grad mode on, whatever its inputs' requires_grad: under
     torch.no_grad nothing is recorded and no backward will run. Two cases on 2 ranks:

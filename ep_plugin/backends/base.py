@@ -96,6 +96,9 @@ class Backend(abc.ABC):
     # (``OpFingerprint.grad``). Ranks that differ (inputs needing grad on some ranks only) raise EPError
     # at the forward instead of leaving the others waiting in a backward this rank never runs.
     op_records_backward: bool = False
+    # Whether that op is a dispatch whose probs (or top-k weights) need a gradient (``OpFingerprint.probs_grad``):
+    # its backward routes them back, which ranks must agree on as well.
+    op_probs_need_grad: bool = False
 
     def __new__(cls, group: Optional[dist.ProcessGroup] = None, *, topology: Optional[Topology] = None,
                 **kwargs: Any) -> "Backend":

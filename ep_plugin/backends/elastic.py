@@ -248,7 +248,7 @@ class ElasticBackend(CompiledBackend):
         """The op's packed fingerprint (``agreement.fingerprint_code``), as the handshake takes it."""
         form = None if op != OP_DISPATCH else "topk+expand" if expand else "topk+in_place" if in_place else "topk"
         return fingerprint_code(op, dtype, probs, form, topk, handle.handle_id if handle is not None else 0,
-                                self.op_records_backward)
+                                self.op_records_backward, self.op_probs_need_grad)
 
     def _capacity(self, topk: int, expand: bool, pad_multiple: int) -> int:
         """Rows of a non-blocking output: the most any rank can receive."""

@@ -371,7 +371,8 @@ class HierarchicalBackend(Backend):
             return values
 
         fingerprint = OpFingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, form=routing.form,
-                                    topk=min(k, _TOPK_FIELD_MAX), grad=self.op_records_backward)
+                                    topk=min(k, _TOPK_FIELD_MAX), grad=self.op_records_backward,
+                                    probs_grad=self.op_probs_need_grad)
         if self.config.blocking:  # the domain stage of the agreement comes with the segment counts below
             splits, disagreement = self._rail_agreement(fingerprint, packer.row_bytes, where, refused=refused,
                                                         send_counts=[len(tokens) for tokens in send_tokens])

@@ -249,7 +249,8 @@ class HybridBackend(CompiledBackend):
         """The op's packed fingerprint (``agreement.fingerprint_code``), as the handshake takes it."""
         topk = routing.topk_idx.shape[1] if routing is not None and routing.form != ROUTING_MAP else 0
         return fingerprint_code(op, dtype, probs, routing.form if routing is not None else None, min(topk, 127),
-                                handle.handle_id if handle is not None else 0, self.op_records_backward)
+                                handle.handle_id if handle is not None else 0, self.op_records_backward,
+                                self.op_probs_need_grad)
 
     def _dispatch_fields(self, routing: Routing, probs) -> list[tuple]:
         """The scratch pieces of a dispatch: the layout's, the count exchange's, the permute's."""

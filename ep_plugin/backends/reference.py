@@ -96,7 +96,7 @@ class ReferenceBackend(Backend):
         where = f"dispatch #{number}"
         topk = min(routing.topk_idx.shape[1], _TOPK_FIELD_MAX) if routing.form == TOPK else 0
         fingerprint = OpFingerprint(OP_DISPATCH, dtype=hidden.dtype, probs=probs is not None, form=routing.form,
-                                    topk=topk, grad=self.op_records_backward)
+                                    topk=topk, grad=self.op_records_backward, probs_grad=self.op_probs_need_grad)
         refused = self._refused_ids(routing)
         if refused is None:
             token, expert, slot = routing.pairs()
