@@ -155,11 +155,25 @@ def _log_step(progress, line: str, loss: float, tokens_per_s: float) -> None:
     progress.write(line)
 
 
+DEFAULT_RANKS = 4
+
+
 def default_device_and_backend() -> tuple[str, str]:
     device = default_device()
     if device == "cuda" and backend_problem("hybrid", "cuda") is None:
         return device, "hybrid"
     return device, "reference"
+
+
+def default_launch(device: str, ranks: int, num_gpus: int) -> tuple[str, Optional[str]]:
+    """(device, a note or None) for a launch left to the defaults: more ranks than GPUs share them under
+    MPS, and where its tools are missing (a container, WSL) the default runs on the CPU instead of
+    refusing (an explicit --device cuda / --ranks still gets the refusal, which says what to change)."""
+    problem = mps_problem(ranks, num_gpus) if device == "cuda" else None
+    if problem is None:
+        return device, None
+    return "cpu", (f"ep_plugin demo: {problem}. Running on the CPU instead; --device cuda --ranks {num_gpus} "
+                   f"runs one rank per GPU")
 
 
 def _argument_problem(args: argparse.Namespace) -> Optional[str]:
@@ -205,13 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     device, default_backend = default_device_and_backend()
     parser = OneLineParser(prog="python -m ep_plugin demo", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=4,
-                        help=f"number of rank processes (default 4; on CPU at most {CPU_RANKS_PER_CORE} per core)")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help=f"number of rank processes (default {DEFAULT_RANKS}; on CPU at most {CPU_RANKS_PER_CORE} "
+                             "per core)")
     parser.add_argument("--steps", type=int, default=DemoSpec.steps, help=f"training steps (default {DemoSpec.steps})")
     parser.add_argument("--backend", default=None,
                         help=f"one of {', '.join(ep_plugin.list_backends())} (default: hybrid on a GPU that runs it, "
                              f"else reference; here: {default_backend})")
-    parser.add_argument("--device", default=device, choices=["cpu", "cuda"], help=f"default here: {device}")
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"], help=f"default here: {device}")
     parser.add_argument("--tokens", type=int, default=DemoSpec.tokens_per_rank,
                         help=f"tokens per rank per step (default {DemoSpec.tokens_per_rank})")
     parser.add_argument("--hidden", type=int, default=DemoSpec.hidden_size,
@@ -222,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"experts per token, at most --experts (default {DemoSpec.topk})")
     parser.add_argument("--lr", type=float, default=DemoSpec.lr, help=f"Adam learning rate (default {DemoSpec.lr})")
     args = parser.parse_args(argv)
+    if args.ranks is None and args.device is None:
+        args.device, note = default_launch(device, DEFAULT_RANKS, gpu_count() if device == "cuda" else 0)
+        if note:
+            print(note, flush=True)
+    args.ranks = DEFAULT_RANKS if args.ranks is None else args.ranks
+    args.device = device if args.device is None else args.device
     if args.backend is None:  # after --device: --device cpu on a GPU machine means reference
         args.backend = default_backend if args.device == device else "reference"
     problem = _argument_problem(args)

@@ -122,6 +122,25 @@ def test_device_cpu_on_a_gpu_machine_defaults_to_the_reference(monkeypatch):
     assert launched[0].backend == "reference"
 
 
+def test_a_default_launch_without_the_mps_tools_runs_on_the_cpu(monkeypatch, capsys):
+    """README's first command on one GPU without nvidia-cuda-mps-control (a container, WSL): the default 4
+    ranks cannot share the GPU, and the demo stopped with exit status 2. Left to the defaults it now runs on
+    the CPU and says why (an explicit --device cuda still gets mps_problem's refusal)."""
+    import ep_plugin.demo as demo
+    import ep_plugin.testing.launcher as launcher
+
+    launched = []
+    monkeypatch.setattr(demo, "default_device_and_backend", lambda: ("cuda", "hybrid"))
+    monkeypatch.setattr(demo, "gpu_count", lambda: 1)
+    monkeypatch.setattr(launcher.shutil, "which", lambda name: None)
+    monkeypatch.setattr(demo, "run_ranks", lambda fn, ranks, spec, **kwargs: launched.append(
+        (ranks, spec.backend, kwargs["device"])) or [[0.5]])
+    assert demo.main(["--steps", "1"]) == 0
+    assert launched == [(4, "reference", "cpu")]
+    assert "Running on the CPU instead" in capsys.readouterr().out
+    assert demo.default_launch("cuda", 4, 4) == ("cuda", None)  # a GPU per rank: no MPS needed
+
+
 def test_demo_rejects_experts_not_divisible_by_ranks():
     result = subprocess.run([sys.executable, "-m", "ep_plugin", "demo", "--ranks", "3", "--experts", "8",
                              "--device", "cpu"], capture_output=True, text=True, timeout=60)
