@@ -121,6 +121,35 @@ def test_ranks_go_with_a_launcher_that_was_killed(tmp_path):
     assert not alive, f"rank processes {alive} outlived their killed launcher"
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_launcher_stopped_by_sigterm_cleans_up(tmp_path):
+    """SIGTERM (a CI timeout, ``timeout``) ended the launcher at once: its cleanup never ran, so the private
+    MPS daemon (ranks sharing a GPU) and the rendezvous folder stayed behind. Now it unwinds: the folder
+    (in the launcher's TMPDIR here) goes, the ranks go, and the exit status says SIGTERM."""
+    import signal
+    import subprocess
+
+    folder, tmp = tmp_path / "pids", tmp_path / "tmp"
+    folder.mkdir()
+    tmp.mkdir()
+    script = LAUNCHER_SCRIPT.format(tests=os.path.dirname(__file__), folder=str(folder))
+    launcher = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(tmp)})
+    pid_files = [folder / f"rank{r}.pid" for r in range(2)]
+    deadline = time.monotonic() + 60
+    while not all(f.exists() and f.read_text() for f in pid_files):
+        assert time.monotonic() < deadline and launcher.poll() is None, "the ranks did not start"
+        time.sleep(0.1)
+    ranks = [int(f.read_text()) for f in pid_files]
+    assert any(name.startswith("ep_plugin_rdzv_") for name in os.listdir(tmp))
+    launcher.send_signal(signal.SIGTERM)
+    code = launcher.wait(timeout=60)
+    alive = [pid for pid in ranks if _running(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert code == 128 + signal.SIGTERM and not alive, (code, alive)
+    assert not [name for name in os.listdir(tmp) if name.startswith("ep_plugin_rdzv_")], os.listdir(tmp)
+
+
 def report_rank(ctx, offset):
     tensor = __import__("torch").tensor([ctx.rank + offset])
     dist.all_reduce(tensor)

@@ -21,12 +21,15 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
+import signal
 import tempfile
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from ..errors import EPError, EPTimeoutError
 
@@ -143,12 +146,33 @@ def run_ranks(
 
         num_gpus = torch.cuda.device_count()
     plan = plan_launch(num_ranks, device, num_gpus, placement)
-    if plan.use_mps:
-        from .mps import PrivateMPS
+    with _sigterm_unwinds():
+        if plan.use_mps:
+            from .mps import PrivateMPS
 
-        with PrivateMPS() as mps_env:
-            return _spawn(fn, args, plan, timeout_s, {**(env or {}), **mps_env})
-    return _spawn(fn, args, plan, timeout_s, env or {})
+            with PrivateMPS() as mps_env:
+                return _spawn(fn, args, plan, timeout_s, {**(env or {}), **mps_env})
+        return _spawn(fn, args, plan, timeout_s, env or {})
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM (a CI job's timeout, ``timeout``, ``kill``) raises SystemExit in the launcher, so that its
+    cleanup runs: the ranks are killed, the private MPS daemon quits, the rendezvous folder goes. By
+    default SIGTERM ends the process at once and left the daemon and the folders behind. Main thread only
+    (signal handlers can be set nowhere else); the earlier handler comes back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum, frame):
+        raise SystemExit(128 + signum)
+
+    earlier = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, earlier)
 
 
 def _spawn(fn, args, plan: LaunchPlan, timeout_s: float, env: dict[str, str]) -> list[Any]:
@@ -160,9 +184,9 @@ def _spawn(fn, args, plan: LaunchPlan, timeout_s: float, env: dict[str, str]) ->
             context.Process(target=_rank_main, args=(fn, args, plan, rank, init_method, env, results), daemon=True)
             for rank in range(plan.num_ranks)
         ]
-        for process in processes:
-            process.start()
-        try:
+        try:  # a rank that fails to start (fd or process limits) must not leave the started ones waiting
+            for process in processes:
+                process.start()
             return _collect(processes, results, plan.num_ranks, timeout_s)
         finally:
             for process in processes:
@@ -234,6 +258,14 @@ def _die_with_the_launcher() -> None:
         os._exit(1)
 
 
+def _destroy_quietly(dist) -> None:
+    """Tear the process group down after the rank's error was reported; a failure here adds nothing."""
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the rank's own error is what the launcher reports
+        pass
+
+
 def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dict[str, str], results) -> None:
     _die_with_the_launcher()
     os.environ.update(env)  # before any CUDA call: MPS pipes, EP_PLUGIN_* knobs
@@ -254,8 +286,13 @@ def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dic
             dist.barrier()
         try:
             output = fn(RankContext(rank, plan.num_ranks, device, plan), *args)
-        finally:
-            dist.destroy_process_group()
+        except BaseException:
+            # Reported before the teardown: destroying a process group whose peers are still inside a
+            # collective can block (NCCL), and the launcher would then say "did not finish" instead.
+            results.put((rank, False, traceback.format_exc()))
+            _destroy_quietly(dist)
+            return
+        dist.destroy_process_group()
         # Pickled here (bytes: dumps gives a memoryview, which does not pickle), as the queue would: the queue
         # pickles in a thread of its own, which drops an object that does not pickle without a word (the rank
         # then exits with code 0 and the launcher waits out its timeout).

@@ -42,6 +42,11 @@ class PrivateMPS:
             reason = result.stderr.strip() or result.stdout.strip()
             raise RuntimeError(f"could not start a private MPS daemon: {reason}")
         atexit.register(self.stop)
+        # -d returns once the daemon forked; a client that finds no control pipe yet runs without MPS, silently.
+        control = os.path.join(self.env["CUDA_MPS_PIPE_DIRECTORY"], "control")
+        deadline = time.monotonic() + 10.0
+        while not os.path.exists(control) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return self.env
 
     def __exit__(self, *exc) -> None:
