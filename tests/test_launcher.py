@@ -96,28 +96,41 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
-def test_ranks_go_with_a_launcher_that_was_killed(tmp_path):
-    """A launcher killed by SIGKILL (a CI timeout) cannot stop its ranks: they must not outlive it."""
-    import signal
+def _start_launcher(folder, env=None):
+    """A launcher running two sleeping ranks in a subprocess, once both ranks wrote their pids:
+    (the Popen, the ranks' pids)."""
     import subprocess
 
-    script = LAUNCHER_SCRIPT.format(tests=os.path.dirname(__file__), folder=str(tmp_path))
-    launcher = subprocess.Popen([sys.executable, "-c", script])
-    pid_files = [tmp_path / f"rank{r}.pid" for r in range(2)]
+    script = LAUNCHER_SCRIPT.format(tests=os.path.dirname(__file__), folder=str(folder))
+    launcher = subprocess.Popen([sys.executable, "-c", script], env=env)
+    pid_files = [folder / f"rank{r}.pid" for r in range(2)]
     deadline = time.monotonic() + 60
     while not all(f.exists() and f.read_text() for f in pid_files):
         assert time.monotonic() < deadline and launcher.poll() is None, "the ranks did not start"
         time.sleep(0.1)
-    ranks = [int(f.read_text()) for f in pid_files]
-    launcher.send_signal(signal.SIGKILL)
-    launcher.wait(timeout=30)
-    deadline = time.monotonic() + 20
+    return launcher, [int(f.read_text()) for f in pid_files]
+
+
+def _kill_survivors(ranks, wait_s: float = 0.0) -> list:
+    """The rank pids still running (after up to ``wait_s``), killed so that nothing is left behind."""
+    deadline = time.monotonic() + wait_s
     while any(_running(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     alive = [pid for pid in ranks if _running(pid)]
-    for pid in alive:  # leave nothing behind, whatever the outcome
-        os.kill(pid, signal.SIGKILL)
+    for pid in alive:
+        os.kill(pid, __import__("signal").SIGKILL)
+    return alive
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_ranks_go_with_a_launcher_that_was_killed(tmp_path):
+    """A launcher killed by SIGKILL (a CI timeout) cannot stop its ranks: they must not outlive it."""
+    import signal
+
+    launcher, ranks = _start_launcher(tmp_path)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait(timeout=30)
+    alive = _kill_survivors(ranks, wait_s=20)
     assert not alive, f"rank processes {alive} outlived their killed launcher"
 
 
@@ -127,25 +140,15 @@ def test_a_launcher_stopped_by_sigterm_cleans_up(tmp_path):
     MPS daemon (ranks sharing a GPU) and the rendezvous folder stayed behind. Now it unwinds: the folder
     (in the launcher's TMPDIR here) goes, the ranks go, and the exit status says SIGTERM."""
     import signal
-    import subprocess
 
     folder, tmp = tmp_path / "pids", tmp_path / "tmp"
     folder.mkdir()
     tmp.mkdir()
-    script = LAUNCHER_SCRIPT.format(tests=os.path.dirname(__file__), folder=str(folder))
-    launcher = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(tmp)})
-    pid_files = [folder / f"rank{r}.pid" for r in range(2)]
-    deadline = time.monotonic() + 60
-    while not all(f.exists() and f.read_text() for f in pid_files):
-        assert time.monotonic() < deadline and launcher.poll() is None, "the ranks did not start"
-        time.sleep(0.1)
-    ranks = [int(f.read_text()) for f in pid_files]
+    launcher, ranks = _start_launcher(folder, env={**os.environ, "TMPDIR": str(tmp)})
     assert any(name.startswith("ep_plugin_rdzv_") for name in os.listdir(tmp))
     launcher.send_signal(signal.SIGTERM)
     code = launcher.wait(timeout=60)
-    alive = [pid for pid in ranks if _running(pid)]
-    for pid in alive:
-        os.kill(pid, signal.SIGKILL)
+    alive = _kill_survivors(ranks)
     assert code == 128 + signal.SIGTERM and not alive, (code, alive)
     assert not [name for name in os.listdir(tmp) if name.startswith("ep_plugin_rdzv_")], os.listdir(tmp)
 
