@@ -65,9 +65,16 @@ class NvccBuildExt(build_ext):
             subprocess.check_call([nvcc, *flags, "-c", source, "-o", obj], cwd=ROOT)
 
         print(f"ep_plugin: nvcc {' '.join(flags)} ({len(ext.sources)} sources)", file=sys.stderr)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            list(pool.map(compile_one, zip(ext.sources, objects, strict=True)))
-        subprocess.check_call([nvcc, "-shared", "-cudart", "static", *objects, "-o", output], cwd=ROOT)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                list(pool.map(compile_one, zip(ext.sources, objects, strict=True)))
+            subprocess.check_call([nvcc, "-shared", "-cudart", "static", *objects, "-o", output], cwd=ROOT)
+        except subprocess.CalledProcessError as error:
+            # nvcc's own message is above; say what a CPU-only install needs (the reference backend runs there).
+            raise SystemExit(f"ep_plugin: {nvcc} failed ({' '.join(map(str, error.cmd[:2]))} ...: exit status "
+                             f"{error.returncode}). Fix the toolkit (EP_PLUGIN_CUDA_ARCHS={';'.join(archs)} needs an "
+                             "nvcc that knows those SMs), or install without the CUDA extension (the reference "
+                             "backend only): EP_PLUGIN_NO_CUDA=1") from None
 
 
 # csrc/ holds the shared transport and routing layout; csrc/<backend>/ each backend's kernels.

@@ -28,3 +28,18 @@ def test_wheel_without_nvcc_has_the_package_and_no_extension(tmp_path):
     assert not [n for n in names if n.startswith("integrations/")]
     assert "ep_plugin/backends/reference.py" in names
     assert not [n for n in names if n.startswith("ep_plugin/_C")]
+
+
+def test_an_nvcc_that_fails_says_how_to_install_without_the_extension(tmp_path):
+    """A toolkit too old for the default sm_90 (or without Python headers) failed the install with a bare
+    CalledProcessError; the message now names nvcc and EP_PLUGIN_NO_CUDA=1 (the CPU path still works)."""
+    toolkit = tmp_path / "cuda" / "bin"
+    toolkit.mkdir(parents=True)
+    (toolkit / "nvcc").write_text("#!/bin/sh\necho 'nvcc fatal: Unsupported gpu architecture' >&2\nexit 1\n")
+    (toolkit / "nvcc").chmod(0o755)
+    env = {**os.environ, "CUDA_HOME": str(tmp_path / "cuda")}
+    env.pop("EP_PLUGIN_NO_CUDA", None)
+    result = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "-b", str(tmp_path / "lib"), "-t",
+                             str(tmp_path / "tmp")], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode != 0
+    assert f"{toolkit / 'nvcc'} failed" in result.stderr and "EP_PLUGIN_NO_CUDA=1" in result.stderr, result.stderr
