@@ -166,3 +166,37 @@ def _silent_rank_then_check_usable(ctx) -> tuple:
 def test_check_usable_refuses_after_a_timed_out_op():
     outcome, seconds = run_ranks(_silent_rank_then_check_usable, 2, timeout_s=120)[1]
     assert "cannot run more ops after an earlier failure" in outcome and seconds < 1.0, (outcome, seconds)
+
+
+def _ops_after_destroy(ctx) -> dict:
+    """Every op of a destroyed backend, flat and across 2 domains: which error each raised."""
+    from ep_plugin.topology import Topology
+
+    build = dict(hidden_size=4, num_experts=4, device="cpu")
+    backends = {"flat": ep_plugin.get_backend("reference")(**build),
+                "2x2": ep_plugin.get_backend("reference")(**build, topology=Topology(4, 2, ctx.rank))}
+    hidden, idx = torch.ones(2, 4), torch.tensor([[0, 1], [2, 3]])
+    outcomes = {}
+    for name, backend in backends.items():
+        out = backend.dispatch(hidden, topk_idx=idx)
+        backend.destroy()
+        backend.destroy()  # a second destroy is harmless
+        for op, call in (("dispatch", lambda: backend.dispatch(hidden, topk_idx=idx)),
+                         ("combine", lambda: backend.combine(out.hidden, out.handle)),
+                         ("dispatch_again", lambda: backend.dispatch_again(hidden, out.handle)),
+                         ("barrier", backend.barrier)):
+            try:
+                call()
+                outcomes[name, op] = "no error"
+            except RuntimeError as error:
+                outcomes[name, op] = f"{type(error).__name__}: {error}"
+    return outcomes
+
+
+def test_a_destroyed_backend_refuses_every_op():
+    """destroy() promised an unusable backend, but the reference (whose destroy had nothing to release) went on
+    working, so code that used a backend after destroying it passed on CPU and failed on the GPU."""
+    for outcomes in run_ranks(_ops_after_destroy, 4, timeout_s=120):
+        for (name, op), outcome in outcomes.items():
+            assert outcome.startswith("RuntimeError: ") and f"{op} on a backend that was destroyed" in outcome, \
+                (name, op, outcome)

@@ -99,6 +99,7 @@ class Backend(abc.ABC):
     # Whether that op is a dispatch whose probs (or top-k weights) need a gradient (``OpFingerprint.probs_grad``):
     # its backward routes them back, which ranks must agree on as well.
     op_probs_need_grad: bool = False
+    destroyed: bool = False  # set by destroy(): every op refuses afterwards
 
     def __new__(cls, group: Optional[dist.ProcessGroup] = None, *, topology: Optional[Topology] = None,
                 **kwargs: Any) -> "Backend":
@@ -206,6 +207,7 @@ class Backend(abc.ABC):
             options: the backend's own dispatch options (``capabilities.dispatch_options``).
         Returns: DispatchOutput(hidden [R, H], probs [R] or None, tokens_per_expert [L] int64, handle, ...).
         """
+        self.refuse_if_destroyed("dispatch")
         self.check_not_capturing("dispatch")
         self.check_options("dispatch", options, self.capabilities.dispatch_options)
         routing, weights, pad_multiple = self.check_dispatch_input(
@@ -215,6 +217,7 @@ class Backend(abc.ABC):
 
     def dispatch_again(self, hidden: torch.Tensor, handle: Handle) -> torch.Tensor:
         """Dispatch new tokens along a cached layout (backward of combine). Returns [R, H]."""
+        self.refuse_if_destroyed("dispatch_again")
         self.check_not_capturing("dispatch_again")
         self.check_handle(handle)
         self.check_hidden("hidden", hidden, handle.num_tokens)
@@ -231,6 +234,7 @@ class Backend(abc.ABC):
             options: the backend's own combine options (``capabilities.combine_options``).
         Returns: CombineOutput(hidden [T, H], probs shaped like the dispatched probs or None).
         """
+        self.refuse_if_destroyed("combine")
         self.check_not_capturing("combine")
         self.check_options("combine", options, self.capabilities.combine_options)
         self.check_handle(handle)
@@ -245,11 +249,19 @@ class Backend(abc.ABC):
     def barrier(self) -> None:
         """Block until every rank of the group reaches this point. A rank that does not arrive within
         ``config.timeout_s`` makes the others raise ``EPTimeoutError`` naming it (``HostCollectives``)."""
+        self.refuse_if_destroyed("barrier")
         self._host.barrier(where="barrier")
 
     def destroy(self) -> None:
-        """Release communication resources; the backend is unusable afterwards."""
-        return None
+        """Release communication resources; the backend is unusable afterwards (its ops raise RuntimeError).
+        Subclasses release their own resources and call this."""
+        self.destroyed = True
+
+    def refuse_if_destroyed(self, op: str) -> None:
+        """RuntimeError for an op on a destroyed backend, before it touches any resource."""
+        if self.destroyed:
+            raise RuntimeError(f"ep_plugin {self.name}: {op} on a backend that was destroyed (destroy()); build a "
+                               "new one")
 
     def check_usable(self) -> None:
         """Raise ``EPError`` at once when an earlier op of this backend failed in a way that leaves it out of

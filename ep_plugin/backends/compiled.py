@@ -477,6 +477,7 @@ class CompiledBackend(Backend):
 
     def barrier(self) -> None:
         """Every rank of the domain reaches this point (a device handshake; the host waits for it)."""
+        self.refuse_if_destroyed("barrier")
         self.buffer.raise_if_failed()
         with nvtx_range(f"ep.{self.name}.barrier"):
             self._exchange(self.barrier_phase, fingerprint_code(OP_BARRIER))
@@ -491,6 +492,7 @@ class CompiledBackend(Backend):
     def destroy(self) -> None:
         if self.buffer is not None:
             self.buffer.destroy()
+        super().destroy()
 
 
 SCRATCH_ALIGN_BYTES = 64  # every piece starts on its own 64-byte boundary (the kernels' vector loads need 16)

@@ -275,6 +275,7 @@ class HierarchicalBackend(Backend):
     def barrier(self) -> None:
         """Every rank of every domain reached this point: the op agreement (rail, then domain stage), then
         the domain backend's barrier."""
+        self.refuse_if_destroyed("barrier")
         self.check_usable()
         # This rank's NVLink stores are complete before the rail traffic; the domain backend's wait raises
         # what its kernels reported (a peer that never arrived) rather than a bare timeout.
@@ -286,6 +287,7 @@ class HierarchicalBackend(Backend):
     def destroy(self) -> None:
         self.domain.destroy()
         self.scaleout.release_host_buffers()
+        super().destroy()
 
     def check_usable(self) -> None:
         """Every op's first check: an earlier failure at either level (the rail's or the domain's

@@ -155,6 +155,7 @@ class ReferenceBackend(Backend):
 
     def barrier(self) -> None:
         """Block until every rank of the group reaches this point (timed, and checked like an op)."""
+        self.refuse_if_destroyed("barrier")
         nothing = [0] * self.num_ranks
         self._open(OpFingerprint(OP_BARRIER), "barrier", nothing, None, expected=nothing)
 
