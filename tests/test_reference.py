@@ -170,6 +170,8 @@ def test_check_usable_refuses_after_a_timed_out_op():
 
 def _ops_after_destroy(ctx) -> dict:
     """Every op of a destroyed backend, flat and across 2 domains: which error each raised."""
+    import functools
+
     from ep_plugin.topology import Topology
 
     build = dict(hidden_size=4, num_experts=4, device="cpu")
@@ -181,9 +183,9 @@ def _ops_after_destroy(ctx) -> dict:
         out = backend.dispatch(hidden, topk_idx=idx)
         backend.destroy()
         backend.destroy()  # a second destroy is harmless
-        for op, call in (("dispatch", lambda: backend.dispatch(hidden, topk_idx=idx)),
-                         ("combine", lambda: backend.combine(out.hidden, out.handle)),
-                         ("dispatch_again", lambda: backend.dispatch_again(hidden, out.handle)),
+        for op, call in (("dispatch", functools.partial(backend.dispatch, hidden, topk_idx=idx)),
+                         ("combine", functools.partial(backend.combine, out.hidden, out.handle)),
+                         ("dispatch_again", functools.partial(backend.dispatch_again, hidden, out.handle)),
                          ("barrier", backend.barrier)):
             try:
                 call()
