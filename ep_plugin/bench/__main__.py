@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                      graph=args.graph, scaleup_sizes=_ints(args.scaleup_size),
                      records_path=os.path.join(args.out, PARTIAL_RECORDS))
     os.makedirs(args.out, exist_ok=True)
-    if os.path.exists(spec.records_path):  # an earlier run's, which the launcher's timeout ended
+    if os.path.exists(spec.records_path):  # left by an earlier run that was killed before it could clean up
         os.remove(spec.records_path)
     incomplete = None
     try:
