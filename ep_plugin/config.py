@@ -15,12 +15,13 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from .logs import warn_once
+
 ENV_PREFIX = "EP_PLUGIN_"
 # Variables of the build and the test bed, not knobs: setup.py and tests/conftest.py read them.
 OTHER_VARIABLES = ("EP_PLUGIN_CUDA_ARCHS", "EP_PLUGIN_NO_CUDA", "EP_PLUGIN_NVCC_FLAGS", "EP_PLUGIN_REQUIRE_GPU")
 
 logger = logging.getLogger(__name__)
-_warned_unknown: set[str] = set()
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -115,10 +116,9 @@ class Config:
         if unknown:
             raise TypeError(f"Config has no field(s) {sorted(unknown)}; known fields: {sorted(known)}")
         values: dict[str, Any] = {}
-        for variable, hint in unknown_variables(environ).items():
-            if variable not in _warned_unknown:  # once per process: from_env runs at every backend build
-                _warned_unknown.add(variable)
-                logger.warning("ep_plugin: %s is not a knob and is ignored%s", variable, hint)
+        for variable, hint in unknown_variables(environ).items():  # once: from_env runs at every backend build
+            warn_once(logger, ("unknown variable", variable), "ep_plugin: %s is not a knob and is ignored%s",
+                      variable, hint)
         for name, f in known.items():
             env_name = env_var_name(name)
             if env_is_set(name, environ):

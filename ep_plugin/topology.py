@@ -33,9 +33,9 @@ import torch.distributed as dist
 from .config import Config
 from .errors import EPError
 from .host_collectives import HostCollectives
+from .logs import warn_once
 
 logger = logging.getLogger(__name__)
-_warned_isolated: set[str] = set()  # hosts warned about (once per process)
 
 
 @dataclass(frozen=True)
@@ -189,13 +189,12 @@ def detect_topology(group: Optional[dist.ProcessGroup], device: torch.device, *,
                       f"Force it alike on every rank.")
     detected = mappable_domain_size(everyone)
     for host, ranks in isolated_gpus(everyone).items():
-        if rank == 0 and host not in _warned_isolated:
-            _warned_isolated.add(host)
-            logger.warning("ep_plugin topology: ranks %s on %s each see only their own GPU, so peer access between "
-                           "them cannot be checked: each is an NVLink domain of its own and their tokens go through "
-                           "the scale-out path (NCCL). Give every process the node's GPUs (no per-task "
-                           "CUDA_VISIBLE_DEVICES) and pick its own with torch.cuda.set_device(local_rank).",
-                           ranks, host)
+        if rank == 0:  # once per host and process: every backend build runs this
+            warn_once(logger, ("isolated GPUs", host),
+                      "ep_plugin topology: ranks %s on %s each see only their own GPU, so peer access between them "
+                      "cannot be checked: each is an NVLink domain of its own and their tokens go through the "
+                      "scale-out path (NCCL). Give every process the node's GPUs (no per-task CUDA_VISIBLE_DEVICES) "
+                      "and pick its own with torch.cuda.set_device(local_rank).", ranks, host)
     gpus = tuple(facts["gpu"] for facts in everyone)
     size = forced_sizes[0]
     if size == 0:

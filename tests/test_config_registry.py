@@ -22,10 +22,10 @@ def test_env_overrides_and_keyword_precedence():
 def test_a_variable_that_names_no_knob_is_named_once(caplog, capsys, monkeypatch):
     """A typo (EP_PLUGIN_NUM_SM) used to be ignored without a word: from_env warns once per process with the
     closest knob, and ``info`` lists it. The build's and the test bed's own variables are not knobs."""
-    from ep_plugin import config
     from ep_plugin.__main__ import main
+    from ep_plugin.logs import forget_warnings
 
-    monkeypatch.setattr(config, "_warned_unknown", set())
+    forget_warnings()
     env = {"EP_PLUGIN_NUM_SM": "8", "EP_PLUGIN_CUDA_ARCHS": "90", "EP_PLUGIN_TIMEOUT_S": "5"}
     with caplog.at_level("WARNING", logger="ep_plugin.config"):
         assert Config.from_env(env).num_sms == Config().num_sms

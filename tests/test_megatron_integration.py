@@ -210,10 +210,11 @@ def test_activations_the_backend_does_not_move_are_named_at_model_build(ep_megat
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
 
     from ep_plugin.integrations.megatron import manager
+    from ep_plugin.logs import forget_warnings
 
     def build_outcome(name, **flags) -> tuple[str, list[str]]:
         """(the error building raised, the dtype warnings it logged)."""
-        manager._dtype_warnings.clear()
+        forget_warnings()
         caplog.clear()
         try:
             MoEFlexTokenDispatcher(2, [0, 1], config=_config(moe_flex_dispatcher_backend=name, **flags))

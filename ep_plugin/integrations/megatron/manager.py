@@ -29,11 +29,11 @@ import torch
 import ep_plugin
 from ep_plugin.backends.base import Backend
 from ep_plugin.config import Config, env_is_set
+from ep_plugin.logs import warn_once
 
 from . import arena, compat
 
 logger = logging.getLogger(__name__)
-_dtype_warnings: set[str] = set()  # the activation-dtype warnings given (check_megatron_options)
 
 # (backend name, process group, hidden size, experts, device) -> Backend instance.
 _backends: dict[tuple, Backend] = {}
@@ -117,10 +117,9 @@ def check_megatron_options(config, backend_class) -> None:
                    "mixed-precision recipe), or choose 'ep_reference'")
         if config.fp16:
             raise ValueError(problem)
-        if problem not in _dtype_warnings:  # once, not once per MoE layer
-            _dtype_warnings.add(problem)
-            logger.warning("%s. (A model cast to bf16 by the script itself runs; otherwise its first dispatch "
-                           "refuses the tokens.)", problem)
+        warn_once(logger, ("activation dtype", problem),  # once, not once per MoE layer
+                  "%s. (A model cast to bf16 by the script itself runs; otherwise its first dispatch refuses the "
+                  "tokens.)", problem)
 
 
 def backend_config(megatron_config) -> Config:
