@@ -163,8 +163,7 @@ def check_construction(group: Optional[dist.ProcessGroup], backend: str, facts: 
         timeout_s = Config.from_env().timeout_s
     collectives = HostCollectives(group, owner=f"ep_plugin {backend}", timeout_s=timeout_s, label="construction",
                                   device=device)
-    gathered = collectives.all_gather_object(facts, where=f"building the {backend} backend (agreement check)",
-                                             device=collectives.word_device)
+    gathered = collectives.all_gather_object(facts, where=f"building the {backend} backend (agreement check)")
     problems = []
     for name in facts:
         values = [g.get(name) for g in gathered]

@@ -123,8 +123,9 @@ class HostCollectives:
         self._wait(work, where, nccl=tensor.is_cuda and "nccl" in self.engine, read_on_host=read_on_host)
         return out
 
-    def all_gather_object(self, obj: Any, *, where: str, device: torch.device) -> list[Any]:
-        """Every rank's ``obj`` (picklable), in rank order: two timed all-to-alls of bytes."""
+    def all_gather_object(self, obj: Any, *, where: str) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order: two timed all-to-alls of bytes on ``word_device``."""
+        device = self.word_device
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         ones = [1] * self.num_ranks
         my_size = torch.full((self.num_ranks,), payload.numel(), dtype=torch.int64, device=device)

@@ -178,7 +178,7 @@ def detect_topology(group: Optional[dist.ProcessGroup], device: torch.device, *,
     # Where the size came from, for the messages: an argument (a backend's topology=) or the config.
     source = "the topology= argument" if scaleup_size is not None else "EP_PLUGIN_SCALEUP_SIZE / config.scaleup_size"
     mine = {"scaleup_size": int(forced), "source": source, **_placement_facts(torch.device(device))}
-    everyone = comm.all_gather_object(mine, where=f"{purpose} (topology)", device=comm.word_device)
+    everyone = comm.all_gather_object(mine, where=f"{purpose} (topology)")
     world, rank = len(everyone), comm.rank
 
     forced_sizes = [facts["scaleup_size"] for facts in everyone]

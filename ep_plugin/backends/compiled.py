@@ -153,7 +153,7 @@ class CompiledBackend(Backend):
                                hidden_bytes=2 * self.hidden_size, nvlink_gbytes_per_s=nvlink,
                                scaleout_gbytes_per_s=scaleout, sm_read_gbytes_per_s=self.sm_read_gbytes_per_s,
                                sm_write_gbytes_per_s=self.sm_write_gbytes_per_s)
-        everyone = self._host.all_gather_object(mine, where="autosizing num_sms", device=self._host.word_device)
+        everyone = self._host.all_gather_object(mine, where="autosizing num_sms")
         return min(everyone)
 
     def _check_co_residency(self, sharing: int) -> None:

@@ -205,8 +205,7 @@ class HierarchicalBackend(Backend):
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the others have heard of it
             domain, failure = None, exc
         outcome = None if failure is None else (type(failure).__name__, str(failure))
-        outcomes = self._host.all_gather_object(outcome, where="building the domain backends",
-                                                device=self._host.word_device)
+        outcomes = self._host.all_gather_object(outcome, where="building the domain backends")
         failed = {rank: o for rank, o in enumerate(outcomes) if o is not None}
         if not failed:
             return domain

@@ -19,6 +19,5 @@ def gpu_identity(device: torch.device) -> str:
 def ranks_per_gpu(collectives: HostCollectives, device: torch.device) -> int:
     """The largest number of ranks of the collectives' group that share one GPU (a collective call,
     timed: a rank that does not arrive makes the others raise EPTimeoutError naming it)."""
-    identities = collectives.all_gather_object(gpu_identity(device), where="placement (ranks sharing a GPU)",
-                                               device=collectives.word_device)
+    identities = collectives.all_gather_object(gpu_identity(device), where="placement (ranks sharing a GPU)")
     return max(identities.count(identity) for identity in identities)

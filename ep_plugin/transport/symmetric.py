@@ -66,8 +66,7 @@ class SymmetricBuffer:
         self._collectives = HostCollectives(group, owner=f"ep_plugin {backend}", timeout_s=timeout_s, label="buffer",
                                             device=torch.device("cuda", index))
         gathered = self._collectives.all_gather_object((self._buffer.export_handle(), here),
-                                                       where="opening the peers' buffers",
-                                                       device=self._collectives.word_device)
+                                                       where="opening the peers' buffers")
         self._buffer.open_peers([handle for handle, _ in gathered])
         # No rank may write into a peer before that peer opened everything (its flags start zeroed).
         self._collectives.barrier(where="opening the peers' buffers (every rank opened them)")
