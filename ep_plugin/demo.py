@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=DemoSpec.lr, help=f"Adam learning rate (default {DemoSpec.lr})")
     args = parser.parse_args(argv)
     if args.ranks is None and args.device is None:
-        args.device, note = default_launch(device, DEFAULT_RANKS, gpu_count() if device == "cuda" else 0)
+        args.device, note = default_launch(device, DEFAULT_RANKS, gpu_count())
         if note:
             print(note, flush=True)
     args.ranks = DEFAULT_RANKS if args.ranks is None else args.ranks

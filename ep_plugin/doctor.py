@@ -310,10 +310,10 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
         return nccl_probe.UNAVAILABLE, "torch has no NCCL"
     forced = _socket_forced_by_env(fabric, environ)
     if forced is not None:
+        name = forced.split("=")[0]
         problems.append(Problem(f"{forced} makes NCCL use TCP sockets even where RDMA NICs are present",
-                                _unset(fabric, forced.split("=")[0])))
-        source = fabric.nccl.config_source.get(forced.split("=")[0])
-        return nccl_probe.SOCKET, f"{forced} in {source if source else 'the environment'}"
+                                _unset(fabric, name)))
+        return nccl_probe.SOCKET, f"{forced} in {fabric.nccl.config_source.get(name, 'the environment')}"
     if not fabric.rdma_devices:
         problems.append(Problem("no RDMA device in /sys/class/infiniband: NCCL falls back to TCP sockets",
                                 "for multi-node EP use InfiniBand / RoCE / EFA NICs with their kernel drivers"))
