@@ -162,7 +162,7 @@ def check_construction(group: Optional[dist.ProcessGroup], backend: str, facts: 
     if timeout_s is None:
         timeout_s = Config.from_env().timeout_s
     collectives = HostCollectives(group, owner=f"ep_plugin {backend}", timeout_s=timeout_s, label="construction",
-                                  device=device)
+                                  device=device, on_host=True)
     gathered = collectives.all_gather_object(facts, where=f"building the {backend} backend (agreement check)")
     problems = []
     for name in facts:

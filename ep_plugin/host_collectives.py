@@ -21,6 +21,14 @@ How the wait is bounded (gloo's behaviour measured on torch 2.13; ``Work.wait(ti
   watchdog's to report, at the group's own timeout. Set that timeout above
   ``EP_PLUGIN_TIMEOUT_S`` so that ep_plugin's report comes first.
 
+Setup words on an NCCL group (``on_host=True``: the construction check, topology, buffer handles,
+autosizing, the arena's sizing) travel on a gloo twin of it, a group of the same ranks made once
+(``gloo_twin``): a collective that a peer never joins then leaves nothing spinning on a GPU. Over
+NCCL it would leave a kernel that waits for the peer, and the process's teardown (cudaFree,
+synchronize) would wait for that kernel, with the GIL held, until NCCL's watchdog ends the
+process: the timeout's message, then a hang of minutes. Megatron's distributed optimizer keeps
+gloo groups of its NCCL groups for the same kind of host traffic.
+
 Which peer is late: neither engine says. On a timeout each rank posts where it gave up to
 the store of the default process group, then reads the posts of its peers for a short grace
 period. A peer that posted the same place waits too; one that posted another place gave up
@@ -31,6 +39,7 @@ elsewhere, or dead). The store is reached through ``torch.distributed``'s privat
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 from collections import Counter
@@ -41,8 +50,12 @@ import torch
 import torch.distributed as dist
 
 from .errors import EPError, EPTimeoutError
+from .logs import warn_once
+
+logger = logging.getLogger(__name__)
 
 _sites: Counter = Counter()  # (group name, label) -> how many were opened in this process
+_twins: dict[tuple, dist.ProcessGroup] = {}  # (group name, its global ranks) -> its gloo twin
 
 
 _OUT_OF_STEP = ("The process group's collectives are now out of step among its ranks (an engine cannot take back a "
@@ -62,6 +75,45 @@ def word_device(engine: str, device: Union[torch.device, str, None]) -> torch.de
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def moves_host_memory(engine: str) -> bool:
+    """Whether a group of this engine moves CPU tensors: gloo, or a mixed "cpu:gloo,cuda:nccl" group
+    (torch routes CPU tensors to its gloo part). NCCL alone moves CUDA tensors only."""
+    return "gloo" in engine
+
+
+def gloo_twin(group: dist.ProcessGroup, *, timeout_s: float) -> Optional[dist.ProcessGroup]:
+    """A gloo group of ``group``'s ranks, in its rank order (rank r of one is rank r of the other); made
+    once per group and process, by every rank of ``group`` (a collective of those ranks only: torch's
+    local synchronization, so the rest of the world may be busy elsewhere). The twin's timeout is
+    ``timeout_s`` plus a margin: the making waits that long for the peers (``dist.DistStoreError``
+    after it), and it is the backstop of the twin's collectives, which ``HostCollectives`` waits on with
+    ``timeout_s`` itself, so that its wait expires first and names the late peer. A twin whose group
+    ``destroy_process_group`` took is made afresh.
+
+    None when ``group`` does not number its ranks in the order of their global ranks (``new_group``
+    numbers a new group's ranks that way, so the twin's rank r would be another process)."""
+    ranks = sorted(dist.get_process_group_ranks(group), key=lambda global_rank: dist.get_group_rank(group, global_rank))
+    if ranks != sorted(ranks):
+        return None
+    key = (getattr(group, "group_name", str(id(group))), tuple(ranks))
+    twin = _twins.get(key)
+    if twin is not None and _registered(twin):
+        return twin
+    margin = 2 * _grace_s(timeout_s) + 1.0
+    twin = _twins[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
+                                        timeout=timedelta(seconds=timeout_s + margin))
+    return twin
+
+
+def _registered(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is still in torch's registry (``destroy_process_group`` takes it out)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
 def _grace_s(timeout_s: float) -> float:
     """How long a rank that timed out waits for its peers' posts before it reports."""
     return min(2.0, max(0.2, 0.1 * timeout_s))
@@ -79,10 +131,14 @@ class HostCollectives:
             every rank (backends are built collectively, so they are).
         device: the owner's device; over NCCL the small words the host reads go there (see
             ``word_device``). None: the current GPU.
+        on_host: the owner moves only small words the host reads (no payload, nothing a stream must
+            order): on a group that moves no CPU tensors (NCCL), they go on its gloo twin (see the
+            module docstring). Making the twin is a collective of the group's ranks, timed like the
+            others.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], *, owner: str, timeout_s: float, label: str,
-                 device: Union[torch.device, str, None] = None) -> None:
+                 device: Union[torch.device, str, None] = None, on_host: bool = False) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.owner = owner
         self.timeout_s = float(timeout_s)
@@ -97,6 +153,36 @@ class HostCollectives:
         self.instance = _sites[(group_name, label)]
         self.site = f"{group_name}/{label}#{self.instance}"
         self.failed: Optional[str] = None  # set once a wait timed out or the engine failed
+        self._device = device
+        if on_host and not moves_host_memory(self.engine):
+            self.use_gloo_twin()
+
+    def use_gloo_twin(self) -> None:
+        """From now on, run on the gloo twin of the group (``gloo_twin``; a collective of its ranks), or stay
+        on the group with a warning where there can be none (no gloo in this torch; ranks out of order).
+        Raises EPTimeoutError naming the late peers when one does not arrive within the timeout, EPError
+        when making it fails otherwise."""
+        start = time.monotonic()
+        where = f"making a gloo group of the {self.engine} group's ranks for the host words"
+        twin = None
+        try:
+            if dist.is_gloo_available():
+                twin = gloo_twin(self.group, timeout_s=self.timeout_s)
+        except RuntimeError as exc:
+            # A peer that never came: the store's wait or gloo's connect times out (DistStoreError or
+            # "Connect timeout", by where it waited). Either way the posts say who is late.
+            waited = time.monotonic() - start
+            if waited >= self.timeout_s:
+                raise self._timeout_error(where, waited) from None
+            raise self._engine_error(where, exc) from None
+        if twin is None:
+            warn_once(logger, ("no gloo twin", self.engine), "ep_plugin: the setup's host words go over %s (this torch "
+                      "has no gloo, or the group does not number its ranks in global order): a peer that never "
+                      "arrives there leaves a kernel waiting on the GPU, and the process's exit waits for it",
+                      self.engine)
+            return
+        self.group, self.engine = twin, dist.get_backend(twin)
+        self.word_device = word_device(self.engine, self._device)
 
     # ---- the collectives -------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import ep_plugin
 from ep_plugin.backends.base import Backend, Capabilities
 from ep_plugin.config import Config
-from ep_plugin.host_collectives import _grace_s, word_device
+from ep_plugin.host_collectives import HostCollectives, _grace_s, moves_host_memory, word_device
 from ep_plugin.testing import run_ranks
 
 TIMEOUT_S = 2.0
@@ -166,3 +166,98 @@ def test_words_over_nccl_go_to_the_owners_gpu_not_the_current_one():
     assert word_device("nccl", "cuda:1") == torch.device("cuda", 1)
     assert word_device("gloo", torch.device("cuda", 3)) == torch.device("cpu")
     assert word_device("gloo", None) == torch.device("cpu")
+
+
+# ---- the gloo twin: setup words of an NCCL group travel on gloo ----------------------------------
+# These run on gloo groups, calling ``use_gloo_twin`` directly: the twin is made for NCCL groups
+# (``on_host=True``), which need a GPU per rank; making and using it is the same code.
+
+def twin_of_subgroups(ctx):
+    """EP groups [0, 2] and [1, 3] of a 4-rank world, each rank's words gathered over the twin."""
+    subgroups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mine = subgroups[ctx.rank % 2]
+    first = HostCollectives(mine, owner="test", timeout_s=TIMEOUT_S, label="twin a")
+    first.use_gloo_twin()
+    second = HostCollectives(mine, owner="test", timeout_s=TIMEOUT_S, label="twin b")
+    second.use_gloo_twin()
+    facts = {
+        "twin is not the group": first.group is not mine,
+        "made once": second.group is first.group,
+        "engine": first.engine,
+        "word device": str(first.word_device),
+        "rank": (first.rank, dist.get_rank(first.group), dist.get_rank(mine)),
+        "gathered": first.all_gather_object(dist.get_rank(), where="twin gather"),
+    }
+    # An in-process restart: a new world whose groups have the old names; the old twin is gone with the
+    # old world, so a twin is made afresh (the name alone would hand out the dead one).
+    store = dist.distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("restart/", store), rank=ctx.rank, world_size=4)
+    subgroups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mine = subgroups[ctx.rank % 2]
+    third = HostCollectives(mine, owner="test", timeout_s=TIMEOUT_S, label="twin c")
+    third.use_gloo_twin()
+    facts["remade"] = third.group is not first.group
+    facts["gathered again"] = third.all_gather_object(dist.get_rank() * 10, where="twin gather again")
+    return facts
+
+
+def test_a_gloo_twin_has_its_groups_ranks_in_order_and_is_made_once():
+    results = run_ranks(twin_of_subgroups, 4, timeout_s=120)
+    for rank, facts in enumerate(results):
+        members = [0, 2] if rank % 2 == 0 else [1, 3]
+        assert facts["twin is not the group"] and facts["made once"] and facts["remade"], facts
+        assert facts["engine"] == "gloo" and facts["word device"] == "cpu", facts
+        assert facts["rank"] == (members.index(rank),) * 3, facts
+        assert facts["gathered"] == members, facts
+        assert facts["gathered again"] == [10 * m for m in members], facts
+
+
+def missing_at_the_twin(ctx):
+    """Ranks 0 and 1 make the twin of the world; rank 2 stays silent until both gave up."""
+    store = dist.distributed_c10d._get_default_store()
+    if ctx.rank == 2:  # alive and connected: the others must time out, not see a closed socket
+        deadline = time.monotonic() + 3 * (TIMEOUT_S + SLACK_S)
+        while time.monotonic() < deadline and not store.check(["twin/gave_up/0", "twin/gave_up/1"]):
+            time.sleep(0.05)
+        return None
+    collectives = HostCollectives(None, owner="ep_plugin test", timeout_s=TIMEOUT_S, label="twin")
+    outcome = _outcome(collectives.use_gloo_twin)
+    store.set(f"twin/gave_up/{ctx.rank}", "1")
+    return outcome
+
+
+def test_a_peer_that_never_comes_to_make_the_twin_is_named():
+    """Without the wrap, torch's DistStoreError ("wait timeout after ... keys: ...") named no rank."""
+    for kind, message, seconds in run_ranks(missing_at_the_twin, 3, timeout_s=120)[:2]:
+        assert kind == "EPTimeoutError", (kind, message)
+        assert "making a gloo group of the gloo group's ranks" in message, message
+        assert "Late peer(s): rank 2" in message, message
+        assert seconds < TIMEOUT_S + 3 * _grace_s(TIMEOUT_S) + 1.0 + SLACK_S, seconds
+
+
+def out_of_order_group(ctx):
+    """A group that numbers global rank 1 first: a twin made by new_group would number it second."""
+    group = dist.new_group([1, 0], sort_ranks=False)
+    collectives = HostCollectives(group, owner="test", timeout_s=TIMEOUT_S, label="unordered")
+    collectives.use_gloo_twin()
+    return collectives.group is group, collectives.all_gather_object(dist.get_rank(), where="unordered gather")
+
+
+def test_a_group_whose_ranks_are_out_of_global_order_keeps_its_own_engine():
+    for stayed, gathered in run_ranks(out_of_order_group, 2, timeout_s=120):
+        assert stayed and gathered == [1, 0], (stayed, gathered)
+
+
+def test_only_groups_that_move_no_host_memory_get_a_twin():
+    assert not moves_host_memory("nccl")
+    assert moves_host_memory("gloo") and moves_host_memory("cpu:gloo,cuda:nccl")
+
+
+def on_host_over_gloo(ctx):
+    collectives = HostCollectives(None, owner="test", timeout_s=TIMEOUT_S, label="on host", on_host=True)
+    return collectives.group is dist.group.WORLD
+
+
+def test_setup_words_of_a_gloo_group_stay_on_it():
+    assert run_ranks(on_host_over_gloo, 2, timeout_s=60) == [True, True]

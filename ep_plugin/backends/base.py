@@ -156,7 +156,7 @@ class Backend(abc.ABC):
         # The backend's host exchanges (the protocol's barrier, a compiled backend's setup), timed like
         # every host wait: a rank that failed alone makes the others raise naming it.
         self._host = HostCollectives(self.group, owner=f"ep_plugin {self.name}", timeout_s=self.config.timeout_s,
-                                     label="backend", device=self.device)
+                                     label="backend", device=self.device, on_host=True)
 
     def _construction_facts(self) -> dict[str, Any]:
         """What every rank of the group must have built this backend with (compared by value).

@@ -97,7 +97,7 @@ from ..agreement import (
 )
 from ..errors import EPError
 from ..handle import COMPACT, CombineOutput, DispatchOutput, Handle
-from ..host_collectives import HostCollectives
+from ..host_collectives import HostCollectives, moves_host_memory
 from ..routing import ROUTING_MAP, TOPK, Routing, check_tensor, dropped_ids_error
 from ..topology import Topology
 from ..transport.scaleout import RailSplits, RowPacker, ScaleOut, flat_order_index
@@ -178,11 +178,10 @@ class HierarchicalBackend(Backend):
                                               label="domain counts", device=self.device)
         # Sync-free mode's domain agreement words: CPU tensors, on the gloo twin of an NCCL domain group.
         self._domain_words = self._domain_counts
-        words_group = self.scaleout.domain_words_group
-        if words_group is not None and words_group is not self.scaleout.domain_group:
-            self._domain_words = HostCollectives(words_group, owner=f"ep_plugin {self.name} {self.domain_level}",
-                                                 timeout_s=self.config.timeout_s, label="domain words",
-                                                 device=self.device)
+        if not self.config.blocking and not moves_host_memory(self._domain_counts.engine):
+            self._domain_words = HostCollectives(self.scaleout.domain_group, owner=f"ep_plugin {self.name} "
+                                                 f"{self.domain_level}", timeout_s=self.config.timeout_s,
+                                                 label="domain words", device=self.device, on_host=True)
         # Words of segment counts in every op's domain stage: sized for DOMAIN_COUNT_EXPERTS local experts
         # whatever this backend has, so that two backends on one group (other expert counts, or modes) send
         # words of one size: ranks that use them in two orders then see two backend numbers, where gloo

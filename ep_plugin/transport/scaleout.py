@@ -10,8 +10,8 @@
   the rail), gloo where some share a GPU (NCCL refuses two ranks on one GPU) or on CPU. The domain
   groups use the engine of the parent group.
 - on request (``host_words``: sync-free mode's agreement words, which the host reads without waiting
-  for the GPU), a group that moves CPU tensors per domain and per rail: the group itself where its
-  engine is gloo, else a gloo twin of it, made once like the others (``host_groups``).
+  for the GPU), rail collectives that move CPU tensors: on the rail group itself where its engine is
+  gloo, else on a gloo twin of it (``HostCollectives``' ``on_host``, made once per group).
 - the rail collectives, timed like every host wait (``HostCollectives``): a late or missing peer gives
   ``EPTimeoutError`` naming the level (``rail <l>``), the op and phase, and the peer (its rank on the
   rail and its global rank); an engine failure gives ``EPError`` with the engine's message.
@@ -46,12 +46,11 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..host_collectives import HostCollectives
+from ..host_collectives import HostCollectives, moves_host_memory
 from ..topology import Topology
 
 # (parent group name, domain size, rail engine) -> (domain groups, rail groups), by index.
 _groups: dict[tuple, tuple[list, list]] = {}
-_host_groups: dict[tuple, tuple[list, list]] = {}  # the same key -> the groups that carry host words
 
 
 def rail_engine(topology: Topology, device: torch.device, parent_engine: str) -> str:
@@ -82,27 +81,6 @@ def make_groups(group: dist.ProcessGroup, topology: Topology, engine: str) -> tu
                                 use_local_synchronization=True) for local in range(topology.domain_size)]
         _groups[key] = (domains, rails)
     return _groups[key]
-
-
-def host_groups(group: dist.ProcessGroup, topology: Topology, engine: str) -> tuple[list, list]:
-    """Per domain and per rail, a group that moves CPU tensors: ``make_groups``' group where its engine is
-    gloo, else a gloo twin of it (a collective like ``make_groups``; twins are made once).
-
-    For small words the host reads at once (agreement): over NCCL they would be CUDA tensors, and reading
-    them would wait for the GPU, which sync-free mode must not.
-    """
-    domains, rails = make_groups(group, topology, engine)
-    key = _groups_key(group, topology, engine)
-    if key not in _host_groups or not _still_registered(_host_groups[key]):
-        def on_host(groups: list, group_engine: str, ranks_of) -> list:
-            if "gloo" in group_engine:  # "gloo", or a mixed "cpu:gloo,cuda:nccl" group
-                return groups
-            return [dist.new_group(_global_ranks(group, ranks_of(i)), backend="gloo", use_local_synchronization=True)
-                    for i in range(len(groups))]
-
-        _host_groups[key] = (on_host(domains, dist.get_backend(group), topology.domain_ranks),
-                             on_host(rails, engine, topology.rail_ranks))
-    return _host_groups[key]
 
 
 def _still_registered(groups: tuple[list, list]) -> bool:
@@ -149,8 +127,8 @@ class ScaleOut:
         timeout_s: how long one rail collective may wait for its peers.
         chunk_rows: rows per peer per rail collective (0 = all at once).
         owner: name for messages ("ep_plugin reference").
-        host_words: ``exchange_words`` moves CPU tensors (no wait for the GPU; ``host_groups``), and
-            ``domain_words_group`` is this domain's group for such words; else it is None.
+        host_words: ``exchange_words`` moves CPU tensors (no wait for the GPU): on the rail group where it
+            moves them, else on its gloo twin (``HostCollectives``' ``on_host``).
     """
 
     def __init__(self, group: dist.ProcessGroup, topology: Topology, device: torch.device, *, timeout_s: float,
@@ -172,15 +150,12 @@ class ScaleOut:
         self.pin_host_buffers = self.stage_on_host
         # exchange_words: on the rail group, unless the host reads them without waiting for the GPU.
         self.rail_words, self.words_device = self.rail, self.exchange_device
-        self.domain_words_group = None
         if host_words:
-            domain_hosts, rail_hosts = host_groups(group, topology, self.engine)
-            self.domain_words_group = domain_hosts[topology.domain_index]
-            if rail_hosts[topology.local_index] is not self.rail_group:
-                self.rail_words = HostCollectives(rail_hosts[topology.local_index], timeout_s=timeout_s,
+            if not moves_host_memory(self.engine):
+                self.rail_words = HostCollectives(self.rail_group, timeout_s=timeout_s, on_host=True,
                                                   owner=f"{owner} scale-out, {self.level}", label="rail words",
                                                   device=device)
-            self.words_device = torch.device("cpu")
+            self.words_device = self.rail_words.word_device  # the CPU, unless no twin could be made (it warned)
 
     @property
     def num_domains(self) -> int:

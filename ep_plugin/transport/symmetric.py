@@ -64,7 +64,7 @@ class SymmetricBuffer:
         here = own_identity()
         # Timed (a rank that failed alone, out of memory above, say, is named instead of waited for).
         self._collectives = HostCollectives(group, owner=f"ep_plugin {backend}", timeout_s=timeout_s, label="buffer",
-                                            device=torch.device("cuda", index))
+                                            device=torch.device("cuda", index), on_host=True)
         gathered = self._collectives.all_gather_object((self._buffer.export_handle(), here),
                                                        where="opening the peers' buffers")
         self._buffer.open_peers([handle for handle, _ in gathered])
