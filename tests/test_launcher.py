@@ -1,6 +1,8 @@
 """The multi-rank launcher: placement logic, results, errors and hangs reported by rank."""
 
+import atexit
 import os
+import signal
 import sys
 import threading
 import time
@@ -242,3 +244,34 @@ def test_ranks_that_exited_0_before_their_results_were_read_are_not_reported(mon
     monkeypatch.setattr(launcher, "_collect", collect_after_an_empty_get)
     # report_rank's all_reduce keeps a rank from exiting while its peer is still setting up gloo
     assert run_ranks(report_rank, 2, 0, env={"EP_PLUGIN_TIMEOUT_S": "7"}, timeout_s=60) == [(0, 1, "7"), (1, 1, "7")]
+
+
+def crash_at_exit_on_rank_one(ctx):
+    """Rank 1 returns its result, then dies in an exit handler (as a teardown that frees memory a kernel
+    still reads may)."""
+    if ctx.rank == 1:
+        atexit.register(os.kill, os.getpid(), signal.SIGSEGV)
+    return ctx.rank
+
+
+def test_a_rank_that_crashes_after_its_result_is_named():
+    """Before: once every result was in, the launcher killed the ranks still exiting and reported success."""
+    with pytest.raises(EPError, match=r"every rank returned, but exited with an error after returning its result "
+                                      r"\(rank 1: killed by SIGSEGV\)"):
+        run_ranks(crash_at_exit_on_rank_one, 2, timeout_s=60)
+
+
+def hang_at_exit_on_rank_zero(ctx):
+    if ctx.rank == 0:
+        atexit.register(time.sleep, 600)
+    return ctx.rank
+
+
+def test_a_rank_whose_exit_hangs_is_named(monkeypatch):
+    from ep_plugin.testing import launcher
+
+    monkeypatch.setattr(launcher, "EXIT_TIMEOUT_S", 3.0)
+    start = time.monotonic()
+    with pytest.raises(EPError, match=r"rank\(s\) \[0\] did not exit within 3 s of returning their results"):
+        run_ranks(hang_at_exit_on_rank_zero, 2, timeout_s=60)
+    assert time.monotonic() - start < 30  # and the launcher's cleanup killed it

@@ -37,6 +37,9 @@ from ..errors import EPError, EPTimeoutError
 # rank; past a few per core they mostly wait for one. On 2 cores 10 demo steps took 19 s on 8 ranks,
 # 53 s on 16 and 2 min on 32; 512 would take well over half an hour and about 170 GB (extrapolated).
 CPU_RANKS_PER_CORE = 8
+# How long a rank that returned its result may take to exit (its process group's, buffers' and CUDA
+# context's teardown) before the launcher reports it as hanging.
+EXIT_TIMEOUT_S = 60.0
 
 
 def max_cpu_ranks() -> int:
@@ -187,7 +190,9 @@ def _spawn(fn, args, plan: LaunchPlan, timeout_s: float, env: dict[str, str]) ->
         try:  # a rank that fails to start (fd or process limits) must not leave the started ones waiting
             for process in processes:
                 process.start()
-            return _collect(processes, results, plan.num_ranks, timeout_s)
+            outputs = _collect(processes, results, plan.num_ranks, timeout_s)
+            _check_exits(processes, EXIT_TIMEOUT_S)
+            return outputs
         finally:
             for process in processes:
                 if process.is_alive():
@@ -228,6 +233,37 @@ def _collect(processes, results, num_ranks: int, timeout_s: float) -> list[Any]:
             raise EPError(_failure_report(processes, outputs, rank, payload))
         outputs[rank] = ForkingPickler.loads(payload)
     return [outputs[rank] for rank in range(num_ranks)]
+
+
+def _check_exits(processes, timeout_s: float) -> None:
+    """Every rank returned its result: each process must now exit, with code 0, within ``timeout_s``.
+    What runs after the rank function (freeing buffers at exit, the CUDA context's teardown, a library's
+    exit handler) can crash or hang, as the crashes users report of other EP libraries do; killing a
+    rank still exiting, as the cleanup does, hid both."""
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    hanging = [rank for rank, p in enumerate(processes) if p.is_alive()]
+    failed = {rank: p.exitcode for rank, p in enumerate(processes) if not p.is_alive() and p.exitcode != 0}
+    problems = []
+    if failed:
+        named = ", ".join(f"rank {rank}: {_exit_name(code)}" for rank, code in failed.items())
+        problems.append(f"exited with an error after returning its result ({named})")
+    if hanging:
+        problems.append(f"rank(s) {hanging} did not exit within {timeout_s:.0f} s of returning their results "
+                        f"(the teardown hangs: a kernel still waiting, a process group that does not end)")
+    if problems:
+        raise EPError("launcher: every rank returned, but " + "; ".join(problems))
+
+
+def _exit_name(code: int) -> str:
+    """'code 3', or 'killed by SIGSEGV' for a negative code."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"code {code}"
 
 
 def _failure_report(processes, outputs: dict, rank: int, payload: str) -> str:
