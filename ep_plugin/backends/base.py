@@ -248,8 +248,13 @@ class Backend(abc.ABC):
 
     def barrier(self) -> None:
         """Block until every rank of the group reaches this point. A rank that does not arrive within
-        ``config.timeout_s`` makes the others raise ``EPTimeoutError`` naming it (``HostCollectives``)."""
+        ``config.timeout_s`` makes the others raise ``EPTimeoutError`` naming it."""
         self.refuse_if_destroyed("barrier")
+        self._barrier()
+
+    def _barrier(self) -> None:
+        """The backend's barrier (``barrier`` checked the backend first). This one: a timed host
+        exchange (``HostCollectives``); the compiled backends meet on the device instead."""
         self._host.barrier(where="barrier")
 
     def destroy(self) -> None:

@@ -475,9 +475,8 @@ class CompiledBackend(Backend):
             self.invalid_expert_ids = None
             raise dropped_ids_error(self.num_experts)
 
-    def barrier(self) -> None:
+    def _barrier(self) -> None:
         """Every rank of the domain reaches this point (a device handshake; the host waits for it)."""
-        self.refuse_if_destroyed("barrier")
         self.buffer.raise_if_failed()
         with nvtx_range(f"ep.{self.name}.barrier"):
             self._exchange(self.barrier_phase, fingerprint_code(OP_BARRIER))

@@ -270,10 +270,9 @@ class HierarchicalBackend(Backend):
                          shape=(handle.num_tokens, self.hidden_size), device=self.device)
         return super().combine(rows, handle, row_probs=row_probs, **options)
 
-    def barrier(self) -> None:
+    def _barrier(self) -> None:
         """Every rank of every domain reached this point: the op agreement (rail, then domain stage), then
         the domain backend's barrier."""
-        self.refuse_if_destroyed("barrier")
         self.check_usable()
         # This rank's NVLink stores are complete before the rail traffic; the domain backend's wait raises
         # what its kernels reported (a peer that never arrived) rather than a bare timeout.
