@@ -152,17 +152,19 @@ def mismatch_message(backend: str, rank: int, peer: int, mine: int, theirs: int)
 
 
 def check_construction(group: Optional[dist.ProcessGroup], backend: str, facts: dict[str, Any], *,
-                       timeout_s: Optional[float] = None, device: Optional[torch.device] = None) -> None:
+                       timeout_s: Optional[float] = None, device: Optional[torch.device] = None,
+                       on_host: bool = True) -> None:
     """Raise ValueError on every rank unless every rank of ``group`` passed equal ``facts``.
 
     One gather of a small dict (two small all-to-alls); call it where the backend is built (a
     collective). A rank that does not arrive within ``timeout_s`` (default: the config's) makes
     the others raise ``EPTimeoutError`` naming it; an engine failure raises ``EPError``.
+    ``on_host``: over NCCL, gather on the group's gloo twin (``HostCollectives``).
     """
     if timeout_s is None:
         timeout_s = Config.from_env().timeout_s
     collectives = HostCollectives(group, owner=f"ep_plugin {backend}", timeout_s=timeout_s, label="construction",
-                                  device=device, on_host=True)
+                                  device=device, on_host=on_host)
     gathered = collectives.all_gather_object(facts, where=f"building the {backend} backend (agreement check)")
     problems = []
     for name in facts:

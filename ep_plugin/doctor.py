@@ -7,7 +7,8 @@ problem with its fix on one line:
   co-residency of spin-waiting kernels;
 - scale-out (NCCL): GPUDirect RDMA via DMA-BUF / via nvidia-peermem / staged through host
   memory / TCP sockets / unavailable, and why;
-- MPS, for ranks that share a GPU.
+- MPS, for ranks that share a GPU;
+- gloo, which carries the setup's words of an NCCL group (and Megatron's own gloo groups).
 
 ``--backend NAME`` and ``--scaleout [gdr|rdma|socket]`` name the paths the job needs: the exit
 code is 1 when one of them cannot work, else 0. ``--json`` prints the same as one JSON object.
@@ -49,7 +50,7 @@ class Problem:
 class Verdict:
     """One path's verdict. ``passed`` is what the exit code reads when the user ``asked`` for it."""
 
-    path: str  # "nvlink", "scaleout", "mps", "backend"
+    path: str  # "nvlink", "scaleout", "mps", "gloo", "backend"
     title: str
     status: str  # ok / degraded / unavailable / not needed
     summary: str
@@ -513,6 +514,40 @@ def mps_verdict(fabric: Fabric, options: Options) -> Verdict:
     return verdict
 
 
+def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -> Verdict:
+    """gloo carries the setup's words of an NCCL group (``EP_PLUGIN_GLOO_SETUP_WORDS``) and Megatron's own
+    gloo groups. A ``GLOO_SOCKET_IFNAME`` that names an interface this host lacks makes every gloo group
+    fail to form, so building a backend over NCCL fails. Asked with ``--backend`` when those words use it."""
+    try:
+        setup_words = _config(environ).gloo_setup_words
+    except (ValueError, TypeError):
+        setup_words = True  # _check_co_residency reports the bad variable
+    verdict = Verdict("gloo", "gloo (the setup's host words of NCCL groups)", OK, "",
+                      asked=options.backend is not None and setup_words)
+    if not setup_words:
+        verdict.notes.append("EP_PLUGIN_GLOO_SETUP_WORDS is off: ep_plugin's setup words stay on the NCCL groups")
+    names = [name.strip() for name in environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name.strip()]
+    if not names:
+        verdict.summary = "GLOO_SOCKET_IFNAME unset: gloo uses the address this host's name resolves to"
+        return verdict
+    verdict.summary = f"GLOO_SOCKET_IFNAME={','.join(names)}"
+    if not fabric.net_interfaces:
+        verdict.notes.append("no /sys/class/net here: the interface names were not checked")
+        return verdict
+    missing = [name for name in names if name not in fabric.net_interfaces]
+    if missing:
+        verdict.problems.append(Problem(
+            f"GLOO_SOCKET_IFNAME names {', '.join(missing)}, which this host does not have: every gloo group (the "
+            f"setup's words of an NCCL group, Megatron's gloo groups) fails to form",
+            f"name this host's interface(s) ({', '.join(fabric.net_interfaces)}) or unset it"
+            + ("; or EP_PLUGIN_GLOO_SETUP_WORDS=0 keeps ep_plugin's setup words off gloo" if setup_words else "")))
+        verdict.status = UNAVAILABLE
+        verdict.passed = False
+    else:
+        verdict.summary += ": present here"
+    return verdict
+
+
 def backend_verdict(options: Options, registered: list[str], nvlink: Verdict) -> Optional[Verdict]:
     """The verdict for ``--backend``: reference always works; kernel backends follow the NVLink verdict."""
     if options.backend is None or options.backend in KERNEL_BACKENDS:
@@ -567,7 +602,8 @@ def assess(fabric: Fabric, options: Options, *, environ: Optional[Mapping[str, s
     extension = extension if extension is not None else _extension_state()
     registered = registered if registered is not None else _registered_backends()
     nvlink = nvlink_verdict(fabric, options, environ, extension, registered)
-    verdicts = [nvlink, scaleout_verdict(fabric, options, environ, probe), mps_verdict(fabric, options)]
+    verdicts = [nvlink, scaleout_verdict(fabric, options, environ, probe), mps_verdict(fabric, options),
+                gloo_verdict(fabric, options, environ)]
     extra = backend_verdict(options, registered, nvlink)
     if extra is not None:
         verdicts.insert(0, extra)

@@ -174,7 +174,10 @@ class HostCollectives:
             waited = time.monotonic() - start
             if waited >= self.timeout_s:
                 raise self._timeout_error(where, waited) from None
-            raise self._engine_error(where, exc) from None
+            error = self._engine_error(where, exc)
+            raise EPError(f"{error} Where gloo cannot connect between these hosts, GLOO_SOCKET_IFNAME names the "
+                          "interface it should use; EP_PLUGIN_GLOO_SETUP_WORDS=0 keeps the setup's words on the "
+                          f"{self.engine} group.") from None
         if twin is None:
             warn_once(logger, ("no gloo twin", self.engine), "ep_plugin: the setup's host words go over %s (this torch "
                       "has no gloo, or the group does not number its ranks in global order): a peer that never "

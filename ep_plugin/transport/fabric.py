@@ -210,6 +210,7 @@ class Fabric:
     nccl: NcclInfo
     mps: MpsInfo
     warnings: list[str] = field(default_factory=list)
+    net_interfaces: list[str] = field(default_factory=list)  # /sys/class/net: what GLOO_SOCKET_IFNAME may name
 
     @property
     def usable_nics(self) -> list[RdmaDevice]:
@@ -596,7 +597,7 @@ def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mappi
         memlock_soft_bytes=None if soft < 0 else soft, memlock_hard_bytes=None if hard < 0 else hard,
         peermem=[path for path in PEERMEM_PATHS if tree.exists(path)],
         nccl=_nccl_info(tree, environ, nccl_version or torch_nccl_version, config),
-        mps=_mps_info(tree, environ, warnings), warnings=warnings)
+        mps=_mps_info(tree, environ, warnings), warnings=warnings, net_interfaces=tree.listdir("/sys/class/net"))
     return fabric
 
 

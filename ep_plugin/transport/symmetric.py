@@ -44,11 +44,12 @@ class SymmetricBuffer:
         phase_names: phase number -> text, for timeout messages.
         peer_watch_s: > 0 watches the peers' processes (``liveness``; the seconds between /proc looks where
             there is no pidfd); 0 = no watch.
+        on_host: the handle exchange and barriers of an NCCL group go over its gloo twin (``HostCollectives``).
     """
 
     def __init__(self, group: dist.ProcessGroup, *, device: torch.device, region_bytes: int, count_words: int,
                  timeout_s: float, backend: str, phase_names: Optional[dict[int, str]] = None,
-                 peer_watch_s: float = 0.0) -> None:
+                 peer_watch_s: float = 0.0, on_host: bool = True) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
@@ -64,7 +65,7 @@ class SymmetricBuffer:
         here = own_identity()
         # Timed (a rank that failed alone, out of memory above, say, is named instead of waited for).
         self._collectives = HostCollectives(group, owner=f"ep_plugin {backend}", timeout_s=timeout_s, label="buffer",
-                                            device=torch.device("cuda", index), on_host=True)
+                                            device=torch.device("cuda", index), on_host=on_host)
         gathered = self._collectives.all_gather_object((self._buffer.export_handle(), here),
                                                        where="opening the peers' buffers")
         self._buffer.open_peers([handle for handle, _ in gathered])
