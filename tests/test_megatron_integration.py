@@ -64,6 +64,12 @@ def _should_free_input(node: str, config) -> bool:
     return function(node, True, config)
 
 
+def _same(now: dict, before: dict) -> bool:
+    """Every object is the one it was (equal is not enough: a rebuilt Literal of the same names equals the
+    original, and an Optional[Literal[...]] must not come back as a plain Literal)."""
+    return now.keys() == before.keys() and all(now[key] is before[key] for key in before)
+
+
 def _snapshot():
     """Everything install() touches, by identity."""
     from megatron.core import parallel_state
@@ -108,7 +114,7 @@ def test_install_then_uninstall_restores_megatron(ep_megatron):
     for key in original:
         assert installed[key] is not original[key], f"install() did not replace {key}"
     ep_megatron.uninstall()
-    assert _snapshot() == original
+    assert _same(_snapshot(), original)
     ep_megatron.install()
 
 
@@ -141,13 +147,13 @@ def test_an_install_that_fails_half_way_leaves_megatron_as_it_was(ep_megatron, m
     with pytest.raises(RuntimeError, match="this step failed"):
         ep_megatron.install()
     assert not ep_megatron.is_installed()
-    assert _snapshot() == original
+    assert _same(_snapshot(), original)
     monkeypatch.undo()
     ep_megatron.install()
     installed = _snapshot()
     assert all(installed[key] is not original[key] for key in original), "install() after the failed one"
     ep_megatron.uninstall()
-    assert _snapshot() == original
+    assert _same(_snapshot(), original)
     ep_megatron.install()
 
 
@@ -164,7 +170,28 @@ def test_an_annotation_without_megatrons_names_is_refused_at_install(ep_megatron
         ep_megatron.install()
     assert not ep_megatron.is_installed()
     monkeypatch.undo()
-    assert _snapshot() == original
+    assert _same(_snapshot(), original)
+    ep_megatron.install()
+
+
+@needs_megatron
+def test_uninstall_puts_back_the_annotation_megatron_had(ep_megatron, monkeypatch):
+    """An Optional[Literal[...]] (how a config system may declare the field) comes back as itself; before,
+    uninstall() wrote a plain Literal of Megatron's names in its place."""
+    ep_megatron.uninstall()
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from ep_plugin.integrations.megatron import compat
+
+    field = TransformerConfig.__dataclass_fields__["moe_flex_dispatcher_backend"]
+    optional = typing.Optional[field.type]
+    monkeypatch.setattr(field, "type", optional)
+    monkeypatch.setitem(TransformerConfig.__annotations__, "moe_flex_dispatcher_backend", optional)
+    ep_megatron.install()
+    assert set(PLUGIN_NAMES) <= set(compat.literal_names(field.type)) and type(None) in typing.get_args(field.type)
+    ep_megatron.uninstall()
+    assert field.type is optional and TransformerConfig.__annotations__["moe_flex_dispatcher_backend"] is optional
+    monkeypatch.undo()
     ep_megatron.install()
 
 

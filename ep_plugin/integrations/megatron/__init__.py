@@ -66,6 +66,7 @@ class _State:
     installed = False
     replace_builtin = False
     builtin_names: tuple[str, ...] = ()  # Megatron's own names, read before we widen the type
+    original_annotations = None  # the field's type and the class annotation, as they were (compat)
     original_init = None
     original_experts_forward = None
     original_config_post_init = None
@@ -103,6 +104,7 @@ def install(replace_builtin: Optional[bool] = None) -> None:
                                f"TransformerConfig.{compat.BACKEND_FIELD} is annotated {annotation!r}, not a Literal "
                                "of names (supported: megatron-core 0.16.1 to 0.19.x); nothing was installed")
         try:  # all or nothing: a step that fails takes back the ones before it
+            _state.original_annotations = compat.backend_annotations()
             compat.set_backend_names(_state.builtin_names + tuple(PLUGIN_BACKENDS))
             _wrap_dispatcher_init()
             _wrap_name_spots()
@@ -141,8 +143,9 @@ def _restore_megatron() -> None:
         compat.sequential_mlp_class().forward = _state.original_experts_forward
     if _state.original_config_post_init is not None:
         compat.transformer_config_class().__post_init__ = _state.original_config_post_init
-    compat.set_backend_names(_state.builtin_names)
-    _state.original_init = _state.original_parse_known_args = None
+    if _state.original_annotations is not None:  # the objects themselves (an Optional[Literal] stays one)
+        compat.restore_backend_annotations(_state.original_annotations)
+    _state.original_init = _state.original_parse_known_args = _state.original_annotations = None
     _state.original_experts_forward = _state.original_config_post_init = None
     _state.original_functions, _state.widened_choices = {}, []
 

@@ -97,14 +97,26 @@ def literal_names(annotation: Any) -> tuple[str, ...]:
     return names
 
 
+def backend_annotations() -> tuple[Any, Any]:
+    """The backend field's type and ``TransformerConfig``'s annotation of it (``set_backend_names`` changes
+    both; ``restore_backend_annotations`` puts these back)."""
+    return backend_field().type, transformer_config_class().__annotations__[BACKEND_FIELD]
+
+
+def restore_backend_annotations(saved: tuple[Any, Any]) -> None:
+    backend_field().type, transformer_config_class().__annotations__[BACKEND_FIELD] = saved
+
+
 def set_backend_names(names: tuple[str, ...]) -> None:
     """Make ``TransformerConfig.moe_flex_dispatcher_backend`` a Literal of ``names``.
 
     Megatron-LM >= 0.17 generates the ``--moe-flex-dispatcher-backend`` choices from this
     type (``ArgumentGroupFactory`` reads ``Field.type``); typed config systems read the
-    annotation.
+    annotation. An ``Optional[Literal[...]]`` stays Optional.
     """
     literal = typing.Literal[names]  # type: ignore[valid-type]
+    if type(None) in typing.get_args(backend_field().type):
+        literal = typing.Optional[literal]
     backend_field().type = literal
     transformer_config_class().__annotations__[BACKEND_FIELD] = literal
 
