@@ -90,11 +90,12 @@ class Config:
     # the watch looks every peer_watch_s seconds. 0 = no watch.
     peer_watch_s: float = field(default=0.5, metadata={
         "help": "watch the peers' processes on this host; seconds between looks where no pidfd (0 = off)"})
-    # The setup's words of an NCCL group (construction check, topology, buffer handles) on a gloo group of
-    # its ranks, so that a peer that never arrives leaves no kernel waiting on a GPU (HostCollectives'
-    # on_host). Off: on the NCCL group itself, for jobs where gloo cannot connect. Equal on every rank.
-    gloo_setup_words: bool = field(default=True, metadata={
-        "help": "the setup's words of an NCCL group go over a gloo group of its ranks (False: over NCCL)"})
+    # The small words the host reads (the setup's: construction check, topology, buffer handles; the
+    # sync-free scale-out agreement's) of an NCCL group on a gloo twin of it, so that a peer that never
+    # arrives leaves no kernel waiting on a GPU (HostCollectives' on_host). Off: on the NCCL group itself,
+    # for jobs where gloo cannot connect (the host then waits for the GPU to read them). Equal on every rank.
+    gloo_host_words: bool = field(default=True, metadata={
+        "help": "the host words of an NCCL group go over a gloo twin of it (False: over NCCL)"})
 
     def __post_init__(self) -> None:
         _require(0 < self.timeout_s <= MAX_TIMEOUT_S, "timeout_s", f"> 0 and <= {MAX_TIMEOUT_S:.0e} s",

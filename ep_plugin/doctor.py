@@ -8,7 +8,7 @@ problem with its fix on one line:
 - scale-out (NCCL): GPUDirect RDMA via DMA-BUF / via nvidia-peermem / staged through host
   memory / TCP sockets / unavailable, and why;
 - MPS, for ranks that share a GPU;
-- gloo, which carries the setup's words of an NCCL group (and Megatron's own gloo groups).
+- gloo, which carries the host words of an NCCL group (and Megatron's own gloo groups).
 
 ``--backend NAME`` and ``--scaleout [gdr|rdma|socket]`` name the paths the job needs: the exit
 code is 1 when one of them cannot work, else 0. ``--json`` prints the same as one JSON object.
@@ -515,17 +515,17 @@ def mps_verdict(fabric: Fabric, options: Options) -> Verdict:
 
 
 def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -> Verdict:
-    """gloo carries the setup's words of an NCCL group (``EP_PLUGIN_GLOO_SETUP_WORDS``) and Megatron's own
+    """gloo carries the host words of an NCCL group (``EP_PLUGIN_GLOO_HOST_WORDS``) and Megatron's own
     gloo groups. A ``GLOO_SOCKET_IFNAME`` that names an interface this host lacks makes every gloo group
     fail to form, so building a backend over NCCL fails. Asked with ``--backend`` when those words use it."""
     try:
-        setup_words = _config(environ).gloo_setup_words
+        host_words = _config(environ).gloo_host_words
     except (ValueError, TypeError):
-        setup_words = True  # _check_co_residency reports the bad variable
-    verdict = Verdict("gloo", "gloo (the setup's host words of NCCL groups)", OK, "",
-                      asked=options.backend is not None and setup_words)
-    if not setup_words:
-        verdict.notes.append("EP_PLUGIN_GLOO_SETUP_WORDS is off: ep_plugin's setup words stay on the NCCL groups")
+        host_words = True  # _check_co_residency reports the bad variable
+    verdict = Verdict("gloo", "gloo (the host words of NCCL groups)", OK, "",
+                      asked=options.backend is not None and host_words)
+    if not host_words:
+        verdict.notes.append("EP_PLUGIN_GLOO_HOST_WORDS is off: ep_plugin's host words stay on the NCCL groups")
     names = [name.strip() for name in environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name.strip()]
     if not names:
         verdict.summary = "GLOO_SOCKET_IFNAME unset: gloo uses the address this host's name resolves to"
@@ -538,9 +538,9 @@ def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -
     if missing:
         verdict.problems.append(Problem(
             f"GLOO_SOCKET_IFNAME names {', '.join(missing)}, which this host does not have: every gloo group (the "
-            f"setup's words of an NCCL group, Megatron's gloo groups) fails to form",
+            f"host words of an NCCL group, Megatron's gloo groups) fails to form",
             f"name this host's interface(s) ({', '.join(fabric.net_interfaces)}) or unset it"
-            + ("; or EP_PLUGIN_GLOO_SETUP_WORDS=0 keeps ep_plugin's setup words off gloo" if setup_words else "")))
+            + ("; or EP_PLUGIN_GLOO_HOST_WORDS=0 keeps ep_plugin's host words off gloo" if host_words else "")))
         verdict.status = UNAVAILABLE
         verdict.passed = False
     else:

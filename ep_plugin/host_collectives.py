@@ -21,13 +21,13 @@ How the wait is bounded (gloo's behaviour measured on torch 2.13; ``Work.wait(ti
   watchdog's to report, at the group's own timeout. Set that timeout above
   ``EP_PLUGIN_TIMEOUT_S`` so that ep_plugin's report comes first.
 
-Setup words on an NCCL group (``on_host=True``: the construction check, topology, buffer handles,
-autosizing, the arena's sizing) travel on a gloo twin of it, a group of the same ranks made once
-(``gloo_twin``): a collective that a peer never joins then leaves nothing spinning on a GPU. Over
-NCCL it would leave a kernel that waits for the peer, and the process's teardown (cudaFree,
-synchronize) would wait for that kernel, with the GIL held, until NCCL's watchdog ends the
-process: the timeout's message, then a hang of minutes. Megatron's distributed optimizer keeps
-gloo groups of its NCCL groups for the same kind of host traffic.
+Host words of an NCCL group (``on_host=True``: the construction check, topology, buffer handles,
+autosizing, the arena's sizing, sync-free scale-out agreement) travel on a gloo twin of it, gloo
+over the same ranks, made once per group (``gloo_twin``; ``Config.gloo_host_words`` turns it off): a
+collective that a peer never joins then leaves nothing spinning on a GPU. Over NCCL it would leave a
+kernel that waits for the peer, and the process's exit (cudaFree, synchronize) would wait for that
+kernel, with the GIL held, until NCCL's watchdog ends the process: the timeout's message, then a hang
+of minutes. Megatron's distributed optimizer keeps gloo groups of its NCCL groups for host traffic too.
 
 Which peer is late: neither engine says. On a timeout each rank posts where it gave up to
 the store of the default process group, then reads the posts of its peers for a short grace
@@ -43,6 +43,7 @@ import logging
 import pickle
 import time
 from collections import Counter
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -55,7 +56,8 @@ from .logs import warn_once
 logger = logging.getLogger(__name__)
 
 _sites: Counter = Counter()  # (group name, label) -> how many were opened in this process
-_twins: dict[tuple, dist.ProcessGroup] = {}  # (group name, its global ranks) -> its gloo twin
+_twins: dict[str, "_Twin"] = {}  # group name -> its gloo twin (gloo_twin)
+_twin_generations: Counter = Counter()  # group name -> twins made for a group of that name in this process
 
 
 _OUT_OF_STEP = ("The process group's collectives are now out of step among its ranks (an engine cannot take back a "
@@ -81,28 +83,43 @@ def moves_host_memory(engine: str) -> bool:
     return "gloo" in engine
 
 
-def gloo_twin(group: dist.ProcessGroup, *, timeout_s: float) -> Optional[dist.ProcessGroup]:
-    """A gloo group of ``group``'s ranks, in its rank order (rank r of one is rank r of the other); made
-    once per group and process, by every rank of ``group`` (a collective of those ranks only: torch's
-    local synchronization, so the rest of the world may be busy elsewhere). The twin's timeout is
-    ``timeout_s`` plus a margin: the making waits that long for the peers (``dist.DistStoreError``
-    after it), and it is the backstop of the twin's collectives, which ``HostCollectives`` waits on with
-    ``timeout_s`` itself, so that its wait expires first and names the late peer. A twin whose group
-    ``destroy_process_group`` took is made afresh.
+@dataclass
+class _Twin:
+    parent: dist.ProcessGroup
+    gloo: Any  # dist.ProcessGroupGloo
 
-    None when ``group`` does not number its ranks in the order of their global ranks (``new_group``
-    numbers a new group's ranks that way, so the twin's rank r would be another process)."""
-    ranks = sorted(dist.get_process_group_ranks(group), key=lambda global_rank: dist.get_group_rank(group, global_rank))
-    if ranks != sorted(ranks):
-        return None
-    key = (getattr(group, "group_name", str(id(group))), tuple(ranks))
-    twin = _twins.get(key)
-    if twin is not None and _registered(twin):
-        return twin
-    margin = 2 * _grace_s(timeout_s) + 1.0
-    twin = _twins[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True,
-                                        timeout=timedelta(seconds=timeout_s + margin))
-    return twin
+
+def gloo_twin(group: dist.ProcessGroup, *, timeout_s: float):
+    """A gloo process group of ``group``'s ranks (its rank r is ``group``'s rank r), made once per group and
+    process by every rank of ``group``, a collective of those ranks only. Returns torch's
+    ``ProcessGroupGloo`` itself, not a group registered with ``torch.distributed``: registering one (``new_group``)
+    names it by a count of the groups each process belongs to, which the ranks of ``group`` need not agree on
+    (a process in more groups than its peers would look for the others under another name, and all would
+    wait out the timeout). The twin meets its peers under the name of ``group``, which they share.
+
+    Making it waits up to ``timeout_s`` plus a margin for the peers (then raises: ``DistStoreError`` or
+    gloo's "Connect timeout", by where it waited). A group that ``destroy_process_group`` took (the
+    world's end takes every group) leaves its twin behind: a later group of its name gets one afresh."""
+    for name, twin in list(_twins.items()):  # twins of groups that are gone
+        if not _registered(twin.parent):
+            del _twins[name]
+    name = group.group_name
+    twin = _twins.get(name)
+    if twin is None:
+        generation = _twin_generations[name]  # a later group of the same name meets under a new prefix
+        _twin_generations[name] += 1
+        prefix = dist.PrefixStore(f"ep_plugin/gloo_twin/{name}/{generation}/",
+                                  dist.distributed_c10d._get_default_store())
+        gloo = dist.ProcessGroupGloo(prefix, dist.get_rank(group), dist.get_world_size(group),
+                                     timedelta(seconds=timeout_s + _twin_margin_s(timeout_s)))
+        twin = _twins[name] = _Twin(group, gloo)
+    return twin.gloo
+
+
+def _twin_margin_s(timeout_s: float) -> float:
+    """How much longer than ``timeout_s`` gloo itself waits on a twin: ``HostCollectives``' own wait must
+    expire first (it names the late peer; gloo's timeout would end the op with an error that names none)."""
+    return 2 * _grace_s(timeout_s) + 1.0
 
 
 def _registered(group: dist.ProcessGroup) -> bool:
@@ -133,8 +150,8 @@ class HostCollectives:
             ``word_device``). None: the current GPU.
         on_host: the owner moves only small words the host reads (no payload, nothing a stream must
             order): on a group that moves no CPU tensors (NCCL), they go on its gloo twin (see the
-            module docstring). Making the twin is a collective of the group's ranks, timed like the
-            others.
+            module docstring; the caller passes ``Config.gloo_host_words``). Making the twin is a
+            collective of the group's ranks, timed like the others.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], *, owner: str, timeout_s: float, label: str,
@@ -154,37 +171,38 @@ class HostCollectives:
         self.site = f"{group_name}/{label}#{self.instance}"
         self.failed: Optional[str] = None  # set once a wait timed out or the engine failed
         self._device = device
+        self._gloo = None  # the group's gloo twin where the words go over it (use_gloo_twin)
         if on_host and not moves_host_memory(self.engine):
             self.use_gloo_twin()
 
     def use_gloo_twin(self) -> None:
         """From now on, run on the gloo twin of the group (``gloo_twin``; a collective of its ranks), or stay
-        on the group with a warning where there can be none (no gloo in this torch; ranks out of order).
-        Raises EPTimeoutError naming the late peers when one does not arrive within the timeout, EPError
-        when making it fails otherwise."""
+        on the group with a warning where this torch has no gloo. Raises EPTimeoutError naming the late peers
+        when one does not arrive within the timeout, EPError when gloo cannot connect otherwise."""
+        if not dist.is_gloo_available():
+            warn_once(logger, ("no gloo twin", self.engine), "ep_plugin: this torch has no gloo, so the host words "
+                      "of an %s group go over it: a peer that never arrives there leaves a kernel waiting on the "
+                      "GPU, and the process's exit waits for it", self.engine)
+            return
         start = time.monotonic()
         where = f"making a gloo group of the {self.engine} group's ranks for the host words"
-        twin = None
         try:
-            if dist.is_gloo_available():
-                twin = gloo_twin(self.group, timeout_s=self.timeout_s)
+            gloo = gloo_twin(self.group, timeout_s=self.timeout_s)
         except RuntimeError as exc:
             # A peer that never came: the store's wait or gloo's connect times out (DistStoreError or
             # "Connect timeout", by where it waited). Either way the posts say who is late.
             waited = time.monotonic() - start
             if waited >= self.timeout_s:
-                raise self._timeout_error(where, waited) from None
-            error = self._engine_error(where, exc)
-            raise EPError(f"{error} Where gloo cannot connect between these hosts, GLOO_SOCKET_IFNAME names the "
-                          "interface it should use; EP_PLUGIN_GLOO_SETUP_WORDS=0 keeps the setup's words on the "
-                          f"{self.engine} group.") from None
-        if twin is None:
-            warn_once(logger, ("no gloo twin", self.engine), "ep_plugin: the setup's host words go over %s (this torch "
-                      "has no gloo, or the group does not number its ranks in global order): a peer that never "
-                      "arrives there leaves a kernel waiting on the GPU, and the process's exit waits for it",
-                      self.engine)
-            return
-        self.group, self.engine = twin, dist.get_backend(twin)
+                raise EPTimeoutError(f"{self._timeout_error(where, waited)} A rank built with "
+                                     "EP_PLUGIN_GLOO_HOST_WORDS=0 never comes here: the knob must be equal on every "
+                                     "rank.") from None
+            self.failed = f"gloo failed in {where}"
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise EPError(f"{self.owner}: rank {self.rank}: {where}: gloo could not connect: {message}. Where gloo "
+                          f"cannot connect between these hosts, GLOO_SOCKET_IFNAME names the interface it should "
+                          f"use; EP_PLUGIN_GLOO_HOST_WORDS=0 keeps the host words on the {self.engine} group.") \
+                from None
+        self._gloo, self.engine = gloo, "gloo"
         self.word_device = word_device(self.engine, self._device)
 
     # ---- the collectives -------------------------------------------------------------
@@ -205,8 +223,13 @@ class HostCollectives:
         if out is None:
             out = tensor.new_empty((sum(out_splits),) + tuple(tensor.shape[1:]))
         try:
-            work = dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=self.group,
-                                          async_op=True)
+            if self._gloo is not None:  # the twin is torch's gloo engine itself: its own call, its own timeout
+                options = dist.AllToAllOptions()
+                options.timeout = timedelta(seconds=self.timeout_s + _twin_margin_s(self.timeout_s))
+                work = self._gloo.alltoall_base(out, tensor.contiguous(), out_splits, in_splits, options)
+            else:
+                work = dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=self.group,
+                                              async_op=True)
         except RuntimeError as exc:  # an engine that fails at issue time
             raise self._engine_error(where, exc) from None
         self._wait(work, where, nccl=tensor.is_cuda and "nccl" in self.engine, read_on_host=read_on_host)

@@ -174,7 +174,7 @@ def detect_topology(group: Optional[dist.ProcessGroup], device: torch.device, *,
     forced = config.scaleup_size if scaleup_size is None else scaleup_size
     group = group if group is not None else dist.group.WORLD
     comm = HostCollectives(group, owner="ep_plugin topology", timeout_s=config.timeout_s, label="topology",
-                           device=device, on_host=config.gloo_setup_words)
+                           device=device, on_host=config.gloo_host_words)
     # Where the size came from, for the messages: an argument (a backend's topology=) or the config.
     source = "the topology= argument" if scaleup_size is not None else "EP_PLUGIN_SCALEUP_SIZE / config.scaleup_size"
     mine = {"scaleup_size": int(forced), "source": source, **_placement_facts(torch.device(device))}

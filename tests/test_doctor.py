@@ -468,7 +468,7 @@ def test_mps_verdicts(tmp_path):
 # ---- gloo ---------------------------------------------------------------------------------------------
 
 def test_a_gloo_interface_this_host_lacks_fails_a_backend_job(tmp_path):
-    """The setup's words of an NCCL group travel on gloo: a GLOO_SOCKET_IFNAME naming no interface here
+    """The host words of an NCCL group travel on gloo: a GLOO_SOCKET_IFNAME naming no interface here
     makes building a backend fail, which the doctor says before the job starts."""
     report = driver([gpu(0, "0000:00:05.0")])
     for name in ("eth0", "ib0"):
@@ -479,12 +479,12 @@ def test_a_gloo_interface_this_host_lacks_fails_a_backend_job(tmp_path):
     found, code = verdicts(make_fabric(tmp_path, report, typo), typo, backend="hybrid")
     assert (found["gloo"].status, code) == (UNAVAILABLE, 1), found["gloo"]
     assert "names eth9" in found["gloo"].problems[0].text and "(eth0, ib0)" in fixes(found["gloo"])
-    assert "EP_PLUGIN_GLOO_SETUP_WORDS=0" in fixes(found["gloo"])
+    assert "EP_PLUGIN_GLOO_HOST_WORDS=0" in fixes(found["gloo"])
     _, code = verdicts(make_fabric(tmp_path, report, typo), typo)  # no backend named: shown, not asked
     assert code == 0
-    off = {**typo, "EP_PLUGIN_GLOO_SETUP_WORDS": "0"}  # our words stay on NCCL: not asked, still shown
+    off = {**typo, "EP_PLUGIN_GLOO_HOST_WORDS": "0"}  # our words stay on NCCL: not asked, still shown
     found, code = verdicts(make_fabric(tmp_path, report, off), off, backend="hybrid")
-    assert code == 0 and found["gloo"].problems and "EP_PLUGIN_GLOO_SETUP_WORDS=0" not in fixes(found["gloo"])
+    assert code == 0 and found["gloo"].problems and "EP_PLUGIN_GLOO_HOST_WORDS=0" not in fixes(found["gloo"])
     present = {"GLOO_SOCKET_IFNAME": "ib0"}
     found, code = verdicts(make_fabric(tmp_path, report, present), present, backend="hybrid")
     assert (found["gloo"].status, code) == (OK, 0) and "present here" in found["gloo"].summary

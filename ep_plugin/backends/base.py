@@ -152,12 +152,12 @@ class Backend(abc.ABC):
         # Last, and before any subclass setup exchanges buffers: ranks built differently raise
         # ValueError here, on every rank, instead of crashing inside a later collective.
         check_construction(self.group, self.name, self._construction_facts(), timeout_s=self.config.timeout_s,
-                           device=self.device, on_host=self.config.gloo_setup_words)
+                           device=self.device, on_host=self.config.gloo_host_words)
         # The backend's host exchanges (the protocol's barrier, a compiled backend's setup), timed like
         # every host wait: a rank that failed alone makes the others raise naming it.
         self._host = HostCollectives(self.group, owner=f"ep_plugin {self.name}", timeout_s=self.config.timeout_s,
                                      label="backend", device=self.device,
-                                     on_host=self.config.gloo_setup_words)
+                                     on_host=self.config.gloo_host_words)
 
     def _construction_facts(self) -> dict[str, Any]:
         """What every rank of the group must have built this backend with (compared by value).

@@ -137,7 +137,7 @@ class CompiledBackend(Backend):
         self.buffer = SymmetricBuffer(self.group, device=self.device, region_bytes=region_bytes,
                                       count_words=count_words, timeout_s=self.config.timeout_s, backend=self.name,
                                       phase_names=self.phase_names, peer_watch_s=self.config.peer_watch_s,
-                                      on_host=self.config.gloo_setup_words)
+                                      on_host=self.config.gloo_host_words)
 
     def _device_sms(self) -> int:
         return torch.cuda.get_device_properties(self.device).multi_processor_count

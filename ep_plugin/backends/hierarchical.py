@@ -157,7 +157,7 @@ class HierarchicalBackend(Backend):
         self.experts_per_domain = S * self.num_local_experts
         self.scaleout = ScaleOut(self.group, topology, self.device, timeout_s=self.config.timeout_s,
                                  chunk_rows=self.config.scaleout_chunk_tokens, owner=f"ep_plugin {self.name}",
-                                 host_words=not self.config.blocking)
+                                 host_words=not self.config.blocking, gloo_host_words=self.config.gloo_host_words)
         domain_global = [torch.distributed.get_global_rank(self.group, r) for r in topology.domain_ranks()]
         self.domain_level = f"domain {topology.domain_index} (global ranks {domain_global})"
         # A rank forwards up to D * max_tokens_per_rank rows into its domain; the domain backend's outputs
@@ -176,9 +176,11 @@ class HierarchicalBackend(Backend):
         self._domain_counts = HostCollectives(self.scaleout.domain_group, owner=f"ep_plugin {self.name} "
                                               f"{self.domain_level}", timeout_s=self.config.timeout_s,
                                               label="domain counts", device=self.device)
-        # Sync-free mode's domain agreement words: CPU tensors, on the gloo twin of an NCCL domain group.
+        # Sync-free mode's domain agreement words: CPU tensors, on the gloo twin of an NCCL domain group
+        # (EP_PLUGIN_GLOO_HOST_WORDS=0: on the domain group, read after the GPU).
         self._domain_words = self._domain_counts
-        if not self.config.blocking and not moves_host_memory(self._domain_counts.engine):
+        if not self.config.blocking and not moves_host_memory(self._domain_counts.engine) and \
+                self.config.gloo_host_words:
             self._domain_words = HostCollectives(self.scaleout.domain_group, owner=f"ep_plugin {self.name} "
                                                  f"{self.domain_level}", timeout_s=self.config.timeout_s,
                                                  label="domain words", device=self.device, on_host=True)
@@ -705,10 +707,11 @@ class HierarchicalBackend(Backend):
             if counts is not None:
                 padded[:, :counts.shape[1]] = counts.to(device)
             sent = torch.cat([padded, status.to(device)], 1)
-        elif self._domain_words is self._domain_counts:  # one group for both modes' words (gloo): one size
-            collectives, sent = self._domain_words, torch.cat([torch.zeros(S, width, dtype=torch.int64), status], 1)
-        else:  # the words on a group of their own: only this mode's backends use it
-            width, collectives, sent = 0, self._domain_words, status
+        elif self._domain_words is self._domain_counts:  # one group for both modes' words: one size
+            collectives = self._domain_words
+            sent = torch.cat([torch.zeros(S, width, dtype=torch.int64), status], 1).to(collectives.word_device)
+        else:  # the words on a group of their own (a gloo twin): only this mode's backends use it
+            width, collectives, sent = 0, self._domain_words, status.to(self._domain_words.word_device)
         words = [width + 3] * S
         received = self._at_domain_level(lambda: collectives.all_to_all(
             sent.reshape(-1), words, words, where=f"{where}: {phase}", read_on_host=True)).view(S, -1)

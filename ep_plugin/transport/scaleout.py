@@ -128,11 +128,12 @@ class ScaleOut:
         chunk_rows: rows per peer per rail collective (0 = all at once).
         owner: name for messages ("ep_plugin reference").
         host_words: ``exchange_words`` moves CPU tensors (no wait for the GPU): on the rail group where it
-            moves them, else on its gloo twin (``HostCollectives``' ``on_host``).
+            moves them, else on its gloo twin (``HostCollectives``' ``on_host``) unless ``gloo_host_words``
+            is False (then on the rail group, whose words the host reads after the GPU).
     """
 
     def __init__(self, group: dist.ProcessGroup, topology: Topology, device: torch.device, *, timeout_s: float,
-                 chunk_rows: int = 0, owner: str, host_words: bool = False) -> None:
+                 chunk_rows: int = 0, owner: str, host_words: bool = False, gloo_host_words: bool = True) -> None:
         self.topology = topology
         self.device = device
         self.chunk_rows = int(chunk_rows)
@@ -151,11 +152,11 @@ class ScaleOut:
         # exchange_words: on the rail group, unless the host reads them without waiting for the GPU.
         self.rail_words, self.words_device = self.rail, self.exchange_device
         if host_words:
-            if not moves_host_memory(self.engine):
+            if not moves_host_memory(self.engine) and gloo_host_words:
                 self.rail_words = HostCollectives(self.rail_group, timeout_s=timeout_s, on_host=True,
                                                   owner=f"{owner} scale-out, {self.level}", label="rail words",
                                                   device=device)
-            self.words_device = self.rail_words.word_device  # the CPU, unless no twin could be made (it warned)
+            self.words_device = self.rail_words.word_device  # the CPU, unless they stay on an NCCL rail
 
     @property
     def num_domains(self) -> int:

@@ -138,7 +138,7 @@ def combine_input_options(backend_class, group, device: torch.device, *, num_exp
     num_ranks = torch.distributed.get_world_size(group)
     collectives = HostCollectives(group, owner="ep_plugin megatron", timeout_s=config.timeout_s,
                                   label="combine input arena", device=device,
-                                  on_host=config.gloo_setup_words)
+                                  on_host=config.gloo_host_words)
     rows = default_combine_input_rows(
         num_ranks=num_ranks, ranks_on_one_gpu=ranks_per_gpu(collectives, device),
         max_tokens_per_rank=config.max_tokens_per_rank, num_local_experts=num_experts // num_ranks,
