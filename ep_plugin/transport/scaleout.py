@@ -72,9 +72,12 @@ def make_groups(group: dist.ProcessGroup, topology: Topology, engine: str) -> tu
     parent_engine = dist.get_backend(group)
     key = _groups_key(group, topology, engine)
     if key not in _groups or not _still_registered(_groups[key]):
-        # Local synchronization: only the EP group's ranks make these groups (torch then names a group by
-        # its ranks, not by a count every rank of the world must keep in step). Megatron's EP group is
-        # a subgroup of the world, whose other ranks are busy building their own EP groups' backends.
+        # Local synchronization: only the EP group's ranks make these groups. Megatron's EP group is a
+        # subgroup of the world, whose other ranks are busy building their own EP groups' backends.
+        # Limit: torch names such a group by its ranks and the number of groups this process belongs
+        # to, so the members must belong to equally many groups (true of Megatron's ranks of one EP
+        # group, which share a pipeline stage); else they meet under different names and time out.
+        # The gloo twins (host_collectives.gloo_twin) are met under the parent's name instead.
         domains = [dist.new_group(_global_ranks(group, topology.domain_ranks(d)), backend=parent_engine,
                                   use_local_synchronization=True) for d in range(topology.num_domains)]
         rails = [dist.new_group(_global_ranks(group, topology.rail_ranks(local)), backend=engine,
