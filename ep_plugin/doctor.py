@@ -523,12 +523,23 @@ def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -
     except (ValueError, TypeError):
         host_words = True  # _check_co_residency reports the bad variable
     verdict = Verdict("gloo", "gloo (the host words of NCCL groups)", OK, "",
-                      asked=options.backend is not None and host_words)
+                      asked=(options.backend is not None or options.scaleout is not None) and host_words)
     if not host_words:
         verdict.notes.append("EP_PLUGIN_GLOO_HOST_WORDS is off: ep_plugin's host words stay on the NCCL groups")
     names = [name.strip() for name in environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name.strip()]
     if not names:
-        verdict.summary = "GLOO_SOCKET_IFNAME unset: gloo uses the address this host's name resolves to"
+        address = fabric.host_address or "nothing (gloo then takes the loopback address)"
+        verdict.summary = f"GLOO_SOCKET_IFNAME unset: gloo uses the address this host's name resolves to, {address}"
+        across_nodes = options.nodes > 1 or options.scaleout is not None
+        if across_nodes and (fabric.host_address is None or _loopback(fabric.host_address)):
+            interfaces = ", ".join(name for name in fabric.net_interfaces if name != "lo") or "?"
+            verdict.problems.append(Problem(
+                f"this host's name resolves to {address}: the other nodes cannot reach gloo there, so every gloo "
+                f"group across nodes (the host words, Megatron's gloo groups) fails to connect",
+                f"GLOO_SOCKET_IFNAME=<the interface the nodes reach each other on> (here: {interfaces}), or map "
+                f"the host name to a routable address in /etc/hosts"))
+            verdict.status = UNAVAILABLE
+            verdict.passed = False
         return verdict
     verdict.summary = f"GLOO_SOCKET_IFNAME={','.join(names)}"
     if not fabric.net_interfaces:
@@ -546,6 +557,10 @@ def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -
     else:
         verdict.summary += ": present here"
     return verdict
+
+
+def _loopback(address: str) -> bool:
+    return address.startswith("127.") or address in ("::1", "0:0:0:0:0:0:0:1")
 
 
 def backend_verdict(options: Options, registered: list[str], nvlink: Verdict) -> Optional[Verdict]:

@@ -148,6 +148,6 @@ def p5en_efa(root: Path, *, rate: str = "200 Gb/sec (4X HDR)", plugin: bool = Tr
 
 
 def make_fabric(root: Path, report: DriverReport, environ: Optional[dict] = None, *, memlock=(-1, -1),
-                nccl: tuple = ("2.27.3", None)):
+                nccl: tuple = ("2.27.3", None), host_address: Optional[str] = "10.1.2.3"):
     return probe_fabric(root=root, environ=environ or {}, driver=report, memlock=lambda: memlock,
-                        nccl_version=lambda: nccl)
+                        nccl_version=lambda: nccl, host_address=lambda: host_address)

@@ -490,6 +490,28 @@ def test_a_gloo_interface_this_host_lacks_fails_a_backend_job(tmp_path):
     assert (found["gloo"].status, code) == (OK, 0) and "present here" in found["gloo"].summary
 
 
+def test_a_host_name_on_loopback_fails_gloo_across_nodes(tmp_path):
+    """Without GLOO_SOCKET_IFNAME gloo listens where the host name resolves; /etc/hosts often maps it to
+    127.0.1.1, which the other nodes cannot reach (every gloo group across nodes then fails to connect)."""
+    report = driver([gpu(0, "0000:00:05.0")])
+    for name in ("lo", "eth0"):
+        (tmp_path / "sys/class/net" / name).mkdir(parents=True, exist_ok=True)
+    loopback = make_fabric(tmp_path, report, host_address="127.0.1.1")
+    found, code = verdicts(loopback, backend="hybrid")  # one node: loopback is fine
+    assert (found["gloo"].status, code) == (OK, 0) and "127.0.1.1" in found["gloo"].summary
+    found, code = verdicts(loopback, backend="hybrid", nodes=2)
+    assert (found["gloo"].status, code) == (UNAVAILABLE, 1), found["gloo"]
+    assert "resolves to 127.0.1.1" in found["gloo"].problems[0].text and "(here: eth0)" in fixes(found["gloo"])
+    found, code = verdicts(make_fabric(tmp_path, report, host_address=None), scaleout="socket")
+    assert found["gloo"].status == UNAVAILABLE and code == 1, found["gloo"]
+    found, code = verdicts(make_fabric(tmp_path, report), backend="hybrid", nodes=2)  # a routable address
+    assert (found["gloo"].status, code) == (OK, 0) and "10.1.2.3" in found["gloo"].summary
+    named = {"GLOO_SOCKET_IFNAME": "eth0"}
+    found, code = verdicts(make_fabric(tmp_path, report, named, host_address="127.0.1.1"), named, backend="hybrid",
+                           nodes=2)
+    assert (found["gloo"].status, code) == (OK, 0), found["gloo"]
+
+
 # ---- command line ------------------------------------------------------------------------------------
 
 def test_json_output_parses_and_carries_the_exit_code(tmp_path, capsys):

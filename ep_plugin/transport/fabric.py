@@ -211,6 +211,7 @@ class Fabric:
     mps: MpsInfo
     warnings: list[str] = field(default_factory=list)
     net_interfaces: list[str] = field(default_factory=list)  # /sys/class/net: what GLOO_SOCKET_IFNAME may name
+    host_address: Optional[str] = None  # what this host's name resolves to (gloo's address without GLOO_SOCKET_IFNAME)
 
     @property
     def usable_nics(self) -> list[RdmaDevice]:
@@ -420,6 +421,17 @@ def _pci_nvidia_gpus(tree: _Tree) -> list[str]:
     return found
 
 
+def host_name_address() -> Optional[str]:
+    """The first address this host's name resolves to, as gloo picks its own when GLOO_SOCKET_IFNAME is
+    unset (None when the name does not resolve)."""
+    import socket
+
+    try:
+        return socket.getaddrinfo(socket.gethostname(), None)[0][4][0]
+    except (OSError, IndexError):
+        return None
+
+
 def _memlock() -> tuple[int, int]:
     import resource
 
@@ -554,7 +566,7 @@ def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mappi
                  driver: Union[DriverReport, Callable[[], DriverReport], None] = None,
                  memlock: Optional[Callable[[], tuple[int, int]]] = None,
                  nccl_version: Optional[Callable[[], tuple[Optional[str], Optional[str]]]] = None,
-                 dmabuf_export: bool = True) -> Fabric:
+                 dmabuf_export: bool = True, host_address: Optional[Callable[[], Optional[str]]] = None) -> Fabric:
     """Build the fabric model; never raises for a missing file, library or driver.
 
     Args:
@@ -564,6 +576,7 @@ def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mappi
         memlock: returns (soft, hard) RLIMIT_MEMLOCK in bytes, -1 = unlimited.
         nccl_version: returns (version, error) (default: torch's NCCL).
         dmabuf_export: passed to ``probe_driver`` when ``driver`` is not given.
+        host_address: returns what this host's name resolves to (default: ``host_name_address``).
     """
     tree = _Tree(os.fspath(root))
     environ = os.environ if environ is None else environ
@@ -597,7 +610,8 @@ def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mappi
         memlock_soft_bytes=None if soft < 0 else soft, memlock_hard_bytes=None if hard < 0 else hard,
         peermem=[path for path in PEERMEM_PATHS if tree.exists(path)],
         nccl=_nccl_info(tree, environ, nccl_version or torch_nccl_version, config),
-        mps=_mps_info(tree, environ, warnings), warnings=warnings, net_interfaces=tree.listdir("/sys/class/net"))
+        mps=_mps_info(tree, environ, warnings), warnings=warnings, net_interfaces=tree.listdir("/sys/class/net"),
+        host_address=(host_address or host_name_address)())
     return fabric
 
 
