@@ -20,9 +20,10 @@ exchange of their own, so for them it is one extra small collective and one host
 rank compares what each peer sent with its own before any payload moves; a difference raises
 ``EPError`` on every rank (each receives every peer's fingerprint, so if any two ranks differ,
 every rank sees a peer that differs from itself). No payload collective ran, so the backend
-stays usable. The ops of a reference backend are sequential on the host: a fingerprint names
-the handle a combine uses by its dispatch number, so two ranks combining two handles in
-opposite orders disagree there.
+stays usable. On an NCCL group these words go over its gloo twin (``host_collectives``), so that a
+rank that stops calling leaves no NCCL kernel waiting on a GPU. The ops of a reference backend are
+sequential on the host: a fingerprint names the handle a combine uses by its dispatch number, so two
+ranks combining two handles in opposite orders disagree there.
 
 Timeouts: every collective is waited with ``config.timeout_s`` (``HostCollectives``); a late
 or missing peer raises ``EPTimeoutError`` naming this rank, the op and phase, and the peer. An
@@ -49,7 +50,7 @@ from ..agreement import (
 )
 from ..errors import EPError
 from ..handle import CombineOutput, DispatchOutput, Handle
-from ..host_collectives import HostCollectives
+from ..host_collectives import HostCollectives, moves_host_memory
 from ..routing import TOPK, Routing
 from .base import Backend, Capabilities
 
@@ -89,6 +90,12 @@ class ReferenceBackend(Backend):
         self._exchange_device = self.device if self.device.type == "cuda" and not self._stage_on_host else "cpu"
         self._comm = HostCollectives(self.group, owner="ep_plugin reference", timeout_s=self.config.timeout_s,
                                      label="reference", device=self.device)
+        # The opening exchange's words, which the host reads: over NCCL, on the group's gloo twin (a rank that
+        # stops calling then leaves no NCCL kernel waiting on the GPU; see host_collectives), else on _comm.
+        self._words = self._comm
+        if not moves_host_memory(self._comm.engine) and self.config.gloo_host_words:
+            self._words = HostCollectives(self.group, owner="ep_plugin reference", timeout_s=self.config.timeout_s,
+                                          label="reference words", device=self.device, on_host=True)
         self._num_dispatches = 0  # counts only dispatches that all ranks agreed on
 
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple) -> DispatchOutput:
@@ -164,6 +171,7 @@ class ReferenceBackend(Backend):
         """Also the collectives the ops run on (``_comm``): after one timed out, the next op raises at once."""
         super().check_usable()
         self._comm.check_usable()
+        self._words.check_usable()
 
     def _open(self, fingerprint: OpFingerprint, where: str, send_splits: list[int],
               probs_dtype: Optional[torch.dtype], *, expected: Optional[list[int]] = None,
@@ -176,10 +184,10 @@ class ReferenceBackend(Backend):
         """
         fingerprint_word, instance, probs_code = mine = (fingerprint.pack(), self._comm.instance,
                                                          _PROBS_DTYPES.index(probs_dtype))
-        sent = torch.tensor([(count,) + mine for count in send_splits], dtype=torch.int64,
-                            device=self._exchange_device)
+        device = self._words.word_device if self._words is not self._comm else self._exchange_device
+        sent = torch.tensor([(count,) + mine for count in send_splits], dtype=torch.int64, device=device)
         words = [_OPEN_WORDS] * self.num_ranks
-        received = self._comm.all_to_all(sent.view(-1), words, words, where=f"{where} (opening exchange)")
+        received = self._words.all_to_all(sent.view(-1), words, words, where=f"{where} (opening exchange)")
         rows = received.view(self.num_ranks, _OPEN_WORDS).tolist()
         counts = [row[0] for row in rows]
         theirs = [tuple(row[1:]) for row in rows]
