@@ -116,7 +116,7 @@ case "$STAGE" in
       --payloads bf16 --sms 24
     if (( SECONDS < 500 )); then
       timeout $((585 - SECONDS)) python3 -m pytest -q -p no:cacheprovider --require-gpu --durations=6 \
-        -m "gpu or megatron" tests -k "[2] or two_gpus or per_device" 2>&1 | tee "$OUT/pytest_nvlink.log" | tail -15
+        -m "gpu or megatron" tests -k "[2] or two_gpus or per_device or nccl_group" 2>&1 | tee "$OUT/pytest_nvlink.log" | tail -15
       RC=${PIPESTATUS[0]}
       echo "pytest rc=$RC"
     else

@@ -268,3 +268,38 @@ def on_host_over_gloo(ctx):
 
 def test_host_words_of_a_gloo_group_stay_on_it():
     assert run_ranks(on_host_over_gloo, 2, timeout_s=60) == [True, True]
+
+
+# ---- on the GPU: the twin chosen for an NCCL group ------------------------------------------------
+# One rank per GPU makes an NCCL world: one rank on one GPU, two where two are visible.
+
+NCCL_RANKS = max(1, min(2, torch.cuda.device_count()))
+
+
+def host_words_over_nccl(ctx):
+    """Each backend built with the knob on and off: where its host words went, and a round trip."""
+    facts = {"engine": dist.get_backend()}
+    experts = 4 * ctx.world_size
+    for name in ("reference", "hybrid"):
+        for on in (True, False):
+            config = Config.from_env(gloo_host_words=on, timeout_s=30.0, max_tokens_per_rank=64)
+            backend = ep_plugin.get_backend(name)(hidden_size=256, num_experts=experts, device=ctx.device,
+                                                  config=config)
+            words = backend._words if name == "reference" else backend.buffer._collectives
+            x = torch.arange(32 * 256, device=ctx.device).remainder(7).reshape(32, 256).to(torch.bfloat16)
+            topk_idx = torch.stack([torch.arange(32), torch.arange(32) + 1], 1).remainder(experts).to(ctx.device)
+            out = backend.dispatch(x, topk_idx=topk_idx)
+            back = backend.combine(out.hidden, out.handle).hidden
+            facts[(name, on)] = (words._gloo is not None, backend._host._gloo is not None, words.engine,
+                                 bool(torch.equal(back, x * 2)))
+            backend.destroy()
+    return facts
+
+
+@pytest.mark.gpu
+def test_host_words_of_an_nccl_group_go_over_its_gloo_twin():
+    for facts in run_ranks(host_words_over_nccl, NCCL_RANKS, device="cuda", timeout_s=300):
+        assert facts["engine"] == "nccl", facts
+        for name in ("reference", "hybrid"):
+            assert facts[(name, True)] == (True, True, "gloo", True), (name, facts)
+            assert facts[(name, False)] == (False, False, "nccl", True), (name, facts)
