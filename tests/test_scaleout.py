@@ -731,3 +731,25 @@ def test_row_packer_round_trip_is_bitwise():
     where = torch.tensor([6, 1, 3, 0, 5])
     placed = packer.pack_into(torch.zeros(7, packer.row_bytes, dtype=torch.uint8), values, at=where)
     assert torch.equal(placed[where], packer.pack(5, values, "cpu")) and not placed[[2, 4]].any()
+
+
+def one_more_group_on_rank_zero(ctx) -> tuple:
+    """Rank 0 belongs to one group more than its peers (made on it alone), then every rank builds 2 x 2
+    forced domains."""
+    if ctx.rank == 0:
+        dist.new_group([0], use_local_synchronization=True)
+    start = time.monotonic()
+    try:
+        _reference(Config.from_env(timeout_s=20.0), Topology(4, 2, ctx.rank)).destroy()
+        return "built", "", time.monotonic() - start
+    except EPError as error:
+        return type(error).__name__, str(error), time.monotonic() - start
+
+
+def test_ranks_in_different_numbers_of_groups_are_told_before_the_groups_are_made():
+    """Before: torch named each domain group after its members' group counts, the ranks of domain 0
+    looked for each other under two names, and all waited out the group's own timeout (30 min) silently."""
+    for kind, message, seconds in run_ranks(one_more_group_on_rank_zero, 4, timeout_s=120):
+        assert kind == "EPError", (kind, message)
+        assert "different numbers of process groups" in message and "rank 0: " in message, message
+        assert seconds < 15, seconds

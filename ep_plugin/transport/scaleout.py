@@ -46,6 +46,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..errors import EPError
 from ..host_collectives import HostCollectives, moves_host_memory
 from ..topology import Topology
 
@@ -67,23 +68,46 @@ def rail_engine(topology: Topology, device: torch.device, parent_engine: str) ->
     return "nccl"
 
 
-def make_groups(group: dist.ProcessGroup, topology: Topology, engine: str) -> tuple[list, list]:
-    """Every domain's and every rail's process group (a collective: every rank, same order)."""
+def make_groups(group: dist.ProcessGroup, topology: Topology, engine: str, *, timeout_s: float,
+                owner: str) -> tuple[list, list]:
+    """Every domain's and every rail's process group (a collective: every rank, same order). Raises EPError
+    on every rank, before any group is made, when the ranks could not meet in them (``_check_group_names``)."""
     parent_engine = dist.get_backend(group)
     key = _groups_key(group, topology, engine)
     if key not in _groups or not _still_registered(_groups[key]):
+        _check_group_names(group, timeout_s=timeout_s, owner=owner)
         # Local synchronization: only the EP group's ranks make these groups. Megatron's EP group is a
         # subgroup of the world, whose other ranks are busy building their own EP groups' backends.
-        # Limit: torch names such a group by its ranks and the number of groups this process belongs
-        # to, so the members must belong to equally many groups (true of Megatron's ranks of one EP
-        # group, which share a pipeline stage); else they meet under different names and time out.
-        # The gloo twins (host_collectives.gloo_twin) are met under the parent's name instead.
+        # torch names such a group by its ranks and the number of groups this process belongs to, so the
+        # members must belong to equally many (checked above; true of Megatron's ranks of one EP group,
+        # which share a pipeline stage). Each rank then joins one domain group and one rail group, so
+        # the members of every later group have made equally many too.
         domains = [dist.new_group(_global_ranks(group, topology.domain_ranks(d)), backend=parent_engine,
                                   use_local_synchronization=True) for d in range(topology.num_domains)]
         rails = [dist.new_group(_global_ranks(group, topology.rail_ranks(local)), backend=engine,
                                 use_local_synchronization=True) for local in range(topology.domain_size)]
         _groups[key] = (domains, rails)
     return _groups[key]
+
+
+def _check_group_names(group: dist.ProcessGroup, *, timeout_s: float, owner: str) -> None:
+    """EPError on every rank when the ranks of ``group`` belong to different numbers of process groups.
+
+    torch names a group made with local synchronization by a hash of its ranks and of that number
+    (``_hash_ranks_to_str``), and its members meet in the store under that name: members whose numbers
+    differ never meet, and each waits out the process group's timeout (30 min by default) in silence."""
+    registry = getattr(dist.distributed_c10d._world, "pg_names", None)
+    if registry is None:  # a torch that names groups otherwise: nothing to check
+        return
+    words = HostCollectives(group, owner=owner, timeout_s=timeout_s, label="group names", on_host=True)
+    counts = words.all_gather_object(len(registry), where="making the domain and rail groups (group names)")
+    if len(set(counts)) > 1:
+        per_rank = ", ".join(f"{words.peer_name(rank)}: {count}" for rank, count in enumerate(counts))
+        raise EPError(f"{owner}: the ranks of the expert-parallel group belong to different numbers of process groups "
+                      f"({per_rank}). torch names the domain and rail groups, which only these ranks make, after "
+                      f"that number, so the ranks would never meet in them. Make the same process groups on every "
+                      f"rank of the group (new_group with use_local_synchronization=True makes one on its members "
+                      f"only), or build this backend before the groups that differ.")
 
 
 def _still_registered(groups: tuple[list, list]) -> bool:
@@ -141,7 +165,7 @@ class ScaleOut:
         self.device = device
         self.chunk_rows = int(chunk_rows)
         self.engine = rail_engine(topology, device, dist.get_backend(group))
-        domains, rails = make_groups(group, topology, self.engine)
+        domains, rails = make_groups(group, topology, self.engine, timeout_s=timeout_s, owner=owner)
         self.domain_group = domains[topology.domain_index]
         self.rail_group = rails[topology.local_index]
         rail_global = [dist.get_global_rank(group, r) for r in topology.rail_ranks()]
