@@ -14,7 +14,8 @@ How the wait is bounded (gloo's behaviour measured on torch 2.13; ``Work.wait(ti
   marked failed, every later call raises at once, and the message says to end the job or build
   a new process group. The group's own timeout (30 min by default for gloo) is the engine's
   backstop; ``destroy_process_group`` waits for the stranded op, which ends when the late peer
-  calls or exits.
+  calls or exits. On a gloo twin (below) each op carries its own backstop, the owner's timeout
+  plus a margin, and the twin goes with its last owner, not with ``destroy_process_group``.
 - NCCL: a collective whose result the host reads next is polled with ``Work.is_completed()``
   (never blocks, never throws) until the deadline. Payload collectives are left on the stream
   as before (no host sync added); a peer that dies in the middle of an op is then NCCL's
@@ -39,11 +40,12 @@ elsewhere, or dead). The store is reached through ``torch.distributed``'s privat
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import pickle
 import time
+import weakref
 from collections import Counter
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -56,8 +58,7 @@ from .logs import warn_once
 logger = logging.getLogger(__name__)
 
 _sites: Counter = Counter()  # (group name, label) -> how many were opened in this process
-_twins: dict[str, "_Twin"] = {}  # group name -> its gloo twin (gloo_twin)
-_twin_generations: Counter = Counter()  # group name -> twins made for a group of that name in this process
+_twins: dict[str, weakref.ref] = {}  # group name -> the GlooTwin its owners hold (gloo_twin)
 
 
 _OUT_OF_STEP = ("The process group's collectives are now out of step among its ranks (an engine cannot take back a "
@@ -83,37 +84,44 @@ def moves_host_memory(engine: str) -> bool:
     return "gloo" in engine
 
 
-@dataclass
-class _Twin:
-    parent: dist.ProcessGroup
-    gloo: Any  # dist.ProcessGroupGloo
+class GlooTwin:
+    """gloo over the ranks of one process group (``gloo_twin``). Its owners (``HostCollectives``) hold it;
+    it goes, with its sockets and its hold on the default store, when the last of them lets go
+    (``release`` at a backend's ``destroy``, or the owner itself going): a twin that outlived
+    ``destroy_process_group`` would keep the store's port taken from a new world in the same process."""
+
+    def __init__(self, parent: dist.ProcessGroup, gloo) -> None:
+        self.parent = parent
+        self.gloo = gloo  # dist.ProcessGroupGloo
 
 
-def gloo_twin(group: dist.ProcessGroup, *, timeout_s: float):
-    """A gloo process group of ``group``'s ranks (its rank r is ``group``'s rank r), made once per group and
-    process by every rank of ``group``, a collective of those ranks only. Returns torch's
-    ``ProcessGroupGloo`` itself, not a group registered with ``torch.distributed``: registering one (``new_group``)
-    names it by a count of the groups each process belongs to, which the ranks of ``group`` need not agree on
-    (a process in more groups than its peers would look for the others under another name, and all would
-    wait out the timeout). The twin meets its peers under the name of ``group``, which they share.
+def gloo_twin(group: dist.ProcessGroup, *, timeout_s: float) -> GlooTwin:
+    """gloo over ``group``'s ranks (its rank r is ``group``'s rank r), made by every rank of ``group`` (a
+    collective of those ranks only) and shared by the owners that hold it. It is torch's
+    ``ProcessGroupGloo`` itself, not a group registered with ``torch.distributed``: registering one
+    (``new_group``) names it by a count of the groups each process belongs to, which the ranks of ``group``
+    need not agree on (a process in more groups than its peers would look for the others under another
+    name, and all would wait out the timeout). The ranks meet in the default store under ``group``'s name
+    and ranks, and the number of twins of it made before (counted in the store, so a process that joined
+    later agrees with the others).
 
     Making it waits up to ``timeout_s`` plus a margin for the peers (then raises: ``DistStoreError`` or
-    gloo's "Connect timeout", by where it waited). A group that ``destroy_process_group`` took (the
-    world's end takes every group) leaves its twin behind: a later group of its name gets one afresh."""
-    for name, twin in list(_twins.items()):  # twins of groups that are gone
-        if not _registered(twin.parent):
-            del _twins[name]
+    gloo's "Connect timeout", by where it waited)."""
     name = group.group_name
-    twin = _twins.get(name)
-    if twin is None:
-        generation = _twin_generations[name]  # a later group of the same name meets under a new prefix
-        _twin_generations[name] += 1
-        prefix = dist.PrefixStore(f"ep_plugin/gloo_twin/{name}/{generation}/",
-                                  dist.distributed_c10d._get_default_store())
-        gloo = dist.ProcessGroupGloo(prefix, dist.get_rank(group), dist.get_world_size(group),
-                                     timedelta(seconds=timeout_s + _twin_margin_s(timeout_s)))
-        twin = _twins[name] = _Twin(group, gloo)
-    return twin.gloo
+    held = _twins.get(name)
+    twin = held() if held is not None else None
+    if twin is not None and _registered(twin.parent):
+        return twin
+    store = dist.distributed_c10d._get_default_store()
+    size = dist.get_world_size(group)
+    ranks = [dist.get_global_rank(group, rank) for rank in range(size)]
+    where = f"ep_plugin/gloo_twin/{name}/{hashlib.sha1(str(ranks).encode()).hexdigest()[:16]}"
+    generation = (store.add(f"{where}/arrivals", 1) - 1) // size  # the same on every rank of this making
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"{where}/{generation}/", store), dist.get_rank(group), size,
+                                 timedelta(seconds=timeout_s + _twin_margin_s(timeout_s)))
+    twin = GlooTwin(group, gloo)
+    _twins[name] = weakref.ref(twin)
+    return twin
 
 
 def _twin_margin_s(timeout_s: float) -> float:
@@ -171,7 +179,8 @@ class HostCollectives:
         self.site = f"{group_name}/{label}#{self.instance}"
         self.failed: Optional[str] = None  # set once a wait timed out or the engine failed
         self._device = device
-        self._gloo = None  # the group's gloo twin where the words go over it (use_gloo_twin)
+        self._twin: Optional[GlooTwin] = None  # where the words go over the group's gloo twin (use_gloo_twin)
+        self._released = False
         if on_host and not moves_host_memory(self.engine):
             self.use_gloo_twin()
 
@@ -187,7 +196,7 @@ class HostCollectives:
         start = time.monotonic()
         where = f"making a gloo group of the {self.engine} group's ranks for the host words"
         try:
-            gloo = gloo_twin(self.group, timeout_s=self.timeout_s)
+            twin = gloo_twin(self.group, timeout_s=self.timeout_s)
         except RuntimeError as exc:
             # A peer that never came: the store's wait or gloo's connect times out (DistStoreError or
             # "Connect timeout", by where it waited). Either way the posts say who is late.
@@ -202,7 +211,7 @@ class HostCollectives:
                           f"cannot connect between these hosts, GLOO_SOCKET_IFNAME names the interface it should "
                           f"use; EP_PLUGIN_GLOO_HOST_WORDS=0 keeps the host words on the {self.engine} group.") \
                 from None
-        self._gloo, self.engine = gloo, "gloo"
+        self._twin, self.engine = twin, "gloo"
         self.word_device = word_device(self.engine, self._device)
 
     # ---- the collectives -------------------------------------------------------------
@@ -220,13 +229,15 @@ class HostCollectives:
             out: contiguous [sum(out_splits), ...] tensor to receive into (default: a fresh one).
         """
         self.check_usable()
+        if self._released:
+            raise RuntimeError(f"{self.owner}: {where} after release() (the owner was destroyed)")
         if out is None:
             out = tensor.new_empty((sum(out_splits),) + tuple(tensor.shape[1:]))
         try:
-            if self._gloo is not None:  # the twin is torch's gloo engine itself: its own call, its own timeout
+            if self._twin is not None:  # the twin is torch's gloo engine itself: its own call, its own timeout
                 options = dist.AllToAllOptions()
                 options.timeout = timedelta(seconds=self.timeout_s + _twin_margin_s(self.timeout_s))
-                work = self._gloo.alltoall_base(out, tensor.contiguous(), out_splits, in_splits, options)
+                work = self._twin.gloo.alltoall_base(out, tensor.contiguous(), out_splits, in_splits, options)
             else:
                 work = dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=self.group,
                                               async_op=True)
@@ -255,6 +266,11 @@ class HostCollectives:
         ones = [1] * self.num_ranks
         self.all_to_all(torch.zeros(self.num_ranks, dtype=torch.int64, device=self.word_device), ones, ones,
                         where=where)
+
+    def release(self) -> None:
+        """The owner is being destroyed: let go of the gloo twin (it goes with its last owner). No
+        collective may follow."""
+        self._twin, self._released = None, True
 
     def check_usable(self) -> None:
         if self.failed is not None:

@@ -5,6 +5,7 @@ phase, and the late peer; ``EPError`` carrying the engine's message when a peer 
 """
 
 import time
+import weakref
 
 import pytest
 import torch
@@ -184,35 +185,45 @@ def twin_of_subgroups(ctx):
     second = HostCollectives(mine, owner="test", timeout_s=TIMEOUT_S, label="twin b")
     second.use_gloo_twin()
     facts = {
-        "made once": first._gloo is not None and second._gloo is first._gloo,
+        "shared": first._twin is not None and second._twin is first._twin,
         "engine": first.engine,
         "word device": str(first.word_device),
-        "rank": (first.rank, first._gloo.rank(), dist.get_rank(mine)),
+        "rank": (first.rank, first._twin.gloo.rank(), dist.get_rank(mine)),
         "gathered": first.all_gather_object(dist.get_rank(), where="twin gather"),
     }
-    # An in-process restart: a new world whose groups have the old names; the old twin belongs to the old
-    # world, so a twin is made afresh (the name alone would hand out the dead one).
-    store = dist.distributed_c10d._get_default_store()
-    dist.destroy_process_group()
-    dist.init_process_group("gloo", store=dist.PrefixStore("restart/", store), rank=ctx.rank, world_size=4)
-    subgroups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    mine = subgroups[ctx.rank % 2]
+    # The twin goes with its last owner (its sockets, its hold on the store); a later owner meets anew.
+    twin = weakref.ref(first._twin)
+    first.release()
+    facts["kept by the second owner"] = twin() is not None
+    second.release()
+    facts["gone with the last"] = twin() is None
     third = HostCollectives(mine, owner="test", timeout_s=TIMEOUT_S, label="twin c")
     third.use_gloo_twin()
-    facts["remade"] = third._gloo is not first._gloo
-    facts["gathered again"] = third.all_gather_object(dist.get_rank() * 10, where="twin gather again")
+    facts["gathered anew"] = third.all_gather_object(dist.get_rank() + 1, where="twin gather anew")
+    # An in-process restart with another layout: the groups of the new world reuse the old names for other
+    # ranks ("1" was [0, 2], is now [0, 1]); the ranks must still meet.
+    store = dist.distributed_c10d._get_default_store()
+    del third
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("restart/", store), rank=ctx.rank, world_size=4)
+    subgroups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = subgroups[ctx.rank // 2]
+    fourth = HostCollectives(mine, owner="test", timeout_s=TIMEOUT_S, label="twin d")
+    fourth.use_gloo_twin()
+    facts["gathered after a restart"] = fourth.all_gather_object(dist.get_rank() * 10, where="after a restart")
     return facts
 
 
-def test_a_gloo_twin_has_its_groups_ranks_in_order_and_is_made_once():
+def test_a_gloo_twin_has_its_groups_ranks_in_order_and_goes_with_its_last_owner():
     results = run_ranks(twin_of_subgroups, 4, timeout_s=120)
     for rank, facts in enumerate(results):
         members = [0, 2] if rank % 2 == 0 else [1, 3]
-        assert facts["made once"] and facts["remade"], facts
+        assert facts["shared"] and facts["kept by the second owner"] and facts["gone with the last"], facts
         assert facts["engine"] == "gloo" and facts["word device"] == "cpu", facts
         assert facts["rank"] == (members.index(rank),) * 3, facts
-        assert facts["gathered"] == members, facts
-        assert facts["gathered again"] == [10 * m for m in members], facts
+        assert facts["gathered"] == members and facts["gathered anew"] == [m + 1 for m in members], facts
+        after = [0, 10] if rank < 2 else [20, 30]
+        assert facts["gathered after a restart"] == after, facts
 
 
 def missing_at_the_twin(ctx):
@@ -263,7 +274,7 @@ def test_only_groups_that_move_no_host_memory_get_a_twin():
 
 def on_host_over_gloo(ctx):
     collectives = HostCollectives(None, owner="test", timeout_s=TIMEOUT_S, label="on host", on_host=True)
-    return collectives._gloo is None and collectives.group is dist.group.WORLD
+    return collectives._twin is None and collectives.group is dist.group.WORLD
 
 
 def test_host_words_of_a_gloo_group_stay_on_it():
@@ -290,7 +301,7 @@ def host_words_over_nccl(ctx):
             topk_idx = torch.stack([torch.arange(32), torch.arange(32) + 1], 1).remainder(experts).to(ctx.device)
             out = backend.dispatch(x, topk_idx=topk_idx)
             back = backend.combine(out.hidden, out.handle).hidden
-            facts[(name, on)] = (words._gloo is not None, backend._host._gloo is not None, words.engine,
+            facts[(name, on)] = (words._twin is not None, backend._host._twin is not None, words.engine,
                                  bool(torch.equal(back, x * 2)))
             backend.destroy()
     return facts

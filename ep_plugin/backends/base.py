@@ -149,15 +149,16 @@ class Backend(abc.ABC):
         # Settled in __new__ (a flat backend: one domain, or one that does not need it).
         self.topology: Topology = getattr(self, "_topology", None) or topology or Topology.flat(self.num_ranks,
                                                                                                self.rank)
+        # The backend's host exchanges (the protocol's barrier, a compiled backend's setup), timed like
+        # every host wait: a rank that failed alone makes the others raise naming it. Made first: over
+        # NCCL it holds the group's gloo twin, which the construction check and the buffer then share.
+        self._host = HostCollectives(self.group, owner=f"ep_plugin {self.name}", timeout_s=self.config.timeout_s,
+                                     label="backend", device=self.device,
+                                     on_host=self.config.gloo_host_words)
         # Last, and before any subclass setup exchanges buffers: ranks built differently raise
         # ValueError here, on every rank, instead of crashing inside a later collective.
         check_construction(self.group, self.name, self._construction_facts(), timeout_s=self.config.timeout_s,
                            device=self.device, on_host=self.config.gloo_host_words)
-        # The backend's host exchanges (the protocol's barrier, a compiled backend's setup), timed like
-        # every host wait: a rank that failed alone makes the others raise naming it.
-        self._host = HostCollectives(self.group, owner=f"ep_plugin {self.name}", timeout_s=self.config.timeout_s,
-                                     label="backend", device=self.device,
-                                     on_host=self.config.gloo_host_words)
 
     def _construction_facts(self) -> dict[str, Any]:
         """What every rank of the group must have built this backend with (compared by value).
@@ -262,6 +263,7 @@ class Backend(abc.ABC):
         """Release communication resources; the backend is unusable afterwards (its ops raise RuntimeError).
         Subclasses release their own resources and call this."""
         self.destroyed = True
+        self._host.release()  # its gloo twin, if it has one, goes with its last owner
 
     def refuse_if_destroyed(self, op: str) -> None:
         """RuntimeError for an op on a destroyed backend, before it touches any resource."""

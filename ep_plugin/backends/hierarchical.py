@@ -285,7 +285,9 @@ class HierarchicalBackend(Backend):
 
     def destroy(self) -> None:
         self.domain.destroy()
-        self.scaleout.release_host_buffers()
+        self.scaleout.release()
+        self._domain_counts.release()
+        self._domain_words.release()
         super().destroy()
 
     def check_usable(self) -> None:

@@ -96,6 +96,8 @@ class ReferenceBackend(Backend):
         if not moves_host_memory(self._comm.engine) and self.config.gloo_host_words:
             self._words = HostCollectives(self.group, owner="ep_plugin reference", timeout_s=self.config.timeout_s,
                                           label="reference words", device=self.device, on_host=True)
+            # One place in the store for both: a timeout on either names where a peer gave up on the other.
+            self._words.site = self._comm.site
         self._num_dispatches = 0  # counts only dispatches that all ranks agreed on
 
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple) -> DispatchOutput:
@@ -161,11 +163,18 @@ class ReferenceBackend(Backend):
         return CombineOutput(summed.to(rows.dtype), probs)
 
     def _barrier(self) -> None:
-        """Block until every rank of the group reaches this point (timed, and checked like an op)."""
+        """Block until every rank of the group reaches this point with the work it queued on its GPU done
+        (timed, and checked like an op). The opening exchange alone is a host meeting where it goes over
+        gloo, so each rank first waits for its own stream."""
+        self._wait_for_host("the barrier (this rank's queued work)")
         nothing = [0] * self.num_ranks
         self._open(OpFingerprint(OP_BARRIER), "barrier", nothing, None, expected=nothing)
 
     # ---- helpers ------------------------------------------------------------------------
+
+    def destroy(self) -> None:
+        self._words.release()
+        super().destroy()
 
     def check_usable(self) -> None:
         """Also the collectives the ops run on (``_comm``): after one timed out, the next op raises at once."""

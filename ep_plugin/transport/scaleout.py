@@ -69,13 +69,13 @@ def rail_engine(topology: Topology, device: torch.device, parent_engine: str) ->
 
 
 def make_groups(group: dist.ProcessGroup, topology: Topology, engine: str, *, timeout_s: float,
-                owner: str) -> tuple[list, list]:
+                owner: str, device: Optional[torch.device] = None, gloo_host_words: bool = True) -> tuple[list, list]:
     """Every domain's and every rail's process group (a collective: every rank, same order). Raises EPError
     on every rank, before any group is made, when the ranks could not meet in them (``_check_group_names``)."""
     parent_engine = dist.get_backend(group)
     key = _groups_key(group, topology, engine)
     if key not in _groups or not _still_registered(_groups[key]):
-        _check_group_names(group, timeout_s=timeout_s, owner=owner)
+        _check_group_names(group, timeout_s=timeout_s, owner=owner, device=device, on_host=gloo_host_words)
         # Local synchronization: only the EP group's ranks make these groups. Megatron's EP group is a
         # subgroup of the world, whose other ranks are busy building their own EP groups' backends.
         # torch names such a group by its ranks and the number of groups this process belongs to, so the
@@ -90,7 +90,8 @@ def make_groups(group: dist.ProcessGroup, topology: Topology, engine: str, *, ti
     return _groups[key]
 
 
-def _check_group_names(group: dist.ProcessGroup, *, timeout_s: float, owner: str) -> None:
+def _check_group_names(group: dist.ProcessGroup, *, timeout_s: float, owner: str, device: Optional[torch.device],
+                       on_host: bool) -> None:
     """EPError on every rank when the ranks of ``group`` belong to different numbers of process groups.
 
     torch names a group made with local synchronization by a hash of its ranks and of that number
@@ -99,7 +100,8 @@ def _check_group_names(group: dist.ProcessGroup, *, timeout_s: float, owner: str
     registry = getattr(dist.distributed_c10d._world, "pg_names", None)
     if registry is None:  # a torch that names groups otherwise: nothing to check
         return
-    words = HostCollectives(group, owner=owner, timeout_s=timeout_s, label="group names", on_host=True)
+    words = HostCollectives(group, owner=owner, timeout_s=timeout_s, label="group names", device=device,
+                            on_host=on_host)
     counts = words.all_gather_object(len(registry), where="making the domain and rail groups (group names)")
     if len(set(counts)) > 1:
         per_rank = ", ".join(f"{words.peer_name(rank)}: {count}" for rank, count in enumerate(counts))
@@ -165,7 +167,8 @@ class ScaleOut:
         self.device = device
         self.chunk_rows = int(chunk_rows)
         self.engine = rail_engine(topology, device, dist.get_backend(group))
-        domains, rails = make_groups(group, topology, self.engine, timeout_s=timeout_s, owner=owner)
+        domains, rails = make_groups(group, topology, self.engine, timeout_s=timeout_s, owner=owner, device=device,
+                                     gloo_host_words=gloo_host_words)
         self.domain_group = domains[topology.domain_index]
         self.rail_group = rails[topology.local_index]
         rail_global = [dist.get_global_rank(group, r) for r in topology.rail_ranks()]
@@ -305,6 +308,12 @@ class ScaleOut:
     def release_host_buffers(self) -> None:
         """Give the kept host buffers back (a later exchange allocates them again)."""
         self._host_buffers.clear()
+
+    def release(self) -> None:
+        """The owner is destroyed: the host buffers and the rail words' gloo twin go (no collective follows)."""
+        self.release_host_buffers()
+        self.rail.release()
+        self.rail_words.release()
 
     def barrier(self, *, where: str) -> None:
         """Every rank of this rail reached this point (a timed host wait)."""

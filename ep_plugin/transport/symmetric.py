@@ -178,6 +178,7 @@ class SymmetricBuffer:
         # Our writes into peers are complete (a failed backend is destroyed too: its report is not raised) ...
         self.synchronize("destroy", raise_report=False)
         self._collectives.barrier(where="destroy")  # ... and so are everyone's into ours
+        self._collectives.release()
         WATCH.unwatch(self)  # before the report's memory goes
         self._region_tensors.clear()
         self._buffer.destroy()
