@@ -43,3 +43,28 @@ def test_an_nvcc_that_fails_says_how_to_install_without_the_extension(tmp_path):
                              str(tmp_path / "tmp")], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode != 0
     assert f"{toolkit / 'nvcc'} failed" in result.stderr and "EP_PLUGIN_NO_CUDA=1" in result.stderr, result.stderr
+
+
+def _dev_installs(*arguments: str) -> str:
+    """What ``./dev``'s ensure_module would install for ``arguments`` in this interpreter ("" for nothing):
+    its definitions taken from the script, pip replaced by a line that names what it would install."""
+    script = (ROOT / "dev").read_text()
+    start = script.index("VERSION_CHECK='")
+    definitions = script[start:script.index("\n}\n", script.index("ensure_module() {")) + 3]
+    program = (f"pip_quiet() {{ shift; echo \"would install: $*\"; }}\nPY={sys.executable}\n{definitions}\n"
+               f"ensure_module {' '.join(arguments)}\n")
+    result = subprocess.run(["bash", "-c", program], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_dev_installs_a_module_that_is_missing_or_outside_its_spec():
+    """Before: any importable version passed ("megatron-core==0.16.1" was met by whatever megatron the
+    interpreter saw, through the .pth of a reused python3 too)."""
+    assert _dev_installs("pytest", "'pytest>=1'") == ""
+    assert _dev_installs("pytest", "pytest") == ""
+    assert _dev_installs("pytest", "'pytest>=999'") == "would install: pytest>=999"
+    assert _dev_installs("pytest", "'pytest==0.1'") == "would install: pytest==0.1"
+    assert _dev_installs("no_such_module_here", "no-such-module-here") == "would install: no-such-module-here"
+    # torch: python3's own build is reused whatever its version (it is the CUDA one on a GPU machine).
+    assert _dev_installs("--any-version", "pytest", "'pytest>=999'") == ""
