@@ -24,7 +24,7 @@ How the wait is bounded (gloo's behaviour measured on torch 2.13; ``Work.wait(ti
 
 Host words of an NCCL group (``on_host=True``: the construction check, topology, buffer handles,
 autosizing, the arena's sizing, sync-free scale-out agreement) travel on a gloo twin of it, gloo
-over the same ranks, made once per group (``gloo_twin``; ``Config.gloo_host_words`` turns it off): a
+over the same ranks that its owners share (``gloo_twin``; ``Config.gloo_host_words`` turns it off): a
 collective that a peer never joins then leaves nothing spinning on a GPU. Over NCCL it would leave a
 kernel that waits for the peer, and the process's exit (cudaFree, synchronize) would wait for that
 kernel, with the GIL held, until NCCL's watchdog ends the process: the timeout's message, then a hang
