@@ -11,7 +11,7 @@
   groups use the engine of the parent group.
 - on request (``host_words``: sync-free mode's agreement words, which the host reads without waiting
   for the GPU), rail collectives that move CPU tensors: on the rail group itself where its engine is
-  gloo, else on a gloo twin of it (``HostCollectives``' ``on_host``, made once per group).
+  gloo, else on a gloo twin of it (``HostCollectives``' ``on_host``).
 - the rail collectives, timed like every host wait (``HostCollectives``): a late or missing peer gives
   ``EPTimeoutError`` naming the level (``rail <l>``), the op and phase, and the peer (its rank on the
   rail and its global rank); an engine failure gives ``EPError`` with the engine's message.
