@@ -554,3 +554,26 @@ def test_the_progress_bar_ends_full_when_a_backend_is_skipped(tmp_path, capfd):
     assert main(argv) == 0
     err = capfd.readouterr().err
     assert "6/6" in err, err[-500:]
+
+
+def test_a_sweep_whose_ranks_crash_on_their_way_out_keeps_every_case(tmp_path, capfd, monkeypatch):
+    """The launcher fails a run whose ranks crash or hang after returning (tests/test_launcher.py shows it
+    with real processes); a benchmark then keeps its figures, says what happened and exits 1, where the
+    error lost the whole sweep. The teardown failure is put in place of the launcher's check here."""
+    from ep_plugin.testing import launcher
+
+    def teardown_fails(processes, timeout_s, results):
+        raise launcher.TeardownError("launcher: every rank returned, but exited with an error after returning its "
+                                     "result (rank 1: killed by SIGSEGV)", results)
+
+    monkeypatch.setattr(launcher, "_check_exits", teardown_fails)
+    out = tmp_path / "bench"
+    argv = ["--device", "cpu", "--ranks", "2", "--backends", "reference", "--tokens", "8", "--hidden", "64",
+            "--experts", "8", "--topk", "2", "--routings", "balanced", "--modes", "blocking", "--payloads", "bf16",
+            "--warmup", "1", "--iters", "2", "--out", str(out)]
+    assert main(argv) == 1
+    report = json.loads((out / "bench.json").read_text())
+    assert [record["tokens"] for record in report["records"]] == [8]
+    assert "killed by SIGSEGV" in report["environment"]["teardown"] and "incomplete" not in report["environment"]
+    output = capfd.readouterr()
+    assert "every case ran, but" in output.err and " step " in output.out

@@ -41,7 +41,8 @@ Writes a table to stdout (last), and under --out (default ./bench_out, which the
 .gitignore covers): bench.json (every sample + environment) and PNG plots (GB/s vs tokens; GB/s
 vs SMs with the reference as dashed levels); when no plot is written the output says why. A sweep
 that --timeout ends still writes the cases that finished (rank 0 writes each down as it finishes), with
-``environment.incomplete`` saying so, and exits 1.
+``environment.incomplete`` saying so, and exits 1; one whose ranks crash or hang on their way out after
+the last case writes every case, with ``environment.teardown`` saying so, and exits 1.
 """
 
 from __future__ import annotations
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from ep_plugin.testing import run_ranks
+    from ep_plugin.testing import TeardownError, run_ranks
     from ep_plugin.testing.launcher import plan_launch
 
     num_gpus = torch.cuda.device_count() if args.device == "cuda" else 0
@@ -324,9 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     if os.path.exists(spec.records_path):  # left by an earlier run that was killed before it could clean up
         os.remove(spec.records_path)
-    incomplete = None
+    incomplete = teardown = None
     try:
         records = run_ranks(bench_rank, args.ranks, spec, device=args.device, timeout_s=args.timeout)[0]
+    except TeardownError as error:  # every case ran; a rank then crashed or hung on its way out: say so, keep them
+        records, teardown = error.results[0], str(error)
     except EPTimeoutError as error:  # keep what finished: a long sweep's first hours are worth a table
         records = _finished_records(spec.records_path)
         if not records:
@@ -351,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     env["reference"] = {"max_tokens": reference_max_tokens or "no limit", "iters": reference_iters}
     if incomplete:
         env["incomplete"] = incomplete
+    if teardown:
+        env["teardown"] = teardown
     write_json(os.path.join(args.out, "bench.json"), env, records, rows, argv)
     plots = write_plots(args.out, rows)
     print(f"environment: {env}")
@@ -364,8 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))  # last, so the table ends the output
     if incomplete:
         print(f"python -m ep_plugin.bench: INCOMPLETE: {incomplete}", file=sys.stderr)
-        return 1
-    return 0
+    if teardown:
+        print(f"python -m ep_plugin.bench: every case ran, but {teardown}", file=sys.stderr)
+    return 1 if incomplete or teardown else 0
 
 
 def _finished_records(path: str) -> list[dict]:

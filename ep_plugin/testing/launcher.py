@@ -191,7 +191,7 @@ def _spawn(fn, args, plan: LaunchPlan, timeout_s: float, env: dict[str, str]) ->
             for process in processes:
                 process.start()
             outputs = _collect(processes, results, plan.num_ranks, timeout_s)
-            _check_exits(processes, EXIT_TIMEOUT_S)
+            _check_exits(processes, EXIT_TIMEOUT_S, outputs)
             return outputs
         finally:
             for process in processes:
@@ -235,11 +235,20 @@ def _collect(processes, results, num_ranks: int, timeout_s: float) -> list[Any]:
     return [outputs[rank] for rank in range(num_ranks)]
 
 
-def _check_exits(processes, timeout_s: float) -> None:
-    """Every rank returned its result: each process must now exit, with code 0, within ``timeout_s``.
-    What runs after the rank function (freeing buffers at exit, the CUDA context's teardown, a library's
-    exit handler) can crash or hang, as the crashes users report of other EP libraries do; killing a
-    rank still exiting, as the cleanup does, hid both."""
+class TeardownError(EPError):
+    """Every rank returned its result, but some rank then crashed or hung on its way out. ``results`` holds
+    what the ranks returned (a caller may keep them: a benchmark's finished figures, say)."""
+
+    def __init__(self, message: str, results: list[Any]) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+def _check_exits(processes, timeout_s: float, results: list[Any]) -> None:
+    """Every rank returned its result: each process must now exit, with code 0, within ``timeout_s``, else
+    ``TeardownError``. What runs after the rank function (freeing buffers at exit, the CUDA context's
+    teardown, a library's exit handler) can crash or hang, as the crashes users report of other EP
+    libraries do; killing a rank still exiting, as the cleanup does, hid both."""
     deadline = time.monotonic() + timeout_s
     for process in processes:
         process.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -253,7 +262,7 @@ def _check_exits(processes, timeout_s: float) -> None:
         problems.append(f"rank(s) {hanging} did not exit within {timeout_s:.0f} s of returning their results "
                         f"(the teardown hangs: a kernel still waiting, a process group that does not end)")
     if problems:
-        raise EPError("launcher: every rank returned, but " + "; ".join(problems))
+        raise TeardownError("launcher: every rank returned, but " + "; ".join(problems), results)
 
 
 def _exit_name(code: int) -> str:
