@@ -516,8 +516,10 @@ def mps_verdict(fabric: Fabric, options: Options) -> Verdict:
 
 def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -> Verdict:
     """gloo carries the host words of an NCCL group (``EP_PLUGIN_GLOO_HOST_WORDS``) and Megatron's own
-    gloo groups. A ``GLOO_SOCKET_IFNAME`` that names an interface this host lacks makes every gloo group
-    fail to form, so building a backend over NCCL fails. Asked with ``--backend`` when those words use it."""
+    gloo groups. A ``GLOO_SOCKET_IFNAME`` that names an interface this host lacks, or across nodes a host
+    name that resolves to loopback (gloo's address when that variable is unset), makes every gloo group
+    fail to connect, so building a backend over NCCL fails. Asked with ``--backend`` or ``--scaleout``
+    unless ``EP_PLUGIN_GLOO_HOST_WORDS`` is off."""
     try:
         host_words = _config(environ).gloo_host_words
     except (ValueError, TypeError):
