@@ -110,7 +110,7 @@ def gloo_twin(group: dist.ProcessGroup, *, timeout_s: float) -> GlooTwin:
     name = group.group_name
     held = _twins.get(name)
     twin = held() if held is not None else None
-    if twin is not None and _registered(twin.parent):
+    if twin is not None and registered(twin.parent):
         return twin
     store = dist.distributed_c10d._get_default_store()
     size = dist.get_world_size(group)
@@ -130,13 +130,19 @@ def _twin_margin_s(timeout_s: float) -> float:
     return 2 * _grace_s(timeout_s) + 1.0
 
 
-def _registered(group: dist.ProcessGroup) -> bool:
+def registered(group: dist.ProcessGroup) -> bool:
     """Whether ``group`` is still in torch's registry (``destroy_process_group`` takes it out)."""
     try:
         dist.get_process_group_ranks(group)
     except (KeyError, ValueError, RuntimeError):
         return False
     return True
+
+
+def _first_line(exc: BaseException) -> str:
+    """An engine's error in one line (its first), or its type where it says nothing."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _grace_s(timeout_s: float) -> float:
@@ -206,11 +212,10 @@ class HostCollectives:
                                      "EP_PLUGIN_GLOO_HOST_WORDS=0 never comes here: the knob must be equal on every "
                                      "rank.") from None
             self.failed = f"gloo failed in {where}"
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise EPError(f"{self.owner}: rank {self.rank}: {where}: gloo could not connect: {message}. Where gloo "
-                          f"cannot connect between these hosts, GLOO_SOCKET_IFNAME names the interface it should "
-                          f"use; EP_PLUGIN_GLOO_HOST_WORDS=0 keeps the host words on the {self.engine} group.") \
-                from None
+            raise EPError(f"{self.owner}: rank {self.rank}: {where}: gloo could not connect: {_first_line(exc)}. "
+                          f"Where gloo cannot connect between these hosts, GLOO_SOCKET_IFNAME names the interface it "
+                          f"should use; EP_PLUGIN_GLOO_HOST_WORDS=0 keeps the host words on the {self.engine} "
+                          f"group.") from None
         self._twin, self.engine = twin, "gloo"
         self.word_device = word_device(self.engine, self._device)
 
@@ -321,7 +326,7 @@ class HostCollectives:
 
     def _engine_error(self, where: str, exc: BaseException) -> EPError:
         self.failed = f"{self.engine} failed in {where}"
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = _first_line(exc)
         return EPError(f"{self.owner}: rank {self.rank}: {where} failed in {self.engine}: {message}. A peer probably "
                        f"exited or ran a different collective on this process group. {_OUT_OF_STEP}")
 

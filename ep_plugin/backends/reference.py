@@ -193,8 +193,8 @@ class ReferenceBackend(Backend):
         """
         fingerprint_word, instance, probs_code = mine = (fingerprint.pack(), self._comm.instance,
                                                          _PROBS_DTYPES.index(probs_dtype))
-        device = self._words.word_device if self._words is not self._comm else self._exchange_device
-        sent = torch.tensor([(count,) + mine for count in send_splits], dtype=torch.int64, device=device)
+        sent = torch.tensor([(count,) + mine for count in send_splits], dtype=torch.int64,
+                            device=self._words.word_device)
         words = [_OPEN_WORDS] * self.num_ranks
         received = self._words.all_to_all(sent.view(-1), words, words, where=f"{where} (opening exchange)")
         rows = received.view(self.num_ranks, _OPEN_WORDS).tolist()

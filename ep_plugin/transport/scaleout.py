@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import EPError
-from ..host_collectives import HostCollectives, moves_host_memory
+from ..host_collectives import HostCollectives, moves_host_memory, registered
 from ..topology import Topology
 
 # (parent group name, domain size, rail engine) -> (domain groups, rail groups), by index.
@@ -116,13 +116,7 @@ def _still_registered(groups: tuple[list, list]) -> bool:
     """Whether no ``destroy_process_group`` took these groups. A process that then starts a new world
     (an in-process restart) gets groups with the old names, so the key alone would hand out dead ones.
     A rank outside a group holds a placeholder there, not a ProcessGroup: nothing to check."""
-    for member in (*groups[0], *groups[1]):
-        if isinstance(member, dist.ProcessGroup):
-            try:
-                dist.get_process_group_ranks(member)
-            except KeyError:  # no longer in torch's registry of groups
-                return False
-    return True
+    return all(registered(member) for member in (*groups[0], *groups[1]) if isinstance(member, dist.ProcessGroup))
 
 
 def _groups_key(group: dist.ProcessGroup, topology: Topology, engine: str) -> tuple:
