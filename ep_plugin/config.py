@@ -98,6 +98,10 @@ class Config:
         "help": "the host words of an NCCL group go over a gloo twin of it (False: over NCCL)"})
 
     def __post_init__(self) -> None:
+        for knob in fields(self):  # a string passed as a flag ("no") would read as True
+            if knob.type in (bool, "bool"):
+                _require(isinstance(getattr(self, knob.name), bool), knob.name, "True or False",
+                         getattr(self, knob.name))
         _require(0 < self.timeout_s <= MAX_TIMEOUT_S, "timeout_s", f"> 0 and <= {MAX_TIMEOUT_S:.0e} s",
                  self.timeout_s)
         _require(self.max_tokens_per_rank >= 1, "max_tokens_per_rank", ">= 1", self.max_tokens_per_rank)

@@ -69,6 +69,14 @@ def test_a_bad_value_names_its_variable_only_when_it_came_from_one():
         Config.from_env({}, num_sms=2000)
 
 
+@pytest.mark.parametrize("knob", ["blocking", "bulk_copy", "avoid_record_stream", "gloo_host_words"])
+def test_a_flag_that_is_not_a_bool_is_refused(knob):
+    """Before: Config(blocking="no") was accepted and read as True (a non-empty string)."""
+    with pytest.raises(ValueError, match=f"{knob} must be True or False, got 'no'"):
+        Config.from_env({}, **{knob: "no"})
+    assert getattr(Config.from_env({}, **{knob: False}), knob) is False
+
+
 def test_unknown_config_field():
     with pytest.raises(TypeError, match="no field"):
         Config.from_env({}, num_smz=3)
