@@ -40,6 +40,8 @@ CPU_RANKS_PER_CORE = 8
 # How long a rank that returned its result may take to exit (its process group's, buffers' and CUDA
 # context's teardown) before the launcher reports it as hanging.
 EXIT_TIMEOUT_S = 60.0
+# How long a failed rank's report waits for a peer that may have died with it to be seen dead.
+PEER_DEATH_GRACE_S = 1.0
 
 
 def max_cpu_ranks() -> int:
@@ -246,8 +248,8 @@ class TeardownError(EPError):
 
 def _check_exits(processes, timeout_s: float, results: list[Any]) -> None:
     """Every rank returned its result: each process must now exit, with code 0, within ``timeout_s``, else
-    ``TeardownError``. What runs after the rank function (freeing buffers at exit, the CUDA context's
-    teardown, a library's exit handler) can crash or hang, as the crashes users report of other EP
+    ``TeardownError``. What runs after the rank function (``_exit_after_own_teardown``: freeing what it
+    left, the exit handlers libraries registered) can crash or hang, as the crashes users report of other EP
     libraries do; killing a rank still exiting, as the cleanup does, hid both."""
     deadline = time.monotonic() + timeout_s
     for process in processes:
@@ -278,7 +280,13 @@ def _exit_name(code: int) -> str:
 def _failure_report(processes, outputs: dict, rank: int, payload: str) -> str:
     """A rank's error, after the ranks that died without a word: the peers of a rank killed by a signal
     (out of memory, a segfault) raise connection errors that name nobody, and one of them often reports
-    first. A rank that raises reports and then exits with code 0, so a nonzero code means it never reported."""
+    first. A rank that raises reports and then exits with code 0, so a nonzero code means it never reported.
+    The peers get a moment to be seen dead: a connection error can reach the launcher before the killed
+    process is reaped (on a loaded machine the report then named nobody)."""
+    deadline = time.monotonic() + PEER_DEATH_GRACE_S
+    for r, p in enumerate(processes):
+        if r != rank and r not in outputs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
     dead = [r for r, p in enumerate(processes)
             if r != rank and r not in outputs and not p.is_alive() and p.exitcode not in (None, 0)]
     if not dead:
@@ -344,3 +352,25 @@ def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dic
         results.put((rank, True, bytes(ForkingPickler.dumps(output))))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, False, traceback.format_exc()))
+        return
+    _exit_after_own_teardown(results)
+
+
+def _exit_after_own_teardown(results) -> None:
+    """The rank's result is reported: free what it left (its buffers, handles, whatever the garbage
+    collector takes) and run the exit handlers libraries registered, while the interpreter is whole, then
+    leave without the interpreter's own finalization. A crash or hang in the first two is the launcher's
+    to report (``_check_exits``). The last is torch's: its C++ teardown at interpreter exit sometimes
+    aborts on a loaded machine ("terminate called without an active exception", SIGABRT; once in six CI
+    runs of the suite, in a CPU-only rank), which is not this library's to test."""
+    import atexit
+    import gc
+    import sys
+
+    results.close()
+    results.join_thread()  # the result has left this process
+    gc.collect()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
