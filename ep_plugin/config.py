@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import logging
 import math
+import numbers
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
@@ -30,6 +31,8 @@ _FALSE = {"0", "false", "no", "off"}
 # The longest wait (about 11.6 days): far beyond any job's patience, and far below where the engines'
 # own timeouts break (gloo's wait hangs or fails at once past ~9e9 s: nanoseconds overflow int64).
 MAX_TIMEOUT_S = 1e6
+# The shortest: the engines count a timeout in whole milliseconds, and gloo reads 0 ms as "no timeout".
+MIN_TIMEOUT_S = 1e-3
 
 # The largest expert-segment padding (quantized formats pad to 16..128 rows; far larger pads would
 # overflow the kernels' 32-bit row counts long before they made sense).
@@ -98,11 +101,10 @@ class Config:
         "help": "the host words of an NCCL group go over a gloo twin of it (False: over NCCL)"})
 
     def __post_init__(self) -> None:
-        for knob in fields(self):  # a string passed as a flag ("no") would read as True
-            if knob.type in (bool, "bool"):
-                _require(isinstance(getattr(self, knob.name), bool), knob.name, "True or False",
-                         getattr(self, knob.name))
-        _require(0 < self.timeout_s <= MAX_TIMEOUT_S, "timeout_s", f"> 0 and <= {MAX_TIMEOUT_S:.0e} s",
+        for knob in fields(self):
+            self._check_type(knob)
+        _require(MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S, "timeout_s",
+                 f">= {MIN_TIMEOUT_S:g} s (engines count whole milliseconds) and <= {MAX_TIMEOUT_S:.0e} s",
                  self.timeout_s)
         _require(self.max_tokens_per_rank >= 1, "max_tokens_per_rank", ">= 1", self.max_tokens_per_rank)
         _require(0 <= self.num_sms <= 1024, "num_sms", "in [0, 1024] (0 = autosize)", self.num_sms)
@@ -116,6 +118,20 @@ class Config:
                  self.scaleout_chunk_tokens)
         _require(0 <= self.forward_sms <= 1024, "forward_sms", "in [0, 1024] (0 = num_sms)", self.forward_sms)
         _require(0 <= self.peer_watch_s < math.inf, "peer_watch_s", ">= 0 and finite (0 = off)", self.peer_watch_s)
+
+    def _check_type(self, knob) -> None:
+        """A flag must be a bool (a string "no" would read as True), a count an int (2.0 or True would
+        pass the range checks and fail later, at a launch), a float field a real number; an int passed
+        as a float (``timeout_s=5``) is stored as one."""
+        value, kind = getattr(self, knob.name), knob.type if isinstance(knob.type, str) else knob.type.__name__
+        if kind == "bool":
+            _require(isinstance(value, bool), knob.name, "True or False", value)
+        elif kind == "int":
+            _require(isinstance(value, numbers.Integral) and not isinstance(value, bool), knob.name, "an int", value)
+            object.__setattr__(self, knob.name, int(value))
+        elif kind == "float":
+            _require(isinstance(value, numbers.Real) and not isinstance(value, bool), knob.name, "a number", value)
+            object.__setattr__(self, knob.name, float(value))
 
     @classmethod
     def from_env(cls, environ: Optional[dict] = None, **overrides: Any) -> "Config":

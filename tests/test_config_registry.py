@@ -47,10 +47,12 @@ def test_a_variable_set_to_nothing_is_unset():
 
 @pytest.mark.parametrize("env,text", [
     ({"EP_PLUGIN_TIMEOUT_S": "soon"}, "cannot parse EP_PLUGIN_TIMEOUT_S"),
-    ({"EP_PLUGIN_TIMEOUT_S": "-1"}, "timeout_s must be > 0"),
-    ({"EP_PLUGIN_TIMEOUT_S": "inf"}, r"timeout_s must be > 0 and <= 1e\+06 s"),  # no wait could get a deadline
+    ({"EP_PLUGIN_TIMEOUT_S": "-1"}, "timeout_s must be >= 0.001 s"),
+    ({"EP_PLUGIN_TIMEOUT_S": "inf"}, r"timeout_s must be .* <= 1e\+06 s"),  # no wait could get a deadline
     # "Timeouts off" by a huge value: gloo's wait hangs (1e11) or fails at once blaming a peer (1e10).
-    ({"EP_PLUGIN_TIMEOUT_S": "1e10"}, r"timeout_s must be > 0 and <= 1e\+06 s"),
+    ({"EP_PLUGIN_TIMEOUT_S": "1e10"}, r"timeout_s must be .* <= 1e\+06 s"),
+    # Under a millisecond gloo's wait got 0 ms: no timeout at all (it waited 12 s for a peer asleep 12 s).
+    ({"EP_PLUGIN_TIMEOUT_S": "0.0004"}, r"timeout_s must be >= 0.001 s \(engines count whole milliseconds\)"),
     ({"EP_PLUGIN_NUM_SMS": "-1"}, r"num_sms must be in \[0, 1024\]"),
     ({"EP_PLUGIN_BLOCKING": "maybe"}, "cannot parse EP_PLUGIN_BLOCKING"),
     ({"EP_PLUGIN_PAD_MULTIPLE": "0"}, r"pad_multiple must be in \[1, 65536\]"),
@@ -75,6 +77,26 @@ def test_a_flag_that_is_not_a_bool_is_refused(knob):
     with pytest.raises(ValueError, match=f"{knob} must be True or False, got 'no'"):
         Config.from_env({}, **{knob: "no"})
     assert getattr(Config.from_env({}, **{knob: False}), knob) is False
+
+
+@pytest.mark.parametrize("knob,value", [
+    ("pad_multiple", 2.0), ("num_sms", 16.7), ("num_sms", True), ("max_tokens_per_rank", 8192.5),
+    ("scaleup_size", 1.5), ("combine_input_rows", "10"), ("timeout_s", True), ("peer_watch_s", "1"),
+])
+def test_a_count_or_number_of_the_wrong_type_is_refused(knob, value):
+    """Before: Config(pad_multiple=2.0) was built, then every dispatch raised; num_sms=16.7 or
+    scaleup_size=1.5 passed the range checks on their way to a kernel grid or a group split."""
+    with pytest.raises(ValueError, match=f"{knob} must be an? (int|number), got {value!r}"):
+        Config.from_env({}, **{knob: value})
+
+
+def test_numbers_of_a_wider_type_are_stored_as_the_knobs_type():
+    import numpy as np
+
+    config = Config.from_env({}, timeout_s=5, num_sms=np.int64(8), peer_watch_s=np.float32(0.25))
+    assert type(config.timeout_s) is float and config.timeout_s == 5.0
+    assert type(config.num_sms) is int and config.num_sms == 8
+    assert type(config.peer_watch_s) is float and config.peer_watch_s == 0.25
 
 
 def test_unknown_config_field():
