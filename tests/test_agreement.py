@@ -99,6 +99,21 @@ def op_scenarios(ctx) -> dict:
     rows = {id(first.handle): first.hidden, id(second.handle): second.hidden}
     outcomes["combine_order"] = _outcome(lambda: backend.combine(rows[id(handles[0])], handles[0]))
 
+    def retry_after_refusal():
+        """The odd rank's input alone is wrong: it is refused there before anything is sent, as if never
+        called; the same call with the input fixed pairs with the dispatch its peers are waiting in."""
+        if odd:
+            try:
+                backend.dispatch(torch.randn(5, HIDDEN + 1), routing_map=routing_map)
+                raise AssertionError("a dispatch with the wrong hidden size was accepted")
+            except ValueError:
+                pass
+        out = backend.dispatch(hidden, routing_map=routing_map)
+        chosen = routing_map.sum(dim=1, keepdim=True).float()
+        assert torch.allclose(backend.combine(out.hidden, out.handle).hidden, hidden * chosen)
+
+    outcomes["retry_after_refusal"] = _outcome(retry_after_refusal)
+
     def agreed_ops_still_work():  # nothing moved in the rejected ops: the backend is still in step
         chosen = routing_map.sum(dim=1, keepdim=True).float()
         assert torch.allclose(backend.combine(first.hidden, first.handle).hidden, hidden * chosen)
@@ -136,6 +151,13 @@ def test_op_mismatch_raises_on_every_rank(op_outcomes, scenario):
         peers = [ODD] if rank != ODD else [q for q in range(NUM_RANKS) if q != ODD]
         assert any(f"rank {q}" in message for q in peers), (rank, message)
         assert seconds < TIMEOUT_S
+
+
+def test_a_call_refused_on_one_rank_can_be_made_again_with_its_input_fixed(op_outcomes):
+    """What a rank may do after a refusal of its own (docs/design.md, errors): call again. Counting refused
+    calls in the op fingerprint (to catch a rank that skips to its next op instead) would break this."""
+    assert all(outcomes["retry_after_refusal"][0] == "ok" for outcomes in op_outcomes), \
+        [o["retry_after_refusal"] for o in op_outcomes]
 
 
 def test_backend_stays_usable_after_a_rejected_op(op_outcomes):
