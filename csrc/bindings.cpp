@@ -112,6 +112,7 @@ PYBIND11_MODULE(_C, m) {
       .ptr("rank_counts", &ep::LayoutArgs::rank_counts)
       .ptr("dense_probs", &ep::LayoutArgs::dense_probs)
       .ptr("input_flags", &ep::LayoutArgs::input_flags)
+      .ptr("flags_since_checked", &ep::LayoutArgs::flags_since_checked)
       .val("max_blocks", &ep::LayoutArgs::max_blocks);
   m.def("layout", &ep::launch_layout, py::arg("args"), py::arg("device"), py::arg("stream"),
         "stage 0 of a dispatch: send slots, k indices and counts in one kernel (no host sync)");

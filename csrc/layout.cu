@@ -538,7 +538,9 @@ __global__ void __launch_bounds__(kLayoutThreads, 1) layout_kernel(const LayoutA
   const int out_of_range = __syncthreads_or(flags & kInputIdOutOfRange);
   const int repeated = __syncthreads_or(flags & kInputIdRepeated);
   if (kTopk && a.input_flags != nullptr && last_chunk && threadIdx.x == 0) {
-    a.input_flags[p] = (out_of_range ? kInputIdOutOfRange : 0) | (repeated ? kInputIdRepeated : 0);
+    const int bits = (out_of_range ? kInputIdOutOfRange : 0) | (repeated ? kInputIdRepeated : 0);
+    a.input_flags[p] = bits;
+    if (bits != 0 && a.flags_since_checked != nullptr) atomicOr(a.flags_since_checked, bits);
   }
 
   if constexpr (kTopk) {

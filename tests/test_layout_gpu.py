@@ -42,7 +42,8 @@ def stand_in(num_ranks: int, num_local_experts: int, blocking: bool = True) -> S
     return StandIn(num_ranks=num_ranks, num_local_experts=num_local_experts,
                    num_experts=num_ranks * num_local_experts, device=device,
                    config=SimpleNamespace(blocking=blocking), _C=_cuda.extension(), num_blocks=16,
-                   _stream=lambda: torch.cuda.current_stream(device).cuda_stream)
+                   _stream=lambda: torch.cuda.current_stream(device).cuda_stream,
+                   _flags_since_checked=None if blocking else torch.zeros(1, dtype=torch.int32, device=device))
 
 
 def kernel_and_oracle(backend, routing: Routing, probs):
@@ -144,6 +145,24 @@ def test_bad_ids_are_flagged_and_dropped(num_ranks, num_local, topk):
         got, want = kernel_and_oracle(backend, Routing(TOPK, T, E, topk_idx=idx), probs)
         assert_bitwise(got, want, (num_ranks, num_local, topk, T))
         assert bool((got[5] & backend._C.INPUT_ID_OUT_OF_RANGE).all())  # every rank's column carries it
+
+
+def test_the_flags_of_every_dispatch_since_the_host_cleared_them_add_up():
+    """Non-blocking mode's check_errors() reads one device word that every layout ORs its flags into:
+    before, it read the last dispatch's flags alone, so a clean dispatch after a bad one hid it."""
+    backend = stand_in(2, 3, blocking=False)
+    E, T, k = 6, 64, 2
+    clean = random_topk(T, E, k, "random", generator(5))
+    bad = clean.clone()
+    bad[3, 0] = E + 1
+    repeated = clean.clone()
+    repeated[7, 0] = repeated[7, 1] = 2  # token 7 names expert 2 twice
+    seen = []
+    for idx in (clean, bad, clean, repeated, clean):
+        HybridBackend._layout_tensors(backend, Routing(TOPK, T, E, topk_idx=idx.contiguous()), None)
+        seen.append(int(backend._flags_since_checked.item()))
+    out_of_range, twice = backend._C.INPUT_ID_OUT_OF_RANGE, backend._C.INPUT_ID_REPEATED
+    assert seen == [0, out_of_range, out_of_range, out_of_range | twice, out_of_range | twice], seen
 
 
 @pytest.mark.parametrize("num_ranks,num_local,topk", [(8, 32, 8), (2, 3, 6), (32, 1, 8), (2, 32, 40), (1, 256, 64)])

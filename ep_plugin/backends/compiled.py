@@ -110,9 +110,12 @@ class CompiledBackend(Backend):
         self._check_co_residency(sharing)
         self._bulk = bool(self.config.bulk_copy)  # the kernels fall back to register copies below sm_90
         self._dispatch_count = 0  # handle ids: the n-th dispatch of this backend makes handle n
-        # The last non-blocking top-k dispatch's input flags ([R] int32 on the device, see _layout):
-        # ids out of range were dropped, not indexed; check_errors() raises for them.
-        self.invalid_expert_ids: Optional[torch.Tensor] = None
+        # Non-blocking mode: the input flags of every top-k dispatch since check_errors() last raised for
+        # them, ORed on the device by the layout kernel ([1] int32, see _layout): ids out of range were
+        # dropped, not indexed, and check_errors() reports them. One word, so that a later clean dispatch
+        # cannot hide an earlier one's (as the last dispatch's flags alone did).
+        self._flags_since_checked = (None if self.config.blocking else
+                                     torch.zeros(1, dtype=torch.int32, device=self.device))
         self.buffer: Optional[SymmetricBuffer] = None
         self._handshakes: dict = {}  # phase -> the handshake-only ExchangeArgs (see _exchange)
         self._scratch_plans: dict = {}  # op shape -> ScratchPlan (see _scratch)
@@ -231,6 +234,8 @@ class CompiledBackend(Backend):
             send_slot=at("send_slot"), k_index=at("k_index"), expert_counts=at("expert_counts"),
             rank_counts=at("rank_counts"), max_blocks=self.num_blocks,
             input_flags=at("input_flags") if scratch.has("input_flags") else None,
+            flags_since_checked=(self._flags_since_checked.data_ptr() if scratch.has("input_flags") and
+                                 self._flags_since_checked is not None else None),
             dense_probs=at("dense_probs") if scratch.has("dense_probs") else None))
         dense_probs = None
         if routing.form == ROUTING_MAP:
@@ -466,14 +471,16 @@ class CompiledBackend(Backend):
 
     def check_errors(self, synchronize: bool = True) -> None:
         """Raise what the device reported: EPTimeoutError (a wait timed out), EPError (ranks disagreed on
-        an op), and, after a sync, ValueError if a non-blocking top-k dispatch held expert ids out of
-        range (they were dropped). ``synchronize`` waits for the device first (EPTimeoutError past timeout_s)."""
+        an op), and, after a sync, ValueError if a non-blocking top-k dispatch since the last such error
+        held expert ids out of range (they were dropped). ``synchronize`` waits for the device first
+        (EPTimeoutError past timeout_s)."""
         if synchronize:
             self.buffer.synchronize("check_errors")
         self.buffer.raise_if_failed()
-        flags = self.invalid_expert_ids
-        if synchronize and flags is not None and bool((flags & self._C.INPUT_ID_OUT_OF_RANGE).any()):
-            self.invalid_expert_ids = None
+        flags = self._flags_since_checked
+        if synchronize and flags is not None and int(flags.item()) & self._C.INPUT_ID_OUT_OF_RANGE:
+            flags.zero_()  # done before returning: a next op on another stream cannot OR before it
+            torch.cuda.current_stream(self.device).synchronize()
             raise dropped_ids_error(self.num_experts)
 
     def _barrier(self) -> None:

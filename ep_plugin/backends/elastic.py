@@ -359,8 +359,6 @@ class ElasticBackend(CompiledBackend):
             num_real_tokens_per_expert=real_per_expert, layout=layout,
             handle_id=self._next_handle_id(),
             output_form=EXPERT_ROWS if expand else COMPACT, row_probs_shape=(capacity,) if expand else (capacity, k))
-        if input_flags is not None and not self.config.blocking:
-            self.invalid_expert_ids = input_flags
         rows = (out, out_scales) if fp8 else out
         valid_rows = None if self.config.blocking else layout.total_rows if expand else layout.total_packets
         return DispatchOutput(rows, out_weights, tokens_per_expert, handle, topk_idx=out_idx,

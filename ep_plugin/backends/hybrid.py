@@ -339,8 +339,6 @@ class HybridBackend(CompiledBackend):
             num_real_tokens_per_expert=real_per_expert, layout=layout,
             handle_id=self._next_handle_id())
         self.over_budget = overflow
-        if input_flags is not None and not self.config.blocking:
-            self.invalid_expert_ids = input_flags
         rows = (out, out_scales) if fp8 else out
         return DispatchOutput(rows, out_probs, tokens_per_expert, handle,
                               num_valid_rows=None if self.config.blocking else total_rows,

@@ -35,6 +35,8 @@ struct LayoutArgs {
   int32_t* rank_counts;        // out [R]: tokens sent to each rank
   float* dense_probs;          // out [T, E] or null: top-k probs at their expert's column, else 0
   int32_t* input_flags;        // out [R] or null (top-k form): kInputId* bits per destination rank
+  int32_t* flags_since_checked;  // in/out [1] or null: every launch ORs its input flags into it, so that
+                                 // the host sees those of every dispatch since it last cleared the word
   int max_blocks;              // grid cap: the rank's SM budget (num_sms), so that ranks sharing a
                                // GPU keep the SMs their spin-waiting kernels count on
 };
