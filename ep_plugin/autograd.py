@@ -143,9 +143,11 @@ def dispatch(
         hidden: [T, H] this rank's tokens (T may be 0).
         routing_map: [T, E] bool with ``probs`` [T, E] float32 — Megatron's router output; or
         topk_idx: [T, k] int64 (-1 = none) with ``topk_weights`` [T, k] float32.
-        pad_multiple: pad each local expert's rows to a multiple of this (zeros).
+        pad_multiple: pad each local expert's rows to a multiple of this (zeros; ``elastic`` zeroes its
+            expanded form's padding only with ``zero_padding=True``, and its compact form pads only
+            ``tokens_per_expert``).
         options: the backend's own dispatch options (``backend.capabilities.dispatch_options``; for
-            ``elastic``: ``expand``, ``zero_padding``).
+            ``elastic``: ``expand``, ``zero_padding``, ``in_place``).
     Returns:
         DispatchOutput: hidden rows in the backend's output form (``handle.output_form``: rows sorted
         by local expert, or compact rows), their probs, tokens_per_expert [E/ranks] int64 (padded

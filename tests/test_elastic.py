@@ -392,6 +392,17 @@ def combine_in_place(ctx) -> int:
         rows.copy_(expert_side_rows(second.hidden, me))
         want, _ = compact_combine_oracle(x, idx, w, world)
         assert torch.equal(elastic.combine(rows, second.handle).hidden, want), f"blocking={blocking}: two in flight"
+        # A copying combine in between: the peers' send wrote this rank's rows over the combine input, so
+        # the view handed out before is refused (before, it was read in place and summed other rows).
+        first = elastic.dispatch(x, topk_idx=idx, topk_weights=w)
+        second = elastic.dispatch(x, topk_idx=idx, topk_weights=w)
+        elastic.barrier()
+        rows = elastic.combine_input(first.handle)
+        rows.copy_(expert_side_rows(first.hidden, me))
+        elastic.combine(expert_side_rows(second.hidden, me), second.handle)
+        with pytest.raises(ValueError, match="holds it for another dispatch"):
+            elastic.combine(rows, first.handle)
+        assert torch.equal(elastic.combine(expert_side_rows(first.hidden, me), first.handle).hidden, want)
         torch.cuda.synchronize()
         elastic.destroy()
 
@@ -578,9 +589,74 @@ def bad_input_then_good(ctx) -> int:
             elastic.combine(out.hidden, out.handle, bias=torch.zeros(3, 256, dtype=torch.bfloat16, device=x.device))
         with pytest.raises(ValueError):
             elastic.dispatch(x[:-1], handle=out.handle)
+        # A cached dispatch takes its form from the handle: a flag that contradicts it is refused (it was
+        # ignored, and a compact handle returned compact rows for expand=True).
+        with pytest.raises(ValueError, match="delivers its handle's form"):
+            elastic.dispatch(x, handle=out.handle, expand=True)
+        with pytest.raises(TypeError, match="must be bools"):
+            elastic.dispatch(x, handle=out.handle, zero_padding="yes")
     back = elastic.combine(out.hidden, out.handle)
     ref = reference.dispatch(x, topk_idx=idx, topk_weights=w)
     assert back.hidden.shape == x.shape and ref.hidden is not None
+    torch.cuda.synchronize()
+    elastic.destroy()
+    with pytest.raises(RuntimeError, match="destroyed"):  # the cached path checks it too
+        elastic.dispatch(x, handle=out.handle)
+    return 1
+
+
+def allocation_failure_then_retry(ctx) -> int:
+    """Sync-free mode: rank 0's first output allocation fails (out of memory). Every output is allocated
+    before the first launch, so nothing was enqueued: the same call again pairs with the dispatch its peers
+    are in, and the rows are the oracle's. (Before, the layout and send had run: the retry met the peers'
+    next op.)"""
+    _, elastic = make_backends(ctx, 512, blocking=False)
+    inputs = all_inputs(900, ctx.world_size, 0, 512, 4, skewed=False, drop_some=True)
+    x, idx, w, _, _ = inputs[ctx.rank]
+    checked = 0
+    for expand in (False, True):
+        if ctx.rank == 0:
+            def failing_once(*shape, dtype):
+                del elastic._empty  # the next allocation (the retry's) is the backend's own again
+                raise torch.cuda.OutOfMemoryError("planted: the first output allocation fails")
+
+            elastic._empty = failing_once
+            with pytest.raises(torch.cuda.OutOfMemoryError, match="planted"):
+                elastic.dispatch(x, topk_idx=idx, topk_weights=w, expand=expand)
+        out = elastic.dispatch(x, topk_idx=idx, topk_weights=w, expand=expand)
+        if not expand:
+            rows, ids, weights, _ = compact_oracle(ctx.rank, ctx.world_size, inputs, 1)
+            valid = int(out.num_valid_rows)
+            assert valid == rows.shape[0] and torch.equal(out.hidden[:valid], rows), "rows after the retry"
+            assert torch.equal(out.topk_idx[:valid], ids) and torch.equal(out.probs[:valid], weights)
+            want, _ = compact_combine_oracle(x, idx, w, ctx.world_size)
+            back = elastic.combine(expert_side_rows(out.hidden, ctx.rank), out.handle).hidden
+            assert torch.equal(back, want), "combine after the retry"
+        else:
+            elastic.combine(out.hidden, out.handle)
+        elastic.check_errors()
+        checked += 1
+    torch.cuda.synchronize()
+    elastic.destroy()
+    return checked
+
+
+def dropped_ids_reported_after_a_clean_dispatch(ctx) -> int:
+    """Sync-free mode drops ids out of range and check_errors() reports them later: also when a clean
+    dispatch came in between (it read the last dispatch's flags only), once."""
+    _, elastic = make_backends(ctx, 256, blocking=False)
+    x, idx, w, _, _ = make_inputs(950, ctx.rank, ctx.world_size, 30, 256, NUM_EXPERTS, 2, skewed=False,
+                                  drop_some=False)
+    bad = idx.clone()
+    if ctx.rank == 0:
+        bad[0, 0] = NUM_EXPERTS + 7
+    for routing in (bad, idx):
+        out = elastic.dispatch(x, topk_idx=routing, topk_weights=w)
+        elastic.combine(out.hidden, out.handle)
+    if ctx.rank == 0:
+        with pytest.raises(ValueError, match="outside -1"):
+            elastic.check_errors()
+    elastic.check_errors()  # reported once; the others had nothing to report
     torch.cuda.synchronize()
     elastic.destroy()
     return 1
@@ -594,6 +670,8 @@ def run_suite(ctx, hidden_sizes) -> dict:
     counts["autograd"] = autograd_end_to_end(ctx)
     counts["non_blocking"] = non_blocking_and_graph(ctx)
     counts["bad_input"] = bad_input_then_good(ctx)
+    counts["allocation_failure"] = allocation_failure_then_retry(ctx)
+    counts["dropped_ids"] = dropped_ids_reported_after_a_clean_dispatch(ctx)
     counts["in_place"] = combine_in_place(ctx)
     counts["dispatch_in_place"] = dispatch_in_place(ctx)
     return counts

@@ -346,8 +346,9 @@ class CompiledBackend(Backend):
         if in_buffer and owner is not layout:
             raise ValueError(
                 "combine: these rows are the backend's combine input, but the buffer holds it for another "
-                "dispatch (combine_input was last called for another handle, or never for this one); it holds "
-                "one combine input at a time: call combine_input(handle) for this handle and write its rows there")
+                "dispatch (combine_input was last called for another handle, or never for this one), or none (a "
+                "combine since then copied rows over it); it holds one combine input at a time: call "
+                "combine_input(handle) for this handle and write its rows there")
         return in_buffer
 
     # ---- helpers the stages use -------------------------------------------------------------

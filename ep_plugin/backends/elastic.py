@@ -201,11 +201,21 @@ class ElasticBackend(CompiledBackend):
         Returns: DispatchOutput (see ``ep_plugin.DispatchOutput``).
         """
         pad_multiple = merge_alignment(pad_multiple, expert_alignment)
-        if handle is not None:
+        if handle is not None:  # the checks of Backend.dispatch that apply to it, then its own
+            self.refuse_if_destroyed("dispatch")
+            self.check_not_capturing("cached dispatch")
             if any(v is not None for v in (routing_map, probs, topk_idx, topk_weights, pad_multiple)):
                 raise ValueError("a cached dispatch (handle=...) takes no routing arguments: the handle has them")
+            self.check_dispatch_flags(expand=expand, zero_padding=zero_padding)
             if in_place:
                 raise ValueError("in_place applies to a first dispatch; a cached dispatch returns new tensors")
+            self.check_handle(handle)
+            layout: ElasticLayout = handle.layout
+            # A flag the handle contradicts would be ignored (the form is the handle's): refuse it instead.
+            if expand and not layout.expand or zero_padding and not layout.zero_padding:
+                raise ValueError(f"a cached dispatch delivers its handle's form (expand={layout.expand}, "
+                                 f"zero_padding={layout.zero_padding}); got expand={expand}, "
+                                 f"zero_padding={zero_padding}")
             return self._cached_dispatch(hidden, handle)
         self.check_routing_form(routing_map, topk_idx)
         self.check_dispatch_flags(expand=expand, zero_padding=zero_padding, in_place=in_place)
@@ -284,6 +294,14 @@ class ElasticBackend(CompiledBackend):
         at = scratch.address
         fingerprint = self._fingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, topk=k,
                                         expand=expand, in_place=in_place)
+        packet_capacity = R * self.config.max_tokens_per_rank
+        worst_case = self._capacity(k, expand, pad_multiple)
+        # What can be allocated before the first launch is (an allocation that fails then leaves the peers
+        # untouched, and the ranks in step): in place the receive's metadata (worst-case size in both modes),
+        # non-blocking every output (its capacity is the worst case).
+        placed = self._in_place_metadata(worst_case, k, probs is not None) if in_place else None
+        outputs = None if self.config.blocking or in_place else self._receive_outputs(
+            worst_case, packet_capacity, k, expand, data.dtype, fp8, probs is not None)
         self._layout_and_exchange(routing, None, scratch, PHASE_DISPATCH, fingerprint, pad_multiple=pad_multiple,
                                   addresses=lambda: dict(row_base=at("row_base"), expert_start=at("expert_start"),
                                                          tokens_per_expert=at("tokens_per_expert"),
@@ -304,14 +322,13 @@ class ElasticBackend(CompiledBackend):
         self._C.elastic.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
         if in_place:
             self._writing_over_in_place_rows()
-        packet_capacity = R * self.config.max_tokens_per_rank
-        worst_case = self._capacity(k, expand, pad_multiple)
         receive = dict(row_bytes=row_bytes, scale_bytes=scale_bytes, num_packets=at("num_packets"), topk=k,
                        expand=expand, row_base=at("row_base"), expert_start=at("expert_start"),
                        tokens_per_expert=at("tokens_per_expert"), real_per_expert=at("real_per_expert"),
                        zero_padding=zero_padding)
         if in_place:
-            out_idx, out_weights = self._receive_in_place(worst_case, probs is not None, receive)
+            out_idx, out_weights = placed
+            self._receive_in_place(worst_case, out_idx, out_weights, receive)
         tokens_list = None
         if self.config.blocking:
             with nvtx_range("ep.elastic.dispatch.wait_count"):
@@ -330,15 +347,8 @@ class ElasticBackend(CompiledBackend):
             out_weights = out_weights[:capacity] if out_weights is not None else None
             self._in_place_rows = tuple(weakref.ref(t) for t in (out, out_scales) if t is not None)
         else:
-            out = self._empty(capacity, H, dtype=data.dtype)
-            out_scales = self._empty(capacity, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
-            out_idx = None
-            if expand:
-                out_weights = self._empty(capacity, dtype=torch.float32) if probs is not None else None
-                packet_rows = torch.empty(packet_capacity, k, dtype=torch.int32, device=dev)
-            else:
-                out_idx = self._empty(capacity, k, dtype=torch.int64)
-                out_weights = self._empty(capacity, k, dtype=torch.float32) if probs is not None else None
+            out, out_scales, out_idx, out_weights, packet_rows = outputs or self._receive_outputs(
+                capacity, packet_capacity, k, expand, data.dtype, fp8, probs is not None)
             args = self._C.elastic.ReceiveArgs(
                 out=out, out_scales=out_scales, capacity=capacity, out_topk_idx=out_idx,
                 out_topk_weights=None if expand else out_weights, out_row_weights=out_weights if expand else None,
@@ -375,18 +385,35 @@ class ElasticBackend(CompiledBackend):
             if rows is not None and not rows.is_inference():  # inference tensors keep no version
                 torch.autograd.graph.increment_version(rows)
 
-    def _receive_in_place(self, rows: int, with_weights: bool, receive: dict):
+    def _receive_outputs(self, capacity: int, packet_capacity: int, k: int, expand: bool, dtype: torch.dtype,
+                         fp8: bool, with_weights: bool) -> tuple:
+        """A copying dispatch's outputs, uninitialized: (rows [capacity, H], fp8 scales or None, top-k ids
+        [capacity, k] (compact) or None, weights ([capacity, k] compact, [capacity] expanded) or None, and
+        the expanded form's packet rows [packet_capacity, k] (kept with the handle) or None)."""
+        H = self.hidden_size
+        out = self._empty(capacity, H, dtype=dtype)
+        out_scales = self._empty(capacity, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
+        if expand:
+            out_weights = self._empty(capacity, dtype=torch.float32) if with_weights else None
+            packet_rows = torch.empty(packet_capacity, k, dtype=torch.int32, device=self.device)
+            return out, out_scales, None, out_weights, packet_rows
+        out_weights = self._empty(capacity, k, dtype=torch.float32) if with_weights else None
+        return out, out_scales, self._empty(capacity, k, dtype=torch.int64), out_weights, None
+
+    def _in_place_metadata(self, rows: int, k: int, with_weights: bool) -> tuple:
+        """An in-place dispatch's (top-k ids [rows, k] int64, weights [rows, k] or None), uninitialized."""
+        return (self._empty(rows, k, dtype=torch.int64),
+                self._empty(rows, k, dtype=torch.float32) if with_weights else None)
+
+    def _receive_in_place(self, rows: int, out_idx: torch.Tensor, out_weights: Optional[torch.Tensor],
+                          receive: dict) -> None:
         """Launch the receive of an in-place dispatch: the payload is in the buffer already, so it only
-        places the compact rows' top-k ids (and weights) into ``rows`` (the worst case: it runs before
-        the blocking mode's count read). Returns (topk_idx [rows, k] int64, weights or None)."""
-        k = receive["topk"]
-        out_idx = self._empty(rows, k, dtype=torch.int64)
-        out_weights = self._empty(rows, k, dtype=torch.float32) if with_weights else None
+        places the compact rows' top-k ids (and weights) into ``out_idx`` / ``out_weights``, of ``rows``
+        rows (the worst case: it runs before the blocking mode's count read)."""
         args = self._C.elastic.ReceiveArgs(out=self.buffer.raw.region_address + self.regions.off_recv_rows,
                                            capacity=rows, out_topk_idx=out_idx, out_topk_weights=out_weights,
                                            payload_pushed=True, bulk_copy=self._bulk, **receive)
         self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, args, self.num_blocks, self._stream())
-        return out_idx, out_weights
 
     @op_range("cached_dispatch")
     def _cached_dispatch(self, hidden, handle: Handle) -> DispatchOutput:
@@ -473,6 +500,8 @@ class ElasticBackend(CompiledBackend):
                                                    packet_rows=layout.packet_rows if layout.expand else None,
                                                    topk=k)
             self._C.elastic.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
+        if not in_place:  # the peers' send writes this rank's rows over the combine input handed out last
+            self._combine_input_owner = None
         out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
         values = torch.empty(T, k, dtype=torch.float32, device=dev) if row_probs is not None else None
         receive = self._C.elastic.CombineRecvArgs(out=out, bias=bias, out_topk_values=values,
