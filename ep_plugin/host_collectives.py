@@ -10,12 +10,13 @@ How the wait is bounded (gloo's behaviour measured on torch 2.13; ``Work.wait(ti
 - gloo: every op is issued with ``async_op=True`` and waited with ``Work.wait(timeout)``. On
   expiry gloo raises "Operation timed out!" but does not cancel the op: it stays queued in
   gloo's worker thread until the peer arrives (it then completes against that peer) or goes
-  away. So a timeout leaves the group's collectives out of step among its ranks: the owner is
-  marked failed, every later call raises at once, and the message says to end the job or build
-  a new process group. The group's own timeout (30 min by default for gloo) is the engine's
-  backstop; ``destroy_process_group`` waits for the stranded op, which ends when the late peer
-  calls or exits. On a gloo twin (below) each op carries its own backstop, the owner's timeout
-  plus a margin, and the twin goes with its last owner, not with ``destroy_process_group``.
+  away. So a timeout leaves the group's collectives out of step among its ranks: the owner, and
+  every other owner on that group (or twin) in this process, is marked failed, every later call
+  raises at once, and the message says to end the job or build a new process group. The group's
+  own timeout (30 min by default for gloo) is the engine's backstop; ``destroy_process_group``
+  waits for the stranded op, which ends when the late peer calls or exits. On a gloo twin (below)
+  each op carries its own backstop, the owner's timeout plus a margin, and the twin goes with its
+  last owner, not with ``destroy_process_group``.
 - NCCL: a collective whose result the host reads next is polled with ``Work.is_completed()``
   (never blocks, never throws) until the deadline. Payload collectives are left on the stream
   as before (no host sync added); a peer that dies in the middle of an op is then NCCL's
@@ -57,8 +58,16 @@ from .logs import warn_once
 
 logger = logging.getLogger(__name__)
 
-_sites: Counter = Counter()  # (group name, label) -> how many were opened in this process
+# Per process group object, how many owners of each label this process opened on it (``instance``). By the
+# object, not its name: torch names a restarted world's groups as it named the last one's, so a count by name
+# would differ between ranks that belonged to other groups before the restart.
+_sites: "weakref.WeakKeyDictionary[dist.ProcessGroup, Counter]" = weakref.WeakKeyDictionary()
 _twins: dict[str, weakref.ref] = {}  # group name -> the GlooTwin its owners hold (gloo_twin)
+# Engines whose collectives fell out of step in this process (a wait that gave up, an engine error): the
+# process group or the gloo twin the words went over -> what failed. Every owner on that engine consults
+# it: another owner's next collective there would meet the op left behind, and gloo aborts the process
+# when their sizes differ (SIGABRT, "Received data size doesn't match expected size").
+_out_of_step: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 
 
 _OUT_OF_STEP = ("The process group's collectives are now out of step among its ranks (an engine cannot take back a "
@@ -178,10 +187,11 @@ class HostCollectives:
         self.engine = dist.get_backend(self.group)
         self.word_device = word_device(self.engine, device)
         group_name = getattr(self.group, "group_name", "group")
-        _sites[(group_name, label)] += 1
+        opened = _sites.setdefault(self.group, Counter())
+        opened[label] += 1
         # This owner's number among the owners of its kind opened on this group by this process,
         # from 1 (equal on every rank when ranks build their backends in the same order).
-        self.instance = _sites[(group_name, label)]
+        self.instance = opened[label]
         self.site = f"{group_name}/{label}#{self.instance}"
         self.failed: Optional[str] = None  # set once a wait timed out or the engine failed
         self._device = device
@@ -281,6 +291,19 @@ class HostCollectives:
         if self.failed is not None:
             raise EPError(f"{self.owner}: rank {self.rank} cannot run more ops after an earlier failure "
                           f"({self.failed}). {_OUT_OF_STEP}")
+        failed_there = _out_of_step.get(self._engine_object())
+        if failed_there is not None:
+            raise EPError(f"{self.owner}: rank {self.rank} cannot run collectives on this process group: a "
+                          f"collective of another owner on it failed earlier ({failed_there}). {_OUT_OF_STEP}")
+
+    def _engine_object(self):
+        """What the collectives run on: the gloo twin, or the process group itself."""
+        return self._twin if self._twin is not None else self.group
+
+    def _mark_failed(self, what: str) -> None:
+        """This owner, and every owner on the same engine in this process, runs no more collectives."""
+        self.failed = what
+        _out_of_step.setdefault(self._engine_object(), f"{self.owner}: {what}")
 
     def peer_name(self, peer: int) -> str:
         """'rank 3', or 'rank 3 (global rank 7)' in a subgroup."""
@@ -325,13 +348,13 @@ class HostCollectives:
         raise self._timeout_error(where, time.monotonic() - start)
 
     def _engine_error(self, where: str, exc: BaseException) -> EPError:
-        self.failed = f"{self.engine} failed in {where}"
+        self._mark_failed(f"{self.engine} failed in {where}")
         message = _first_line(exc)
         return EPError(f"{self.owner}: rank {self.rank}: {where} failed in {self.engine}: {message}. A peer probably "
                        f"exited or ran a different collective on this process group. {_OUT_OF_STEP}")
 
     def _timeout_error(self, where: str, waited_s: float) -> EPTimeoutError:
-        self.failed = f"timed out in {where}"
+        self._mark_failed(f"timed out in {where}")
         peers = [q for q in range(self.num_ranks) if q != self.rank]
         report = self._report_peers(where, peers)
         return EPTimeoutError(

@@ -81,6 +81,54 @@ def test_after_a_timeout_the_backend_refuses_at_once(late_outcomes):
         assert seconds < 1.0
 
 
+def another_owner_after_a_timeout(ctx):
+    """Two backends on one world. Rank 1 comes late: rank 0 times out in the first, then calls the second.
+    Before: that call ran on the group left out of step, met rank 1's late ops of the first backend with
+    another size, and gloo aborted both processes (SIGABRT); now it is refused at once."""
+    first, second = _reference(), _reference()
+    if ctx.rank == 1:
+        time.sleep(TIMEOUT_S + _grace_s(TIMEOUT_S) + 1.5)
+    outcomes = _outcome(lambda: _dispatch(first)), _outcome(lambda: _dispatch(second))
+    if ctx.rank == 0:  # stay until rank 1 timed out too (leaving would close the connection it waits on)
+        time.sleep(TIMEOUT_S + 2 * _grace_s(TIMEOUT_S) + 2.5)
+    return outcomes
+
+
+def test_after_a_timeout_every_owner_on_the_group_refuses_at_once():
+    results = run_ranks(another_owner_after_a_timeout, 2, timeout_s=120)  # raises if a rank was killed
+    kind, message, _ = results[0][0]
+    assert kind == "EPTimeoutError" and "Late peer(s): rank 1" in message, (kind, message)
+    for rank in (0, 1):
+        kind, message, seconds = results[rank][1]
+        assert kind == "EPError" and "a collective of another owner on it failed earlier" in message, (rank, message)
+        assert "timed out in dispatch #1" in message and seconds < 1.0, (rank, message, seconds)
+
+
+def reference_across_a_restart(ctx):
+    """A reference backend on EP groups [0, 1] and [2, 3], then, after destroy_process_group and a new
+    world in the same processes, on [0, 2] and [1, 3]: torch gives the new groups the old names, so a count
+    of backends by group name (each backend's number, which the ranks compare in every op) differed
+    between the ranks of a new group, and every op raised."""
+    store = dist.distributed_c10d._get_default_store()
+    x, topk_idx = torch.ones(2, HIDDEN), torch.tensor([[0, 1], [2, 3]])
+    for world, layout in enumerate(([[0, 1], [2, 3]], [[0, 2], [1, 3]])):
+        if world:
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", store=dist.PrefixStore("restart/", store), rank=ctx.rank, world_size=4)
+        groups = [dist.new_group(members) for members in layout]
+        mine = next(group for group, members in zip(groups, layout, strict=True) if ctx.rank in members)
+        backend = ep_plugin.get_backend("reference")(mine, hidden_size=HIDDEN, num_experts=4, device="cpu",
+                                                     config=Config.from_env(timeout_s=TIMEOUT_S))
+        out = backend.dispatch(x, topk_idx=topk_idx)
+        assert torch.equal(backend.combine(out.hidden, out.handle).hidden, 2 * x)
+        backend.destroy()
+    return True
+
+
+def test_a_backend_in_a_restarted_world_meets_its_peers():
+    assert run_ranks(reference_across_a_restart, 4, timeout_s=120) == [True] * 4
+
+
 def departed_peer(ctx):
     """Rank 1 builds the backend and leaves; rank 0 dispatches."""
     backend = _reference()
