@@ -192,6 +192,26 @@ def test_hang_is_reported_not_waited_for():
     assert time.monotonic() - start < 60
 
 
+def caught_timeout_then_return(ctx):
+    """Rank 0 gives up on a barrier (1 s) and returns; rank 1 stays away past the launcher's timeout."""
+    from ep_plugin.host_collectives import HostCollectives
+
+    words = HostCollectives(None, owner="test", timeout_s=1.0, label="caught timeout")
+    if ctx.rank == 1:
+        time.sleep(600)
+    try:
+        words.barrier(where="the barrier")
+    except EPTimeoutError:
+        return "gave up"
+
+
+def test_a_rank_that_returned_is_not_named_with_one_that_hangs():
+    """Before: rank 0 destroyed its process group before reporting its result, and gloo's destroy waited for
+    the barrier its timeout left behind (until rank 1 came): the launcher named both ranks as not finished."""
+    with pytest.raises(EPTimeoutError, match=r"rank\(s\) \[1\] did not finish .*finished: \[0\]"):
+        run_ranks(caught_timeout_then_return, 2, timeout_s=20)
+
+
 def unpicklable_result_on_rank_one(ctx):
     return threading.Lock() if ctx.rank == 1 else ctx.rank
 

@@ -22,6 +22,7 @@ import os
 import queue
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -345,7 +346,6 @@ def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dic
             results.put((rank, False, traceback.format_exc()))
             _destroy_quietly(dist)
             return
-        dist.destroy_process_group()
         # Pickled here (bytes: dumps gives a memoryview, which does not pickle), as the queue would: the queue
         # pickles in a thread of its own, which drops an object that does not pickle without a word (the rank
         # then exits with code 0 and the launcher waits out its timeout).
@@ -353,6 +353,17 @@ def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dic
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, False, traceback.format_exc()))
         return
+    try:
+        # After the result: gloo's destroy waits for an op a caught timeout left behind (until the late peer
+        # calls or exits), which lost the result and named this rank as not finished. A hang or crash here
+        # is the exit check's to report (TeardownError, with the results).
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - the result is reported; the exit code tells the launcher
+        traceback.print_exc()
+        results.close()
+        results.join_thread()  # the result has left this process
+        sys.stderr.flush()
+        os._exit(1)
     _exit_after_own_teardown(results)
 
 
@@ -365,7 +376,6 @@ def _exit_after_own_teardown(results) -> None:
     runs of the suite, in a CPU-only rank), which is not this library's to test."""
     import atexit
     import gc
-    import sys
 
     results.close()
     results.join_thread()  # the result has left this process
