@@ -170,6 +170,13 @@ __device__ __forceinline__ void bulk_wait_read(int pending) {
 }
 // Every store of this thread has landed (call before publishing a completion flag).
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// Orders this thread's global-memory accesses through the generic proxy (ordinary loads and stores,
+// the flags it acquired or will release) with those of the bulk copies (the async proxy), both ways:
+// a peer's rows seen ready through a flag are what a bulk load then reads, and rows stored in bulk
+// are what a peer reading them through a flag finds (whichever copy engine that peer uses).
+__device__ __forceinline__ void fence_generic_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
 #else  // the bulk kernels are never launched below sm_90 (the host checks the device)
 __device__ __forceinline__ void mbarrier_init(uint64_t*) { __trap(); }
 __device__ __forceinline__ void mbarrier_expect_bytes(uint64_t*, uint32_t) { __trap(); }
@@ -179,6 +186,7 @@ __device__ __forceinline__ void bulk_store(void*, const void*, uint32_t) { __tra
 __device__ __forceinline__ void bulk_commit() { __trap(); }
 __device__ __forceinline__ void bulk_wait_read(int) { __trap(); }
 __device__ __forceinline__ void bulk_wait_all() { __trap(); }
+__device__ __forceinline__ void fence_generic_async_global() { __trap(); }
 #endif
 
 // One warp's ring of stages. Job j (a chunk of a row) goes through stage j % num_stages.
@@ -236,6 +244,7 @@ __device__ __forceinline__ void run_bulk_jobs(const BulkRing& ring, int num_jobs
               ring.bars + slot);
   };
   if (lane == 0) {
+    fence_generic_async_global();  // after the caller's wait for the rows (a flag acquired in this block)
     for (int j = 0; j < ahead && j < num_jobs; ++j) load(j);
   }
   for (int i = 0; i < num_jobs; ++i) {
@@ -256,6 +265,7 @@ __device__ __forceinline__ void run_bulk_jobs(const BulkRing& ring, int num_jobs
   }
   if (lane == 0) {
     bulk_wait_all();
+    fence_generic_async_global();
     __threadfence_system();  // the landed stores come before the block's completion flag
   }
   __syncwarp();
