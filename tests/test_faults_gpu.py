@@ -127,6 +127,17 @@ def exited_rank(ctx, backend_name: str, peer_watch_s: float) -> dict:
     time.sleep(5.0)  # until that process (and its CUDA context) is gone
     result = timed_dispatch(backend, x, routing)
     result["gpu_ok"] = gpu_usable(ctx)
+    # destroy() meets a gone peer: it may raise, and the backend must count as destroyed all the same (it
+    # stayed half-destroyed and usable-looking, its twin and watch held, when its barrier raised).
+    try:
+        backend.destroy()
+    except ep_plugin.EPError:
+        pass
+    try:
+        backend.dispatch(x, **routing)
+        result["after destroy"] = "no error"
+    except RuntimeError as caught:
+        result["after destroy"] = f"{type(caught).__name__}: {caught}"
     return result
 
 
@@ -144,6 +155,8 @@ def test_rank_whose_process_exited_is_named(backend_name, peer_watch_s):
             assert result["error"].startswith("EPTimeoutError: ") and "peer rank 3" in result["error"], \
                 (rank, result)
         assert result["gpu_ok"] is True, (rank, result["gpu_ok"])
+        assert result["after destroy"].startswith("RuntimeError: ") and "destroyed" in result["after destroy"], \
+            (rank, result)
 
 
 # ---- ranks that disagree -----------------------------------------------------------------------
@@ -213,6 +226,51 @@ def test_ranks_that_disagree_get_an_error_on_every_rank(backend_name):
             assert errors["in_place"] is not None and "combine_in_place" in errors["in_place"], (rank, errors)
         else:  # one pass rounds once, the two-stage combine once per rank: a few bf16 ulps apart at most
             assert errors["in_place"] is None and errors["mixed_difference"] <= 4 * 2 ** -7, (rank, errors)
+
+
+# ---- a failure on one rank in the middle of an op --------------------------------------------------
+
+def allocation_failures(ctx, backend_name: str) -> dict:
+    """Rank 0's first output allocation fails (a planted out-of-memory error). Blocking mode allocates the
+    dispatch output after the count read, so after the layout and send ran: the peers complete that op, and
+    rank 0 must say it is out of step (EPError, at once again at its next op), not let a retry meet their
+    next op. Non-blocking mode allocates before any launch: the same call again pairs with the peers'."""
+    x, routing = routed_tokens(ctx, 870)
+    seen: dict = {True: [], False: []}
+    for blocking in (True, False):
+        backend = make_backend(ctx, backend_name, blocking=blocking)
+        if ctx.rank == 0:
+            def failing_once(*shape, dtype, backend=backend):
+                del backend._empty  # later allocations are the backend's own again
+                raise torch.cuda.OutOfMemoryError("planted: the output allocation fails")
+
+            backend._empty = failing_once
+            for _attempt in range(2 if blocking else 1):
+                start = time.monotonic()
+                try:
+                    backend.dispatch(x, **routing)
+                    seen[blocking].append(("no error", 0.0))
+                except Exception as caught:  # noqa: BLE001 - the test compares the type and text
+                    seen[blocking].append((f"{type(caught).__name__}: {caught}", time.monotonic() - start))
+        if ctx.rank != 0 or not blocking:  # rank 1 pairs with rank 0's op; non-blocking, rank 0's retry joins
+            out = backend.dispatch(x, **routing)
+            if not blocking:
+                back = backend.combine(out.hidden, out.handle).hidden
+                seen[blocking].append((f"combined {tuple(back.shape)}", 0.0))
+        torch.cuda.synchronize()
+        backend.destroy()
+    return seen
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_failure_after_the_first_launch_is_reported_as_out_of_step(backend_name):
+    results = run_ranks(allocation_failures, 2, backend_name, device="cuda", timeout_s=180)
+    (first, _), (again, seconds) = results[0][True]
+    assert first.startswith("EPError: ") and "after its first launch" in first and "planted" in first, first
+    assert again.startswith("EPError: ") and "out of step" in again and seconds < 1.0, (again, seconds)
+    assert results[0][False][0][0].startswith("OutOfMemoryError: planted"), results[0]
+    for rank in (0, 1):
+        assert results[rank][False][-1][0] == "combined (20, 256)", (rank, results[rank])
 
 
 # ---- more SMs than can be resident -------------------------------------------------------------

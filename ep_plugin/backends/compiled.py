@@ -14,7 +14,7 @@ import torch
 
 from .. import _cuda, streams
 from ..agreement import OP_BARRIER, fingerprint_code
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, EPError
 from ..routing import ROUTING_MAP, Routing, check_topk_values, dropped_ids_error
 from ..transport.fabric import gpu_link_bandwidths
 from ..transport.placement import ranks_per_gpu
@@ -49,7 +49,13 @@ def op_range(op: str):
 
     One per op, not one per stage: an op is one to three launches whose kernels a profile names
     anyway, and each range costs ~1.5 µs of the host time that paces eager decode. Host waits
-    inside an op (blocking mode's count read) keep a range of their own."""
+    inside an op (blocking mode's count read) keep a range of their own.
+
+    Also: an op that fails on this rank alone after its first launch (an allocation only its count could
+    size, say) has taken its place in the device handshakes, and its peers ran it: the backend is out of
+    step, and says so then and at every later op (``EPError``), where a retry would have met the peers'
+    next op. Refusals every rank makes alike (``ValueError``, ``TypeError``) and the device's own reports
+    (``EPError``) are not that."""
     def decorate(method):
         names: dict[str, str] = {}  # backend name -> range name, built once
 
@@ -58,8 +64,19 @@ def op_range(op: str):
             name = names.get(self.name)
             if name is None:
                 name = names[self.name] = f"ep.{self.name}.{op}"
+            if self._failed_mid_op is not None:
+                raise self._out_of_step_error(f"{op} refused: an earlier")
+            launches = self._launches
             with nvtx_range(name):
-                return method(self, *args, **kwargs)
+                try:
+                    return method(self, *args, **kwargs)
+                except (ValueError, TypeError, EPError):
+                    raise
+                except BaseException as exc:
+                    if self._launches == launches:  # nothing enqueued: the call may be made again
+                        raise
+                    self._failed_mid_op = f"{op} failed after its first launch ({type(exc).__name__}: {exc})"
+                    raise self._out_of_step_error("this") from exc
         return ranged
     return decorate
 
@@ -128,6 +145,8 @@ class CompiledBackend(Backend):
         # The stream of the last launch: an op on another stream first waits for it (see _stream).
         self._last_stream_handle: Optional[int] = None
         self._last_stream: Optional[torch.cuda.Stream] = None
+        self._launches = 0  # _stream() calls: whether an op enqueued anything before it failed (op_range)
+        self._failed_mid_op: Optional[str] = None  # why this rank is out of step with its peers (op_range)
 
     def _construction_facts(self) -> dict:
         # Kernels wait for as many blocks of every peer as they run themselves, and the regions hold
@@ -358,6 +377,7 @@ class CompiledBackend(Backend):
         the order they were enqueued: when the caller moved to another stream (a comm stream for some ops,
         say), that stream first waits for the previous one, so an op cannot overtake an earlier op still
         queued there."""
+        self._launches += 1
         handle = streams.stream_handle(self.device)
         if handle != self._last_stream_handle:
             self._follow_previous_stream(handle)
@@ -492,15 +512,25 @@ class CompiledBackend(Backend):
             self._wait_for_host("the barrier")
 
     def check_usable(self) -> None:
-        """Also what the device reported (a timed-out wait, ranks that disagreed), as every op checks first."""
+        """Also what the device reported (a timed-out wait, ranks that disagreed), as every op checks first,
+        and an op that failed here after its first launch (``op_range``)."""
         super().check_usable()
+        if self._failed_mid_op is not None:
+            raise self._out_of_step_error("an earlier")
         if self.buffer is not None:
             self.buffer.raise_if_failed()
 
+    def _out_of_step_error(self, which: str) -> EPError:
+        """``which``: "this" (the op failing now) or "<op> refused: an earlier"."""
+        return EPError(f"ep_plugin {self.name}: rank {self.rank}: {which} {self._failed_mid_op}; its peers ran "
+                       "that op, so this rank is out of step with them: build a new backend (on every rank)")
+
     def destroy(self) -> None:
-        if self.buffer is not None:
-            self.buffer.destroy()
-        super().destroy()
+        try:
+            if self.buffer is not None:
+                self.buffer.destroy()
+        finally:  # destroyed also where the buffer's last wait failed: every op refuses from now on
+            super().destroy()
 
 
 SCRATCH_ALIGN_BYTES = 64  # every piece starts on its own 64-byte boundary (the kernels' vector loads need 16)

@@ -426,6 +426,9 @@ class ElasticBackend(CompiledBackend):
         scales = hidden[1] if fp8 else None
         data = self._aligned(data)
         H = self.hidden_size
+        # The outputs before the first launch: an allocation that fails then leaves the ranks in step.
+        out = self._empty(layout.capacity, H, dtype=data.dtype)
+        out_scales = self._empty(layout.capacity, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
         self._exchange(PHASE_CACHED, self._fingerprint(OP_DISPATCH_AGAIN, dtype=data.dtype, handle=handle))
         row_bytes = H if fp8 else 2 * H
         scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
@@ -435,8 +438,6 @@ class ElasticBackend(CompiledBackend):
                                         send_slot=at("send_slot"), num_tokens=handle.num_tokens,
                                         bulk_copy=self._bulk)
         self._C.elastic.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
-        out = self._empty(layout.capacity, H, dtype=data.dtype)
-        out_scales = self._empty(layout.capacity, H // self.FP8_BLOCK, dtype=torch.float32) if fp8 else None
         receive = self._C.elastic.ReceiveArgs(
             out=out, row_bytes=row_bytes, out_scales=out_scales, scale_bytes=scale_bytes,
             capacity=layout.capacity, num_packets=at("num_packets"), topk=layout.topk, expand=layout.expand,
@@ -466,6 +467,7 @@ class ElasticBackend(CompiledBackend):
         ``handle`` until its combine; another op on this backend in between may overwrite it, and
         the memory goes with ``destroy()``. Every rank of the combine must pass its own.
         """
+        self.refuse_if_destroyed("combine_input")
         self.check_handle(handle)
         layout: ElasticLayout = handle.layout
         if layout.expand:
@@ -486,6 +488,9 @@ class ElasticBackend(CompiledBackend):
         in_place = self._in_place(rows, layout)
         op = OP_COMBINE_IN_PLACE if in_place else OP_COMBINE
         rows_in = None if in_place else self._aligned(rows)  # in place: the buffer is read, not the tensor
+        # The outputs before the first launch: an allocation that fails then leaves the ranks in step.
+        out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
+        values = torch.empty(T, k, dtype=torch.float32, device=dev) if row_probs is not None else None
         self._exchange(PHASE_COMBINE, self._fingerprint(op, dtype=rows.dtype, probs=row_probs is not None,
                                                         handle=handle), input_read_in_place=in_place)
         # The handle may go before this op has run: what it reads of the layout is tied to this stream too
@@ -502,8 +507,6 @@ class ElasticBackend(CompiledBackend):
             self._C.elastic.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
         if not in_place:  # the peers' send writes this rank's rows over the combine input handed out last
             self._combine_input_owner = None
-        out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
-        values = torch.empty(T, k, dtype=torch.float32, device=dev) if row_probs is not None else None
         receive = self._C.elastic.CombineRecvArgs(out=out, bias=bias, out_topk_values=values,
                                                   send_slot=at("send_slot"), topk_idx=layout.topk_idx, topk=k,
                                                   num_tokens=T, dest_base=at("dest_base") if in_place else None,

@@ -284,11 +284,13 @@ class HierarchicalBackend(Backend):
         self._at_domain_level(self.domain.barrier)
 
     def destroy(self) -> None:
-        self.domain.destroy()
-        self.scaleout.release()
-        self._domain_counts.release()
-        self._domain_words.release()
-        super().destroy()
+        try:
+            self.domain.destroy()
+        finally:  # the rest goes also where the domain backend's last wait failed
+            self.scaleout.release()
+            self._domain_counts.release()
+            self._domain_words.release()
+            super().destroy()
 
     def check_usable(self) -> None:
         """Every op's first check: an earlier failure at either level (the rail's or the domain's

@@ -352,12 +352,12 @@ class HybridBackend(CompiledBackend):
         H = self.hidden_size
         hidden = self._aligned(hidden)
         fingerprint = self._fingerprint(OP_DISPATCH_AGAIN, dtype=hidden.dtype, handle=handle)
+        out = self._empty(layout.budget, H, dtype=hidden.dtype)  # before any launch (see _combine)
         self._exchange(PHASE_DISPATCH_AGAIN, fingerprint)
         self._keep_on_stream(hidden, layout.scratch.memory)  # the handle may go before this op has run
         send = self._C.hybrid.SendArgs(hidden=hidden, row_bytes=2 * H, send_slot=at("send_slot"),
                                        num_tokens=handle.num_tokens, bulk_copy=self._bulk)
         self._C.hybrid.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
-        out = self._empty(layout.budget, H, dtype=hidden.dtype)
         permute = self._C.hybrid.PermuteArgs(
             out=out, row_bytes=2 * H, budget=layout.budget, row_base=at("row_base"),
             expert_start=at("expert_start"), tokens_per_expert=at("tokens_per_expert"),
@@ -404,6 +404,7 @@ class HybridBackend(CompiledBackend):
         it. A backend whose arena ``combine_input_arena()`` routes allocations to refuses it
         (ValueError): allocate the output inside that context instead.
         """
+        self.refuse_if_destroyed("combine_input")
         self.check_handle(handle)
         room = self.combine_input_rows
         if handle.num_rows > room:
@@ -415,13 +416,16 @@ class HybridBackend(CompiledBackend):
         if self._arena_use == "pool":
             raise ValueError("combine_input: this backend's combine-input arena serves combine_input_arena(), whose "
                              "allocations may lie anywhere in it; allocate the expert output inside that context")
-        self._arena_use = "combine_input"
-        return self._combine_input_view(handle.layout, self.regions.off_comb_input, handle.num_rows)
+        view = self._combine_input_view(handle.layout, self.regions.off_comb_input, handle.num_rows)
+        self._arena_use = "combine_input"  # once handed out (a refused call leaves the arena to the pool route)
+        return view
 
     def destroy(self) -> None:
-        if self.arena is not None:
-            self.arena.destroy()
-        super().destroy()
+        try:
+            if self.arena is not None:
+                self.arena.destroy()
+        finally:
+            super().destroy()
 
     def _arena_offset(self, rows: torch.Tensor, layout: "HybridLayout") -> Optional[int]:
         """Where ``rows`` lie in this rank's arena (then the peers read them there), or None (raises
@@ -449,6 +453,10 @@ class HybridBackend(CompiledBackend):
         # sums (so ranks may differ); each source reads the rows in place, or the partial.
         op_word = None if not layout.in_place_ready else (
             offset // 16 if in_place else self._C.hybrid.COMBINE_PUSHED)
+        # The outputs before the first launch: an allocation that fails then leaves the ranks in step.
+        out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
+        dense_probs = torch.zeros(T, self.num_experts, dtype=torch.float32, device=dev) \
+            if row_probs is not None else None
         self._exchange(PHASE_COMBINE, self._fingerprint(OP_COMBINE, dtype=rows.dtype, probs=row_probs is not None,
                                                         handle=handle), op_word=op_word, input_read_in_place=in_place)
         self.combine_counts["in_place" if in_place else "pushed"] += 1
@@ -464,9 +472,6 @@ class HybridBackend(CompiledBackend):
                 packet_rows=at("packet_rows"), num_packets=at("num_packets")))
             send.rows, send.row_probs, send.budget = None if in_place else rows, row_probs, layout.budget
             self._C.hybrid.combine_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
-        out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
-        dense_probs = torch.zeros(T, self.num_experts, dtype=torch.float32, device=dev) \
-            if row_probs is not None else None
         # peer_rows: the dispatch derived them (layout.in_place_ready), so the combine sends an op word.
         receive = scratch.args("combine_recv", lambda: self._C.hybrid.CombineRecvArgs(
             send_slot=at("send_slot"), k_index=at("k_index"), num_tokens=T,

@@ -172,17 +172,22 @@ class SymmetricBuffer:
             self.raise_if_failed()
 
     def destroy(self) -> None:
-        """Collective: wait until no peer can still write here, then free everything."""
+        """Collective: wait until no peer can still write here, then free everything. Where that wait fails
+        (a peer gone or late, this GPU still busy), it raises, and the buffer counts as destroyed all the
+        same, with its memory left allocated and mapped: a peer or a kernel may still write there, and freed
+        memory would be handed to other allocations (a leak, not a corruption)."""
         if self._destroyed:
             return
-        # Our writes into peers are complete (a failed backend is destroyed too: its report is not raised) ...
-        self.synchronize("destroy", raise_report=False)
-        self._collectives.barrier(where="destroy")  # ... and so are everyone's into ours
-        self._collectives.release()
-        WATCH.unwatch(self)  # before the report's memory goes
+        try:
+            # Our writes into peers are complete (a failed backend is destroyed too: its report is not raised)
+            self.synchronize("destroy", raise_report=False)
+            self._collectives.barrier(where="destroy")  # ... and so are everyone's into ours
+        finally:
+            self._destroyed = True
+            self._collectives.release()
+            WATCH.unwatch(self)  # before the report's memory goes
         self._region_tensors.clear()
         self._buffer.destroy()
-        self._destroyed = True
 
 
 # bf16 has no typestr: it travels as int16 and is reinterpreted on the torch side.
