@@ -70,8 +70,11 @@ class DispatchOutput(NamedTuple):
     handle: pass to ``ep_plugin.combine``.
     topk_idx: compact form only: [num_rows, k] int64 local expert ids, -1 where the token's expert
         is not on this rank.
-    num_valid_rows: [1] int64 on the device: rows [0, num_valid_rows) are valid (the rest of a
-        worst-case-sized output in non-blocking mode is unwritten). None where every row is valid.
+    num_valid_rows: [1] int64 on the device: rows [0, min(num_valid_rows, num_rows)) are valid (the
+        rest of a worst-case-sized output in non-blocking mode is unwritten). It counts the rows the
+        senders had for this rank, so past a budget that was too small (``hybrid``'s
+        ``num_permuted_tokens``; its overflow flag is then set) it exceeds the output's rows. None
+        where every row is valid.
     tokens_per_expert_list: host copy of tokens_per_expert where the mode read it anyway (blocking).
     ready: CUDA event recorded after the last kernel that writes these outputs (None on CPU).
     """

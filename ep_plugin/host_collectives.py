@@ -34,8 +34,9 @@ of minutes. Megatron's distributed optimizer keeps gloo groups of its NCCL group
 Which peer is late: neither engine says. On a timeout each rank posts where it gave up to
 the store of the default process group, then reads the posts of its peers for a short grace
 period. A peer that posted the same place waits too; one that posted another place gave up
-there earlier; one that posted nothing never reached this op (stopped calling ep_plugin, busy
-elsewhere, or dead). The store is reached through ``torch.distributed``'s private
+there earlier; one that posted nothing within the grace period came late or never reached this op
+(stopped calling ep_plugin, busy elsewhere, or dead). Ranks are named as their group knows them,
+with their global rank where that differs. The store is reached through ``torch.distributed``'s private
 ``_get_default_store``; where that is missing the report lists every peer that could be late.
 """
 
@@ -293,8 +294,8 @@ class HostCollectives:
                           f"({self.failed}). {_OUT_OF_STEP}")
         failed_there = _out_of_step.get(self._engine_object())
         if failed_there is not None:
-            raise EPError(f"{self.owner}: rank {self.rank} cannot run collectives on this process group: a "
-                          f"collective of another owner on it failed earlier ({failed_there}). {_OUT_OF_STEP}")
+            raise EPError(f"{self.owner}: rank {self.rank} cannot run more ops after an earlier failure on this "
+                          f"process group ({failed_there}). {_OUT_OF_STEP}")
 
     def _engine_object(self):
         """What the collectives run on: the gloo twin, or the process group itself."""
@@ -350,17 +351,17 @@ class HostCollectives:
     def _engine_error(self, where: str, exc: BaseException) -> EPError:
         self._mark_failed(f"{self.engine} failed in {where}")
         message = _first_line(exc)
-        return EPError(f"{self.owner}: rank {self.rank}: {where} failed in {self.engine}: {message}. A peer probably "
-                       f"exited or ran a different collective on this process group. {_OUT_OF_STEP}")
+        return EPError(f"{self.owner}: {self.peer_name(self.rank)}: {where} failed in {self.engine}: {message}. A peer "
+                       f"probably exited or ran a different collective on this process group. {_OUT_OF_STEP}")
 
     def _timeout_error(self, where: str, waited_s: float) -> EPTimeoutError:
         self._mark_failed(f"timed out in {where}")
         peers = [q for q in range(self.num_ranks) if q != self.rank]
         report = self._report_peers(where, peers)
         return EPTimeoutError(
-            f"{self.owner}: rank {self.rank} timed out after {waited_s:.1f} s (timeout_s={self.timeout_s:g}, "
-            f"EP_PLUGIN_TIMEOUT_S) in {where} over {self.engine}. {report} Raise EP_PLUGIN_TIMEOUT_S if the peers are "
-            f"only slow. {_OUT_OF_STEP}")
+            f"{self.owner}: {self.peer_name(self.rank)} timed out after {waited_s:.1f} s "
+            f"(timeout_s={self.timeout_s:g}, EP_PLUGIN_TIMEOUT_S) in {where} over {self.engine}. {report} "
+            f"Raise EP_PLUGIN_TIMEOUT_S if the peers are only slow. {_OUT_OF_STEP}")
 
     def _report_peers(self, where: str, peers: list[int]) -> str:
         """Which peers are late, from the posts of the ranks that timed out (see the module docstring)."""
@@ -387,9 +388,9 @@ class HostCollectives:
         elsewhere = [q for q in peers if q in places and places[q] != where]
         parts = []
         if late:
-            parts.append(f"Late peer(s): {', '.join(self.peer_name(q) for q in late)} (never reached {where}: "
-                         f"stopped calling ep_plugin, busy elsewhere, or dead; none of them reported a wait within "
-                         f"{grace:.1f} s).")
+            parts.append(f"Late peer(s): {', '.join(self.peer_name(q) for q in late)} (no wait reported in {where} "
+                         f"within {grace:.1f} s of this rank's timeout: they came late or never: stopped calling "
+                         f"ep_plugin, busy elsewhere, or dead).")
         for q in elsewhere:
             parts.append(f"{self.peer_name(q)} gave up earlier, in {places[q]}.")
         if waiting:

@@ -663,7 +663,11 @@ def test_missing_rank_times_out_naming_the_rail_phase_and_peer():
             assert seconds < TIMEOUT_S + _grace_s(TIMEOUT_S) + SLACK_S, (where, seconds)
             if rank in rail_peers:  # 8x1: every survivor
                 assert "rail 0 (global ranks" in message and "dispatch #1: rail/counts" in message, (where, message)
-                assert "Late peer(s): rank 0 (never reached" in message, (where, message)
+                assert "Late peer(s): rank 0 (no wait reported" in message, (where, message)
+                # It names itself as its peers know it (it said "rank 1 timed out" on rail [0, 4], where rank 1
+                # reads as global rank 1, alive and waiting elsewhere).
+                me = f"rank {rank}" if size == 1 else f"rank {rank // size} (global rank {rank})"
+                assert f"{me} timed out" in message, (where, message)
             else:  # 2x4: rank 0's domain peers wait for it there; the rest for rank 4, which waits on the rail
                 assert "domain" in message and "segment counts" in message, (where, message)
             if rank >= 4:
