@@ -189,10 +189,13 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
         mps_problem(args.ranks, gpu_count()) if args.device == "cuda" else None)
     if problem:
         return f"--ranks {args.ranks}: {problem}"
-    max_tokens = Config.from_env().max_tokens_per_rank  # the backend is built with the environment's config
-    if args.tokens > max_tokens:
-        return (f"--tokens {args.tokens} is over max_tokens_per_rank={max_tokens} "
+    config = Config.from_env()  # the backend is built with the environment's config
+    if args.tokens > config.max_tokens_per_rank:
+        return (f"--tokens {args.tokens} is over max_tokens_per_rank={config.max_tokens_per_rank} "
                 f"(raise EP_PLUGIN_MAX_TOKENS_PER_RANK)")
+    if config.scaleup_size and args.ranks % config.scaleup_size:
+        return (f"EP_PLUGIN_SCALEUP_SIZE={config.scaleup_size} does not divide --ranks {args.ranks} into NVLink "
+                f"domains (unset it, or pick a divisor)")
     if args.topk > args.experts:
         return f"--topk {args.topk} is more than the {args.experts} experts (--experts)"
     if args.experts % args.ranks:

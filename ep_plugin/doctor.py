@@ -162,7 +162,10 @@ def nvlink_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str],
         verdict.notes.append(f"NVLink state unknown: {fabric.driver.nvml_error}")
     built, why = extension
     if not built:
-        problems.append(Problem(why, "reinstall with nvcc on PATH: pip install --no-build-isolation -e ."))
+        archs = ";".join(sorted({"%d%d" % gpu.info.compute_capability for gpu in fabric.gpus}))
+        build_for = "" if archs == "90" else f'EP_PLUGIN_CUDA_ARCHS="{archs}" '  # the default build is sm_90's
+        problems.append(Problem(why, f"reinstall with nvcc on PATH: pip install pybind11, then {build_for}pip "
+                                     f"install --no-build-isolation -e ."))
         verdict.status = UNAVAILABLE
     gpus = fabric.gpus
     groups = _peer_groups(fabric)
@@ -224,9 +227,8 @@ def _check_scaleup_size(fabric: Fabric, options: Options, environ: Mapping[str, 
 def _check_co_residency(fabric: Fabric, options: Options, environ: Mapping[str, str], verdict: Verdict) -> None:
     try:
         config = _config(environ)
-    except (ValueError, TypeError) as exc:
-        verdict.problems.append(Problem(str(exc), "fix the EP_PLUGIN_* variable named above"))
-        verdict.status = UNAVAILABLE
+    except (ValueError, TypeError):
+        verdict.notes.append("co-residency not checked: an EP_PLUGIN_* value is refused (the knobs' verdict)")
         return
     device_sms = config.max_sms_per_gpu or min(gpu.info.sm_count for gpu in fabric.gpus)
     if device_sms <= 0:
@@ -254,12 +256,16 @@ def _check_co_residency(fabric: Fabric, options: Options, environ: Mapping[str, 
 def scaleout_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str],
                      probe: Optional[nccl_probe.NcclProbeResult] = None) -> Verdict:
     verdict = Verdict("scaleout", "scale-out (NCCL across nodes)", OK, "", asked=options.scaleout is not None)
-    if options.backend == "reference" and _no_gpu_reason(fabric) is not None:
-        # A job of CPU ranks: the reference backend crosses nodes over gloo, TCP sockets, no NCCL.
+    if options.backend in (None, "reference") and _no_gpu_reason(fabric) is not None:
+        # A job of CPU ranks (no GPU here, so no other backend): reference crosses nodes over gloo, TCP sockets.
         verdict.mode, verdict.title = nccl_probe.SOCKET, "scale-out (gloo across nodes)"
         verdict.summary = f"{nccl_probe.SOCKET}: no GPU, so CPU ranks; the reference backend uses gloo (TCP)"
         verdict.status = DEGRADED
         verdict.passed = nccl_probe.RANK[nccl_probe.SOCKET] >= nccl_probe.REQUIREMENTS.get(options.scaleout or "", 0)
+        if not verdict.passed:
+            verdict.problems.append(Problem(
+                f"--scaleout {options.scaleout} asks for RDMA between nodes; CPU ranks cross nodes over gloo "
+                f"(TCP sockets) only", "--scaleout socket for CPU ranks (or run on GPUs with RDMA NICs)"))
         return verdict
     mode, summary = _static_scaleout(fabric, environ, verdict)
     if fabric.gpus:
@@ -524,8 +530,10 @@ def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -
         host_words = _config(environ).gloo_host_words
     except (ValueError, TypeError):
         host_words = True  # _check_co_residency reports the bad variable
+    # The job uses gloo where the host words go over it, and always on CPU ranks (their process group).
+    uses_gloo = host_words or options.backend == "reference" or _no_gpu_reason(fabric) is not None
     verdict = Verdict("gloo", "gloo (the host words of NCCL groups)", OK, "",
-                      asked=(options.backend is not None or options.scaleout is not None) and host_words)
+                      asked=(options.backend is not None or options.scaleout is not None) and uses_gloo)
     if not host_words:
         verdict.notes.append("EP_PLUGIN_GLOO_HOST_WORDS is off: ep_plugin's host words stay on the NCCL groups")
     names = [name.strip() for name in environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name.strip()]
@@ -563,6 +571,22 @@ def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -
 
 def _loopback(address: str) -> bool:
     return address.startswith("127.") or address in ("::1", "0:0:0:0:0:0:0:1")
+
+
+def config_verdict(options: Options, environ: Mapping[str, str]) -> Verdict:
+    """The EP_PLUGIN_* knobs as every backend reads them (``Config.from_env``): a value it refuses fails
+    every backend's build, reference's too. Asked with ``--backend``."""
+    verdict = Verdict("config", "EP_PLUGIN_* knobs", OK, "", asked=options.backend is not None)
+    set_here = sorted(name for name in environ if name.startswith("EP_PLUGIN_") and environ[name].strip())
+    try:
+        _config(environ)
+    except (ValueError, TypeError) as exc:
+        verdict.problems.append(Problem(str(exc), "fix or unset the EP_PLUGIN_* variable named above"))
+        verdict.status, verdict.passed = UNAVAILABLE, False
+        verdict.summary = "a value is refused: building any backend raises"
+        return verdict
+    verdict.summary = f"set here: {', '.join(set_here)}" if set_here else "none set (the defaults)"
+    return verdict
 
 
 def backend_verdict(options: Options, registered: list[str], nvlink: Verdict) -> Optional[Verdict]:
@@ -620,7 +644,7 @@ def assess(fabric: Fabric, options: Options, *, environ: Optional[Mapping[str, s
     registered = registered if registered is not None else _registered_backends()
     nvlink = nvlink_verdict(fabric, options, environ, extension, registered)
     verdicts = [nvlink, scaleout_verdict(fabric, options, environ, probe), mps_verdict(fabric, options),
-                gloo_verdict(fabric, options, environ)]
+                gloo_verdict(fabric, options, environ), config_verdict(options, environ)]
     extra = backend_verdict(options, registered, nvlink)
     if extra is not None:
         verdicts.insert(0, extra)
@@ -729,6 +753,8 @@ def render(fabric: Fabric, verdicts: list[Verdict], sizing: Optional[SmSizing], 
     lines += ["", "Verdicts"]
     for verdict in verdicts:
         tag = {OK: "ok", NOT_NEEDED: "n/a", DEGRADED: "warn", UNAVAILABLE: "FAIL"}[verdict.status]
+        if verdict.asked and not verdict.passed:  # what the exit code reads: never shown as a mere warning
+            tag = "FAIL"
         asked = " (asked)" if verdict.asked else ""
         lines.append(f"  [{tag:4s}] {verdict.title}{asked}: {verdict.summary}")
         for problem in verdict.problems:
@@ -772,7 +798,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run a 2-rank NCCL init (2 GPUs needed) whose log decides the scale-out verdict")
     parser.add_argument("--ranks-per-gpu", type=positive_int, default=1,
                         help="ranks that will share each GPU (default 1)")
-    parser.add_argument("--nodes", type=positive_int, default=1, help="nodes of the job, for the SM autosize line")
+    parser.add_argument("--nodes", type=positive_int, default=1,
+                        help="nodes of the job: for the SM autosize line, and above 1 the gloo check of the host "
+                             "name's address")
     parser.add_argument("--experts", type=positive_int, default=256, help="experts, for the SM autosize line")
     parser.add_argument("--topk", type=positive_int, default=8, help="top-k, for the SM autosize line")
     parser.add_argument("--hidden", type=positive_int, default=7168, help="hidden size, for the SM autosize line")

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import ep_plugin
-from ep_plugin.cli import OneLineParser
+from ep_plugin.cli import OneLineParser, backend_problem
 
 
 def main() -> None:
@@ -25,6 +25,10 @@ def main() -> None:
     if "LOCAL_WORLD_SIZE" not in os.environ:  # started as `python examples/api.py`: no ranks to talk to
         parser.error("start it with torchrun, one process per rank: torchrun --nproc-per-node 2 examples/api.py")
     use_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"])
+    problem = backend_problem(args.backend, "cuda" if use_gpus else "cpu")
+    if problem:  # e.g. hybrid with fewer GPUs than ranks: one line, before any rank builds anything
+        parser.error(f"{problem}. This example runs one rank per GPU; ranks sharing a GPU: python -m ep_plugin "
+                     "demo --backend hybrid")
     if use_gpus:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if use_gpus else "gloo")

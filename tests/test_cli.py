@@ -96,6 +96,13 @@ def test_a_bad_knob_is_refused_before_any_rank_starts(monkeypatch, capsys):
         assert "EP_PLUGIN_TIMEOUT_S='abc'" in _one_line_error(run, capsys)
 
 
+def test_a_domain_size_that_does_not_divide_the_ranks_is_refused_in_one_line(monkeypatch, capsys):
+    """It was a rank's 40-line traceback ending in topology's EPError."""
+    monkeypatch.setenv("EP_PLUGIN_SCALEUP_SIZE", "3")
+    message = _one_line_error(lambda: demo_main(["--device", "cpu", "--ranks", "2", "--steps", "1"]), capsys)
+    assert "EP_PLUGIN_SCALEUP_SIZE=3 does not divide --ranks 2" in message, message
+
+
 def test_info_takes_no_options(capsys):
     assert ep_main(["info", "--bogus"]) == 2
     assert "takes no options" in capsys.readouterr().err
@@ -191,6 +198,15 @@ def test_the_api_example_started_wrongly_says_what_to_do_in_one_line():
                            timeout=60, env={k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"})
     assert plain.returncode == 2 and "Traceback" not in plain.stderr, plain.stderr
     assert "torchrun --nproc-per-node 2 examples/api.py" in plain.stderr.strip().splitlines()[-1], plain.stderr
+
+
+def test_the_api_example_with_a_kernel_backend_and_too_few_gpus_says_so_in_one_line():
+    """It fell back to CPU ranks, and every rank raised "backend 'hybrid' runs on cuda, not on cpu"."""
+    env = {**os.environ, "LOCAL_WORLD_SIZE": "64"}  # more ranks than any machine's GPUs
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "api.py"), "--backend", "hybrid"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "runs on cuda only" in result.stderr and "one rank per GPU" in result.stderr, result.stderr
 
 
 @needs_no_gpu

@@ -373,8 +373,11 @@ def test_no_driver_says_no_gpu(tmp_path):
     # CPU ranks on the reference backend cross nodes over gloo (TCP): a socket-level scale-out works.
     found, code = verdicts(fabric, backend="reference", scaleout="socket")
     assert (found["scaleout"].mode, code) == (nccl_probe.SOCKET, 0) and "gloo" in found["scaleout"].summary
-    assert verdicts(fabric, backend="reference", scaleout="rdma")[1] == 1  # no RDMA path for CPU ranks
-    assert verdicts(fabric, scaleout="socket")[1] == 1  # no backend named: NCCL's path, which needs a GPU
+    found, code = verdicts(fabric, backend="reference", scaleout="rdma")
+    assert code == 1 and "--scaleout socket" in found["scaleout"].problems[0].fix  # no RDMA path for CPU ranks
+    # No backend named: with no GPU here the job's ranks are CPU ranks, so it is reference's path (it used to
+    # be NCCL's, which needs a GPU: a CPU setup that works failed).
+    assert verdicts(fabric, scaleout="socket")[1] == 0
 
 
 def test_gpu_on_the_bus_without_driver(tmp_path):
@@ -387,6 +390,11 @@ def test_extension_missing_and_unregistered_backend(tmp_path):
     fabric = make_fabric(tmp_path, dgx_cx7(tmp_path))
     found, code = verdicts(fabric, backend="hybrid", extension=(False, "ep_plugin._C is not built (no nvcc)"))
     assert (found["nvlink"].status, code) == (UNAVAILABLE, 1) and "nvcc" in fixes(found["nvlink"])
+    assert "pip install pybind11" in fixes(found["nvlink"]) and "EP_PLUGIN_CUDA_ARCHS" not in fixes(found["nvlink"])
+    # A GPU the default build (sm_90) cannot run: the reinstall builds for it (the fix used to omit that).
+    blackwell = make_fabric(tmp_path, driver([gpu(0, "0000:00:05.0", name="NVIDIA B200", cc=(10, 0))]))
+    found, _ = verdicts(blackwell, backend="hybrid", extension=(False, "ep_plugin._C is not built (no nvcc)"))
+    assert 'EP_PLUGIN_CUDA_ARCHS="100"' in fixes(found["nvlink"]), fixes(found["nvlink"])
     found, code = verdicts(fabric, backend="elastic")
     assert code == 1 and "'elastic' is not in this build" in found["nvlink"].problems[0].text
     found, code = verdicts(fabric, backend="magic")
@@ -488,6 +496,35 @@ def test_a_gloo_interface_this_host_lacks_fails_a_backend_job(tmp_path):
     present = {"GLOO_SOCKET_IFNAME": "ib0"}
     found, code = verdicts(make_fabric(tmp_path, report, present), present, backend="hybrid")
     assert (found["gloo"].status, code) == (OK, 0) and "present here" in found["gloo"].summary
+    # reference's process group is gloo itself (CPU ranks, or staging): asked whatever the knob says (it
+    # passed with the knob off, and the job failed with "Unable to find address for: eth9").
+    _, code = verdicts(make_fabric(tmp_path, report, off), off, backend="reference")
+    assert code == 1
+
+
+def test_a_knob_every_backend_refuses_fails_any_backend_job(tmp_path):
+    """Config.from_env runs in every backend's build: a refused EP_PLUGIN_* value fails reference's too. It was
+    reported inside the NVLink verdict only (not asked for reference, and skipped where there is no GPU)."""
+    for fabric in (make_fabric(tmp_path, driver([gpu(0, "0000:00:05.0")])),
+                   make_fabric(tmp_path, DriverReport(loaded=False, error="no CUDA driver"))):
+        bad = {"EP_PLUGIN_BLOCKING": "maybe"}
+        found, code = verdicts(fabric, bad, backend="reference")
+        assert (found["config"].status, code) == (UNAVAILABLE, 1), found["config"]
+        assert "EP_PLUGIN_BLOCKING" in found["config"].problems[0].text
+        assert verdicts(fabric, bad)[1] == 0  # no backend named: shown, not asked
+        found, code = verdicts(fabric, {"EP_PLUGIN_NUM_SMS": "8"}, backend="reference")
+        assert (found["config"].status, code) == (OK, 0) and "EP_PLUGIN_NUM_SMS" in found["config"].summary
+
+
+def test_an_asked_verdict_that_fails_is_shown_as_fail(tmp_path):
+    """The exit code reads asked verdicts that did not pass; a degraded one (RDMA staged through the host
+    where GPUDirect was asked for) was shown as [warn] next to exit code 1."""
+    report = driver([gpu(0, "0000:00:05.0", gdr=False, dmabuf=False)])
+    fabric = make_fabric(tmp_path, report)
+    found, code = verdicts(fabric, backend="hybrid", scaleout="gdr")
+    assert code == 1 and found["scaleout"].status != UNAVAILABLE and not found["scaleout"].passed
+    text = doctor.render(fabric, list(found.values()), None, Options(backend="hybrid", scaleout="gdr"))
+    assert "[FAIL] scale-out" in text and "[warn] scale-out" not in text, text
 
 
 def test_a_host_name_on_loopback_fails_gloo_across_nodes(tmp_path):

@@ -23,7 +23,13 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
 # shellcheck source=../install_site.sh
 source "$ROOT/examples/install_site.sh"
-install_site "$OUT_DIR" megatron.core "$ROOT"/.whl/megatron_core-*.whl
+wheels=("$ROOT"/.whl/megatron_core-*.whl)
+if [[ ! -e "${wheels[0]}" ]] && ! python3 -c "import megatron.core" 2>/dev/null; then
+    echo "run_comparison.sh: python3 has no megatron-core and .whl/ holds no megatron_core wheel: pip install" \
+         "megatron-core (0.16.x on Python 3.11, 0.19.x on 3.12), or put its wheel in $ROOT/.whl/" >&2
+    exit 2
+fi
+install_site "$OUT_DIR" megatron.core "${wheels[@]}"
 python3 -c "import megatron.core, ep_plugin, torch; print('megatron-core', megatron.core.__version__, \
 '| ep_plugin backends', ep_plugin.list_backends(), '| torch', torch.__version__)"
 
