@@ -62,8 +62,11 @@ case "$MODE" in
     fi
     for tree in "$PWD" /tmp/ab_base; do  # which package each side imports (a wrong one would void the A/B)
       (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
-        'import ep_plugin, ep_plugin._C; print("imports", ep_plugin.__file__)')
+        'import os, sys, ep_plugin, ep_plugin._C; print("imports", ep_plugin.__file__)
+sys.exit(not os.path.realpath(ep_plugin.__file__).startswith(os.path.realpath(sys.argv[1]) + os.sep))' "$tree") \
+        || { echo "STOPPED: the $tree side does not import its own ep_plugin"; exit 1; }
     done
+    FAILED_ROUNDS=()  # a round whose command failed, or that wrote no bench.json, fails the A/B
     for round in $(seq 1 "$ROUNDS"); do
       order="new base"
       (( round % 2 == 0 )) && order="base new"
@@ -72,12 +75,18 @@ case "$MODE" in
         [[ $side == base ]] && tree=/tmp/ab_base
         rm -rf "$tree/bench_out"
         (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" "$@") > "$OUT/${side}_$round.log" 2>&1
-        echo "== $side, round $round (rc $?)"
+        round_rc=$?
+        echo "== $side, round $round (rc $round_rc)"
         grep -v "case/s" "$OUT/${side}_$round.log" | tail -12 | cut -c1-160
-        [[ -f "$tree/bench_out/bench.json" ]] && mv "$tree/bench_out/bench.json" "$OUT/${side}_$round.json"
+        if [[ -f "$tree/bench_out/bench.json" ]]; then
+          mv "$tree/bench_out/bench.json" "$OUT/${side}_$round.json"
+        else
+          [[ $round_rc -eq 0 ]] && round_rc=1  # no figures: a failure even where the command said 0
+        fi
+        [[ $round_rc -ne 0 ]] && FAILED_ROUNDS+=("$side $round (rc $round_rc)")
       done
     done
-    if ls "$OUT"/new_*.json "$OUT"/base_*.json >/dev/null 2>&1; then
+    if compgen -G "$OUT/new_*.json" > /dev/null && compgen -G "$OUT/base_*.json" > /dev/null; then
       echo "== bench.compare, new against base, every op (the slowest cases, the geomeans)"
       python3 -m ep_plugin.bench.compare --new "$OUT"/new_*.json --base "$OUT"/base_*.json > /tmp/ab_compare.txt
       grep -v "^only in" /tmp/ab_compare.txt | head -12 | cut -c1-160
@@ -88,8 +97,15 @@ case "$MODE" in
       python3 -m ep_plugin.bench.compare --ops roundtrip,step --new "$OUT"/new_*.json --base "$OUT"/base_*.json \
         | grep -v "^only in" | tail -8 | cut -c1-160
       RC=${PIPESTATUS[0]}
+    else
+      echo "== no compare: a side wrote no bench.json in any round"
+      RC=1
     fi
-    exit "${RC:-0}"
+    if [[ ${#FAILED_ROUNDS[@]} -gt 0 ]]; then  # a side that crashes must not pass as "no regression"
+      echo "== FAILED rounds: ${FAILED_ROUNDS[*]}"
+      RC=1
+    fi
+    exit "$RC"
     ;;
   *) echo "unknown mode $MODE (prepare or run)"; exit 2 ;;
 esac

@@ -1,6 +1,7 @@
 """The benchmark harness end to end on CPU ranks (no timing is asserted), and its byte and ceiling logic."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -111,6 +112,13 @@ def test_bench_rejects_unknown_axis_values_before_launching():
         assert result.returncode == 2 and "error:" in result.stderr, (bad, result.stderr[-500:])
 
 
+def test_an_axis_value_listed_twice_runs_once():
+    """--tokens 16,16 ran every case twice, and compare then took the two as if they were rounds."""
+    from ep_plugin.bench.__main__ import _ints, _words
+
+    assert _ints("16,8,16") == (16, 8) and _words("reference, hybrid,reference") == ("reference", "hybrid")
+
+
 def test_an_out_folder_that_cannot_be_made_is_refused_before_the_sweep(tmp_path):
     """It used to run the whole sweep, then fail making the folder, keeping nothing."""
     taken = tmp_path / "bench.json"
@@ -219,6 +227,24 @@ def test_failed_graph_capture_summarizes_without_samples():
     rows = summarize(record, link_gbps=1.0)
     assert all(row["algo_gbps"] is None and row["link_gbps"] is None and row["error"] for row in rows)
     assert "nonblocking+graph" in format_table(rows)
+
+
+def test_a_case_whose_ops_dropped_rows_is_an_error_row_that_compare_counts_as_missing(tmp_path, capsys):
+    """The bench never asked a backend what its timed ops dropped (check_errors, over_budget): a kernel that
+    lost rows read as faster. Such a case's rows now carry the error, and compare refuses to pass them."""
+    from ep_plugin.bench import compare
+
+    record = _per_gpu_record(backend="hybrid", mode="nonblocking", sms=8,
+                             error="rank 1: rows past the non-blocking budget were dropped (over_budget)")
+    rows = summarize(record, link_gbps=1.0)
+    assert rows and all("over_budget" in row["error"] for row in rows)
+    good = [{**row, "error": None} for row in rows]
+    paths = {}
+    for name, summary in (("new", rows), ("base", good)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps({"summary": summary}))
+    assert compare.main(["--new", str(paths["new"]), "--base", str(paths["base"])]) == 1
+    assert "missing in new" in capsys.readouterr().out
 
 
 def test_bench_json_is_strict_json(tmp_path):
@@ -411,6 +437,54 @@ def test_scaleout_bytes_and_the_scaleup_option():
         parse_args(["--device", "cpu", "--ranks", "4", "--scaleup-size", "3"])
 
 
+def _rail_bytes_against_the_model(ctx, blocking: bool, form: str, max_tokens: int) -> tuple:
+    """(bytes this rank's dispatch and combine sent over the rail, counted in ScaleOut.exchange_rows, which runs
+    as always; the backend's model of each), 2 domains of 1 rank."""
+    from ep_plugin.bench.workload import make_routing, make_topk
+    from ep_plugin.topology import Topology
+    from ep_plugin.transport import scaleout
+
+    sent = [0]
+    exchange_rows = scaleout.ScaleOut.exchange_rows
+
+    def counted(self, rows, splits, *, where):
+        own = self.topology.domain_index
+        sent[0] += sum(n for d, n in enumerate(splits.send) if d != own) * rows.shape[1] * rows.element_size()
+        return exchange_rows(self, rows, splits, where=where)
+
+    scaleout.ScaleOut.exchange_rows = counted
+    shape = Shape(48, 64, 4, 8, "bf16", "balanced")
+    config = ep_plugin.Config.from_env(blocking=blocking, max_tokens_per_rank=max_tokens)
+    backend = ep_plugin.get_backend("reference")(hidden_size=64, num_experts=8, device="cpu", config=config,
+                                                 topology=Topology(2, 1, ctx.rank))
+    cpu = torch.device("cpu")
+    x = torch.randn(48, 64).to(torch.bfloat16)
+    if form == "map":
+        routing = dict(zip(("routing_map", "probs"), make_routing(shape, ctx.rank, 0, cpu), strict=True))
+    else:
+        routing = dict(zip(("topk_idx", "topk_weights"), make_topk(shape, ctx.rank, 0, cpu), strict=True))
+    out = backend.dispatch(x, **routing)
+    dispatched, sent[0] = sent[0], 0
+    backend.combine(out.hidden, out.handle)
+    maps = [make_routing(shape, rank, 0, cpu)[0] for rank in range(2)]
+    topk = shape.topk if form == "topk" else 0
+    model = [backend.scaleout_bytes(maps, row_bytes=shape.row_bytes(), with_probs=probs, topk=topk)
+             for probs in (True, False)]
+    return dispatched, model[0]["dispatch"][ctx.rank], sent[0], model[1]["combine"][ctx.rank]
+
+
+@pytest.mark.parametrize("blocking,form,max_tokens", [(True, "map", 48), (True, "topk", 48), (False, "map", 48),
+                                                      (False, "map", 512)])
+def test_the_rail_byte_model_is_what_the_rails_move(blocking, form, max_tokens):
+    """The model counted blocking mode's exact rows and routing-map columns for every case: sync-free mode
+    moves blocks of max_tokens_per_rank rows (the bench builds with the sweep's largest token count: 32x off
+    at 128 of 4096), and top-k ids travel as 12k bytes, not G + 4G."""
+    for rank, (dispatched, modelled, combined, modelled_back) in enumerate(
+            run_ranks(_rail_bytes_against_the_model, 2, blocking, form, max_tokens, timeout_s=120)):
+        assert (dispatched, combined) == (modelled, modelled_back), (rank, dispatched, modelled, combined,
+                                                                     modelled_back)
+
+
 def test_compare_flags_the_slower_case_only(tmp_path, capsys):
     """A real CPU run as the base; the new side is that run with one case 20% slower (and, in a second
     file, 50% faster: the median of the two files' figures decides), plus a case base lacks."""
@@ -447,6 +521,18 @@ def test_compare_flags_the_slower_case_only(tmp_path, capsys):
     out = capsys.readouterr().out
     cases = sum(1 for row in report["summary"] if row["op"] == first["op"] and row.get("median_us"))
     assert f"round 1: {first['op']} {1.2 ** (1 / cases):.3f}" in out and f"round 2: {first['op']} 1.000" in out, out
+    # gpu_ab.sh's files pair by their round number, in whatever order the shell listed them (by position
+    # the new side's round 3 met the base side's round 1).
+    renamed = {}
+    for name, source in (("new_3.json", base), ("new_1.json", slower_twice[0]), ("base_1.json", base),
+                         ("base_3.json", base)):
+        renamed[name] = tmp_path / "rounds" / name
+        renamed[name].parent.mkdir(exist_ok=True)
+        renamed[name].write_text(pathlib.Path(source).read_text())
+    compare.main(["--new", str(renamed["new_3.json"]), str(renamed["new_1.json"]), "--base",
+                  str(renamed["base_1.json"]), str(renamed["base_3.json"]), "--ops", first["op"]])
+    out = capsys.readouterr().out
+    assert f"round 1: {first['op']} {1.2 ** (1 / cases):.3f}" in out and f"round 3: {first['op']} 1.000" in out, out
     # Files that are no bench.json, and a threshold that is no fraction: one line (exit status 2), no traceback.
     (tmp_path / "other.json").write_text("[1, 2]")
     for argv, message in ((["--new", str(tmp_path / "missing.json")], "cannot read a bench.json"),

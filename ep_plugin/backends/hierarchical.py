@@ -757,15 +757,19 @@ class HierarchicalBackend(Backend):
 
     # ---- byte model (for benchmarks) ------------------------------------------------------------
 
-    def scaleout_bytes(self, routing_maps: list[torch.Tensor], *, row_bytes: int, with_probs: bool) -> dict:
+    def scaleout_bytes(self, routing_maps: list[torch.Tensor], *, row_bytes: int, with_probs: bool,
+                       topk: int = 0) -> dict:
         """Bytes each rank sends over its rail (host arithmetic on every rank's [T, E] routing map).
 
         Returns {"dispatch": [per rank], "combine": [per rank]}: dispatch sends a token once per other
         domain holding any of its experts (row + routing columns + probs), combine returns one row per
         such (token, domain). Bytes to this rank's own domain stay in the domain and are not counted.
+        ``topk``: the dispatch's top-k width where it passes top-k ids (0: a routing map). Sync-free mode
+        moves fixed blocks of ``max_tokens_per_rank`` rows per other domain instead of the exact rows.
         """
         return scaleout_bytes(routing_maps, self._topology, row_bytes=row_bytes, hidden=self.hidden_size,
-                              with_probs=with_probs)
+                              with_probs=with_probs, topk=topk,
+                              block_rows=None if self.config.blocking else self.config.max_tokens_per_rank)
 
 
 def _combine_packer(hidden_dtype: torch.dtype, probs_dtype: Optional[torch.dtype], probs_shape,
@@ -778,17 +782,24 @@ def _combine_packer(hidden_dtype: torch.dtype, probs_dtype: Optional[torch.dtype
 
 
 def scaleout_bytes(routing_maps: list[torch.Tensor], topology: Topology, *, row_bytes: int, hidden: int,
-                   with_probs: bool) -> dict[str, list[int]]:
-    """See ``HierarchicalBackend.scaleout_bytes`` (blocking mode's exact rows; routing-map form on the wire)."""
+                   with_probs: bool, topk: int = 0, block_rows: Optional[int] = None) -> dict[str, list[int]]:
+    """See ``HierarchicalBackend.scaleout_bytes``. The routing travels as the domain's routing-map columns
+    (bool, then fp32 probs: G + 4G bytes a row), or with ``topk`` > 0 as the token's k ids and weights
+    (int64 and fp32: 12k bytes). ``block_rows``: sync-free mode's fixed rows per other domain (its
+    ``max_tokens_per_rank``), sent whatever the routing; None: blocking mode's exact rows."""
     D = topology.num_domains
     totals = {"dispatch": [0] * topology.world_size, "combine": [0] * topology.world_size}
     for source, routing_map in enumerate(routing_maps):
         G = routing_map.shape[1] // D
-        per_domain = routing_map.view(routing_map.shape[0], D, G).any(2).sum(0).tolist()
         own = source // topology.domain_size
-        remote = sum(count for d, count in enumerate(per_domain) if d != own)
-        totals["dispatch"][source] = remote * (row_bytes + G + (4 * G if with_probs else 0))
-        totals["combine"][source] = remote * (2 * hidden + (4 * G if with_probs else 0))
+        if block_rows is not None:
+            remote = block_rows * (D - 1)
+        else:
+            per_domain = routing_map.view(routing_map.shape[0], D, G).any(2).sum(0).tolist()
+            remote = sum(count for d, count in enumerate(per_domain) if d != own)
+        route, probs = (8 * topk, 4 * topk) if topk else (G, 4 * G)
+        totals["dispatch"][source] = remote * (row_bytes + route + (probs if with_probs else 0))
+        totals["combine"][source] = remote * (2 * hidden + (probs if with_probs else 0))
     return totals
 
 

@@ -6,9 +6,11 @@ Reports per call: median / p10 / p90 µs over ranks x iterations, algorithm GB/s
 (bytes of the tokens a rank receives, once per (token, source rank) — DeepEP's convention,
 so a rank's bytes to itself count), and two ratios measured in the same run:
 
-  ceil/ours  ceiling time / our time. Ranks sharing a GPU: the ceiling is one device-to-device
+  ceil/ours  ceiling time / our time. Ranks sharing one GPU: the ceiling is one device-to-device
              copy of as many bytes as all ranks' dispatch outputs together (combine: all ranks'
-             combine inputs), timed in this run. One GPU per rank: the busiest rank's link bytes
+             combine inputs), timed in this run: a yardstick, not a floor (a dispatch reads a token
+             once for its k rows), so above 1 is reachable; none when ranks share several GPUs.
+             One GPU per rank: the busiest rank's link bytes
              in hybrid's format (each token once per remote rank: the least any backend moves),
              at --link-gbps (478 GB/s per direction on two H200s with NV18).
   ref/ours   the reference backend's time / ours (when ranks share a GPU the reference runs over
@@ -74,11 +76,13 @@ from .workload import FP8_BLOCK
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(",") if v)
+    """The listed values, each once, in order (--tokens 16,16 ran every case twice, and compare took the
+    median of the two as if they were rounds)."""
+    return tuple(dict.fromkeys(int(v) for v in text.split(",") if v))
 
 
 def _words(text: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in text.split(",") if v.strip())
+    return tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
 
 
 PRESETS = {
@@ -347,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     attach_all_to_all_ratio(rows)
     os.makedirs(args.out, exist_ok=True)
     env = environment(args.device, plan)
-    env["ceiling"] = ("in-run device copy (ranks share a GPU)" if plan.use_mps else
+    env["ceiling"] = ("in-run device copy (ranks share a GPU)" if plan.use_mps and len(set(plan.gpu_of_rank)) == 1
+                      else f"none: the ranks share {len(set(plan.gpu_of_rank))} GPUs (the copy ceiling is one GPU's; "
+                      "CUDA_VISIBLE_DEVICES=0 puts them on one)" if plan.use_mps else
                       f"link line rate {link_gbps} GB/s per direction" if link_gbps else "none (CPU)")
     env["timing"] = "barrier before every iteration" if args.sync_each_iter else "one barrier, then back to back"
     env["graph"] = _graph_note(args)

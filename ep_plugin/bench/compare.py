@@ -26,6 +26,8 @@ import argparse
 import gzip
 import json
 import math
+import os
+import re
 import statistics
 import sys
 from typing import Optional
@@ -106,12 +108,31 @@ def geomeans(rows: list[tuple]) -> dict[str, float]:
     return {op: math.exp(sum(values) / len(values)) for op, values in sorted(logs.items())}
 
 
-def round_geomeans(new_paths: list[str], base_paths: list[str], ops: Optional[set] = None) -> list[dict[str, float]]:
-    """Per round (file i of new against file i of base): op -> geomean of the cases' ratios."""
+def round_pairs(new_paths: list[str], base_paths: list[str]) -> list[tuple[str, str, str]]:
+    """(round, new file, base file) of the rounds both sides ran: by the round number in the names
+    (scripts/gpu_ab.sh writes new_3.json and base_3.json), else file i with file i. By position alone, a
+    side that lost round 2 and one that lost round 3 had their rounds 3 and 2 compared."""
+    numbers = [{_round_of(path): path for path in paths} for paths in (new_paths, base_paths)]
+    if all(None not in side and len(side) == len(paths)
+           for side, paths in zip(numbers, (new_paths, base_paths), strict=True)):
+        both = sorted(set(numbers[0]) & set(numbers[1]))
+        return [(str(n), numbers[0][n], numbers[1][n]) for n in both]
+    if len(new_paths) != len(base_paths):
+        return []
+    return [(str(i), new, base) for i, (new, base) in enumerate(zip(new_paths, base_paths, strict=True), start=1)]
+
+
+def _round_of(path: str) -> Optional[int]:
+    match = re.search(r"_(\d+)\.json$", os.path.basename(path))
+    return int(match.group(1)) if match else None
+
+
+def round_geomeans(pairs: list[tuple[str, str, str]], ops: Optional[set] = None) -> list[tuple[str, dict[str, float]]]:
+    """Per round of ``round_pairs``: (round, op -> geomean of the cases' ratios)."""
     rounds = []
-    for new_path, base_path in zip(new_paths, base_paths, strict=True):
+    for label, new_path, base_path in pairs:
         new, base = match_domains(case_medians([new_path], ops), case_medians([base_path], ops))
-        rounds.append(geomeans(compare(new, base, 0.0)[0]))
+        rounds.append((label, geomeans(compare(new, base, 0.0)[0])))
     return rounds
 
 
@@ -144,10 +165,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"{ratio:8.3f} {new_us:10.1f} {base_us:10.1f}  {_describe(case)}{'  SLOWER' if slower else ''}")
     for op, mean in geomeans(rows).items():
         print(f"geomean new/base {op}: {mean:.3f}")
-    if len(args.new) == len(args.base) > 1:
-        print("round by round (file i of new against file i of base), geomean new/base:")
-        for index, means in enumerate(round_geomeans(args.new, args.base, ops), start=1):
-            print(f"  round {index}: " + ", ".join(f"{op} {mean:.3f}" for op, mean in means.items()))
+    pairs = round_pairs(args.new, args.base)
+    if len(pairs) > 1:
+        print("round by round (new_N.json against base_N.json, else file i against file i), geomean new/base:")
+        for label, means in round_geomeans(pairs, ops):
+            print(f"  round {label}: " + ", ".join(f"{op} {mean:.3f}" for op, mean in means.items()))
     missing = [case for side, case in alone if side == "base"]
     for side, case in alone:
         # A case base ran and new did not is a regression (new failed it, or stopped running it), not a detail.

@@ -120,7 +120,7 @@ def summarize(record: dict, link_gbps: float) -> list[dict]:
             algo_gbps=statistics.median(rates) if rates else None, ceiling_us=ceiling,
             ceiling_ratio=(ceiling / median) if ceiling and median > 0 else None,
             **_link_columns(record, op, median, link_gbps), **_scaleout_columns(record, op, median),
-            error=record.get("graph_error")))
+            error=record.get("graph_error") or record.get("error")))
         if record.get("scaleout_bytes"):  # its own line in plots and tables next to the one-domain run
             rows[-1]["backend"] = f"{record['backend']} {record['domains']}"
     return rows
