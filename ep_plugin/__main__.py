@@ -18,14 +18,29 @@ def info() -> int:
     print(f"GPU: {describe_gpus()}")
     print(f"backends: {', '.join(ep_plugin.list_backends())} (usable here: "
           f"{', '.join(available_backends(default_device())) or 'none'})")
-    print(f"CUDA extension: {_cuda.describe()}")
+    archs = _cuda.built_archs()
+    built = f"built for {', '.join(f'sm_{arch}' for arch in archs)}; " if archs else ""
+    print(f"CUDA extension: {built}{_cuda.describe()}")
     print(f"fabric: {_fabric_summary()}")
-    print("knobs:")
+    print(f"knobs (default; the value set here, if any):{_knobs_problem()}")
     for env_name, default, help_text in describe():
-        print(f"  {env_name:36s} {default:10s} {help_text}")
+        set_here = os.environ.get(env_name, "").strip()
+        print(f"  {env_name:36s} {default:10s} {help_text}" + (f"  [set here: {set_here}]" if set_here else ""))
     for variable, hint in unknown_variables().items():
         print(f"  {variable} is set but is not a knob: ignored{hint}")
     return 0
+
+
+def _knobs_problem() -> str:
+    """'' when the environment's EP_PLUGIN_* values make a Config (as every backend's build reads them), else
+    why not: every backend would refuse to build."""
+    from ep_plugin.config import Config
+
+    try:
+        Config.from_env()
+    except (ValueError, TypeError) as exc:
+        return f" REFUSED, every backend's build would raise: {exc}"
+    return ""
 
 
 def _fabric_summary() -> str:

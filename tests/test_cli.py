@@ -148,6 +148,17 @@ def test_info_says_no_gpu_plainly(capsys):
     assert "GPU: no GPU" in capsys.readouterr().out
 
 
+def test_info_shows_the_knobs_set_here_and_a_value_every_backend_refuses(monkeypatch, capsys):
+    """It printed the defaults only: EP_PLUGIN_NUM_SMS=8 read as 16, and an unparseable value went unsaid."""
+    monkeypatch.setenv("EP_PLUGIN_NUM_SMS", "8")
+    assert ep_main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "[set here: 8]" in out and "REFUSED" not in out, out
+    monkeypatch.setenv("EP_PLUGIN_BLOCKING", "maybe")
+    assert ep_main(["info"]) == 0
+    assert "REFUSED, every backend's build would raise" in capsys.readouterr().out
+
+
 def test_dev_prints_usage_before_building_anything(tmp_path):
     shutil.copy(ROOT / "dev", tmp_path / "dev")  # alone: anything past the usage check would fail here
     for argv, status in (([], 2), (["--help"], 0), (["tset"], 2)):
