@@ -214,7 +214,7 @@ def _check_scaleup_size(fabric: Fabric, options: Options, environ: Mapping[str, 
     try:
         forced = _config(environ).scaleup_size
     except (ValueError, TypeError):
-        return  # _check_co_residency reports the bad variable
+        return  # the knobs' verdict (config_verdict) reports the bad variable
     detected = _detected_domain_size(fabric, options.ranks_per_gpu)
     if forced and detected % forced:
         verdict.problems.append(Problem(
@@ -529,7 +529,7 @@ def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -
     try:
         host_words = _config(environ).gloo_host_words
     except (ValueError, TypeError):
-        host_words = True  # _check_co_residency reports the bad variable
+        host_words = True  # the knobs' verdict (config_verdict) reports the bad variable
     # The job uses gloo where the host words go over it, and always on CPU ranks (their process group).
     uses_gloo = host_words or options.backend == "reference" or _no_gpu_reason(fabric) is not None
     verdict = Verdict("gloo", "gloo (the host words of NCCL groups)", OK, "",

@@ -218,10 +218,10 @@ class HostCollectives:
             # A peer that never came: the store's wait or gloo's connect times out (DistStoreError or
             # "Connect timeout", by where it waited). Either way the posts say who is late.
             waited = time.monotonic() - start
-            if waited >= self.timeout_s:
-                raise EPTimeoutError(f"{self._timeout_error(where, waited)} A rank built with "
-                                     "EP_PLUGIN_GLOO_HOST_WORDS=0 never comes here: the knob must be equal on every "
-                                     "rank.") from None
+            if waited >= self.timeout_s:  # no collective ran on the group: this owner alone fails
+                report = self._timeout_error(where, waited, engine_out_of_step=False)
+                raise EPTimeoutError(f"{report} A rank built with EP_PLUGIN_GLOO_HOST_WORDS=0 never comes here: the "
+                                     "knob must be equal on every rank.") from None
             self.failed = f"gloo failed in {where}"
             raise EPError(f"{self.owner}: rank {self.rank}: {where}: gloo could not connect: {_first_line(exc)}. "
                           f"Where gloo cannot connect between these hosts, GLOO_SOCKET_IFNAME names the interface it "
@@ -354,8 +354,13 @@ class HostCollectives:
         return EPError(f"{self.owner}: {self.peer_name(self.rank)}: {where} failed in {self.engine}: {message}. A peer "
                        f"probably exited or ran a different collective on this process group. {_OUT_OF_STEP}")
 
-    def _timeout_error(self, where: str, waited_s: float) -> EPTimeoutError:
-        self._mark_failed(f"timed out in {where}")
+    def _timeout_error(self, where: str, waited_s: float, *, engine_out_of_step: bool = True) -> EPTimeoutError:
+        """``engine_out_of_step``: a collective was left behind on the engine (not so for the twin's making,
+        which runs none on the group): every owner on it refuses from now on."""
+        if engine_out_of_step:
+            self._mark_failed(f"timed out in {where}")
+        else:
+            self.failed = f"timed out in {where}"
         peers = [q for q in range(self.num_ranks) if q != self.rank]
         report = self._report_peers(where, peers)
         return EPTimeoutError(

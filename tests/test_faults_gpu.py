@@ -8,6 +8,7 @@ ranks, one GPU each where there are enough, else sharing GPUs under MPS.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -245,10 +246,13 @@ def allocation_failures(ctx, backend_name: str) -> dict:
                 raise torch.cuda.OutOfMemoryError("planted: the output allocation fails")
 
             backend._empty = failing_once
-            for _attempt in range(2 if blocking else 1):
+            attempts = [functools.partial(backend.dispatch, x, **routing)] * (2 if blocking else 1)
+            if blocking:  # the barrier too refuses at once (it would enter a handshake the peers never join)
+                attempts.append(backend.barrier)
+            for attempt in attempts:
                 start = time.monotonic()
                 try:
-                    backend.dispatch(x, **routing)
+                    attempt()
                     seen[blocking].append(("no error", 0.0))
                 except Exception as caught:  # noqa: BLE001 - the test compares the type and text
                     seen[blocking].append((f"{type(caught).__name__}: {caught}", time.monotonic() - start))
@@ -265,9 +269,10 @@ def allocation_failures(ctx, backend_name: str) -> dict:
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_a_failure_after_the_first_launch_is_reported_as_out_of_step(backend_name):
     results = run_ranks(allocation_failures, 2, backend_name, device="cuda", timeout_s=180)
-    (first, _), (again, seconds) = results[0][True]
+    (first, _), (again, seconds), (barrier, barrier_seconds) = results[0][True]
     assert first.startswith("EPError: ") and "after its first launch" in first and "planted" in first, first
     assert again.startswith("EPError: ") and "out of step" in again and seconds < 1.0, (again, seconds)
+    assert barrier.startswith("EPError: ") and "barrier refused" in barrier and barrier_seconds < 1.0, barrier
     assert results[0][False][0][0].startswith("OutOfMemoryError: planted"), results[0]
     for rank in (0, 1):
         assert results[rank][False][-1][0] == "combined (20, 256)", (rank, results[rank])

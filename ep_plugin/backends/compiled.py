@@ -73,7 +73,9 @@ def op_range(op: str):
                 except (ValueError, TypeError, EPError):
                     raise
                 except BaseException as exc:
-                    if self._launches == launches:  # nothing enqueued: the call may be made again
+                    # Nothing enqueued, or only captured into a graph (no kernel ran, no handshake took
+                    # place): the call may be made again.
+                    if self._launches == launches or torch.cuda.is_current_stream_capturing():
                         raise
                     self._failed_mid_op = f"{op} failed after its first launch ({type(exc).__name__}: {exc})"
                     raise self._out_of_step_error("this") from exc
@@ -506,6 +508,8 @@ class CompiledBackend(Backend):
 
     def _barrier(self) -> None:
         """Every rank of the domain reaches this point (a device handshake; the host waits for it)."""
+        if self._failed_mid_op is not None:
+            raise self._out_of_step_error("barrier refused: an earlier")
         self.buffer.raise_if_failed()
         with nvtx_range(f"ep.{self.name}.barrier"):
             self._exchange(self.barrier_phase, fingerprint_code(OP_BARRIER))

@@ -246,6 +246,7 @@ class HierarchicalBackend(Backend):
         previous dispatch's layout (cached dispatch), ``expert_alignment`` is DeepEP's ``pad_multiple``."""
         pad_multiple = merge_alignment(pad_multiple, expert_alignment)
         if handle is not None:
+            self.refuse_if_destroyed("dispatch")
             if any(v is not None for v in (routing_map, probs, topk_idx, topk_weights, pad_multiple)) or options:
                 raise ValueError("a cached dispatch (handle=...) takes no routing arguments: the handle has them")
             return self._cached_dispatch(hidden, handle)

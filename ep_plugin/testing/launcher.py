@@ -323,6 +323,7 @@ def _destroy_quietly(dist) -> None:
 def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dict[str, str], results) -> None:
     _die_with_the_launcher()
     os.environ.update(env)  # before any CUDA call: MPS pipes, EP_PLUGIN_* knobs
+    dist = None
     try:
         import torch
         import torch.distributed as dist
@@ -352,6 +353,8 @@ def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dic
         results.put((rank, True, bytes(ForkingPickler.dumps(output))))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, False, traceback.format_exc()))
+        if dist is not None:  # e.g. a result that does not pickle: the group still goes first
+            _destroy_quietly(dist)
         return
     try:
         # After the result: gloo's destroy waits for an op a caught timeout left behind (until the late peer

@@ -182,12 +182,20 @@ class SymmetricBuffer:
             # Our writes into peers are complete (a failed backend is destroyed too: its report is not raised)
             self.synchronize("destroy", raise_report=False)
             self._collectives.barrier(where="destroy")  # ... and so are everyone's into ours
+        except BaseException:
+            _KEPT_AFTER_A_FAILED_DESTROY.append(self._buffer)  # its destructor would free the memory
+            raise
         finally:
             self._destroyed = True
             self._collectives.release()
             WATCH.unwatch(self)  # before the report's memory goes
         self._region_tensors.clear()
         self._buffer.destroy()
+
+
+# Buffers whose destroy() could not tell that no peer or kernel still writes into them: kept for the life of
+# the process (their C++ destructor would free the memory, which other allocations would then share).
+_KEPT_AFTER_A_FAILED_DESTROY: list = []
 
 
 # bf16 has no typestr: it travels as int16 and is reinterpreted on the torch side.
