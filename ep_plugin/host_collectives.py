@@ -35,7 +35,9 @@ Which peer is late: neither engine says. On a timeout each rank posts where it g
 the store of the default process group, then reads the posts of its peers for a short grace
 period. A peer that posted the same place waits too; one that posted another place gave up
 there earlier; one that posted nothing within the grace period came late or never reached this op
-(stopped calling ep_plugin, busy elsewhere, or dead). Ranks are named as their group knows them,
+(stopped calling ep_plugin, busy elsewhere, or dead), unless it posted, by its global rank, a wait of
+its own in another group's collective about now (a domain peer stuck on its rail): the report says
+where, and that rank's own report names whom it waits for. Ranks are named as their group knows them,
 with their global rank where that differs. The store is reached through ``torch.distributed``'s private
 ``_get_default_store``; where that is missing the report lists every peer that could be late.
 """
@@ -69,6 +71,8 @@ _twins: dict[str, weakref.ref] = {}  # group name -> the GlooTwin its owners hol
 # it: another owner's next collective there would meet the op left behind, and gloo aborts the process
 # when their sizes differ (SIGABRT, "Received data size doesn't match expected size").
 _out_of_step: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+# Store keys where a rank that timed out says where it waits, by its global rank (see _report_peers).
+_WAITS_BY_GLOBAL_RANK = "ep_plugin/timeouts/by_global_rank/"
 
 
 _OUT_OF_STEP = ("The process group's collectives are now out of step among its ranks (an engine cannot take back a "
@@ -368,6 +372,23 @@ class HostCollectives:
             f"(timeout_s={self.timeout_s:g}, EP_PLUGIN_TIMEOUT_S) in {where} over {self.engine}. {report} "
             f"Raise EP_PLUGIN_TIMEOUT_S if the peers are only slow. {_OUT_OF_STEP}")
 
+    def _waits_elsewhere(self, store, peers: list[int], grace: float) -> dict[int, str]:
+        """Of ``peers`` (none of which posted a wait here), those that timed out in another group's collective
+        about now (their post by global rank): peer -> where."""
+        found = {}
+        for q in peers:
+            try:
+                global_rank = dist.get_global_rank(self.group, q)
+            except (RuntimeError, ValueError):
+                global_rank = q
+            name = f"{_WAITS_BY_GLOBAL_RANK}{global_rank}"
+            if not store.check([name]):
+                continue
+            stamp, place = store.get(name).decode().split("|", 1)
+            if time.time() - float(stamp) < self.timeout_s + 2 * grace + 10.0:  # this wait, not an old one
+                found[q] = place
+        return found
+
     def _report_peers(self, where: str, peers: list[int]) -> str:
         """Which peers are late, from the posts of the ranks that timed out (see the module docstring)."""
         if not peers:
@@ -376,6 +397,9 @@ class HostCollectives:
             store = dist.distributed_c10d._get_default_store()
             key = f"ep_plugin/timeouts/{self.site}/"
             store.set(key + str(self.rank), where)
+            # Also by global rank, with the time: a rank that blames this one in another group (a domain peer
+            # of a rank stuck on its rail) learns where this one waits, and for whom.
+            store.set(f"{_WAITS_BY_GLOBAL_RANK}{dist.get_rank()}", f"{time.time():.3f}|{where} ({self.owner})")
             grace = _grace_s(self.timeout_s)
             deadline = time.monotonic() + grace
             while True:
@@ -384,11 +408,12 @@ class HostCollectives:
                     break
                 time.sleep(0.02)
             places = {q: store.get(key + str(q)).decode() for q in posted}
+            waits_elsewhere = self._waits_elsewhere(store, [q for q in peers if q not in places], grace)
         except Exception as exc:  # noqa: BLE001 - no store, or it is gone with a dead rank 0: say so
             names = ", ".join(self.peer_name(q) for q in peers)
             return (f"{self.engine} does not say which peer is missing, and the store could not be asked "
                     f"({type(exc).__name__}); any of {names} may be late.")
-        late = [q for q in peers if q not in places]
+        late = [q for q in peers if q not in places and q not in waits_elsewhere]
         waiting = [q for q in peers if places.get(q) == where]
         elsewhere = [q for q in peers if q in places and places[q] != where]
         parts = []
@@ -398,6 +423,9 @@ class HostCollectives:
                          f"ep_plugin, busy elsewhere, or dead).")
         for q in elsewhere:
             parts.append(f"{self.peer_name(q)} gave up earlier, in {places[q]}.")
+        for q, place in waits_elsewhere.items():
+            parts.append(f"{self.peer_name(q)} did not come because it waits elsewhere itself, in {place}: its "
+                         f"own error names whom it waits for.")
         if waiting:
             parts.append(f"Waiting here too: {', '.join(self.peer_name(q) for q in waiting)}.")
         return " ".join(parts)

@@ -670,6 +670,9 @@ def test_missing_rank_times_out_naming_the_rail_phase_and_peer():
                 assert f"{me} timed out" in message, (where, message)
             else:  # 2x4: rank 0's domain peers wait for it there; the rest for rank 4, which waits on the rail
                 assert "domain" in message and "segment counts" in message, (where, message)
+                if rank > 4:  # rank 4 was named late, though it waits on its rail for rank 0
+                    assert "rank 0 (global rank 4) did not come because it waits elsewhere itself, in dispatch " \
+                           "#1: rail/counts" in message and "Late peer(s)" not in message, (where, message)
             if rank >= 4:
                 continue
             # Refused at once, whichever level timed out. A rank whose domain stage had timed out used to enter
