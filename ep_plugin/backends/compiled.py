@@ -100,6 +100,9 @@ class CompiledBackend(Backend):
     # would size our grids several times too small.
     sm_read_gbytes_per_s: float = 20.0
     sm_write_gbytes_per_s: float = 20.0
+    # op_range's state (set per instance in __init__; here too, for an op reached before that finished)
+    _launches: int = 0
+    _failed_mid_op: Optional[str] = None
 
     def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None) -> None:
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
