@@ -11,7 +11,7 @@ def info() -> int:
 
     import ep_plugin
     from ep_plugin import _cuda
-    from ep_plugin.cli import available_backends, default_device, describe_gpus
+    from ep_plugin.cli import available_backends, config_problem, default_device, describe_gpus
     from ep_plugin.config import describe, unknown_variables
 
     print(f"ep_plugin {ep_plugin.__version__}, torch {torch.__version__}")
@@ -22,7 +22,9 @@ def info() -> int:
     built = f"built for {', '.join(f'sm_{arch}' for arch in archs)}; " if archs else ""
     print(f"CUDA extension: {built}{_cuda.describe()}")
     print(f"fabric: {_fabric_summary()}")
-    print(f"knobs (default; the value set here, if any):{_knobs_problem()}")
+    problem = config_problem()
+    refused = f" REFUSED, every backend's build would raise: {problem}" if problem else ""
+    print(f"knobs (default; the value set here, if any):{refused}")
     for env_name, default, help_text in describe():
         set_here = os.environ.get(env_name, "").strip()
         print(f"  {env_name:36s} {default:10s} {help_text}" + (f"  [set here: {set_here}]" if set_here else ""))
@@ -30,17 +32,6 @@ def info() -> int:
         print(f"  {variable} is set but is not a knob: ignored{hint}")
     return 0
 
-
-def _knobs_problem() -> str:
-    """'' when the environment's EP_PLUGIN_* values make a Config (as every backend's build reads them), else
-    why not: every backend would refuse to build."""
-    from ep_plugin.config import Config
-
-    try:
-        Config.from_env()
-    except (ValueError, TypeError) as exc:
-        return f" REFUSED, every backend's build would raise: {exc}"
-    return ""
 
 
 def _fabric_summary() -> str:

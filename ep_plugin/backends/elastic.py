@@ -209,14 +209,7 @@ class ElasticBackend(CompiledBackend):
             self.check_dispatch_flags(expand=expand, zero_padding=zero_padding)
             if in_place:
                 raise ValueError("in_place applies to a first dispatch; a cached dispatch returns new tensors")
-            self.check_handle(handle)
-            layout: ElasticLayout = handle.layout
-            # A flag the handle contradicts would be ignored (the form is the handle's): refuse it instead.
-            if expand and not layout.expand or zero_padding and not layout.zero_padding:
-                raise ValueError(f"a cached dispatch delivers its handle's form (expand={layout.expand}, "
-                                 f"zero_padding={layout.zero_padding}); got expand={expand}, "
-                                 f"zero_padding={zero_padding}")
-            return self._cached_dispatch(hidden, handle)
+            return self._cached_dispatch(hidden, handle, expand=expand, zero_padding=zero_padding)
         self.check_routing_form(routing_map, topk_idx)
         self.check_dispatch_flags(expand=expand, zero_padding=zero_padding, in_place=in_place)
         if topk_idx is not None and topk_idx.dim() == 2 and topk_idx.shape[1] > self.max_topk:
@@ -416,12 +409,17 @@ class ElasticBackend(CompiledBackend):
         self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, args, self.num_blocks, self._stream())
 
     @op_range("cached_dispatch")
-    def _cached_dispatch(self, hidden, handle: Handle) -> DispatchOutput:
-        """Send new rows along a previous dispatch's layout: no layout, no count exchange."""
+    def _cached_dispatch(self, hidden, handle: Handle, *, expand: bool = False,
+                         zero_padding: bool = False) -> DispatchOutput:
+        """Send new rows along a previous dispatch's layout: no layout, no count exchange. ``expand`` /
+        ``zero_padding``: what the caller passed (the form is the handle's: one it contradicts is refused)."""
         data = self.check_cached_input(hidden, handle)
         fp8 = isinstance(hidden, (tuple, list))
-        self.buffer.raise_if_failed()
         layout: ElasticLayout = handle.layout
+        if expand and not layout.expand or zero_padding and not layout.zero_padding:
+            raise ValueError(f"a cached dispatch delivers its handle's form (expand={layout.expand}, "
+                             f"zero_padding={layout.zero_padding}); got expand={expand}, zero_padding={zero_padding}")
+        self.buffer.raise_if_failed()
         at = layout.scratch.address
         scales = hidden[1] if fp8 else None
         data = self._aligned(data)
