@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import ep_plugin
+from ep_plugin.backends.reference import ReferenceBackend
 from ep_plugin.bench.__main__ import main, parse_args, reference_limits
 from ep_plugin.bench.report import _reference_levels, _series, format_table, summarize, write_plots
-from ep_plugin.bench.runner import SweepSpec
+from ep_plugin.bench.runner import SweepSpec, bench_rank
 from ep_plugin.bench.workload import Shape, make_routing, traffic
 from ep_plugin.testing import run_ranks
 from ep_plugin.testing.launcher import plan_launch
@@ -245,6 +246,60 @@ def test_a_case_whose_ops_dropped_rows_is_an_error_row_that_compare_counts_as_mi
         paths[name].write_text(json.dumps({"summary": summary}))
     assert compare.main(["--new", str(paths["new"]), "--base", str(paths["base"])]) == 1
     assert "missing in new" in capsys.readouterr().out
+
+
+class _RowLosingReference(ReferenceBackend):
+    """A dispatch that hands an expert a zeroed row in place of a token (the combine then sums it too)."""
+
+    def _dispatch(self, hidden, routing, probs, pad_multiple):
+        out = super()._dispatch(hidden, routing, probs, pad_multiple)
+        out.hidden[0] = 0
+        return out
+
+
+class _SegmentShiftingReference(ReferenceBackend):
+    """A dispatch whose counts put expert 0's last row in expert 1's segment: the rows and the layout are
+    right, so a round trip still comes back whole, but an expert computes on another expert's token."""
+
+    def _dispatch(self, hidden, routing, probs, pad_multiple):
+        out = super()._dispatch(hidden, routing, probs, pad_multiple)
+        padded, real = out.handle.tokens_per_expert, out.handle.num_real_tokens_per_expert
+        for counts in (padded,) if real is padded else (padded, real):
+            counts[0] -= 1
+            counts[1] += 1
+        return out
+
+
+class _HalvingReference(ReferenceBackend):
+    """A combine that returns half of each sum."""
+
+    def _combine(self, rows, handle, row_probs):
+        combined = super()._combine(rows, handle, row_probs)
+        return combined._replace(hidden=combined.hidden / 2)
+
+
+def _bench_broken(ctx, backend_class, scaleup: int):
+    ep_plugin.register_backend("broken", backend_class, overwrite=True)
+    spec = SweepSpec(backends=("broken",), tokens=(32,), hidden=(64,), topk=(2,), experts=(8,), payloads=("bf16",),
+                     sms=(4,), routings=("balanced",), modes=("blocking",), warmup=1, iters=1,
+                     scaleup_sizes=(scaleup,))
+    return bench_rank(ctx, spec)
+
+
+@pytest.mark.parametrize("backend_class, words", [
+    (_RowLosingReference, "the wrong rows"),
+    (_SegmentShiftingReference, "rows, the sources routed"),
+    (_HalvingReference, "combine of the dispatched rows is wrong"),
+])
+@pytest.mark.parametrize("scaleup", [0, 1])  # flat; and across two domains (a domain backend per rank)
+def test_a_case_whose_ops_moved_wrong_values_is_an_error_row(backend_class, words, scaleup):
+    """The bench timed what the kernels did without asking whether it was right: a fast wrong kernel read as a
+    win. Each case now ends with one checked dispatch and combine (bench/verify.py); a backend that loses a
+    row, shifts a segment's boundary or sums wrong gives an error record (no figure) naming what went wrong."""
+    [record] = run_ranks(_bench_broken, 2, backend_class, scaleup)[0]
+    assert record["error"] and words in record["error"], record["error"]
+    [healthy] = run_ranks(_bench_broken, 2, ReferenceBackend, scaleup)[0]
+    assert healthy["error"] is None and healthy["domains"] == ("2x1" if scaleup else "1x2")
 
 
 def test_bench_json_is_strict_json(tmp_path):

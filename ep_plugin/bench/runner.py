@@ -25,6 +25,11 @@ dispatch must read each token once and write each of its k rows (a copy moves bo
 ceil/ours above 1 is reachable (an in-place combine reads the rows where they are). Ranks spread
 over several GPUs get none. With one GPU per rank the report derives it from ``link_floor_bytes``
 and the line rate.
+
+Values: after the timed loops every case runs one checked dispatch and combine (``verify.py``); a case
+whose ops moved a wrong row, or reported dropped rows or ids (``_outputs_problem``), is recorded with an
+``error`` and gives no figure. CUDA-graph records reuse the eager case's backend and kernels and are not
+checked again.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from ep_plugin.config import Config
 from ep_plugin.routing import route_counts
 from ep_plugin.testing import RankContext
 
+from . import verify
 from .workload import Shape, make_hidden, make_routing, make_topk, traffic
 
 GRAPH_MODE = "nonblocking+graph"
@@ -167,22 +173,40 @@ class _Calls:
 
     def combine_rows(self) -> torch.Tensor:
         """The dispatch output, or for fp8 dispatch bf16 rows of the same count (what combine takes)."""
-        if self.arena:
-            with self.backend.combine_input_arena():
-                rows = torch.empty(self.out.handle.num_rows, self.shape.hidden, device=self.device,
-                                   dtype=torch.bfloat16)
-            # The pool hands the freed block out again: one fill serves (the values are not checked).
+        if self.arena or self.in_place:
+            rows = self._rows_in_the_buffer()
+            # "in_place": nothing else writes there; "arena": the pool hands the freed block out again. So one
+            # fill serves every iteration (verify() checks the values, outside the timing).
             if not self._filled:
                 rows.copy_(self._separate_rows())
                 self._filled = True
             return rows
-        if self.in_place:
-            rows = self.backend.combine_input(self.out.handle)
-            if not self._filled:  # nothing else writes there in this mode: one fill serves every iteration
-                rows.copy_(self._separate_rows())
-                self._filled = True
-            return rows
         return self._separate_rows()
+
+    def _rows_in_the_buffer(self) -> torch.Tensor:
+        """Where an in-place variant's combine reads its rows: a block of the arena, or the backend's buffer."""
+        if self.arena:
+            with self.backend.combine_input_arena():
+                return torch.empty(self.out.handle.num_rows, self.shape.hidden, device=self.device,
+                                   dtype=torch.bfloat16)
+        return self.backend.combine_input(self.out.handle)
+
+    def verify(self, rank: int, world_size: int) -> Optional[str]:
+        """One more dispatch and combine of this case's tokens, checked (``verify.py``): what they got wrong,
+        or None. A collective: every rank runs it, after the timed loops."""
+        self.dispatch()
+        out = self.out
+        tokens = verify.as_bf16_rows(self.hidden)
+        chosen = verify.chosen_experts(self.routing, self.shape.experts)
+        # fp8: the dequantized rows go where the timed combines' bf16 rows went (no second copy of that size).
+        rows = verify.as_bf16_rows(out.hidden, out=self._separate_rows() if isinstance(out.hidden, tuple) else None)
+        problem = verify.dispatch_problem(rank, world_size, tokens, chosen, out, rows)
+        if self.arena or self.in_place:
+            rows = self._rows_in_the_buffer().copy_(rows)
+        self.combined = None
+        self.combined = self.backend.combine(rows, out.handle)
+        copies = verify.copies_per_token(chosen, out.handle.num_local_experts, out.handle.output_form)
+        return problem or verify.round_trip_problem(tokens, copies, self.combined.hidden)
 
     def _separate_rows(self) -> torch.Tensor:
         rows = self.out.hidden
@@ -424,6 +448,8 @@ def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, 
     step_us = _time_loop(calls.dispatch, calls.combine, device, spec.warmup, iters)
     problems: list[Optional[str]] = [None] * ctx.world_size
     dist.all_gather_object(problems, _outputs_problem(backend))
+    if not any(problems):  # decided alike on every rank: the check runs ops, which every rank must join
+        dist.all_gather_object(problems, _wrong_values(calls, ctx))
     del calls  # free the last outputs before the ceiling's copy
     all_samples = _gather(samples, ctx.world_size)
     counts = {way: n - counts_before.get(way, 0) for way, n in getattr(backend, "combine_counts", {}).items()}
@@ -466,6 +492,14 @@ def _outputs_problem(backend) -> Optional[str]:
     except Exception as exc:  # noqa: BLE001 - recorded, not raised: the other cases still run
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def _wrong_values(calls: _Calls, ctx: RankContext) -> Optional[str]:
+    """What one checked dispatch and combine of the case got wrong (``verify.py``), or None."""
+    try:
+        return calls.verify(ctx.rank, ctx.world_size)
+    except Exception as exc:  # noqa: BLE001 - recorded like _outputs_problem's: the other cases still run
+        return f"checking the values: {type(exc).__name__}: {exc}"
 
 
 def _arena_stats(backend) -> dict:

@@ -1,0 +1,146 @@
+"""Whether a timed case moved the right rows: one more dispatch and combine of the case's own tokens, checked.
+
+A kernel that is fast because it moved the wrong rows must not give a figure. After a case's timed loops
+every rank runs one dispatch and one combine of the same inputs (outside the timing) and checks two things,
+neither of which needs another backend or the peers' tokens:
+
+- **Dispatch, per local expert.** Each source sends, per expert, the sum over the tokens it routed there of
+  each token's row sum (fp32), and how many tokens that is (one ``all_gather_object`` of 2E numbers). The
+  expert's owner sums the row sums of the rows it received for that expert, wherever the form puts them
+  (a segment of the expert-row form, the rows whose local ids name it in the compact form): a row that went
+  to the wrong expert, or the wrong row, changes the sum; a lost or doubled one changes the count too.
+- **Round trip.** Combining the received rows unchanged (dequantized for fp8) sums each token's copies: the
+  result must be the token times the number of rows it went out as (one per expert in the expert-row form,
+  one per destination rank in the compact form).
+
+Tolerances: bf16 rounding of sums of up to k copies (relative 1/32 of a value). The checksums add the same
+bf16 values on both sides in fp64, only in another order: relative 1e-9 of the summed magnitudes, where one
+wrong row of H values moves a sum by about sqrt(H).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ep_plugin.handle import COMPACT
+
+from .workload import FP8_BLOCK
+
+ROUND_TRIP_RTOL = 1 / 32
+ROUND_TRIP_ATOL = 1e-2
+CHECKSUM_RTOL = 1e-9
+DEQUANT_CHUNK_ROWS = 4096  # fp8 rows dequantized this many at a time (a float copy of all would double memory)
+
+
+def as_bf16_rows(rows, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """bf16 rows: the rows themselves, or fp8 (data, per-128 scales) dequantized into ``out`` (allocated if None)."""
+    if not isinstance(rows, tuple):
+        return rows
+    data, scales = rows
+    num_rows, hidden = data.shape
+    if out is None:
+        out = torch.empty(num_rows, hidden, device=data.device, dtype=torch.bfloat16)
+    for start in range(0, num_rows, DEQUANT_CHUNK_ROWS):
+        part = slice(start, min(start + DEQUANT_CHUNK_ROWS, num_rows))
+        blocks = data[part].float().view(-1, hidden // FP8_BLOCK, FP8_BLOCK) * scales[part].float().unsqueeze(2)
+        out[part] = blocks.view(-1, hidden).to(torch.bfloat16)
+    return out
+
+
+def chosen_experts(routing: dict, num_experts: int) -> torch.Tensor:
+    """[T, E] bool: the experts each token went to, from either routing form."""
+    if "routing_map" in routing:
+        return routing["routing_map"].bool()
+    idx = routing["topk_idx"]
+    chosen = torch.zeros(idx.shape[0], num_experts, dtype=torch.bool, device=idx.device)
+    return chosen.scatter_(1, idx.clamp(min=0), (idx >= 0))
+
+
+def copies_per_token(chosen: torch.Tensor, num_local_experts: int, output_form: str) -> torch.Tensor:
+    """[T] how many rows each token went out as: one per expert, or one per destination rank (compact)."""
+    if output_form == COMPACT:
+        return chosen.view(chosen.shape[0], -1, num_local_experts).any(2).sum(1)
+    return chosen.sum(1)
+
+
+def row_sums(rows: torch.Tensor) -> torch.Tensor:
+    """[N] fp64 sum of each row, a chunk at a time (a float copy of every received row would double memory)."""
+    sums = [rows[start:start + DEQUANT_CHUNK_ROWS].float().sum(1, dtype=torch.float64)
+            for start in range(0, rows.shape[0], DEQUANT_CHUNK_ROWS)]
+    return torch.cat(sums) if sums else rows.new_zeros(0, dtype=torch.float64)
+
+
+def received_per_expert(out, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([L] fp64 sum of row sums, [L] int64 row count) on the host: the rows this rank received for each
+    local expert. ``rows``: the dispatch output's rows in bf16 (``as_bf16_rows``)."""
+    num_local_experts = out.handle.num_local_experts
+    valid = rows.shape[0]
+    if out.num_valid_rows is not None:
+        valid = min(valid, int(out.num_valid_rows.item()))
+    sums = row_sums(rows[:valid])
+    if out.handle.output_form == COMPACT:
+        names = out.topk_idx[:valid].unsqueeze(2) == torch.arange(num_local_experts, device=rows.device)
+        here = names.any(1)  # [rows, L]: the row carries a token for that expert
+        return (sums.unsqueeze(1) * here).sum(0).cpu(), here.sum(0).cpu()
+    # Expert-row form: segment e starts at the padded lengths before it; its real rows come first.
+    padded = out.handle.tokens_per_expert.to(torch.int64).tolist()
+    real = out.handle.num_real_tokens_per_expert.to(torch.int64).tolist()
+    per_expert, counts, start = [], [], 0
+    for segment, rows_here in zip(padded, real, strict=True):
+        end = min(start + rows_here, valid)
+        per_expert.append(sums[start:end].sum() if end > start else sums.new_zeros(()))
+        counts.append(max(end - start, 0))
+        start += segment
+    return torch.stack(per_expert).cpu(), torch.tensor(counts)
+
+
+def dispatch_problem(rank: int, world_size: int, tokens: torch.Tensor, chosen: torch.Tensor, out,
+                     rows: torch.Tensor) -> Optional[str]:
+    """What this rank's dispatch output (``out``, its rows in bf16: ``rows``) got wrong against every source's
+    per-expert checksums, or None. ``tokens``: this rank's input in bf16. A collective: every rank calls it."""
+    num_experts = chosen.shape[1]
+    local = out.handle.num_local_experts
+    token_sums = row_sums(tokens).unsqueeze(1)
+    sent_sums = (token_sums * chosen).sum(0).cpu()  # [E]
+    sent_counts = chosen.sum(0).cpu()
+    sent_scale = (token_sums.abs() * chosen).sum(0).cpu()
+    every: list = [None] * world_size
+    dist.all_gather_object(every, (sent_sums, sent_counts, sent_scale))
+    mine = slice(rank * local, (rank + 1) * local)
+    want_sums = sum(s[mine] for s, _, _ in every)
+    want_counts = sum(c[mine] for _, c, _ in every)
+    scale = sum(a[mine] for _, _, a in every)
+    got_sums, got_counts = received_per_expert(out, rows)
+    for e in range(local):
+        expert = rank * local + e
+        if int(got_counts[e]) != int(want_counts[e]):
+            return (f"dispatch gave local expert {e} (expert {expert} of {num_experts}) {int(got_counts[e])} rows, "
+                    f"the sources routed {int(want_counts[e])} there")
+        if abs(float(got_sums[e]) - float(want_sums[e])) > CHECKSUM_RTOL * float(scale[e]) + 1e-6:
+            return (f"dispatch gave local expert {e} (expert {expert} of {num_experts}) the wrong rows: their row "
+                    f"sums add up to {float(got_sums[e]):.6g}, the routed tokens' to {float(want_sums[e]):.6g}")
+    return None
+
+
+def round_trip_problem(tokens: torch.Tensor, copies: torch.Tensor, combined: torch.Tensor) -> Optional[str]:
+    """Whether combining the dispatched rows unchanged gave each token times its copies, or what it gave.
+    A chunk of tokens at a time: float copies of every token would cost ranks sharing a GPU gigabytes."""
+    copies = copies.to(tokens.device)
+    wrong_values, first = 0, None
+    for start in range(0, tokens.shape[0], DEQUANT_CHUNK_ROWS):
+        part = slice(start, start + DEQUANT_CHUNK_ROWS)
+        expected = tokens[part].float() * copies[part].unsqueeze(1).float()
+        wrong = (combined[part].float() - expected).abs() > ROUND_TRIP_RTOL * expected.abs() + ROUND_TRIP_ATOL
+        count = int(wrong.sum())
+        if count and first is None:
+            token, column = (int(i) for i in wrong.nonzero()[0])
+            first = (start + token, column, float(combined[start + token, column]), float(expected[token, column]))
+        wrong_values += count
+    if not wrong_values:
+        return None
+    token, column, got, want = first
+    return (f"combine of the dispatched rows is wrong at {wrong_values} of {combined.numel()} values (first: token "
+            f"{token}, column {column}: {got:.4g}, expected {want:.4g} = the token x {int(copies[token])} copies)")
