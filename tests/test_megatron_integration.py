@@ -9,6 +9,7 @@ sees), one running a script through ``python -m ep_plugin.integrations.megatron.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -319,6 +320,57 @@ def test_options_the_plugin_cannot_honour_fail_at_model_build(ep_megatron, monke
     for name in ("ep_hybrid", "ep_elastic"):
         with pytest.raises(ValueError, match=f"'{name}' with EP_PLUGIN_BLOCKING=0"):
             build(name)
+
+
+@needs_megatron
+def test_a_cuda_graph_over_the_dispatch_and_a_too_wide_top_k_fail_at_model_build(ep_megatron):
+    """Megatron settings that used to pass the build and fail at the first forward (or in a capture, with advice
+    the build refuses): a CUDA graph of the whole layer or iteration, which would capture the blocking dispatch;
+    elastic with more than 32 experts per token (top-k times the expert tensor-parallel copies); and 0.19's
+    fixed receive budget, where Megatron's own check would send the user to its HybridEP."""
+    from megatron.core.transformer.enums import CudaGraphScope
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    from ep_plugin.integrations.megatron.manager import resolve_backend_class
+
+    def build(config):
+        MoEFlexTokenDispatcher(2, [0, 1], config=config)
+
+    graph_settings = [("local", [], "an empty cuda_graph_(scope|modules)"),
+                      ("transformer_engine", [], "the whole layer"),
+                      ("local", [CudaGraphScope.full_iteration], "full_iteration"),
+                      ("full_iteration", [], "cuda_graph_impl='full_iteration'")]  # 0.19's spelling
+    for impl, scopes, words in graph_settings:
+        config = _config(moe_flex_dispatcher_backend="ep_reference")
+        config.cuda_graph_impl, config.cuda_graph_scope = impl, scopes  # set after __post_init__, as recipes do
+        if hasattr(config, "cuda_graph_modules"):
+            config.cuda_graph_modules = scopes
+        with pytest.raises(ValueError, match=f"{words}.*captures the MoE layer's dispatch.*moe_router"):
+            build(config)
+    # Graphs that stop before the dispatch are Megatron's way with a dropless flex dispatcher: the build's checks
+    # pass (the dispatcher itself would then need the model-parallel groups).
+    config = _config(moe_flex_dispatcher_backend="ep_reference")
+    config.cuda_graph_impl = "local"
+    config.cuda_graph_scope = [CudaGraphScope.attn, CudaGraphScope.moe_router, CudaGraphScope.moe_preprocess]
+    if hasattr(config, "cuda_graph_modules"):
+        config.cuda_graph_modules = config.cuda_graph_scope
+    assert resolve_backend_class("reference", config) is ep_plugin.get_backend("reference")
+
+    config = _config(moe_flex_dispatcher_backend="ep_elastic", num_moe_experts=64, moe_router_topk=8)
+    config.expert_tensor_parallel_size = 8
+    with pytest.raises(ValueError, match="at most 32 experts per token.*up to 64 "
+                                         r"\(moe_router_topk=8 x expert_tensor_parallel_size=8"):
+        build(config)
+    config.expert_tensor_parallel_size = 4  # 32 ids: as wide as the kernels go
+    on_cpu = not torch.cuda.is_available()
+    with pytest.raises(ep_plugin.BackendUnavailableError) if on_cpu else contextlib.nullcontext():
+        resolve_backend_class("elastic", config)  # past the option checks (on CPU: no GPU for elastic, said so)
+
+    config = _config(moe_flex_dispatcher_backend="ep_reference")
+    config.moe_expert_rank_capacity_factor = 1.5  # a 0.19 field; its checks run in __post_init__
+    with pytest.raises(ValueError, match="moe_expert_rank_capacity_factor=1.5.*ep_plugin backends are dropless"
+                                         "|ep_plugin backends are dropless.*moe_expert_rank_capacity_factor=1.5"):
+        config.__post_init__()
 
 
 @needs_megatron

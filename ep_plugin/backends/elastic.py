@@ -134,6 +134,7 @@ class ElasticBackend(CompiledBackend):
     )
     phase_names = PHASE_NAMES
     barrier_phase = PHASE_BARRIER
+    MAX_TOPK = 32  # top-k ids per token the kernels take (csrc/elastic: kMaxTopk)
     # Measured per SM (NOTES, fifth pass): the pulls and sums read ~16 GB/s, the in-place push writes ~13.5.
     sm_read_gbytes_per_s = 16.0
     sm_write_gbytes_per_s = 13.5
@@ -145,9 +146,9 @@ class ElasticBackend(CompiledBackend):
         ``dispatch(..., in_place=True)`` (R * max_tokens_per_rank rows of 2H bytes more). Both equal on
         every rank, like ``max_tokens_per_rank``."""
         # Set before the base constructor: the construction check there includes them.
-        self.max_topk = 32 if max_topk is None else max_topk
-        if not isinstance(self.max_topk, int) or not 1 <= self.max_topk <= 32:
-            raise ValueError(f"max_topk must be an int in [1, 32], got {max_topk!r}")
+        self.max_topk = self.MAX_TOPK if max_topk is None else max_topk
+        if not isinstance(self.max_topk, int) or not 1 <= self.max_topk <= self.MAX_TOPK:
+            raise ValueError(f"max_topk must be an int in [1, {self.MAX_TOPK}], got {max_topk!r}")
         if not isinstance(in_place_dispatch, bool):
             raise TypeError(f"in_place_dispatch must be a bool, got {in_place_dispatch!r}")
         self.in_place_dispatch = in_place_dispatch

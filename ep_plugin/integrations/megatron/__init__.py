@@ -283,6 +283,13 @@ def _wrap_config_post_init() -> None:
             raise ValueError(f"Only one backend is supported for flex token dispatcher: moe_enable_deepep=True "
                              f"selects DeepEP and moe_flex_dispatcher_backend={name!r} selects ep_plugin's "
                              f"{PLUGIN_BACKENDS[name]} (drop moe_enable_deepep, which Megatron deprecates)")
+        if name in PLUGIN_BACKENDS:
+            from .manager import rank_capacity_problem
+
+            # Before Megatron's check, which would send the user to its own backends ("hybridep", "ncclep").
+            problem = rank_capacity_problem(self)
+            if problem:
+                raise ValueError(problem)
         return original(self, *args, **kwargs)
 
     config_class.__post_init__ = __post_init__

@@ -182,6 +182,29 @@ def dispatcher_num_sms(config) -> Optional[int]:
     return getattr(config, "moe_hybridep_num_sms", None)
 
 
+def graph_capturing_the_dispatch(config) -> Optional[str]:
+    """The CUDA-graph setting under which Megatron captures an MoE layer's dispatch in training, as
+    "field=value" for a message, or None. 0.16: ``cuda_graph_impl`` "local"/"transformer_engine" with
+    ``cuda_graph_scope`` empty (the whole layer) or "full_iteration"; 0.19: the same impls with
+    ``cuda_graph_modules`` empty, or ``cuda_graph_impl="full_iteration"``. Scopes that stop before the
+    dispatch ("moe_router", "moe_preprocess", "attn") give None; "moe" needs drop-and-pad, refused apart."""
+    impl = getattr(config, "cuda_graph_impl", "none")
+    if impl == "full_iteration":  # 0.19
+        return "cuda_graph_impl='full_iteration'"
+    if impl not in ("local", "transformer_engine"):
+        return None
+    field = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
+    scopes = getattr(config, field, None) or []
+    if isinstance(scopes, str):  # before __post_init__ normalized it: "full" or "a,b"
+        scopes = [] if scopes == "full" else scopes.split(",")
+    names = [getattr(scope, "name", scope) for scope in (scopes if isinstance(scopes, (list, tuple)) else [scopes])]
+    if "full_iteration" in names:
+        return f"cuda_graph_impl={impl!r} with {field}=['full_iteration']"
+    if not names:
+        return f"cuda_graph_impl={impl!r} with an empty {field} (the whole layer)"
+    return None
+
+
 def _argument(index: int, name: str) -> Callable[[tuple, dict], Any]:
     def config_of(args: tuple, kwargs: dict) -> Any:
         return kwargs[name] if name in kwargs else args[index]

@@ -79,6 +79,23 @@ DECODE_PADDING_PROBLEM = (
     "False")
 
 
+def rank_capacity_problem(config) -> Optional[str]:
+    """Why 0.19's fixed receive budget (``moe_expert_rank_capacity_factor``) cannot go with a plugin backend,
+    or None when it is unset. Also asked before Megatron's own check, whose message names only its backends."""
+    capacity = getattr(config, "moe_expert_rank_capacity_factor", None)  # Megatron-Core >= 0.19
+    if capacity is None:
+        return None
+    return (f"{selected_by(config)}: ep_plugin backends are dropless and size their outputs exactly; "
+            f"moe_expert_rank_capacity_factor={capacity} (a fixed receive budget that drops tokens, which "
+            "moe_paged_stash builds on) is not supported: leave both unset")
+
+
+CAPTURE_PROBLEM = ("ep_plugin's dispatch in Megatron reads the exact row counts on the host (blocking mode), which a "
+                   "capture cannot. Capture the parts before it instead: cuda_graph_modules (0.16: cuda_graph_scope) "
+                   "= ['attn', 'moe_router', 'moe_preprocess'] (Megatron-LM: --cuda-graph-scope attn moe_router "
+                   "moe_preprocess)")
+
+
 def check_megatron_options(config, backend_class) -> None:
     """Raise ValueError, at model build, for what a plugin backend would otherwise get wrong silently.
 
@@ -91,18 +108,32 @@ def check_megatron_options(config, backend_class) -> None:
     - fp16 activations (``fp16=True``) on a backend that does not move them (the compiled backends take
       bf16). An fp32 config is only warned about: a script may cast the model to bf16 itself, and
       otherwise the first dispatch refuses the fp32 tokens.
+    - A CUDA graph that captures the dispatch (the whole layer, a whole iteration): blocking mode reads the
+      exact counts on the host, which a capture cannot, and non-blocking mode is refused above.
+    - Top-k wider than the backend takes (elastic: 32 ids per token; Megatron hands it
+      ``moe_router_topk`` per tensor-parallel copy of the experts).
     """
     selected = selected_by(config)
+    captured = compat.graph_capturing_the_dispatch(config)
+    if captured:
+        raise ValueError(f"{selected}: {captured} captures the MoE layer's dispatch in a CUDA graph; "
+                         f"{CAPTURE_PROBLEM}")
+    widest = getattr(backend_class, "MAX_TOPK", None)  # a limit of the backends that take top-k ids
+    copies = getattr(config, "expert_tensor_parallel_size", None) or 1  # the flex dispatcher's TP copies
+    if widest is not None and config.moe_router_topk * copies > widest:
+        raise ValueError(f"{selected}: backend {backend_class.name!r} takes at most {widest} experts per token, and "
+                         f"this layer routes each token to up to {config.moe_router_topk * copies} "
+                         f"(moe_router_topk={config.moe_router_topk} x expert_tensor_parallel_size={copies}: the "
+                         "flex dispatcher gives each tensor-parallel rank its own copy of the experts); lower one "
+                         "of them, or choose 'ep_hybrid', which takes Megatron's routing map as it is")
     if config.moe_pad_expert_input_to_capacity:
         raise ValueError(f"{selected}: ep_plugin backends are dropless; moe_pad_expert_input_to_capacity=True is not "
                          "supported")
     if getattr(config, "moe_pad_experts_for_cuda_graph_inference", False):  # a TransformerConfig field from 0.19
         raise ValueError(f"{selected}: {DECODE_PADDING_PROBLEM}")
-    capacity = getattr(config, "moe_expert_rank_capacity_factor", None)  # Megatron-Core >= 0.19
-    if capacity is not None:
-        raise ValueError(f"{selected}: ep_plugin backends are dropless and size their outputs exactly; "
-                         f"moe_expert_rank_capacity_factor={capacity} (a fixed receive budget that drops tokens) is "
-                         "not supported: leave it unset")
+    capacity_problem = rank_capacity_problem(config)
+    if capacity_problem:
+        raise ValueError(capacity_problem)
     if backend_class.capabilities.non_blocking and not Config.from_env().blocking:
         raise ValueError(f"{selected} with EP_PLUGIN_BLOCKING=0: non-blocking outputs are sized to a budget and "
                          "their rows past the count are not written, while Megatron's experts compute every row "
@@ -239,6 +270,10 @@ class EPPluginManager:
         if self.config.moe_pad_expert_input_to_capacity:  # switched on after the build-time check
             raise ValueError(f"{selected_by(self.config)}: drop-and-pad was switched on after the model was built. "
                              f"{DECODE_PADDING_PROBLEM}")
+        if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():  # inference graphs, say
+            # Before the backend's own refusal, whose advice (EP_PLUGIN_BLOCKING=0) Megatron's build refuses.
+            raise RuntimeError(f"{selected_by(self.config)}: Megatron is capturing this MoE layer's dispatch in a "
+                               f"CUDA graph; {CAPTURE_PROBLEM}")
         probs = self.token_probs
         if probs.dtype != torch.float32:
             probs = probs.float()  # ep_plugin carries fp32 probs, like HybridEP
