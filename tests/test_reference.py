@@ -168,6 +168,53 @@ def test_check_usable_refuses_after_a_timed_out_op():
     assert "cannot run more ops after an earlier failure" in outcome and seconds < 1.0, (outcome, seconds)
 
 
+def _late_payload_then_next_op_over_a_twin(ctx):
+    """The words on a gloo twin, as over NCCL (``use_gloo_twin``, forced here on a gloo group); rank 1 is late
+    in dispatch #1 after the opening exchange, so rank 0's payload exchange (_comm) times out. Rank 0's next
+    op must refuse at once: the twin's own check does not see a failure of the payload group."""
+    import time
+
+    from ep_plugin.host_collectives import HostCollectives
+
+    timeout_s = 2.0
+    backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",
+                                                 config=ep_plugin.Config.from_env(timeout_s=timeout_s))
+    words = HostCollectives(backend.group, owner="ep_plugin reference", timeout_s=timeout_s, label="reference words")
+    words.use_gloo_twin()  # what ReferenceBackend.__init__ makes when the group is NCCL
+    words.site = backend._comm.site
+    backend._words = words
+    store = torch.distributed.distributed_c10d._get_default_store()
+    hidden, idx = torch.ones(2, 4), torch.tensor([[0, 1], [2, 3]])
+    if ctx.rank == 1:
+        make_layout = backend._make_layout
+
+        def late(*args, **kwargs):  # past the opening exchange, before the payload
+            store.wait(["rank 0 is done"])
+            return make_layout(*args, **kwargs)
+
+        backend._make_layout = late
+        with pytest.raises(ep_plugin.EPError):
+            backend.dispatch(hidden, topk_idx=idx)
+        return ()
+    with pytest.raises(ep_plugin.EPTimeoutError):
+        backend.dispatch(hidden, topk_idx=idx)
+    start = time.monotonic()
+    try:
+        backend.barrier()
+        outcome = "no error"
+    except ep_plugin.EPError as error:
+        outcome = f"{type(error).__name__}: {error}"
+    store.set("rank 0 is done", "1")
+    return outcome, time.monotonic() - start
+
+
+def test_an_op_after_a_timeout_refuses_at_once_when_the_words_travel_on_a_twin():
+    """Over NCCL the reference's opening words go on the group's gloo twin. After a payload exchange timed out,
+    the next op ran its opening exchange on the twin, waited out another timeout and blamed the peer."""
+    outcome, seconds = run_ranks(_late_payload_then_next_op_over_a_twin, 2, timeout_s=120)[0]
+    assert "cannot run more ops after an earlier failure" in outcome and seconds < 1.0, (outcome, seconds)
+
+
 def _ops_after_destroy(ctx) -> dict:
     """Every op of a destroyed backend, flat and across 2 domains: which error each raised."""
     import functools

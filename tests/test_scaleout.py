@@ -221,6 +221,30 @@ def test_bad_topk_ids_across_domains_raise_as_flat():
     assert rank0[2:] == rank1 == [rank1[0]] and len(rank1[0]) == 2  # the backend went on
 
 
+def cached_dispatch_arguments_across_domains(ctx) -> list:
+    """A cached dispatch across domains takes the form options its domain backend's cached dispatch takes
+    (the reference's: none) and no routing arguments; both refused before the rails, every rank alike."""
+    backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",
+                                                 topology=Topology(2, 1, ctx.rank))
+    x, idx = torch.arange(8.0).view(2, 4) + ctx.rank, torch.tensor([[0, 1], [2, 3]])
+    out = backend.dispatch(x, topk_idx=idx)
+    raised = []
+    for extra in (dict(topk_idx=idx), dict(expand=True)):
+        try:
+            backend.dispatch(x * 2, handle=out.handle, **extra)
+        except (TypeError, ValueError) as error:
+            raised.append(f"{type(error).__name__}: {error}")
+    assert torch.equal(backend.dispatch(x * 2, handle=out.handle).hidden, out.hidden * 2)  # and it goes on
+    return raised
+
+
+def test_a_cached_dispatch_across_domains_refuses_what_its_domain_backend_would():
+    for raised in run_ranks(cached_dispatch_arguments_across_domains, 2, timeout_s=120):
+        assert raised == ["ValueError: a cached dispatch (handle=...) takes no routing arguments: the handle has them",
+                          "TypeError: backend 'reference' has no cached dispatch option(s) ['expand']; it takes "
+                          "none"], raised
+
+
 def bad_topk_values_on_one_rank(ctx, blocking: bool) -> list:
     """Rank 0's top-k ids name an expert out of range, then rank 3's an expert twice; every rank dispatches
     each time (2 domains of 2: rank 3 is neither rank 0's rail peer nor in its domain), then validly."""

@@ -222,6 +222,14 @@ def elastic_suite(ctx) -> list[str]:
             fresh = torch.randn(x.shape, device=x.device).to(torch.bfloat16)
             assert torch.equal(layered.dispatch(fresh, handle=out.handle).hidden,
                                flat.dispatch(fresh, handle=want.handle).hidden), f"{name}: cached dispatch"
+            # The form options a flat cached dispatch takes (matching its handle) work across domains too; one
+            # that contradicts the handle is refused there before the rails move anything.
+            assert torch.equal(layered.dispatch(fresh, handle=out.handle, expand=expand, zero_padding=True).hidden,
+                               flat.dispatch(fresh, handle=want.handle, expand=expand, zero_padding=True).hidden), \
+                f"{name}: cached dispatch with its form's options"
+            if not expand and hasattr(layered, "domain"):
+                with pytest.raises(ValueError, match="a cached dispatch delivers its handle's form"):
+                    layered.dispatch(fresh, handle=out.handle, expand=True)
             free = sync_free.dispatch(x, topk_idx=idx, topk_weights=w, **options)
             valid = _valid(free)
             assert valid == want.hidden.shape[0], f"{name}: sync-free valid rows {valid} vs {want.hidden.shape[0]}"

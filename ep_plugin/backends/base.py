@@ -252,6 +252,7 @@ class Backend(abc.ABC):
         """Block until every rank of the group reaches this point. A rank that does not arrive within
         ``config.timeout_s`` makes the others raise ``EPTimeoutError`` naming it."""
         self.refuse_if_destroyed("barrier")
+        self.check_not_capturing("barrier")  # a host wait: the backends without graphs refuse it in a capture
         self._barrier()
 
     def _barrier(self) -> None:
@@ -381,7 +382,9 @@ class Backend(abc.ABC):
 
     def _sync_free(self) -> bool:
         """Whether ops avoid host syncs: a backend without a sync-free mode (the reference) runs blocking
-        whatever ``config.blocking`` says."""
+        whatever ``config.blocking`` says. (Across domains the rails follow ``config.blocking`` whatever the
+        domain backend: a reference domain with blocking=False moves fixed rail blocks, which is how the CPU
+        tests cover the sync-free rail protocol, and slower than its blocking rails.)"""
         return not self.config.blocking and self.capabilities.non_blocking
 
     def check_hidden(self, name: str, hidden: torch.Tensor, num_rows: Optional[int]) -> None:

@@ -409,6 +409,15 @@ class ElasticBackend(CompiledBackend):
                                            payload_pushed=True, bulk_copy=self._bulk, **receive)
         self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, args, self.num_blocks, self._stream())
 
+    @staticmethod
+    def check_cached_form(handle: Handle, *, expand: bool = False, zero_padding: bool = False) -> None:
+        """ValueError when a cached dispatch's options contradict its handle's form (the form is the handle's);
+        also asked by the hierarchical backend, before its rails move anything."""
+        layout: ElasticLayout = handle.layout
+        if expand and not layout.expand or zero_padding and not layout.zero_padding:
+            raise ValueError(f"a cached dispatch delivers its handle's form (expand={layout.expand}, "
+                             f"zero_padding={layout.zero_padding}); got expand={expand}, zero_padding={zero_padding}")
+
     @op_range("cached_dispatch")
     def _cached_dispatch(self, hidden, handle: Handle, *, expand: bool = False,
                          zero_padding: bool = False) -> DispatchOutput:
@@ -417,9 +426,7 @@ class ElasticBackend(CompiledBackend):
         data = self.check_cached_input(hidden, handle)
         fp8 = isinstance(hidden, (tuple, list))
         layout: ElasticLayout = handle.layout
-        if expand and not layout.expand or zero_padding and not layout.zero_padding:
-            raise ValueError(f"a cached dispatch delivers its handle's form (expand={layout.expand}, "
-                             f"zero_padding={layout.zero_padding}); got expand={expand}, zero_padding={zero_padding}")
+        self.check_cached_form(handle, expand=expand, zero_padding=zero_padding)
         self.buffer.raise_if_failed()
         at = layout.scratch.address
         scales = hidden[1] if fp8 else None

@@ -247,9 +247,13 @@ class HierarchicalBackend(Backend):
         pad_multiple = merge_alignment(pad_multiple, expert_alignment)
         if handle is not None:
             self.refuse_if_destroyed("dispatch")
-            if any(v is not None for v in (routing_map, probs, topk_idx, topk_weights, pad_multiple)) or options:
+            self.check_not_capturing("cached dispatch")
+            if any(v is not None for v in (routing_map, probs, topk_idx, topk_weights, pad_multiple)):
                 raise ValueError("a cached dispatch (handle=...) takes no routing arguments: the handle has them")
-            return self._cached_dispatch(hidden, handle)
+            # As the domain backend's cached dispatch: only the form options it checks against the handle.
+            self.check_options("cached dispatch", options,
+                               ("expand", "zero_padding") if hasattr(self.domain, "check_cached_form") else ())
+            return self._cached_dispatch(hidden, handle, **options)
         self.check_routing_form(routing_map, topk_idx)
         if topk_idx is not None:  # the k checks below read its shape
             check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2, device=self.device)
@@ -435,16 +439,19 @@ class HierarchicalBackend(Backend):
                                 lambda received: self.domain.dispatch_again(received, layout.domain_handle))
         return _to_flat(rows, layout.dest)
 
-    def _cached_dispatch(self, hidden, handle: Handle) -> DispatchOutput:
-        """``dispatch(hidden, handle=...)``: no layout, no count exchange; FP8 where the domain backend takes it."""
+    def _cached_dispatch(self, hidden, handle: Handle, **form) -> DispatchOutput:
+        """``dispatch(hidden, handle=...)``: no layout, no count exchange; FP8 where the domain backend takes it.
+        ``form``: expand / zero_padding, checked against the handle before the rails move anything."""
         data = self.check_cached_input(hidden, handle)
         fp8 = isinstance(hidden, (tuple, list))
         layout: HierarchicalLayout = handle.layout
         where = f"cached dispatch along dispatch #{layout.dispatch_id}"
+        if form:
+            self.domain.check_cached_form(layout.domain_handle, **form)
 
         def forward(received):
             if getattr(self.domain, "_cached_dispatch", None) is not None:
-                return self.domain.dispatch(received, handle=layout.domain_handle)
+                return self.domain.dispatch(received, handle=layout.domain_handle, **form)
             return DispatchOutput(self.domain.dispatch_again(received, layout.domain_handle), None,
                                   layout.domain_handle.tokens_per_expert, layout.domain_handle)
 

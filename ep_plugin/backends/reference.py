@@ -150,7 +150,8 @@ class ReferenceBackend(Backend):
         self._open(fingerprint, where, layout.recv_splits, None if row_probs is None else row_probs.dtype,
                    expected=layout.send_splits)
         returned = self._all_to_all(rows[layout.recv_row], layout.send_splits, layout.recv_splits, f"{where} (rows)")
-        # Accumulate in fp32 (or fp64) whatever the payload dtype; pairs of a token add in expert order.
+        # Accumulate in fp32 (or fp64) whatever the payload dtype. On CUDA index_add_ adds a token's pairs in no set
+        # order (atomics), so a sum of three or more can differ in its last bit from run to run; exact on CPU.
         accumulate_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
         summed = torch.zeros(handle.num_tokens, self.hidden_size, dtype=accumulate_dtype, device=rows.device)
         summed.index_add_(0, layout.send_token, returned.to(accumulate_dtype))
@@ -191,6 +192,9 @@ class ReferenceBackend(Backend):
         every rank when a rank refused its top-k ids (``refused``: why, on that rank; it sends -1 rows).
         ``expected``: the rows each peer should announce (known from the handle), checked too.
         """
+        # Over NCCL the words travel on the gloo twin, whose own check misses a timeout of the NCCL ops (_comm):
+        # without this the next op waited out another timeout and blamed a peer.
+        self.check_usable()
         fingerprint_word, instance, probs_code = mine = (fingerprint.pack(), self._comm.instance,
                                                          _PROBS_DTYPES.index(probs_dtype))
         sent = torch.tensor([(count,) + mine for count in send_splits], dtype=torch.int64,
@@ -213,12 +217,14 @@ class ReferenceBackend(Backend):
         if differing(0):
             bad = differing(0)
             raise EPError(mismatch_message(self.name, self.rank, bad[0], fingerprint_word, theirs[bad[0]][0])
-                          + f" Rank {self.rank} was in {where}; ranks whose op differs from its: {bad}.")
+                          + f" {self._comm.peer_name(self.rank).capitalize()} was in {where}; ranks whose op differs "
+                          f"from its: {', '.join(self._comm.peer_name(q) for q in bad)}.")
         if differing(2):
             q = differing(2)[0]
             raise EPError(
-                f"ep_plugin reference: ranks disagree on {where}: probs dtype: {_PROBS_DTYPES[probs_code]} on rank "
-                f"{self.rank}, {_PROBS_DTYPES[theirs[q][2]]} on rank {q}. All ranks must pass probs of one dtype.")
+                f"ep_plugin reference: ranks disagree on {where}: probs dtype: {_PROBS_DTYPES[probs_code]} on "
+                f"{self._comm.peer_name(self.rank)}, {_PROBS_DTYPES[theirs[q][2]]} on {self._comm.peer_name(q)}. All "
+                "ranks must pass probs of one dtype.")
         refusing = [q for q in range(self.num_ranks) if counts[q] == _REFUSED]
         if refusing:
             stays = "every rank of backend 'reference' refused this dispatch; the backend stays usable"
