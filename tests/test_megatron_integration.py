@@ -76,12 +76,13 @@ def _snapshot():
     from megatron.core import parallel_state
     from megatron.core.models.gpt import fine_grained_callables
     from megatron.core.transformer.moe.experts import SequentialMLP
-    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher, MoETokenDispatcher
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     field = TransformerConfig.__dataclass_fields__["moe_flex_dispatcher_backend"]
     return {
         "init": MoEFlexTokenDispatcher.__init__,
+        "base_init": MoETokenDispatcher.__init__,
         "experts_forward": SequentialMLP.forward,
         "should_free_input": _should_free_input_module().should_free_input,
         "layer_callables": fine_grained_callables.build_transformer_layer_callables,
@@ -286,6 +287,14 @@ def test_plugin_name_without_the_flex_dispatcher_type_is_refused(ep_megatron):
     config.moe_token_dispatcher_type = "alltoall"  # changed after construction, as recipes do
     with pytest.raises(ValueError, match="requires moe_token_dispatcher_type='flex', got 'alltoall'"):
         validate_ep_plugin_backend(config)
+    # Without that call, the dispatcher Megatron builds refuses it, before any process group is asked for.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    for dispatcher_class, dispatcher_type in ((token_dispatcher.MoEAlltoAllTokenDispatcher, "alltoall"),
+                                              (token_dispatcher.MoEAllGatherTokenDispatcher, "allgather")):
+        config.moe_token_dispatcher_type = dispatcher_type
+        with pytest.raises(ValueError, match=f"requires moe_token_dispatcher_type='flex', got '{dispatcher_type}'"):
+            dispatcher_class(2, [0, 1], config=config)
     assert _config(moe_flex_dispatcher_backend="deepep", moe_token_dispatcher_type="alltoall")  # Megatron's own
 
 

@@ -70,6 +70,7 @@ class _State:
     original_init = None
     original_experts_forward = None
     original_config_post_init = None
+    original_base_init = None  # every token dispatcher's base class (the dispatcher-type check)
     original_functions: dict = {}  # (module, function) -> original callable
     original_parse_known_args = None
     widened_choices: list = []  # (argparse action, its choices before): put back by uninstall()
@@ -111,6 +112,7 @@ def install(replace_builtin: Optional[bool] = None) -> None:
             _widen_argparse_choices()
             _wrap_experts_forward()
             _wrap_config_post_init()
+            _wrap_dispatcher_base_init()
             _wrap_destroy_model_parallel()
         except BaseException:
             _restore_megatron()
@@ -143,10 +145,12 @@ def _restore_megatron() -> None:
         compat.sequential_mlp_class().forward = _state.original_experts_forward
     if _state.original_config_post_init is not None:
         compat.transformer_config_class().__post_init__ = _state.original_config_post_init
+    if _state.original_base_init is not None:
+        compat.dispatcher_base_class().__init__ = _state.original_base_init
     if _state.original_annotations is not None:  # the objects themselves (an Optional[Literal] stays one)
         compat.restore_backend_annotations(_state.original_annotations)
     _state.original_init = _state.original_parse_known_args = _state.original_annotations = None
-    _state.original_experts_forward = _state.original_config_post_init = None
+    _state.original_experts_forward = _state.original_config_post_init = _state.original_base_init = None
     _state.original_functions, _state.widened_choices = {}, []
 
 
@@ -268,7 +272,7 @@ def _wrap_experts_forward() -> None:
     experts_class.forward = forward
 
 
-# ---- 6. moe_enable_deepep next to a plugin name ---------------------------------------------------
+# ---- 6. config checks: moe_enable_deepep or another dispatcher type next to a plugin name ----------
 
 def _wrap_config_post_init() -> None:
     config_class = compat.transformer_config_class()
@@ -293,6 +297,22 @@ def _wrap_config_post_init() -> None:
         return original(self, *args, **kwargs)
 
     config_class.__post_init__ = __post_init__
+
+
+def _wrap_dispatcher_base_init() -> None:
+    """The dispatcher-type check again when any token dispatcher is built: a field set after the config was
+    made (a recipe's override, a config made before install()) never passed through __post_init__, and
+    Megatron would build its alltoall or allgather dispatcher with the plugin's name ignored."""
+    base_class = compat.dispatcher_base_class()
+    original = base_class.__init__
+    _state.original_base_init = original
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        check_dispatcher_type(kwargs["config"] if "config" in kwargs else args[0])
+        return original(self, *args, **kwargs)
+
+    base_class.__init__ = __init__
 
 
 def check_dispatcher_type(config) -> None:
