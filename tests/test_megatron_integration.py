@@ -383,6 +383,26 @@ def test_a_cuda_graph_over_the_dispatch_and_a_too_wide_top_k_fail_at_model_build
 
 
 @needs_megatron
+@pytest.mark.gpu(extension=False)
+def test_a_capture_that_reaches_the_dispatch_says_what_to_graph(ep_megatron):
+    """A capture the build could not foresee (an inference graph, say) reaches the manager's dispatch: it is
+    refused with Megatron's scopes to graph instead, not the backend's advice (EP_PLUGIN_BLOCKING=0), which
+    the build refuses. Nothing is enqueued: no process group is needed to get there."""
+    from ep_plugin.integrations.megatron.manager import EPPluginManager
+
+    config = _config(moe_flex_dispatcher_backend="ep_reference")
+    manager = EPPluginManager("reference", group=None, num_local_experts=4, num_experts=4, config=config)
+    routing_map = torch.zeros(8, 4, dtype=torch.bool, device="cuda")
+    routing_map[:, :2] = True
+    manager.setup_metadata(routing_map, routing_map.float() / 2)
+    hidden = torch.ones(8, 16, device="cuda")
+    with pytest.raises(RuntimeError, match="Megatron is capturing this MoE layer's dispatch.*'moe_router'"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            manager.dispatch(hidden)
+    assert manager.backend is None  # refused before a backend was made
+
+
+@needs_megatron
 def test_elastic_gets_megatrons_routing_map_as_top_k_ids(ep_megatron):
     """ep_elastic takes top-k ids, not Megatron's routing map: the manager's conversion keeps exactly each
     token's chosen experts (TP copies of the expert set included) with their probs, -1 and 0 elsewhere."""
