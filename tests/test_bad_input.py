@@ -142,3 +142,36 @@ def test_expert_alignment_is_deepeps_name_for_pad_multiple():
     assert merge_alignment(16, None) == 16 and merge_alignment(None, 128) == 128 and merge_alignment(8, 8) == 8
     with pytest.raises(ValueError, match="disagree"):
         merge_alignment(16, 128)
+
+
+def test_a_compiled_backend_refuses_sizes_past_its_32_bit_row_indices():
+    """2 ranks x 2^22 tokens x all 256 local experts (hybrid takes routing maps: a token may reach each) is past
+    2^31 rows on one rank: an expert's segment start would wrap negative in the kernels and its padding be
+    written far outside the output. CompiledBackend.__init__ refuses it first thing, naming the knob (on the GPU:
+    test below); elastic, whose tokens reach at most 32 experts, is refused only from 2^25."""
+    from ep_plugin.backends.compiled import INT32_MAX, row_index_problem
+    from ep_plugin.config import MAX_PAD_MULTIPLE
+
+    problem = row_index_problem("hybrid", 2, 1 << 22, 256, 256)
+    assert "2164260608 rows" in problem and "EP_PLUGIN_MAX_TOKENS_PER_RANK" in problem, problem
+    largest = (INT32_MAX - 256 * (MAX_PAD_MULTIPLE - 1)) // (2 * 256)  # the most tokens that still fit
+    assert row_index_problem("hybrid", 2, largest, 256, 256) is None
+    assert row_index_problem("hybrid", 2, largest + 1, 256, 256) is not None
+    assert row_index_problem("elastic", 2, 1 << 22, 256, 32) is None
+    assert "2164260608 rows (32 of its experts" in row_index_problem("elastic", 2, 1 << 25, 256, 32)
+    # Realistic sizes stay far under: 32 ranks x 8192 tokens x 256 local experts is 84 million rows.
+    assert row_index_problem("hybrid", 32, 8192, 256, 256) is None
+
+
+def build_past_32_bit_rows(ctx) -> str:
+    try:
+        ep_plugin.get_backend("hybrid")(hidden_size=16, num_experts=512, config=Config(max_tokens_per_rank=1 << 22))
+    except ValueError as error:
+        return str(error)
+    return "built"
+
+
+@pytest.mark.gpu
+def test_a_hybrid_backend_past_32_bit_rows_is_refused_when_built_on_the_gpu():
+    for outcome in run_ranks(build_past_32_bit_rows, 2, device="cuda", timeout_s=180):
+        assert "32-bit row indices" in outcome, outcome

@@ -14,6 +14,7 @@ import torch
 
 from .. import _cuda, streams
 from ..agreement import OP_BARRIER, fingerprint_code
+from ..config import MAX_PAD_MULTIPLE
 from ..errors import BackendUnavailableError, EPError
 from ..routing import ROUTING_MAP, Routing, check_topk_values, dropped_ids_error
 from ..transport.fabric import gpu_link_bandwidths
@@ -21,6 +22,21 @@ from ..transport.placement import ranks_per_gpu
 from ..transport.sizing import co_residency_limit, mps_thread_percentage, resolve_num_sms
 from ..transport.symmetric import SymmetricBuffer
 from .base import Backend
+
+INT32_MAX = (1 << 31) - 1  # the kernels' row and packet indices are int32
+
+
+def row_index_problem(name: str, num_ranks: int, max_tokens_per_rank: int, num_local_experts: int,
+                      experts_per_token: int) -> Optional[str]:
+    """Why these sizes could send one rank more rows than the kernels' 32-bit indices hold, or None. Past 2^31
+    an expert's segment start wraps negative and its padding is written far outside the output."""
+    per_token = min(experts_per_token, num_local_experts)
+    worst_rows = num_ranks * max_tokens_per_rank * per_token + num_local_experts * (MAX_PAD_MULTIPLE - 1)
+    if worst_rows <= INT32_MAX:
+        return None
+    return (f"backend {name!r}: {num_ranks} ranks x max_tokens_per_rank={max_tokens_per_rank} can send one rank "
+            f"{worst_rows} rows ({per_token} of its experts per token, and the largest padding), past the kernels' "
+            f"32-bit row indices ({INT32_MAX}); lower max_tokens_per_rank (EP_PLUGIN_MAX_TOKENS_PER_RANK)")
 
 try:  # the `nvtx` package when installed, else torch's bindings
     import nvtx as _nvtx
@@ -104,9 +120,19 @@ class CompiledBackend(Backend):
     _launches: int = 0
     _failed_mid_op: Optional[str] = None
 
+    def experts_per_token_limit(self) -> int:
+        """The most of one rank's experts a token can reach: all of them in the routing-map form (hybrid);
+        backends that take top-k ids say their widest k."""
+        return self.num_local_experts
+
     def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None) -> None:
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
                          topology=topology)
+        # First, as no GPU could serve it either (row_index_problem).
+        problem = row_index_problem(self.name, self.num_ranks, self.config.max_tokens_per_rank,
+                                    self.num_local_experts, self.experts_per_token_limit())
+        if problem:
+            raise ValueError(problem)
         if not _cuda.available():
             raise BackendUnavailableError(
                 f"backend {self.name!r} needs the CUDA extension and a GPU: {_cuda.describe()}")

@@ -409,6 +409,9 @@ class ElasticBackend(CompiledBackend):
                                            payload_pushed=True, bulk_copy=self._bulk, **receive)
         self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, args, self.num_blocks, self._stream())
 
+    def experts_per_token_limit(self) -> int:
+        return self.max_topk
+
     @staticmethod
     def check_cached_form(handle: Handle, *, expand: bool = False, zero_padding: bool = False) -> None:
         """ValueError when a cached dispatch's options contradict its handle's form (the form is the handle's);
