@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import sys
 import threading
 from contextlib import contextmanager
@@ -48,6 +49,8 @@ from typing import Optional
 
 from . import compat
 from .manager import clear_backend_cache
+
+logger = logging.getLogger(__name__)
 
 # moe_flex_dispatcher_backend value -> ep_plugin registry name.
 PLUGIN_BACKENDS: dict[str, str] = {
@@ -320,6 +323,12 @@ def check_dispatcher_type(config) -> None:
     than "flex": Megatron picks the dispatcher by its type and would silently run that one instead."""
     name = getattr(config, compat.BACKEND_FIELD, None)
     dispatcher_type = getattr(config, "moe_token_dispatcher_type", "flex")
+    sizes = [getattr(config, field, None) or 1 for field in
+             ("tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size")]
+    if sizes == [1, 1, 1]:
+        # Nothing to move between ranks, so no dispatcher is ignored: Bridge's checkpoint loading and export
+        # switch a flex config to "allgather" at TP = EP = 1 (which Megatron's flex refuses), keeping the name.
+        return
     if name in PLUGIN_BACKENDS and dispatcher_type != "flex":
         raise ValueError(f"moe_flex_dispatcher_backend={name!r} requires moe_token_dispatcher_type='flex', got "
                          f"{dispatcher_type!r}: Megatron would run its own {dispatcher_type} dispatcher instead of "
@@ -337,9 +346,13 @@ def _wrap_destroy_model_parallel() -> None:
     @functools.wraps(original)
     def destroy_model_parallel(*args, **kwargs):
         try:
-            clear_backend_cache()  # a destroy that raises still lets Megatron's teardown run, then raises
-        finally:
-            original(*args, **kwargs)
+            clear_backend_cache()
+        except Exception as error:  # noqa: BLE001 - a teardown must finish: warned, not raised
+            # Callers tear down after a failure too (Bridge's cleanup, an in-process restart, where peers may
+            # be gone): raising here would skip the rest of their teardown. The buffers stay mapped.
+            logger.warning("ep_plugin: destroying the shared backends in destroy_model_parallel failed (%s: %s); "
+                           "their buffers stay mapped, Megatron's teardown goes on", type(error).__name__, error)
+        original(*args, **kwargs)
 
     _state.original_functions[(parallel_state.__name__, "destroy_model_parallel")] = original
     _rebind(original, destroy_model_parallel)  # callers that imported it by name too

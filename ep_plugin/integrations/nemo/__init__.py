@@ -10,7 +10,8 @@ model provider's config to the flex dispatcher for "deepep"/"hybridep"/"ncclep":
   warns and falls back to ``moe_token_dispatcher_type="alltoall"``,
   ``moe_flex_dispatcher_backend=None``;
 - otherwise: ``moe_token_dispatcher_type="flex"``, ``moe_flex_dispatcher_backend=<backend>``,
-  ``moe_shared_expert_overlap=False`` (the flex dispatcher has no shared-expert overlap).
+  ``moe_shared_expert_overlap=False`` (as Bridge sets it; megatron-core 0.16's flex dispatcher has no
+  shared-expert overlap, 0.19's has).
 
 ``apply_ep_plugin_backend`` does the same for "ep_reference", "ep_hybrid", "ep_elastic", after
 ``ep_plugin.integrations.megatron.install()``; the CUDA backends support the GPUs "hybridep"
