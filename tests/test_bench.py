@@ -278,12 +278,33 @@ class _HalvingReference(ReferenceBackend):
         return combined._replace(hidden=combined.hidden / 2)
 
 
-def _bench_broken(ctx, backend_class, scaleup: int):
+class _UncheckableOnRankOne(ReferenceBackend):
+    """Rank 1's dispatch handle lists one expert count too few, so its own value check raises, after its
+    dispatch and before the gather and the combine its peer runs."""
+
+    def _dispatch(self, hidden, routing, probs, pad_multiple):
+        out = super()._dispatch(hidden, routing, probs, pad_multiple)
+        if self.rank == 1:
+            out.handle.num_real_tokens_per_expert = out.handle.num_real_tokens_per_expert[:-1]
+        return out
+
+
+def _bench_broken(ctx, backend_class, scaleup: int, tokens: tuple = (32,)):
     ep_plugin.register_backend("broken", backend_class, overwrite=True)
-    spec = SweepSpec(backends=("broken",), tokens=(32,), hidden=(64,), topk=(2,), experts=(8,), payloads=("bf16",),
+    spec = SweepSpec(backends=("broken",), tokens=tokens, hidden=(64,), topk=(2,), experts=(8,), payloads=("bf16",),
                      sms=(4,), routings=("balanced",), modes=("blocking",), warmup=1, iters=1,
-                     scaleup_sizes=(scaleup,))
+                     scaleup_sizes=(scaleup,), extra_config={"timeout_s": 20.0})
     return bench_rank(ctx, spec)
+
+
+def test_a_rank_whose_own_value_check_fails_keeps_the_collectives_in_step():
+    """The check is collective (the dispatch, one gather, the combine): a rank whose own part raised used to skip
+    the rest, so its next collective met its peer's previous one (a hang, or the gathers shifted by one). It
+    now runs them all and says why it could not check; the next case runs as usual."""
+    first, second = run_ranks(_bench_broken, 2, _UncheckableOnRankOne, 0, (32, 48), timeout_s=120)[0]
+    for record in (first, second):
+        assert record["error"].startswith("rank 1: checking the values (the received rows): ValueError"), record
+        assert "rank 0" not in record["error"], record
 
 
 @pytest.mark.parametrize("backend_class, words", [

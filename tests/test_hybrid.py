@@ -326,6 +326,9 @@ def mid_word_inputs_and_capture(ctx) -> int:
     with pytest.raises(RuntimeError, match="inside a CUDA graph capture.*EP_PLUGIN_BLOCKING=0"):
         with torch.cuda.graph(graph):
             hybrid.dispatch(inputs[0], **kwargs)
+    with pytest.raises(RuntimeError, match="barrier inside a CUDA graph capture.*waits on the host"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            hybrid.barrier()
     out = hybrid.dispatch(inputs[0], **kwargs)
     assert torch.equal(out.hidden, ref.hidden), "the dispatch after the refused capture"
     torch.cuda.synchronize()

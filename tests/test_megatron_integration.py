@@ -354,7 +354,10 @@ def test_a_cuda_graph_over_the_dispatch_and_a_too_wide_top_k_fail_at_model_build
     graph_settings = [("local", [], "an empty cuda_graph_(scope|modules)"),
                       ("transformer_engine", [], "the whole layer"),
                       ("local", [CudaGraphScope.full_iteration], "full_iteration"),
-                      ("full_iteration", [], "cuda_graph_impl='full_iteration'")]  # 0.19's spelling
+                      ("full_iteration", [], "cuda_graph_impl='full_iteration'"),  # 0.19's spelling
+                      # A GPT layer's local graph over "attn" holds its whole forward, the dispatch included.
+                      ("local", [CudaGraphScope.attn, CudaGraphScope.moe_router, CudaGraphScope.moe_preprocess],
+                       "'attn' in cuda_graph_(scope|modules)")]
     for impl, scopes, words in graph_settings:
         config = _config(moe_flex_dispatcher_backend="ep_reference")
         config.cuda_graph_impl, config.cuda_graph_scope = impl, scopes  # set after __post_init__, as recipes do
@@ -365,7 +368,7 @@ def test_a_cuda_graph_over_the_dispatch_and_a_too_wide_top_k_fail_at_model_build
     # Graphs that stop before the dispatch are Megatron's way with a dropless flex dispatcher: the build's checks
     # pass (the dispatcher itself would then need the model-parallel groups).
     config = _config(moe_flex_dispatcher_backend="ep_reference")
-    config.cuda_graph_impl = "local"
+    config.cuda_graph_impl = "transformer_engine"
     config.cuda_graph_scope = [CudaGraphScope.attn, CudaGraphScope.moe_router, CudaGraphScope.moe_preprocess]
     if hasattr(config, "cuda_graph_modules"):
         config.cuda_graph_modules = config.cuda_graph_scope
@@ -377,9 +380,9 @@ def test_a_cuda_graph_over_the_dispatch_and_a_too_wide_top_k_fail_at_model_build
                                          r"\(moe_router_topk=8 x expert_tensor_parallel_size=8"):
         build(config)
     config.expert_tensor_parallel_size = 4  # 32 ids: as wide as the kernels go
-    on_cpu = not torch.cuda.is_available()
-    with pytest.raises(ep_plugin.BackendUnavailableError) if on_cpu else contextlib.nullcontext():
-        resolve_backend_class("elastic", config)  # past the option checks (on CPU: no GPU for elastic, said so)
+    unavailable = backend_problem("elastic", "cuda")  # none on a GPU machine with the extension built
+    with pytest.raises(ep_plugin.BackendUnavailableError) if unavailable else contextlib.nullcontext():
+        resolve_backend_class("elastic", config)  # past the option checks (then refused only if it cannot run)
 
     config = _config(moe_flex_dispatcher_backend="ep_reference")
     config.moe_expert_rank_capacity_factor = 1.5  # a 0.19 field; its checks run in __post_init__

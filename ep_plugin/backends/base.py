@@ -325,16 +325,21 @@ class Backend(abc.ABC):
 
     def check_not_capturing(self, op: str) -> None:
         """Refuse, before anything is enqueued, an op that a CUDA graph being captured cannot hold: a
-        blocking dispatch (it reads the row count on the host) or any op of a backend that does not
-        claim graphs. The capture would otherwise fail inside the op with CUDA's own error."""
+        blocking dispatch (it reads the row count on the host), a barrier (it waits on the host) or any op
+        of a backend that does not claim graphs. The capture would otherwise fail inside the op with
+        CUDA's own error."""
         if self.device.type != "cuda":
             return
-        reads_host = op == "dispatch" and self.config.blocking
+        reads_host = op == "barrier" or op == "dispatch" and self.config.blocking
         if self.capabilities.cuda_graphs and not reads_host or not torch.cuda.is_current_stream_capturing():
             return
-        why = ("reads its row count on the host in blocking mode; set EP_PLUGIN_BLOCKING=0 (outputs sized to "
-               "num_permuted_tokens, no host sync) to capture it" if self.capabilities.cuda_graphs else
-               "does not support CUDA graphs (hybrid and elastic in non-blocking mode do)")
+        if not self.capabilities.cuda_graphs:
+            why = "does not support CUDA graphs (hybrid and elastic in non-blocking mode do)"
+        elif op == "barrier":
+            why = "waits on the host for its peers in a barrier, which a graph cannot hold; call it outside the capture"
+        else:
+            why = ("reads its row count on the host in blocking mode; set EP_PLUGIN_BLOCKING=0 (outputs sized to "
+                   "num_permuted_tokens, no host sync) to capture it")
         raise RuntimeError(f"ep_plugin {self.name}: {op} inside a CUDA graph capture: this backend {why}")
 
     def check_routing_form(self, routing_map, topk_idx) -> None:

@@ -193,20 +193,39 @@ class _Calls:
 
     def verify(self, rank: int, world_size: int) -> Optional[str]:
         """One more dispatch and combine of this case's tokens, checked (``verify.py``): what they got wrong,
-        or None. A collective: every rank runs it, after the timed loops."""
+        or None. A collective: every rank runs the dispatch, one gather and the combine whatever fails in its
+        own checks (a rank that skipped one would pair its next collective with the peers' previous one)."""
+        problem = None
+        try:  # before the dispatch: what this rank sends each expert
+            tokens = verify.as_bf16_rows(self.hidden)
+            chosen = verify.chosen_experts(self.routing, self.shape.experts)
+            sent = verify.sent_checksums(tokens, chosen)
+        except Exception as exc:  # noqa: BLE001 - reported through the gather below
+            problem = f"checking the values (the sent checksums): {type(exc).__name__}: {exc}"
         self.dispatch()
-        out = self.out
-        tokens = verify.as_bf16_rows(self.hidden)
-        chosen = verify.chosen_experts(self.routing, self.shape.experts)
-        # fp8: the dequantized rows go where the timed combines' bf16 rows went (no second copy of that size).
-        rows = verify.as_bf16_rows(out.hidden, out=self._separate_rows() if isinstance(out.hidden, tuple) else None)
-        problem = verify.dispatch_problem(rank, world_size, tokens, chosen, out, rows)
-        if self.arena or self.in_place:
+        out, rows, got = self.out, None, None
+        if problem is None:
+            try:
+                # fp8: the dequantized rows go where the timed combines' bf16 rows went (no second copy of that size)
+                fp8 = isinstance(out.hidden, tuple)
+                rows = verify.as_bf16_rows(out.hidden, out=self._separate_rows() if fp8 else None)
+                got = verify.received_per_expert(out, rows)
+            except Exception as exc:  # noqa: BLE001
+                problem = f"checking the values (the received rows): {type(exc).__name__}: {exc}"
+        every: list = [None] * world_size
+        dist.all_gather_object(every, None if problem else sent)
+        if problem is None and all(s is not None for s in every):
+            problem = verify.dispatch_problem(rank, every, got)
+        if rows is None:  # this rank could not check: its combine still runs, on the timed loop's rows
+            rows = self.combine_rows()
+        elif self.arena or self.in_place:
             rows = self._rows_in_the_buffer().copy_(rows)
         self.combined = None
         self.combined = self.backend.combine(rows, out.handle)
+        if problem is not None or got is None or any(s is None for s in every):
+            return problem  # None: a peer could not check (its own record says why)
         copies = verify.copies_per_token(chosen, out.handle.num_local_experts, out.handle.output_form)
-        return problem or verify.round_trip_problem(tokens, copies, self.combined.hidden)
+        return verify.round_trip_problem(tokens, copies, self.combined.hidden)
 
     def _separate_rows(self) -> torch.Tensor:
         rows = self.out.hidden

@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ep_plugin.handle import COMPACT
 
@@ -51,12 +50,14 @@ def as_bf16_rows(rows, out: Optional[torch.Tensor] = None) -> torch.Tensor:
 
 
 def chosen_experts(routing: dict, num_experts: int) -> torch.Tensor:
-    """[T, E] bool: the experts each token went to, from either routing form."""
+    """[T, E] bool: the experts each token went to, from either routing form (-1 ids: none)."""
     if "routing_map" in routing:
         return routing["routing_map"].bool()
     idx = routing["topk_idx"]
     chosen = torch.zeros(idx.shape[0], num_experts, dtype=torch.bool, device=idx.device)
-    return chosen.scatter_(1, idx.clamp(min=0), (idx >= 0))
+    tokens, slots = (idx >= 0).nonzero(as_tuple=True)
+    chosen[tokens, idx[tokens, slots]] = True
+    return chosen
 
 
 def copies_per_token(chosen: torch.Tensor, num_local_experts: int, output_form: str) -> torch.Tensor:
@@ -97,23 +98,23 @@ def received_per_expert(out, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return torch.stack(per_expert).cpu(), torch.tensor(counts)
 
 
-def dispatch_problem(rank: int, world_size: int, tokens: torch.Tensor, chosen: torch.Tensor, out,
-                     rows: torch.Tensor) -> Optional[str]:
-    """What this rank's dispatch output (``out``, its rows in bf16: ``rows``) got wrong against every source's
-    per-expert checksums, or None. ``tokens``: this rank's input in bf16. A collective: every rank calls it."""
-    num_experts = chosen.shape[1]
-    local = out.handle.num_local_experts
+def sent_checksums(tokens: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What this rank sends each expert, on the host: ([E] fp64 sum of the row sums of the tokens routed there,
+    [E] their count, [E] the sum of the row sums' magnitudes, for the tolerance). ``tokens``: bf16 [T, H]."""
     token_sums = row_sums(tokens).unsqueeze(1)
-    sent_sums = (token_sums * chosen).sum(0).cpu()  # [E]
-    sent_counts = chosen.sum(0).cpu()
-    sent_scale = (token_sums.abs() * chosen).sum(0).cpu()
-    every: list = [None] * world_size
-    dist.all_gather_object(every, (sent_sums, sent_counts, sent_scale))
+    return ((token_sums * chosen).sum(0).cpu(), chosen.sum(0).cpu(), (token_sums.abs() * chosen).sum(0).cpu())
+
+
+def dispatch_problem(rank: int, every_sent: list, got: tuple[torch.Tensor, torch.Tensor]) -> Optional[str]:
+    """What this rank's dispatch output got wrong, or None: ``got`` (``received_per_expert``) against the
+    sum over every source of its ``sent_checksums`` for this rank's experts."""
+    got_sums, got_counts = got
+    local = got_sums.shape[0]
+    num_experts = every_sent[0][0].shape[0]
     mine = slice(rank * local, (rank + 1) * local)
-    want_sums = sum(s[mine] for s, _, _ in every)
-    want_counts = sum(c[mine] for _, c, _ in every)
-    scale = sum(a[mine] for _, _, a in every)
-    got_sums, got_counts = received_per_expert(out, rows)
+    want_sums = sum(sums[mine] for sums, _, _ in every_sent)
+    want_counts = sum(counts[mine] for _, counts, _ in every_sent)
+    scale = sum(magnitudes[mine] for _, _, magnitudes in every_sent)
     for e in range(local):
         expert = rank * local + e
         if int(got_counts[e]) != int(want_counts[e]):

@@ -184,10 +184,17 @@ def dispatcher_num_sms(config) -> Optional[int]:
 
 def graph_capturing_the_dispatch(config) -> Optional[str]:
     """The CUDA-graph setting under which Megatron captures an MoE layer's dispatch in training, as
-    "field=value" for a message, or None. 0.16: ``cuda_graph_impl`` "local"/"transformer_engine" with
-    ``cuda_graph_scope`` empty (the whole layer) or "full_iteration"; 0.19: the same impls with
-    ``cuda_graph_modules`` empty, or ``cuda_graph_impl="full_iteration"``. Scopes that stop before the
-    dispatch ("moe_router", "moe_preprocess", "attn") give None; "moe" needs drop-and-pad, refused apart."""
+    "field=value" for a message, or None. The scope field is 0.16's ``cuda_graph_scope``, 0.19's
+    ``cuda_graph_modules``:
+
+    - ``cuda_graph_impl="full_iteration"`` (0.19), or "full_iteration" in the scope (0.16): the whole step;
+    - "local" or "transformer_engine" with an empty scope: the whole layer (0.19's "local" leaves the layer
+      alone when ``inference_cuda_graph_scope`` is "block": its graphs are the inference block's);
+    - "local" with "attn" in the scope on a GPT layer (a plain TransformerLayer, ``is_hybrid_model`` False):
+      its local graph holds the layer's whole forward, the MoE part included.
+
+    Else None: "transformer_engine" graphs stop at "moe_router" / "moe_preprocess"; "moe" needs
+    drop-and-pad, refused apart."""
     impl = getattr(config, "cuda_graph_impl", "none")
     if impl == "full_iteration":  # 0.19
         return "cuda_graph_impl='full_iteration'"
@@ -201,7 +208,12 @@ def graph_capturing_the_dispatch(config) -> Optional[str]:
     if "full_iteration" in names:
         return f"cuda_graph_impl={impl!r} with {field}=['full_iteration']"
     if not names:
+        inference_scope = getattr(getattr(config, "inference_cuda_graph_scope", None), "name", None)
+        if impl == "local" and inference_scope == "block":
+            return None
         return f"cuda_graph_impl={impl!r} with an empty {field} (the whole layer)"
+    if impl == "local" and "attn" in names and not getattr(config, "is_hybrid_model", False):
+        return f"cuda_graph_impl='local' with 'attn' in {field} (a GPT layer's local graph holds its whole forward)"
     return None
 
 

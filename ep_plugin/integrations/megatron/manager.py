@@ -91,8 +91,9 @@ def rank_capacity_problem(config) -> Optional[str]:
 
 
 CAPTURE_PROBLEM = ("ep_plugin's dispatch in Megatron reads the exact row counts on the host (blocking mode), which a "
-                   "capture cannot. Capture the parts before it instead: cuda_graph_modules (0.16: cuda_graph_scope) "
-                   "= ['attn', 'moe_router', 'moe_preprocess'] (Megatron-LM: --cuda-graph-scope attn moe_router "
+                   "capture cannot. Capture the parts before it instead: cuda_graph_impl='transformer_engine' with "
+                   "cuda_graph_modules (0.16: cuda_graph_scope) = ['attn', 'moe_router', 'moe_preprocess'] "
+                   "(Megatron-LM: --cuda-graph-impl transformer_engine --cuda-graph-scope attn moe_router "
                    "moe_preprocess)")
 
 
