@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from typing import Optional
 
 from . import compat
-from .manager import clear_backend_cache
+from .manager import clear_backend_cache, rank_capacity_problem
 
 logger = logging.getLogger(__name__)
 
@@ -291,8 +291,6 @@ def _wrap_config_post_init() -> None:
                              f"selects DeepEP and moe_flex_dispatcher_backend={name!r} selects ep_plugin's "
                              f"{PLUGIN_BACKENDS[name]} (drop moe_enable_deepep, which Megatron deprecates)")
         if name in PLUGIN_BACKENDS:
-            from .manager import rank_capacity_problem
-
             # Before Megatron's check, which would send the user to its own backends ("hybridep", "ncclep").
             problem = rank_capacity_problem(self)
             if problem:
