@@ -26,14 +26,23 @@ from .base import Backend
 INT32_MAX = (1 << 31) - 1  # the kernels' row and packet indices are int32
 
 
+def worst_case_rows(num_ranks: int, max_tokens_per_rank: int, num_local_experts: int, experts_per_token: int,
+                    pad_multiple: int = 1) -> int:
+    """Rows of the largest expert-row dispatch output a rank can receive: every rank's every token on
+    ``experts_per_token`` of this rank's experts (top-k, at most the local experts), plus padding."""
+    per_token = min(experts_per_token, num_local_experts)
+    return num_ranks * max_tokens_per_rank * per_token + num_local_experts * (pad_multiple - 1)
+
+
 def row_index_problem(name: str, num_ranks: int, max_tokens_per_rank: int, num_local_experts: int,
                       experts_per_token: int) -> Optional[str]:
     """Why these sizes could send one rank more rows than the kernels' 32-bit indices hold, or None. Past 2^31
     an expert's segment start wraps negative and its padding is written far outside the output."""
-    per_token = min(experts_per_token, num_local_experts)
-    worst_rows = num_ranks * max_tokens_per_rank * per_token + num_local_experts * (MAX_PAD_MULTIPLE - 1)
+    worst_rows = worst_case_rows(num_ranks, max_tokens_per_rank, num_local_experts, experts_per_token,
+                                 MAX_PAD_MULTIPLE)
     if worst_rows <= INT32_MAX:
         return None
+    per_token = min(experts_per_token, num_local_experts)
     return (f"backend {name!r}: {num_ranks} ranks x max_tokens_per_rank={max_tokens_per_rank} can send one rank "
             f"{worst_rows} rows ({per_token} of its experts per token, and the largest padding), past the kernels' "
             f"32-bit row indices ({INT32_MAX}); lower max_tokens_per_rank (EP_PLUGIN_MAX_TOKENS_PER_RANK)")

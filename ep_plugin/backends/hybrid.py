@@ -111,7 +111,7 @@ from ..handle import CombineOutput, DispatchOutput, Handle
 from ..routing import ROUTING_MAP, Routing, route_counts
 from ..transport.arena import CombineInputArena, arena_bytes
 from .base import Capabilities
-from .compiled import CompiledBackend, Scratch, nvtx_range, op_range
+from .compiled import CompiledBackend, Scratch, nvtx_range, op_range, worst_case_rows
 
 PHASE_NAMES = {
     1: "dispatch/notify (handshake + count exchange)",
@@ -203,13 +203,7 @@ class HybridBackend(CompiledBackend):
         # It sizes a region of the buffer, whose offsets must be equal on every rank.
         return {**super()._construction_facts(), "combine_input_rows": self.combine_input_rows}
 
-    @staticmethod
-    def worst_case_rows(num_ranks: int, max_tokens_per_rank: int, num_local_experts: int, experts_per_token: int,
-                        pad_multiple: int = 1) -> int:
-        """Rows of the largest dispatch output a rank can receive: every rank's every token on
-        ``experts_per_token`` of this rank's experts (top-k, at most the local experts), plus padding."""
-        per_token = min(experts_per_token, num_local_experts)
-        return num_ranks * max_tokens_per_rank * per_token + num_local_experts * (pad_multiple - 1)
+    worst_case_rows = staticmethod(worst_case_rows)  # compiled.worst_case_rows, kept on the class for users
 
     @classmethod
     def in_place_options(cls, *, num_ranks: int, max_tokens_per_rank: int, num_experts: int, topk: int) -> dict:

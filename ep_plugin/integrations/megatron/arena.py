@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ep_plugin.backends.compiled import worst_case_rows
 from ep_plugin.config import Config, env_is_set
 from ep_plugin.host_collectives import HostCollectives
 from ep_plugin.transport.arena import ARENA_OVERHEAD_BYTES, arena_bytes
@@ -118,7 +119,7 @@ def default_combine_input_rows(*, num_ranks: int, ranks_on_one_gpu: int, max_tok
         return 0
     padding = num_local_experts * (pad_multiple - 1)
     balanced = max_tokens_per_rank * experts_per_token + padding
-    worst = num_ranks * max_tokens_per_rank * min(experts_per_token, num_local_experts) + padding
+    worst = worst_case_rows(num_ranks, max_tokens_per_rank, num_local_experts, experts_per_token, pad_multiple)
     # An arena's rounding adds at most ARENA_OVERHEAD_BYTES to its rows (transport/arena.py).
     room_bytes = int(DEFAULT_ARENA_SHARE * gpu_memory_bytes) // ranks_on_one_gpu - ARENA_OVERHEAD_BYTES
     rows = min(2 * balanced, worst, max(0, room_bytes) // (2 * hidden_size))
