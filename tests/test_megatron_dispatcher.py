@@ -564,6 +564,75 @@ def test_single_rank_plugin_path_and_traceable_metadata():
         replaced.startswith("BackendUnavailableError") and "'hybrid'" in replaced), replaced
 
 
+def _tokens_past_the_default(ctx) -> dict:
+    """Megatron's tokens per rank (sequence x micro-batch) are not in its config: the first call sizes the backend."""
+    import os
+
+    import torch
+
+    from ep_plugin.config import Config
+    from ep_plugin.integrations.megatron.manager import clear_backend_cache
+
+    _init_megatron(ctx)
+    try:
+        dispatcher = _make_layer(_make_config(2), torch.zeros(NUM_EXPERTS, FFN, HIDDEN),
+                                 torch.zeros(NUM_EXPERTS, HIDDEN, FFN))[0]
+        generator = torch.Generator().manual_seed(ctx.rank)
+
+        def restore_error(num_tokens: int) -> float:
+            """Rows scaled by their probs and combined give the input back (probs of a token sum to one)."""
+            hidden = torch.randn(num_tokens, HIDDEN, generator=generator)
+            top = torch.rand(num_tokens, NUM_EXPERTS, generator=generator).topk(2, dim=-1).indices
+            routing_map = torch.zeros(num_tokens, NUM_EXPERTS, dtype=torch.bool).scatter(-1, top, True)
+            probs = routing_map.float() / 2
+            hidden_2d, token_probs = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
+            rows, row_probs = dispatcher.token_dispatch(hidden_2d, token_probs)
+            rows, _, row_probs = dispatcher.dispatch_postprocess(rows, row_probs)
+            combined = dispatcher.token_combine(dispatcher.combine_preprocess(rows * row_probs.unsqueeze(-1)))
+            return _max_error(dispatcher.combine_postprocess(combined), hidden)
+
+        default = Config().max_tokens_per_rank
+        outcome = {"default": default}
+        # The call that builds the backend: rank 0 is past the default, rank 1 is not; both get rank 0's room.
+        outcome["first"] = restore_error(default + 64 if ctx.rank == 0 else 8)
+        outcome["room"] = dispatcher._comm_manager.backend.config.max_tokens_per_rank
+        outcome["then"] = restore_error(default + 64)  # rank 1 too, on the same backend
+        try:  # past it on every rank (none waits for a peer): the fix, before any communication
+            restore_error(default + 65)
+            outcome["past"] = None
+        except ValueError as error:
+            outcome["past"] = str(error)
+        # EP_PLUGIN_MAX_TOKENS_PER_RANK decides wherever it is set, the first call's size notwithstanding.
+        clear_backend_cache()
+        os.environ["EP_PLUGIN_MAX_TOKENS_PER_RANK"] = "100"
+        try:  # built for 100 tokens, then refused on every rank
+            restore_error(default + 64)
+            outcome["set"] = "ran"
+        except ValueError as error:
+            outcome["set"] = f"{type(error).__name__}: {error}"
+        outcome["room_set"] = dispatcher._comm_manager.backend.config.max_tokens_per_rank
+        return outcome
+    finally:
+        _finish_megatron()
+
+
+def test_the_first_call_sizes_the_backend_for_megatrons_tokens_per_rank():
+    """Recipes at sequence 4096 x micro-batch 4 have 16384 tokens per rank, past the default 8192: the backend
+    is sized from the first call (the largest over the group), as HybridEP's buffer is, instead of refusing
+    the first forward. A later call past that size is refused with the fix; EP_PLUGIN_MAX_TOKENS_PER_RANK,
+    where set, decides."""
+    from ep_plugin.testing.launcher import run_ranks
+
+    results = run_ranks(_tokens_past_the_default, 2, timeout_s=300, env={"TORCHDYNAMO_DISABLE": "1"})
+    for rank, outcome in enumerate(results):
+        default = outcome["default"]
+        assert outcome["room"] == default + 64, (rank, outcome["room"])
+        assert outcome["first"] < 1e-5 and outcome["then"] < 1e-5, (rank, outcome)
+        assert outcome["past"] and f"{default + 65} tokens on this rank, over the {default + 64}" in outcome["past"]
+        assert "EP_PLUGIN_MAX_TOKENS_PER_RANK" in outcome["past"], outcome["past"]
+        assert outcome["room_set"] == 100 and "over the 100" in outcome["set"], (rank, outcome)
+
+
 # bf16 tokens, weights and expert GEMMs against float64 over the same rounded values: a few bf16 ulps
 # (2**-8 relative) of the largest value; a wrong row, weight or count is off by order one.
 BF16_TOLERANCE = 3e-2

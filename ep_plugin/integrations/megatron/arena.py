@@ -126,20 +126,18 @@ def default_combine_input_rows(*, num_ranks: int, ranks_on_one_gpu: int, max_tok
     return rows if rows >= min(balanced, worst) else 0
 
 
-def combine_input_options(backend_class, group, device: torch.device, *, num_experts: int,
-                          experts_per_token: int, pad_multiple: Optional[int], hidden_size: int) -> dict:
-    """Constructor options that give Megatron's backend its default arena (a collective call).
+def combine_input_options(backend_class, collectives: HostCollectives, device: torch.device, *, config: Config,
+                          num_experts: int, experts_per_token: int, pad_multiple: Optional[int],
+                          hidden_size: int) -> dict:
+    """Constructor options that give Megatron's backend its default arena (a collective call on
+    ``collectives``, the backend's group; ``config``: the backend's).
 
     Nothing for a backend without an arena or when EP_PLUGIN_COMBINE_INPUT_ROWS is set (the backend
     reads it). Otherwise the ranks find out whether they all share one GPU (a timed exchange) and
     ``default_combine_input_rows`` decides; every input is equal on every rank, so is the size."""
     if not hasattr(backend_class, "combine_input_arena") or env_is_set("combine_input_rows"):
         return {}
-    config = Config.from_env()
-    num_ranks = torch.distributed.get_world_size(group)
-    collectives = HostCollectives(group, owner="ep_plugin megatron", timeout_s=config.timeout_s,
-                                  label="combine input arena", device=device,
-                                  on_host=config.gloo_host_words)
+    num_ranks = collectives.num_ranks
     rows = default_combine_input_rows(
         num_ranks=num_ranks, ranks_on_one_gpu=ranks_per_gpu(collectives, device),
         max_tokens_per_rank=config.max_tokens_per_rank, num_local_experts=num_experts // num_ranks,

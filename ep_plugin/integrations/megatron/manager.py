@@ -21,6 +21,7 @@ hidden size and expert count.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from typing import Optional
 
@@ -29,6 +30,7 @@ import torch
 import ep_plugin
 from ep_plugin.backends.base import Backend
 from ep_plugin.config import Config, env_is_set
+from ep_plugin.host_collectives import HostCollectives
 from ep_plugin.logs import warn_once
 
 from . import arena, compat
@@ -165,25 +167,50 @@ def backend_config(megatron_config) -> Config:
 
 def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int, device: torch.device, *,
                    experts_per_token: int, pad_multiple: Optional[int], config: Optional[Config] = None,
-                   experts_take_arena: bool = True) -> Backend:
+                   experts_take_arena: bool = True, num_tokens: Optional[int] = None) -> Backend:
     """One backend instance per (name, group, hidden size, experts, device, top-k, padding, SMs), shared by
-    all layers; a backend with a combine-input arena gets Megatron's default size
-    (``arena.combine_input_options``) where the experts can put their output there (``experts_take_arena``:
-    SequentialMLP; grouped-GEMM experts cannot, and an arena would be memory nothing uses).
-    ``config``: the backend's (default: the EP_PLUGIN_* variables)."""
+    all layers (a collective call when it builds one). Its buffers hold the tokens per rank of the call that
+    builds it (``num_tokens``, the largest over the group; ``tokens_per_rank``). A backend with a
+    combine-input arena gets Megatron's default size (``arena.combine_input_options``) where the experts can
+    put their output there (``experts_take_arena``: SequentialMLP; grouped-GEMM experts cannot, and an arena
+    would be memory nothing uses). ``config``: the backend's (default: the EP_PLUGIN_* variables)."""
     config = config if config is not None else Config.from_env()
     key = (backend_name, group, hidden_size, num_experts, str(device), experts_per_token, pad_multiple,
            config.num_sms, experts_take_arena)
     if key not in _backends:
         backend_class = ep_plugin.get_backend(backend_name)
+        # The words the ranks exchange before the build; the backend's own collectives share its gloo twin.
+        words = HostCollectives(group, owner="ep_plugin megatron", timeout_s=config.timeout_s,
+                                label="megatron sizing", device=device, on_host=config.gloo_host_words)
+        config = tokens_per_rank(config, words, num_tokens)
         options = {} if not experts_take_arena else arena.combine_input_options(
-            backend_class, group, device, num_experts=num_experts, experts_per_token=experts_per_token,
-            pad_multiple=pad_multiple, hidden_size=hidden_size)
+            backend_class, words, device, config=config, num_experts=num_experts,
+            experts_per_token=experts_per_token, pad_multiple=pad_multiple, hidden_size=hidden_size)
         _backends[key] = backend_class(group, hidden_size=hidden_size, num_experts=num_experts, device=device,
                                        config=config, **options)
         if options.get("combine_input_rows"):
             arena.note_default_arena(_backends[key])
     return _backends[key]
+
+
+def tokens_per_rank(config: Config, words: HostCollectives, num_tokens: Optional[int]) -> Config:
+    """``config`` with room for the largest ``num_tokens`` of the group's ranks (one timed exchange).
+
+    Megatron's tokens per rank (sequence length x micro-batch, over TP with sequence parallelism and over
+    CP) are not in its TransformerConfig, and recipes commonly pass 8192 (the default) or more: the
+    call that builds the backend shows them, as HybridEP sizes its buffer from its first call. Never below
+    the default; a later call with more tokens (another sequence length at evaluation, say) is refused
+    with the fix. Where EP_PLUGIN_MAX_TOKENS_PER_RANK is set, ``config`` as it is (after the exchange, so
+    that the ranks' collectives stay in step whatever their variables say); with no ``num_tokens``, no
+    exchange."""
+    if num_tokens is None:
+        return config
+    largest = max(words.all_gather_object(int(num_tokens), where="sizing (tokens per rank)"))
+    if env_is_set("max_tokens_per_rank") or largest <= config.max_tokens_per_rank:
+        return config
+    logger.info("ep_plugin: buffers sized for %d tokens per rank (the largest of the first MoE layer's call; "
+                "EP_PLUGIN_MAX_TOKENS_PER_RANK overrides)", largest)
+    return dataclasses.replace(config, max_tokens_per_rank=largest)
 
 
 def combine_counts() -> dict[str, int]:
@@ -279,6 +306,12 @@ class EPPluginManager:
         if probs.dtype != torch.float32:
             probs = probs.float()  # ep_plugin carries fp32 probs, like HybridEP
         backend = self._backend_for(hidden_states)
+        num_tokens, room = hidden_states.numel() // hidden_states.shape[-1], backend.config.max_tokens_per_rank
+        if num_tokens > room:  # the backend's own refusal would not say where its size came from
+            raise ValueError(f"{selected_by(self.config)}: this MoE layer's call has {num_tokens} tokens on this rank, "
+                             f"over the {room} its shared backend was built for (the largest of the first call, or "
+                             f"EP_PLUGIN_MAX_TOKENS_PER_RANK). Set EP_PLUGIN_MAX_TOKENS_PER_RANK to the most tokens "
+                             f"per rank of any step (training and evaluation), equal on every rank")
         routing, options = self._routing_for(backend, probs)
         out = ep_plugin.dispatch(backend, hidden_states.contiguous(), pad_multiple=self.pad_multiple, **routing,
                                  **options)
@@ -356,6 +389,7 @@ class EPPluginManager:
                                      experts_per_token=self._experts_per_token(), pad_multiple=self.pad_multiple,
                                      config=backend_config(self.config),
                                      # Only SequentialMLP's output goes to the arena (arena.run_experts).
-                                     experts_take_arena=not getattr(self.config, "moe_grouped_gemm", False))
+                                     experts_take_arena=not getattr(self.config, "moe_grouped_gemm", False),
+                                     num_tokens=hidden_states.numel() // hidden_size)
             self.backend, self._backend_generation = backend, _cache_generation
         return backend
