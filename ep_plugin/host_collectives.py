@@ -24,12 +24,13 @@ How the wait is bounded (gloo's behaviour measured on torch 2.13; ``Work.wait(ti
   ``EP_PLUGIN_TIMEOUT_S`` so that ep_plugin's report comes first.
 
 Host words of an NCCL group (``on_host=True``: the construction check, topology, buffer handles,
-autosizing, the arena's sizing, sync-free scale-out agreement) travel on a gloo twin of it, gloo
-over the same ranks that its owners share (``gloo_twin``; ``Config.gloo_host_words`` turns it off): a
-collective that a peer never joins then leaves nothing spinning on a GPU. Over NCCL it would leave a
-kernel that waits for the peer, and the process's exit (cudaFree, synchronize) would wait for that
-kernel, with the GIL held, until NCCL's watchdog ends the process: the timeout's message, then a hang
-of minutes. Megatron's distributed optimizer keeps gloo groups of its NCCL groups for host traffic too.
+autosizing, the Megatron backend's tokens per rank and arena, sync-free scale-out agreement) travel on a
+gloo twin of it, gloo over the same ranks that its owners share (``gloo_twin``;
+``Config.gloo_host_words`` turns it off): a collective that a peer never joins then leaves nothing
+spinning on a GPU. Over NCCL it would leave a kernel that waits for the peer, and the process's exit
+(cudaFree, synchronize) would wait for that kernel, with the GIL held, until NCCL's watchdog ends the
+process: the timeout's message, then a hang of minutes. Megatron's distributed optimizer keeps gloo
+groups of its NCCL groups for host traffic too.
 
 Which peer is late: neither engine says. On a timeout each rank posts where it gave up to
 the store of the default process group, then reads the posts of its peers for a short grace

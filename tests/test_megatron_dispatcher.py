@@ -605,11 +605,12 @@ def _tokens_past_the_default(ctx) -> dict:
         # EP_PLUGIN_MAX_TOKENS_PER_RANK decides wherever it is set, the first call's size notwithstanding.
         clear_backend_cache()
         os.environ["EP_PLUGIN_MAX_TOKENS_PER_RANK"] = "100"
-        try:  # built for 100 tokens, then refused on every rank
-            restore_error(default + 64)
+        try:  # rank 0 past it, rank 1 not: refused on both (none waits for the other), nothing built
+            restore_error(default + 64 if ctx.rank == 0 else 8)
             outcome["set"] = "ran"
         except ValueError as error:
             outcome["set"] = f"{type(error).__name__}: {error}"
+        outcome["set_then"] = restore_error(50)  # within it: built for 100, and runs
         outcome["room_set"] = dispatcher._comm_manager.backend.config.max_tokens_per_rank
         return outcome
     finally:
@@ -620,17 +621,20 @@ def test_the_first_call_sizes_the_backend_for_megatrons_tokens_per_rank():
     """Recipes at sequence 4096 x micro-batch 4 have 16384 tokens per rank, past the default 8192: the backend
     is sized from the first call (the largest over the group), as HybridEP's buffer is, instead of refusing
     the first forward. A later call past that size is refused with the fix; EP_PLUGIN_MAX_TOKENS_PER_RANK,
-    where set, decides."""
+    where set, decides, and a first call past it is refused on every rank."""
     from ep_plugin.testing.launcher import run_ranks
 
-    results = run_ranks(_tokens_past_the_default, 2, timeout_s=300, env={"TORCHDYNAMO_DISABLE": "1"})
+    # An EP_PLUGIN_MAX_TOKENS_PER_RANK of the caller's would decide instead (empty counts as unset).
+    results = run_ranks(_tokens_past_the_default, 2, timeout_s=300,
+                        env={"TORCHDYNAMO_DISABLE": "1", "EP_PLUGIN_MAX_TOKENS_PER_RANK": ""})
     for rank, outcome in enumerate(results):
         default = outcome["default"]
         assert outcome["room"] == default + 64, (rank, outcome["room"])
         assert outcome["first"] < 1e-5 and outcome["then"] < 1e-5, (rank, outcome)
         assert outcome["past"] and f"{default + 65} tokens on this rank, over the {default + 64}" in outcome["past"]
         assert "EP_PLUGIN_MAX_TOKENS_PER_RANK" in outcome["past"], outcome["past"]
-        assert outcome["room_set"] == 100 and "over the 100" in outcome["set"], (rank, outcome)
+        assert f"EP_PLUGIN_MAX_TOKENS_PER_RANK=100 (rank 0: {default + 64})" in outcome["set"], (rank, outcome)
+        assert outcome["room_set"] == 100 and outcome["set_then"] < 1e-5, (rank, outcome)
 
 
 # bf16 tokens, weights and expert GEMMs against float64 over the same rounded values: a few bf16 ulps

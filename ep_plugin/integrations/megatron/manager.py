@@ -182,12 +182,20 @@ def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int,
         # The words the ranks exchange before the build; the backend's own collectives share its gloo twin.
         words = HostCollectives(group, owner="ep_plugin megatron", timeout_s=config.timeout_s,
                                 label="megatron sizing", device=device, on_host=config.gloo_host_words)
+        default_tokens = config.max_tokens_per_rank
         config = tokens_per_rank(config, words, num_tokens)
         options = {} if not experts_take_arena else arena.combine_input_options(
             backend_class, words, device, config=config, num_experts=num_experts,
             experts_per_token=experts_per_token, pad_multiple=pad_multiple, hidden_size=hidden_size)
         _backends[key] = backend_class(group, hidden_size=hidden_size, num_experts=num_experts, device=device,
                                        config=config, **options)
+        if config.max_tokens_per_rank != default_tokens:  # memory the user did not ask for by name
+            buffer_bytes = getattr(getattr(_backends[key], "regions", None), "total_bytes", None)
+            warn_once(logger, ("sized", key), "ep_plugin: the %s backend was built for %d tokens per rank, the "
+                      "largest of its first call (past the default %d)%s; a later call with more is refused. "
+                      "EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank, sets it", backend_name,
+                      config.max_tokens_per_rank, default_tokens,
+                      f": {buffer_bytes / 2**30:.1f} GiB of buffer per rank" if buffer_bytes else "")
         if options.get("combine_input_rows"):
             arena.note_default_arena(_backends[key])
     return _backends[key]
@@ -199,17 +207,22 @@ def tokens_per_rank(config: Config, words: HostCollectives, num_tokens: Optional
     Megatron's tokens per rank (sequence length x micro-batch, over TP with sequence parallelism and over
     CP) are not in its TransformerConfig, and recipes commonly pass 8192 (the default) or more: the
     call that builds the backend shows them, as HybridEP sizes its buffer from its first call. Never below
-    the default; a later call with more tokens (another sequence length at evaluation, say) is refused
-    with the fix. Where EP_PLUGIN_MAX_TOKENS_PER_RANK is set, ``config`` as it is (after the exchange, so
-    that the ranks' collectives stay in step whatever their variables say); with no ``num_tokens``, no
-    exchange."""
+    the default; a later call with more tokens (another sequence length at evaluation, variable-length
+    batches) is refused with the fix, by the rank that has them. Where EP_PLUGIN_MAX_TOKENS_PER_RANK is set it
+    decides, and a first call past it is refused on every rank (the exchange runs whatever the variable
+    says, so the ranks' collectives stay in step); with no ``num_tokens``, no exchange."""
     if num_tokens is None:
         return config
-    largest = max(words.all_gather_object(int(num_tokens), where="sizing (tokens per rank)"))
-    if env_is_set("max_tokens_per_rank") or largest <= config.max_tokens_per_rank:
+    counts = words.all_gather_object(int(num_tokens), where="sizing (tokens per rank)")
+    largest = max(counts)
+    if largest <= config.max_tokens_per_rank:
         return config
-    logger.info("ep_plugin: buffers sized for %d tokens per rank (the largest of the first MoE layer's call; "
-                "EP_PLUGIN_MAX_TOKENS_PER_RANK overrides)", largest)
+    if env_is_set("max_tokens_per_rank"):  # every rank refuses, rather than one while its peers wait
+        over = ", ".join(f"{words.peer_name(rank)}: {count}" for rank, count in enumerate(counts)
+                         if count > config.max_tokens_per_rank)
+        raise ValueError(f"ep_plugin megatron: the first MoE call has more tokens per rank than "
+                         f"EP_PLUGIN_MAX_TOKENS_PER_RANK={config.max_tokens_per_rank} ({over}); raise it to the most "
+                         f"tokens per rank of any step, or unset it to size from the first call")
     return dataclasses.replace(config, max_tokens_per_rank=largest)
 
 
