@@ -2,12 +2,13 @@
 # What a session runs on the lent GPU machine; each stage fits one device call (< 10 min):
 #   scripts/gpu_validate.sh tests OUT [pytest args]   build, then the test suite (GPU tests included), or
 #                                                     only the tests named in the pytest args
-#   scripts/gpu_validate.sh gpu1 OUT [pytest args]    the GPU and Megatron tests (-m "gpu or megatron") in three
+#   scripts/gpu_validate.sh gpu1 OUT [pytest args]    the GPU and Megatron tests (-m "gpu or megatron") in four
 #   scripts/gpu_validate.sh gpu2 OUT [pytest args]    calls: gpu1 = test_elastic and test_hybrid, gpu3 = the
 #   scripts/gpu_validate.sh gpu3 OUT [pytest args]    files that mostly wait (faults, scale-out, reference on
-#                                                     CUDA), gpu2 = every other file (each under 6 min of pytest
-#                                                     on one H200); pytest gets what is left of the call after
-#                                                     the build
+#   scripts/gpu_validate.sh gpu4 OUT [pytest args]    CUDA), gpu4 = the Megatron and Bridge files, gpu2 = every
+#                                                     other file (each under 6 min of pytest on one H100; gpu2
+#                                                     with the Megatron files ran past a call there); pytest
+#                                                     gets what is left of the call after the build
 #   scripts/gpu_validate.sh bench OUT                 the standard and decode presets on one GPU (8 ranks sharing it,
 #                                                     bulk and register copies), and the nvlink
 #                                                     preset (one rank per GPU) when there are 2+ GPUs
@@ -33,7 +34,7 @@
 # returns at most 8 files).
 set -uo pipefail
 RC=0  # the exit status: pytest's in the tests stage
-STAGE=${1:?stage: tests, gpu1, gpu2, gpu3, bench, nvlink, sweep, megatron, nemo, scaleout or scaleout_bench}
+STAGE=${1:?stage: tests, gpu1, gpu2, gpu3, gpu4, bench, nvlink, sweep, megatron, nemo, scaleout or scaleout_bench}
 OUT=${2:?output folder}
 shift 2
 cd "$(dirname "$0")/.."
@@ -80,15 +81,18 @@ case "$STAGE" in
     RC=${PIPESTATUS[0]}
     echo "pytest rc=$RC"
     ;;
-  gpu1|gpu2|gpu3)
+  gpu1|gpu2|gpu3|gpu4)
     HEAVY=(tests/test_elastic.py tests/test_hybrid.py)  # the two longest GPU files, about half the GPU time
     # Files that mostly wait (timeouts, peers that fail on purpose, scale-out layouts): gpu2 alone ran
     # past its call on a cold machine.
     WAITING=(tests/test_faults_gpu.py tests/test_scaleout_gpu.py tests/test_reference_gpu.py)
+    MEGATRON=(tests/test_megatron_arena.py tests/test_megatron_dispatcher.py tests/test_megatron_integration.py
+              tests/test_nemo_bridge.py)
     case $STAGE in
       gpu1) FILES=("${HEAVY[@]}") ;;
-      gpu2) FILES=(tests "${HEAVY[@]/#/--ignore=}" "${WAITING[@]/#/--ignore=}") ;;
+      gpu2) FILES=(tests "${HEAVY[@]/#/--ignore=}" "${WAITING[@]/#/--ignore=}" "${MEGATRON[@]/#/--ignore=}") ;;
       gpu3) FILES=("${WAITING[@]}") ;;
+      gpu4) FILES=("${MEGATRON[@]}") ;;
     esac
     timeout $((585 - SECONDS)) python3 -m pytest -q -p no:cacheprovider --require-gpu --durations=8 \
       -m "gpu or megatron" \
