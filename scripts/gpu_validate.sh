@@ -6,7 +6,7 @@
 #   scripts/gpu_validate.sh gpu2 OUT [pytest args]    calls: gpu1 = test_elastic and test_hybrid, gpu3 = the
 #   scripts/gpu_validate.sh gpu3 OUT [pytest args]    files that mostly wait (faults, scale-out, reference on
 #   scripts/gpu_validate.sh gpu4 OUT [pytest args]    CUDA), gpu4 = the Megatron and Bridge files, gpu2 = every
-#                                                     other file (each under 6 min of pytest on one H100; gpu2
+#                                                     other file (each about 6 min of pytest or less on one H100; gpu2
 #                                                     with the Megatron files ran past a call there); pytest
 #                                                     gets what is left of the call after the build
 #   scripts/gpu_validate.sh bench OUT                 the standard and decode presets on one GPU (8 ranks sharing it,
