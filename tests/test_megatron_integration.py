@@ -268,6 +268,37 @@ def test_activations_the_backend_does_not_move_are_named_at_model_build(ep_megat
 
 
 @needs_megatron
+def test_variable_sequence_lengths_without_a_set_size_are_warned_about_at_model_build(ep_megatron, caplog,
+                                                                                       monkeypatch):
+    """The backend is sized from the first call's tokens per rank; with micro-batches of varying length a later,
+    longer one would be refused mid-run. Said once when the model is built, unless EP_PLUGIN_MAX_TOKENS_PER_RANK
+    is set."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    from ep_plugin.integrations.megatron import manager
+    from ep_plugin.logs import forget_warnings
+
+    def warnings_building(**flags) -> list[str]:
+        forget_warnings()
+        caplog.clear()
+        for _ in range(2):  # two MoE layers: one warning
+            try:
+                MoEFlexTokenDispatcher(2, [0, 1], config=_config(moe_flex_dispatcher_backend="ep_reference", **flags))
+            except Exception:  # noqa: BLE001 - without process groups building fails after the checks
+                pass
+        return [r.getMessage() for r in caplog.records if "variable_seq_lengths" in r.getMessage()]
+
+    caplog.set_level("WARNING", logger=manager.__name__)
+    monkeypatch.delenv("EP_PLUGIN_MAX_TOKENS_PER_RANK", raising=False)
+    warned = warnings_building(variable_seq_lengths=True)
+    assert len(warned) == 1 and "EP_PLUGIN_MAX_TOKENS_PER_RANK" in warned[0] and "sequence length x micro-batch" \
+        in warned[0], warned
+    assert warnings_building() == []
+    monkeypatch.setenv("EP_PLUGIN_MAX_TOKENS_PER_RANK", "16384")
+    assert warnings_building(variable_seq_lengths=True) == []
+
+
+@needs_megatron
 def test_moe_enable_deepep_next_to_a_plugin_name_is_refused(ep_megatron):
     """Megatron refuses it next to "hybridep"; next to a plugin name it would rename the backend "deepep"."""
     with pytest.raises(ValueError, match="Only one backend.*'ep_hybrid'"):

@@ -115,6 +115,9 @@ def check_megatron_options(config, backend_class) -> None:
       exact counts on the host, which a capture cannot, and non-blocking mode is refused above.
     - Top-k wider than the backend takes (elastic: 32 ids per token; Megatron hands it
       ``moe_router_topk`` per tensor-parallel copy of the experts).
+
+    Warned about: ``variable_seq_lengths`` without EP_PLUGIN_MAX_TOKENS_PER_RANK (the backend is sized from
+    the first call: ``tokens_per_rank``).
     """
     selected = selected_by(config)
     captured = compat.graph_capturing_the_dispatch(config)
@@ -154,6 +157,13 @@ def check_megatron_options(config, backend_class) -> None:
         warn_once(logger, ("activation dtype", problem),  # once, not once per MoE layer
                   "%s. (A model cast to bf16 by the script itself runs; otherwise its first dispatch refuses the "
                   "tokens.)", problem)
+    if getattr(config, "variable_seq_lengths", False) and not env_is_set("max_tokens_per_rank"):
+        warn_once(logger, "variable_seq_lengths",
+                  "%s with variable_seq_lengths=True: the backend is sized from the first MoE call's tokens per "
+                  "rank, and a later micro-batch with more is refused on its rank (whose peers then wait out "
+                  "EP_PLUGIN_TIMEOUT_S). Set EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank, to the most any "
+                  "micro-batch can have: sequence length x micro-batch size, over TP with sequence parallelism "
+                  "and over CP", selected)
 
 
 def backend_config(megatron_config) -> Config:
