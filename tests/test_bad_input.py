@@ -175,3 +175,43 @@ def build_past_32_bit_rows(ctx) -> str:
 def test_a_hybrid_backend_past_32_bit_rows_is_refused_when_built_on_the_gpu():
     for outcome in run_ranks(build_past_32_bit_rows, 2, device="cuda", timeout_s=180):
         assert "32-bit row indices" in outcome, outcome
+
+
+def launches_past_the_buffer(ctx, name: str) -> list[str]:
+    """The extension's launchers refuse blocks or tokens past what the buffer was built for (the Python layer
+    never asks; this guards the extension's own API), before anything runs; the backend stays usable."""
+    backend = ep_plugin.get_backend(name)(hidden_size=16, num_experts=4, config=Config(max_tokens_per_rank=64))
+    kernels = getattr(backend._C, name)
+    raw, regions, stream = backend.buffer.raw, backend.regions, backend._stream()
+    hidden = torch.randn(3, 16, device=ctx.device).to(torch.bfloat16)
+    topk_idx = torch.tensor([[0, 1], [2, 3], [1, 2]], device=ctx.device)
+
+    def round_trip() -> torch.Tensor:
+        out = backend.dispatch(hidden, topk_idx=topk_idx)
+        return backend.combine(out.hidden, out.handle).hidden
+
+    before = round_trip()
+    refused = []
+    # (elastic checks the top-k first: one in range, so that the check under test is the one that speaks)
+    past_blocks = [("combine_send", kernels.combine_send,
+                    kernels.CombineSendArgs(**({"topk": 1} if name == "elastic" else {})))]
+    past_tokens = [("dispatch_send", kernels.dispatch_send, kernels.SendArgs(num_tokens=65)),
+                   ("combine_recv", kernels.combine_recv, kernels.CombineRecvArgs(num_tokens=65))]
+    for op, launch, args in past_blocks:
+        with pytest.raises(ValueError, match=f"ep_plugin {name}: num_blocks {backend.num_blocks + 1} outside"):
+            launch(raw, regions, args, backend.num_blocks + 1, stream)
+        refused.append(f"{op} blocks")
+    for op, launch, args in past_tokens:
+        with pytest.raises(ValueError, match=f"ep_plugin {name}: num_tokens 65 outside \\[0, max_tokens=64\\]"):
+            launch(raw, regions, args, backend.num_blocks, stream)
+        refused.append(f"{op} tokens")
+    assert torch.equal(round_trip(), before), "the backend changed after the refused launches"
+    backend.destroy()
+    return refused
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["hybrid", "elastic"])
+def test_the_extensions_launchers_refuse_more_than_the_buffer_holds(name):
+    for refused in run_ranks(launches_past_the_buffer, 2, name, device="cuda", timeout_s=180):
+        assert refused == ["combine_send blocks", "dispatch_send tokens", "combine_recv tokens"], refused

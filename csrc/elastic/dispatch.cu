@@ -26,6 +26,7 @@
 #include "ep/check.cuh"
 #include "ep/copy.cuh"
 #include "ep/pipeline.cuh"
+#include "ep/region_builder.h"
 
 namespace ep {
 namespace elastic {
@@ -159,6 +160,7 @@ void launch_dispatch_send(const SymmetricBuffer& buffer, const Regions& regions,
   if (args.push_payload && (!regions.in_place_dispatch || args.topk < 1 || args.k_index != nullptr))
     throw std::invalid_argument("ep_plugin elastic: an in-place dispatch needs a buffer built for it and a first, "
                                 "compact dispatch");
+  check_launch_fits("elastic", regions, num_blocks, args.num_tokens);
   EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
   const bool bulk = args.bulk_copy && buffer.bulk_capable();
   launch_copy_kernel(bulk, dispatch_send_bulk_kernel, dispatch_send_kernel, buffer.view(), regions, args,

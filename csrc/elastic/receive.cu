@@ -23,6 +23,7 @@
 #include "ep/check.cuh"
 #include "ep/copy.cuh"
 #include "ep/pipeline.cuh"
+#include "ep/region_builder.h"
 
 namespace ep {
 namespace elastic {
@@ -177,6 +178,7 @@ void launch_dispatch_receive(const SymmetricBuffer& buffer, const Regions& regio
   }
   if (args.payload_pushed && (args.expand || args.cached || args.out_scales))
     throw std::invalid_argument("ep_plugin elastic: a pushed payload is a first compact dispatch (scales pushed too)");
+  check_launch_fits("elastic", regions, num_blocks);
   EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
   // Placing metadata copies no rows: the register kernel does it.
   const bool bulk = args.bulk_copy && buffer.bulk_capable() && !args.payload_pushed;

@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include "ep/check.cuh"
+#include "ep/region_builder.h"
 #include "hybrid/dispatch_stages.cuh"
 
 namespace ep {
@@ -48,6 +49,7 @@ __global__ void __launch_bounds__(kBulkWarps * 32) dispatch_send_bulk_kernel(Tra
 
 }  // namespace
 void launch_dispatch_send(const SymmetricBuffer& buffer, const Regions& regions, const SendArgs& args, int num_blocks, uintptr_t stream) {
+  check_launch_fits("hybrid", regions, num_blocks, args.num_tokens);
   EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
   const bool bulk = args.bulk_copy && buffer.bulk_capable();
   launch_copy_kernel(bulk, dispatch_send_bulk_kernel, dispatch_send_kernel, buffer.view(), regions, args, args.row_bytes, num_blocks,

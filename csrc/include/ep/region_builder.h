@@ -38,4 +38,18 @@ inline void check_backend_shape(const char* backend, int num_ranks, int max_toke
   if (max_tokens < 1 || max_blocks < 1) throw std::invalid_argument(who + "max_tokens and max_blocks >= 1");
 }
 
+// Throws std::invalid_argument naming `backend` when a launch asks for more than its buffer was built for
+// (the Python layer never does; this guards the extension's own API): blocks past max_blocks would raise
+// done flags past their region, tokens past max_tokens would index rows past theirs.
+template <typename Regions>
+inline void check_launch_fits(const char* backend, const Regions& regions, int num_blocks, int num_tokens = 0) {
+  const std::string who = std::string("ep_plugin ") + backend + ": ";
+  if (num_blocks < 1 || num_blocks > regions.max_blocks)
+    throw std::invalid_argument(who + "num_blocks " + std::to_string(num_blocks) + " outside [1, max_blocks=" +
+                                std::to_string(regions.max_blocks) + "] of this buffer");
+  if (num_tokens < 0 || num_tokens > regions.max_tokens)
+    throw std::invalid_argument(who + "num_tokens " + std::to_string(num_tokens) + " outside [0, max_tokens=" +
+                                std::to_string(regions.max_tokens) + "] of this buffer");
+}
+
 }  // namespace ep
