@@ -54,6 +54,9 @@ class Handle:
     # for its per-row values (the gradient of the dispatched probs): [num_rows] by default.
     output_form: str = EXPERT_ROWS
     row_probs_shape: Optional[tuple[int, ...]] = None
+    # A top-k dispatch's ids and their version then (``Tensor._version``): a combine that routes values back
+    # reads them, so a change in place since (a reused buffer, say) is refused there, not summed wrongly.
+    topk_ids: Optional[tuple[torch.Tensor, int]] = None
 
     def expected_row_probs_shape(self) -> tuple[int, ...]:
         return self.row_probs_shape if self.row_probs_shape is not None else (self.num_rows,)

@@ -135,6 +135,29 @@ def test_handle_of_another_backend_is_rejected():
     run_ranks(check_foreign_handle, 2, timeout_s=60)
 
 
+def topk_ids_changed_after_dispatch(ctx) -> str:
+    """Every rank changes its ids in place between dispatch and a combine that routes values back by them."""
+    backend = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=EXPERTS, device="cpu")
+    problem = make_problem(0, [6] * ctx.world_size, HIDDEN, EXPERTS, TOPK)
+    idx, weights = problem.topk_idx[ctx.rank].clone(), problem.topk_weights[ctx.rank]
+    out = backend.dispatch(problem.hidden[ctx.rank], topk_idx=idx, topk_weights=weights)
+    idx[0] = idx[0].flip(0)  # a reused buffer, say: same experts, other slots
+    with pytest.raises(ValueError) as refused:
+        backend.combine(out.hidden, out.handle, row_probs=out.probs)
+    # Refused before any communication: the backend goes on, rows alone need no ids, fresh ids route back.
+    assert torch.allclose(backend.combine(out.hidden, out.handle).hidden, problem.hidden[ctx.rank] * TOPK)
+    out = backend.dispatch(problem.hidden[ctx.rank], topk_idx=idx, topk_weights=weights)
+    assert backend.combine(out.hidden, out.handle, row_probs=out.probs).probs is not None
+    return str(refused.value)
+
+
+def test_topk_ids_changed_in_place_before_the_combine_that_reads_them_are_refused():
+    """A combine with row_probs (the backward of topk_weights) routes the values back by the dispatch's ids, which
+    the handle keeps without a copy (DeepEP V2 copies them): a change in place since is refused, not misrouted."""
+    for message in run_ranks(topk_ids_changed_after_dispatch, 2, timeout_s=60):
+        assert "topk_idx of this handle's dispatch was changed in place" in message, message
+
+
 def test_expert_alignment_is_deepeps_name_for_pad_multiple():
     from ep_plugin.backends.base import merge_alignment
 

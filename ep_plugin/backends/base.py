@@ -215,7 +215,10 @@ class Backend(abc.ABC):
         routing, weights, pad_multiple = self.check_dispatch_input(
             hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx, topk_weights=topk_weights,
             pad_multiple=pad_multiple)
-        return self._dispatch(hidden, routing, weights, pad_multiple, **options)
+        out = self._dispatch(hidden, routing, weights, pad_multiple, **options)
+        if routing.form == TOPK:  # kept, not copied: see check_topk_ids_unchanged
+            out.handle.topk_ids = (routing.topk_idx, routing.topk_idx._version)
+        return out
 
     def dispatch_again(self, hidden: torch.Tensor, handle: Handle) -> torch.Tensor:
         """Dispatch new tokens along a cached layout (backward of combine). Returns [R, H]."""
@@ -246,7 +249,22 @@ class Backend(abc.ABC):
                 raise ValueError("row_probs given but this handle's dispatch carried no probs")
             check_tensor("row_probs", row_probs, dtypes=self.capabilities.probs_dtypes,
                          shape=handle.expected_row_probs_shape(), device=self.device)
+            self.check_topk_ids_unchanged(handle)
         return self._combine(rows, handle, row_probs, **options)
+
+    @staticmethod
+    def check_topk_ids_unchanged(handle: Handle) -> None:
+        """ValueError when the top-k ids of ``handle``'s dispatch were changed in place since: a combine with
+        ``row_probs`` routes the values back by them (DeepEP V2 copies them into its handle; keeping the
+        caller's tensor saves a copy per dispatch). A change torch does not see (a CUDA-graph replay writing
+        the tensor) goes unnoticed: the ids must stay as they were until the combine and its backward."""
+        if handle.topk_ids is None:
+            return
+        ids, version = handle.topk_ids
+        if ids._version != version:
+            raise ValueError("the topk_idx of this handle's dispatch was changed in place after the dispatch, and a "
+                             "combine with row_probs (the backward of the dispatch's topk_weights) routes the values "
+                             "back by it; keep it unchanged until then, or dispatch a copy (topk_idx.clone())")
 
     def barrier(self) -> None:
         """Block until every rank of the group reaches this point. A rank that does not arrive within
