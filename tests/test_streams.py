@@ -191,3 +191,41 @@ def test_ops_on_two_streams_run_in_the_order_they_were_issued(backend_name):
 def test_ops_on_two_streams_of_one_capture_replay_in_the_order_they_were_issued(backend_name):
     for rank, result in enumerate(_on_two_ranks_with_many_queues(_ops_on_two_streams_in_one_graph, backend_name)):
         assert result == {"error": None, "same": (True, True)}, (rank, result)
+
+
+def _combine_input_on_another_stream(ctx, backend_name: str) -> dict:
+    """combine_input hands out memory of the buffer that the backend's queued ops may still use (elastic's
+    two-stage combine receives there; peers may read an in-place combine input until the next op met them).
+    Taken on another stream than the ops', that stream must wait for them: a sleep queued on the ops' stream
+    after the dispatch stands for a slow op still queued there."""
+    from test_faults_gpu import make_backend, routed_tokens
+
+    options = {"combine_input_rows": 4096} if backend_name == "hybrid" else {}
+    backend = make_backend(ctx, backend_name, options=options, timeout_s=20.0)
+    x, routing = routed_tokens(ctx, 807)
+    out = backend.dispatch(x, **routing)
+    rows = backend.combine_input(out.handle)
+    rows.copy_(out.hidden)
+    want = backend.combine(rows, out.handle).hidden  # in place, on one stream
+    torch.cuda.synchronize()
+    out = backend.dispatch(x, **routing)
+    torch.cuda._sleep(int(2e9))  # ~1 s, on the ops' (current) stream
+    writer = torch.cuda.Stream(ctx.device)
+    with torch.cuda.stream(writer):
+        rows = backend.combine_input(out.handle)
+        taken = torch.cuda.Event()
+        taken.record()
+        writer_waited = not taken.query()
+        rows.copy_(out.hidden)  # the expert's write
+    torch.cuda.current_stream(ctx.device).wait_stream(writer)
+    same = torch.equal(backend.combine(rows, out.handle).hidden, want)
+    torch.cuda.synchronize()
+    backend.destroy()
+    return {"writer_waited": writer_waited, "same": same}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend_name", ["hybrid", "elastic"])
+def test_a_combine_input_taken_on_another_stream_waits_for_the_queued_ops(backend_name):
+    for rank, result in enumerate(_on_two_ranks_with_many_queues(_combine_input_on_another_stream, backend_name)):
+        assert result == {"writer_waited": True, "same": True}, (rank, result)

@@ -417,11 +417,21 @@ class CompiledBackend(Backend):
         the order they were enqueued: when the caller moved to another stream (a comm stream for some ops,
         say), that stream first waits for the previous one, so an op cannot overtake an earlier op still
         queued there."""
-        self._launches += 1
         handle = streams.stream_handle(self.device)
         if handle != self._last_stream_handle:
             self._follow_previous_stream(handle)
+        self._launches += 1  # after the wait: a wait that raised queued nothing (op_range)
         return handle
+
+    def _wait_for_queued_ops(self) -> None:
+        """Make the current stream, about to write into this rank's buffer (a combine input), wait for this
+        backend's ops queued so far: one still queued on another stream may use that memory (elastic's
+        two-stage combine receives there; until an op after an in-place combine has met its peers, they
+        may still read there). Nothing to wait for on the stream of the last op."""
+        handle = streams.stream_handle(self.device)
+        if self._last_stream is not None and handle != self._last_stream_handle and \
+                self._may_wait(handle, self._last_stream_handle):
+            streams.current_stream(self.device).wait_stream(self._last_stream)
 
     def _follow_previous_stream(self, handle: int) -> None:
         current = streams.current_stream(self.device)

@@ -482,7 +482,9 @@ class ElasticBackend(CompiledBackend):
         if layout.expand:
             raise ValueError("combine_input needs a compact dispatch (expand=False): expanded rows are summed "
                              "per packet on the expert rank before they travel")
-        return self._combine_input_view(layout, self.regions.off_comb_data, layout.capacity)
+        view = self._combine_input_view(layout, self.regions.off_comb_data, layout.capacity)
+        self._wait_for_queued_ops()  # the caller writes there next, on its stream
+        return view
 
     def _in_place(self, rows: torch.Tensor, layout: ElasticLayout) -> bool:
         """Whether ``rows`` is the combine input in this rank's buffer (then it is read in place)."""

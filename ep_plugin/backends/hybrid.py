@@ -381,6 +381,7 @@ class HybridBackend(CompiledBackend):
         with self.arena.allocating() as usable:
             if usable:
                 self._arena_use = "pool"
+                self._wait_for_queued_ops()  # what is allocated there is written on this stream
             self._arena_contexts += usable
             try:
                 yield usable
@@ -412,6 +413,7 @@ class HybridBackend(CompiledBackend):
                              "allocations may lie anywhere in it; allocate the expert output inside that context")
         view = self._combine_input_view(handle.layout, self.regions.off_comb_input, handle.num_rows)
         self._arena_use = "combine_input"  # once handed out (a refused call leaves the arena to the pool route)
+        self._wait_for_queued_ops()  # the caller writes there next, on its stream
         return view
 
     def destroy(self) -> None:
