@@ -167,6 +167,10 @@ def sweep(ctx, hidden: int) -> int:
                                  zero_padding=zero_padding)
         rows_to_compare = data_row if expand and not zero_padding else slice(None)
         assert torch.equal(cached.hidden[rows_to_compare], again.hidden[rows_to_compare]), f"{name}: cached dispatch"
+        if expand and not zero_padding:  # DeepEP V2 takes zero padding per call: a cached one zeroes it too
+            zeroed = elastic.dispatch(fresh, handle=out.handle, zero_padding=True)
+            ref_fresh = reference.dispatch(fresh, topk_idx=idx, topk_weights=w, pad_multiple=align)
+            assert torch.equal(zeroed.hidden, ref_fresh.hidden), f"{name}: cached dispatch, padding zeroed this time"
         checked += 1
     torch.cuda.synchronize()
     elastic.destroy()
@@ -589,7 +593,7 @@ def bad_input_then_good(ctx) -> int:
             elastic.combine(out.hidden, out.handle, bias=torch.zeros(3, 256, dtype=torch.bfloat16, device=x.device))
         with pytest.raises(ValueError):
             elastic.dispatch(x[:-1], handle=out.handle)
-        # A cached dispatch takes its form from the handle: a flag that contradicts it is refused (it was
+        # A cached dispatch takes its form from the handle: expand=True on a compact one is refused (it was
         # ignored, and a compact handle returned compact rows for expand=True).
         with pytest.raises(ValueError, match="delivers its handle's form"):
             elastic.dispatch(x, handle=out.handle, expand=True)

@@ -414,18 +414,20 @@ class ElasticBackend(CompiledBackend):
 
     @staticmethod
     def check_cached_form(handle: Handle, *, expand: bool = False, zero_padding: bool = False) -> None:
-        """ValueError when a cached dispatch's options contradict its handle's form (the form is the handle's);
-        also asked by the hierarchical backend, before its rails move anything."""
+        """ValueError when a cached dispatch asks for another form than its handle's (expand=True on a compact
+        one); also asked by the hierarchical backend, before its rails move anything. ``zero_padding`` is per
+        call, as DeepEP V2's: an expanded handle's padding is zeroed when either dispatch asked for it."""
         layout: ElasticLayout = handle.layout
-        if expand and not layout.expand or zero_padding and not layout.zero_padding:
-            raise ValueError(f"a cached dispatch delivers its handle's form (expand={layout.expand}, "
-                             f"zero_padding={layout.zero_padding}); got expand={expand}, zero_padding={zero_padding}")
+        if expand and not layout.expand:
+            raise ValueError(f"a cached dispatch delivers its handle's form (expand={layout.expand}); got "
+                             f"expand={expand}")
 
     @op_range("cached_dispatch")
     def _cached_dispatch(self, hidden, handle: Handle, *, expand: bool = False,
                          zero_padding: bool = False) -> DispatchOutput:
-        """Send new rows along a previous dispatch's layout: no layout, no count exchange. ``expand`` /
-        ``zero_padding``: what the caller passed (the form is the handle's: one it contradicts is refused)."""
+        """Send new rows along a previous dispatch's layout: no layout, no count exchange. ``expand``: what the
+        caller passed (the form is the handle's: expand=True on a compact one is refused); ``zero_padding``
+        zeroes an expanded output's padding this time (also when the handle's dispatch did not)."""
         data = self.check_cached_input(hidden, handle)
         fp8 = isinstance(hidden, (tuple, list))
         layout: ElasticLayout = handle.layout
@@ -452,7 +454,7 @@ class ElasticBackend(CompiledBackend):
             capacity=layout.capacity, num_packets=at("num_packets"), topk=layout.topk, expand=layout.expand,
             cached=True, expert_start=at("expert_start"), tokens_per_expert=at("tokens_per_expert"),
             real_per_expert=at("real_per_expert"), packet_rows=layout.packet_rows,
-            zero_padding=layout.zero_padding, bulk_copy=self._bulk)
+            zero_padding=layout.zero_padding or zero_padding, bulk_copy=self._bulk)
         self._C.elastic.dispatch_receive(self.buffer.raw, self.regions, receive, self.num_blocks, self._stream())
         valid_rows = None if self.config.blocking else layout.total_rows if layout.expand else layout.total_packets
         rows = (out, out_scales) if fp8 else out
