@@ -270,6 +270,16 @@ class _SegmentShiftingReference(ReferenceBackend):
         return out
 
 
+class _ProbsDoublingReference(ReferenceBackend):
+    """A dispatch whose rows are right but whose first row carries twice its prob (the expert would weigh it
+    wrong; the round trip of the rows alone cannot see it)."""
+
+    def _dispatch(self, hidden, routing, probs, pad_multiple):
+        out = super()._dispatch(hidden, routing, probs, pad_multiple)
+        out.probs[0] *= 2
+        return out
+
+
 class _HalvingReference(ReferenceBackend):
     """A combine that returns half of each sum."""
 
@@ -286,6 +296,24 @@ class _UncheckableOnRankOne(ReferenceBackend):
         out = super()._dispatch(hidden, routing, probs, pad_multiple)
         if self.rank == 1:
             out.handle.num_real_tokens_per_expert = out.handle.num_real_tokens_per_expert[:-1]
+        return out
+
+
+class _CheckedDispatchFailingOnRankOne(ReferenceBackend):
+    """Rank 1's checked dispatch (each case's last: the timed loop and the step loop run 8 before it) raises
+    after its exchange, as an allocation only that rank's counts could size would: its peer's went through."""
+
+    DISPATCHES_PER_CASE = 9
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.dispatches = 0
+
+    def _dispatch(self, hidden, routing, probs, pad_multiple):
+        out = super()._dispatch(hidden, routing, probs, pad_multiple)
+        self.dispatches += 1
+        if self.rank == 1 and self.dispatches % self.DISPATCHES_PER_CASE == 0:
+            raise torch.cuda.OutOfMemoryError("no room for the checked dispatch's rows (planted)")
         return out
 
 
@@ -307,20 +335,50 @@ def test_a_rank_whose_own_value_check_fails_keeps_the_collectives_in_step():
         assert "rank 0" not in record["error"], record
 
 
+def test_a_checked_dispatch_failing_on_one_rank_keeps_the_collectives_in_step():
+    """The checked dispatch raised on one rank only (its peers' went through): that rank skipped the check's
+    gather and met its peers there with the case's next collective, a hang or crossed records. Every rank now
+    learns it in the gather, none combines, and the next case runs as usual."""
+    first, second = run_ranks(_bench_broken, 2, _CheckedDispatchFailingOnRankOne, 0, (32, 48), timeout_s=120)[0]
+    for record in (first, second):
+        assert record["error"] == "rank 1: the checked dispatch raised OutOfMemoryError: no room for the checked " \
+                                  "dispatch's rows (planted)", record["error"]
+        assert record["samples_us"] and all(record["samples_us"]), record  # the timed loop ran before
+
+
 @pytest.mark.parametrize("backend_class, words", [
     (_RowLosingReference, "the wrong rows"),
     (_SegmentShiftingReference, "rows, the sources routed"),
     (_HalvingReference, "combine of the dispatched rows is wrong"),
+    (_ProbsDoublingReference, "the wrong probs"),
 ])
 @pytest.mark.parametrize("scaleup", [0, 1])  # flat; and across two domains (a domain backend per rank)
 def test_a_case_whose_ops_moved_wrong_values_is_an_error_row(backend_class, words, scaleup):
     """The bench timed what the kernels did without asking whether it was right: a fast wrong kernel read as a
     win. Each case now ends with one checked dispatch and combine (bench/verify.py); a backend that loses a
-    row, shifts a segment's boundary or sums wrong gives an error record (no figure) naming what went wrong."""
+    row, shifts a segment's boundary, hands a row the wrong prob or sums wrong gives an error record (no
+    figure) naming what went wrong."""
     [record] = run_ranks(_bench_broken, 2, backend_class, scaleup)[0]
     assert record["error"] and words in record["error"], record["error"]
     [healthy] = run_ranks(_bench_broken, 2, ReferenceBackend, scaleup)[0]
     assert healthy["error"] is None and healthy["domains"] == ("2x1" if scaleup else "1x2")
+
+
+def test_a_tight_budget_holds_the_padding_and_never_passes_the_worst_case():
+    """The non-blocking budget rounds the busiest rank's rows up to 4096s: it left out the experts' padding (a
+    false "rows dropped" with EP_PLUGIN_PAD_MULTIPLE set), and past the worst case it did not fit the arena
+    that hybrid+in_place sizes to it (decode at 2 ranks: combine_input refused the budget mid-case)."""
+    from ep_plugin.backends.compiled import worst_case_rows
+    from ep_plugin.bench.runner import _busiest_rank_rows, _tight_budget
+
+    decode = Shape(128, 7168, 8, 256, "bf16", "balanced")
+    worst = worst_case_rows(2, 128, 128, 8)
+    assert _tight_budget(decode, 2, 0) > worst  # the rounding alone overshoots here
+    assert _tight_budget(decode, 2, 0, most_rows=worst) == worst
+    standard = Shape(4096, 7168, 8, 256, "bf16", "balanced")
+    rows, padding = _busiest_rank_rows(standard, 8, 0), 32 * (4096 - 1)
+    assert _tight_budget(standard, 8, 0) > rows
+    assert _tight_budget(standard, 8, 0, pad_multiple=4096) > rows + padding
 
 
 def test_bench_json_is_strict_json(tmp_path):

@@ -28,8 +28,8 @@ and the line rate.
 
 Values: after the timed loops every case runs one checked dispatch and combine (``verify.py``); a case
 whose ops moved a wrong row, or reported dropped rows or ids (``_outputs_problem``), is recorded with an
-``error`` and gives no figure. CUDA-graph records reuse the eager case's backend and kernels and are not
-checked again.
+``error`` and gives no figure. CUDA-graph records reuse the eager case's backend and kernels: their values
+are not checked again, what the replays' kernels report is (their record's ``error``).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 import ep_plugin
+from ep_plugin.backends.compiled import worst_case_rows
 from ep_plugin.config import Config
 from ep_plugin.routing import route_counts
 from ep_plugin.testing import RankContext
@@ -194,15 +195,20 @@ class _Calls:
     def verify(self, rank: int, world_size: int) -> Optional[str]:
         """One more dispatch and combine of this case's tokens, checked (``verify.py``): what they got wrong,
         or None. A collective: every rank runs the dispatch, one gather and the combine whatever fails in its
-        own checks (a rank that skipped one would pair its next collective with the peers' previous one)."""
+        own checks (a rank that skipped one would pair its next collective with the peers' previous one);
+        where a rank's dispatch raised, every rank learns it in the gather and none combines."""
         problem = None
         try:  # before the dispatch: what this rank sends each expert
             tokens = verify.as_bf16_rows(self.hidden)
             chosen = verify.chosen_experts(self.routing, self.shape.experts)
-            sent = verify.sent_checksums(tokens, chosen)
+            sent = verify.sent_checksums(tokens, chosen, verify.dense_probs(self.routing, self.shape.experts))
         except Exception as exc:  # noqa: BLE001 - reported through the gather below
             problem = f"checking the values (the sent checksums): {type(exc).__name__}: {exc}"
-        self.dispatch()
+        try:  # one rank's failure (an allocation, say) must not take it past the gather its peers join
+            self.dispatch()
+            dispatched = True
+        except Exception as exc:  # noqa: BLE001 - reported through the gather below
+            problem, dispatched = f"the checked dispatch raised {type(exc).__name__}: {exc}", False
         out, rows, got = self.out, None, None
         if problem is None:
             try:
@@ -212,8 +218,11 @@ class _Calls:
                 got = verify.received_per_expert(out, rows)
             except Exception as exc:  # noqa: BLE001
                 problem = f"checking the values (the received rows): {type(exc).__name__}: {exc}"
-        every: list = [None] * world_size
-        dist.all_gather_object(every, None if problem else sent)
+        words: list = [None] * world_size  # each rank's (whether it dispatched, its sent checksums or None)
+        dist.all_gather_object(words, (dispatched, None if problem else sent))
+        if not all(ok for ok, _ in words):  # no rank combines: one without a dispatch would not meet the others
+            return problem  # None: a peer's dispatch failed (its own record says why)
+        every = [checksums for _, checksums in words]
         if problem is None and all(s is not None for s in every):
             try:
                 problem = verify.dispatch_problem(rank, every, got)
@@ -372,13 +381,17 @@ def _memory_shortfall(ctx: RankContext, shape: Shape, device: torch.device, seed
     return "; ".join(m for m in messages if m)
 
 
-def _tight_budget(shape: Shape, num_ranks: int, seed: int) -> int:
-    """Non-blocking output rows for a case: the next multiple of 4096 above the busiest rank's rows (an exact
-    multiple gets 4096 more: kept so that figures stay comparable across passes), as a Megatron user sets
-    num_permuted_tokens from the routing they expect. The worst case (every token at every
-    local expert of every rank) would not fit 8 ranks on one GPU at 8192 tokens."""
-    rows = _busiest_rank_rows(shape, num_ranks, seed)
-    return (rows // 4096 + 1) * 4096
+def _tight_budget(shape: Shape, num_ranks: int, seed: int, *, pad_multiple: int = 1,
+                  most_rows: Optional[int] = None) -> int:
+    """Non-blocking output rows for a case: the next multiple of 4096 above the busiest rank's rows and its
+    experts' padding (an exact multiple gets 4096 more: kept so that figures stay comparable across passes),
+    as a Megatron user sets num_permuted_tokens from the routing they expect; never more than ``most_rows``,
+    the backend's worst case (which a combine-input arena is sized to: a budget past it would not fit there).
+    The worst case (every token at every local expert of every rank) would not fit 8 ranks on one GPU at 8192
+    tokens."""
+    rows = _busiest_rank_rows(shape, num_ranks, seed) + shape.experts // num_ranks * (pad_multiple - 1)
+    budget = (rows // 4096 + 1) * 4096
+    return budget if most_rows is None else min(budget, most_rows)
 
 
 def _time_copy_us(num_bytes: int, device: torch.device, repeats: int = 5) -> float:
@@ -581,8 +594,14 @@ def _run_graph_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, de
     """Samples of CUDA-graph replays (all ranks) and the capture error, if any, for one shape."""
     samples, step_us, error = _time_graph_replays(ctx, spec, backend, shape, device, variant)
     all_samples, all_steps = _gather(samples, ctx.world_size), _gather(step_us, ctx.world_size)
+    # What the replays' kernels reported (a device timeout, dropped rows): this record's error, not the next
+    # case's. (Their values are not checked again: the replays run the checked eager case's ops.)
+    problems = _gather(_outputs_problem(backend), ctx.world_size)
     _barrier(device)
-    return dict(samples_us=all_samples, step_us=None if error else all_steps, graph_error=error)
+    replays = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(problems) if text)
+    # No key without one: the record keeps the eager case's error, if any.
+    return dict(samples_us=all_samples, step_us=None if error else all_steps, graph_error=error,
+                **({"error": f"in the graph replays: {replays}"} if replays else {}))
 
 
 def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
@@ -692,8 +711,11 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                 continue
             if mode == "nonblocking" and base_name == "hybrid":
                 budgeted = getattr(backend, "domain", backend)  # across domains the domain backend has the output
-                budgeted.config = budgeted.config.replace(num_permuted_tokens=_tight_budget(shape, ctx.world_size,
-                                                                                            spec.seed))
+                most = worst_case_rows(budgeted.num_ranks, budgeted.config.max_tokens_per_rank,
+                                       budgeted.num_local_experts, topk, budgeted.config.pad_multiple)
+                most = min(most, getattr(budgeted, "combine_input_rows", 0) or most)  # in place: what the arena holds
+                budgeted.config = budgeted.config.replace(num_permuted_tokens=_tight_budget(
+                    shape, ctx.world_size, spec.seed, pad_multiple=budgeted.config.pad_multiple, most_rows=most))
             record = _run_case(ctx, spec, backend, shape, device, shared_gpu, ceiling_cache, variant)
             if record["error"] and ctx.rank == 0:
                 say(f"FAILED {name} {mode} {shape}: {record['error']} (no figure)")

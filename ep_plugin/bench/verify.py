@@ -8,7 +8,9 @@ neither of which needs another backend or the peers' tokens:
   each token's row sum (fp32), and how many tokens that is (one ``all_gather_object`` of 2E numbers). The
   expert's owner sums the row sums of the rows it received for that expert, wherever the form puts them
   (a segment of the expert-row form, the rows whose local ids name it in the compact form): a row that went
-  to the wrong expert, or the wrong row, changes the sum; a lost or doubled one changes the count too.
+  to the wrong expert, or the wrong row, changes the sum; a lost or doubled one changes the count too. The
+  probs (top-k weights) the tokens carried there are summed on both sides the same way: they travel as they
+  are, so a prob of another token or expert changes that sum.
 - **Round trip.** Combining the received rows unchanged (dequantized for fp8) sums each token's copies: the
   result must be the token times the number of rows it went out as (one per expert in the expert-row form,
   one per destination rank in the compact form).
@@ -60,6 +62,20 @@ def chosen_experts(routing: dict, num_experts: int) -> torch.Tensor:
     return chosen
 
 
+def dense_probs(routing: dict, num_experts: int) -> Optional[torch.Tensor]:
+    """[T, E] fp32: each token's prob for each expert (0 where it did not go), or None without probs."""
+    if "routing_map" in routing:
+        return routing.get("probs")
+    weights = routing.get("topk_weights")
+    if weights is None:
+        return None
+    idx = routing["topk_idx"]
+    dense = torch.zeros(idx.shape[0], num_experts, dtype=torch.float32, device=idx.device)
+    tokens, slots = (idx >= 0).nonzero(as_tuple=True)
+    dense[tokens, idx[tokens, slots]] = weights[tokens, slots].float()
+    return dense
+
+
 def copies_per_token(chosen: torch.Tensor, num_local_experts: int, output_form: str) -> torch.Tensor:
     """[T] how many rows each token went out as: one per expert, or one per destination rank (compact)."""
     if output_form == COMPACT:
@@ -74,47 +90,62 @@ def row_sums(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat(sums) if sums else rows.new_zeros(0, dtype=torch.float64)
 
 
-def received_per_expert(out, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """([L] fp64 sum of row sums, [L] int64 row count) on the host: the rows this rank received for each
-    local expert. ``rows``: the dispatch output's rows in bf16 (``as_bf16_rows``)."""
+def received_per_expert(out, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """([L] fp64 sum of row sums, [L] int64 row count, [L] fp64 sum of the probs or None without probs) on the
+    host: what this rank received for each local expert. ``rows``: the dispatch output's rows in bf16
+    (``as_bf16_rows``)."""
     num_local_experts = out.handle.num_local_experts
     valid = rows.shape[0]
     if out.num_valid_rows is not None:
         valid = min(valid, int(out.num_valid_rows.item()))
     sums = row_sums(rows[:valid])
+    probs = out.probs[:valid].double() if out.probs is not None else None
     if out.handle.output_form == COMPACT:
         names = out.topk_idx[:valid].unsqueeze(2) == torch.arange(num_local_experts, device=rows.device)
         here = names.any(1)  # [rows, L]: the row carries a token for that expert
-        return (sums.unsqueeze(1) * here).sum(0).cpu(), here.sum(0).cpu()
+        probs_here = (probs.unsqueeze(2) * names).sum((0, 1)).cpu() if probs is not None else None
+        return (sums.unsqueeze(1) * here).sum(0).cpu(), here.sum(0).cpu(), probs_here
     # Expert-row form: segment e starts at the padded lengths before it; its real rows come first.
     padded = out.handle.tokens_per_expert.to(torch.int64).tolist()
     real = out.handle.num_real_tokens_per_expert.to(torch.int64).tolist()
-    per_expert, counts, start = [], [], 0
+    per_expert, counts, probs_per_expert, start = [], [], [], 0
     for segment, rows_here in zip(padded, real, strict=True):
         end = min(start + rows_here, valid)
         per_expert.append(sums[start:end].sum() if end > start else sums.new_zeros(()))
         counts.append(max(end - start, 0))
+        if probs is not None:
+            probs_per_expert.append(probs[start:end].sum() if end > start else probs.new_zeros(()))
         start += segment
-    return torch.stack(per_expert).cpu(), torch.tensor(counts)
+    return (torch.stack(per_expert).cpu(), torch.tensor(counts),
+            torch.stack(probs_per_expert).cpu() if probs is not None else None)
 
 
-def sent_checksums(tokens: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def sent_checksums(tokens: torch.Tensor, chosen: torch.Tensor,
+                   probs: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], ...]:
     """What this rank sends each expert, on the host: ([E] fp64 sum of the row sums of the tokens routed there,
-    [E] their count, [E] the sum of the row sums' magnitudes, for the tolerance). ``tokens``: bf16 [T, H]."""
+    [E] their count, [E] the sum of the row sums' magnitudes, for the tolerance, [E] fp64 sum of their probs
+    or None). ``tokens``: bf16 [T, H]; ``probs``: ``dense_probs`` or None."""
     token_sums = row_sums(tokens).unsqueeze(1)
-    return ((token_sums * chosen).sum(0).cpu(), chosen.sum(0).cpu(), (token_sums.abs() * chosen).sum(0).cpu())
+    probs_sent = (probs.double() * chosen).sum(0).cpu() if probs is not None else None
+    return ((token_sums * chosen).sum(0).cpu(), chosen.sum(0).cpu(), (token_sums.abs() * chosen).sum(0).cpu(),
+            probs_sent)
 
 
 def dispatch_problem(rank: int, every_sent: list, got: tuple[torch.Tensor, torch.Tensor]) -> Optional[str]:
     """What this rank's dispatch output got wrong, or None: ``got`` (``received_per_expert``) against the
     sum over every source of its ``sent_checksums`` for this rank's experts."""
-    got_sums, got_counts = got
+    got_sums, got_counts, got_probs = got
     local = got_sums.shape[0]
     num_experts = every_sent[0][0].shape[0]
     mine = slice(rank * local, (rank + 1) * local)
-    want_sums = sum(sums[mine] for sums, _, _ in every_sent)
-    want_counts = sum(counts[mine] for _, counts, _ in every_sent)
-    scale = sum(magnitudes[mine] for _, _, magnitudes in every_sent)
+    want_sums = sum(sums[mine] for sums, _, _, _ in every_sent)
+    want_counts = sum(counts[mine] for _, counts, _, _ in every_sent)
+    scale = sum(magnitudes[mine] for _, _, magnitudes, _ in every_sent)
+    sent_probs = [probs for _, _, _, probs in every_sent]
+    want_probs = sum(p[mine] for p in sent_probs) if all(p is not None for p in sent_probs) else None
+    if (want_probs is None) != (got_probs is None):
+        return (f"dispatch returned {'no ' if got_probs is None else ''}probs, and the sources sent "
+                f"{'none' if want_probs is None else 'some'}")
     for e in range(local):
         expert = rank * local + e
         if int(got_counts[e]) != int(want_counts[e]):
@@ -123,6 +154,11 @@ def dispatch_problem(rank: int, every_sent: list, got: tuple[torch.Tensor, torch
         if abs(float(got_sums[e]) - float(want_sums[e])) > CHECKSUM_RTOL * float(scale[e]) + 1e-6:
             return (f"dispatch gave local expert {e} (expert {expert} of {num_experts}) the wrong rows: their row "
                     f"sums add up to {float(got_sums[e]):.6g}, the routed tokens' to {float(want_sums[e]):.6g}")
+        # fp32 probs moved as they are: only fp64 rounding of the sums (in another order) stands between them.
+        if want_probs is not None and abs(float(got_probs[e]) - float(want_probs[e])) > \
+                CHECKSUM_RTOL * float(want_probs[e]) + 1e-6:
+            return (f"dispatch gave local expert {e} (expert {expert} of {num_experts}) the wrong probs: they add up "
+                    f"to {float(got_probs[e]):.9g}, the routed tokens' to {float(want_probs[e]):.9g}")
     return None
 
 
