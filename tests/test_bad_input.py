@@ -148,6 +148,9 @@ def topk_ids_changed_after_dispatch(ctx) -> str:
     assert torch.allclose(backend.combine(out.hidden, out.handle).hidden, problem.hidden[ctx.rank] * TOPK)
     out = backend.dispatch(problem.hidden[ctx.rank], topk_idx=idx, topk_weights=weights)
     assert backend.combine(out.hidden, out.handle, row_probs=out.probs).probs is not None
+    with torch.inference_mode():  # serving: inference tensors keep no version, and nothing goes backward
+        served = backend.dispatch(problem.hidden[ctx.rank].clone(), topk_idx=idx.clone(), topk_weights=weights.clone())
+        assert backend.combine(served.hidden, served.handle, row_probs=served.probs).probs is not None
     return str(refused.value)
 
 

@@ -1,5 +1,7 @@
 """The stream policy's helpers on a real GPU: launches go to the caller's current stream."""
 
+import time
+
 import pytest
 import torch
 
@@ -215,6 +217,7 @@ def _combine_input_on_another_stream(ctx, backend_name: str) -> dict:
         rows = backend.combine_input(out.handle)
         taken = torch.cuda.Event()
         taken.record()
+        time.sleep(0.1)  # an idle stream reaches the event by then; one that waits for the sleep does not
         writer_waited = not taken.query()
         rows.copy_(out.hidden)  # the expert's write
     torch.cuda.current_stream(ctx.device).wait_stream(writer)

@@ -216,7 +216,8 @@ class Backend(abc.ABC):
             hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx, topk_weights=topk_weights,
             pad_multiple=pad_multiple)
         out = self._dispatch(hidden, routing, weights, pad_multiple, **options)
-        if routing.form == TOPK:  # kept, not copied: see check_topk_ids_unchanged
+        # Kept, not copied: see check_topk_ids_unchanged. (Inference tensors have no version, and no backward.)
+        if routing.form == TOPK and not routing.topk_idx.is_inference():
             out.handle.topk_ids = (routing.topk_idx, routing.topk_idx._version)
         return out
 
@@ -262,9 +263,10 @@ class Backend(abc.ABC):
             return
         ids, version = handle.topk_ids
         if ids._version != version:
-            raise ValueError("the topk_idx of this handle's dispatch was changed in place after the dispatch, and a "
-                             "combine with row_probs (the backward of the dispatch's topk_weights) routes the values "
-                             "back by it; keep it unchanged until then, or dispatch a copy (topk_idx.clone())")
+            raise ValueError("the topk_idx of this handle's dispatch was changed in place after the dispatch (a write "
+                             "to any view of its storage counts), and a combine with row_probs (the backward of the "
+                             "dispatch's topk_weights) routes the values back by it; keep it unchanged until then, "
+                             "or dispatch a copy (topk_idx.clone())")
 
     def barrier(self) -> None:
         """Block until every rank of the group reaches this point. A rank that does not arrive within

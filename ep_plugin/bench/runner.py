@@ -727,7 +727,8 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                           **_scaleout_fields(backend, shape, ctx.world_size, spec.seed))
             keep(record)
             # The instance: none across domains. Not "arena": a capture records no allocation for a replay.
-            if _graph_applies(spec, backend, mode, device) and variant != "arena":
+            # Not after an error (the same on every rank: gathered): a rank whose op failed mid-way refuses ops.
+            if _graph_applies(spec, backend, mode, device) and variant != "arena" and not record["error"]:
                 # Same shape, same backend: only the samples differ from the eager record.
                 graph = _run_graph_case(ctx, spec, backend, shape, device, variant)
                 keep({**record, **graph, "mode": GRAPH_MODE})

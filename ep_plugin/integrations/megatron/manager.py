@@ -21,7 +21,6 @@ hidden size and expert count.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 from typing import Optional
 
@@ -191,7 +190,7 @@ def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int,
         backend_class = ep_plugin.get_backend(backend_name)
         # The words the ranks exchange before the build; the backend's own collectives share its gloo twin.
         words = HostCollectives(group, owner="ep_plugin megatron", timeout_s=config.timeout_s,
-                                label="megatron sizing", device=device, on_host=config.gloo_host_words)
+                                label="megatron sizing and arena", device=device, on_host=config.gloo_host_words)
         default_tokens = config.max_tokens_per_rank
         config = tokens_per_rank(config, words, num_tokens)
         options = {} if not experts_take_arena else arena.combine_input_options(
@@ -233,7 +232,12 @@ def tokens_per_rank(config: Config, words: HostCollectives, num_tokens: Optional
         raise ValueError(f"ep_plugin megatron: the first MoE call has more tokens per rank than "
                          f"EP_PLUGIN_MAX_TOKENS_PER_RANK={config.max_tokens_per_rank} ({over}); raise it to the most "
                          f"tokens per rank of any step, or unset it to size from the first call")
-    return dataclasses.replace(config, max_tokens_per_rank=largest)
+    return config.replace(max_tokens_per_rank=largest)
+
+
+def _tokens_of(hidden_states: torch.Tensor) -> int:
+    """Tokens of this rank's call: Megatron passes [T, H] (or [S, B, H], flattened by the backend)."""
+    return hidden_states.numel() // hidden_states.shape[-1]
 
 
 def combine_counts() -> dict[str, int]:
@@ -329,7 +333,8 @@ class EPPluginManager:
         if probs.dtype != torch.float32:
             probs = probs.float()  # ep_plugin carries fp32 probs, like HybridEP
         backend = self._backend_for(hidden_states)
-        num_tokens, room = hidden_states.numel() // hidden_states.shape[-1], backend.config.max_tokens_per_rank
+        num_tokens = _tokens_of(hidden_states)
+        room = backend.config.max_tokens_per_rank
         if num_tokens > room:  # the backend's own refusal would not say where its size came from
             raise ValueError(f"{selected_by(self.config)}: this MoE layer's call has {num_tokens} tokens on this rank, "
                              f"over the {room} its shared backend was built for (the largest of the first call, or "
@@ -413,6 +418,6 @@ class EPPluginManager:
                                      config=backend_config(self.config),
                                      # Only SequentialMLP's output goes to the arena (arena.run_experts).
                                      experts_take_arena=not getattr(self.config, "moe_grouped_gemm", False),
-                                     num_tokens=hidden_states.numel() // hidden_size)
+                                     num_tokens=_tokens_of(hidden_states))
             self.backend, self._backend_generation = backend, _cache_generation
         return backend
