@@ -236,7 +236,7 @@ def tokens_per_rank(config: Config, words: HostCollectives, num_tokens: Optional
 
 
 def _tokens_of(hidden_states: torch.Tensor) -> int:
-    """Tokens of this rank's call: Megatron passes [T, H] (or [S, B, H], flattened by the backend)."""
+    """Tokens of this rank's call (Megatron's dispatch_preprocess hands the manager [S x B, H])."""
     return hidden_states.numel() // hidden_states.shape[-1]
 
 
