@@ -9,6 +9,10 @@
 #                                                     other file (each about 6 min of pytest or less on one H100; gpu2
 #                                                     with the Megatron files ran past a call there); pytest
 #                                                     gets what is left of the call after the build
+#   scripts/gpu_validate.sh pending OUT               the GPU tests no GPU has run yet (scripts/pending_gpu_tests.txt),
+#                                                     then one short standard-shape run of every compiled form
+#                                                     (its value check; no figures to quote): the first call
+#                                                     when device time is scarce
 #   scripts/gpu_validate.sh bench OUT                 the standard and decode presets on one GPU (8 ranks sharing it,
 #                                                     bulk and register copies), and the nvlink
 #                                                     preset (one rank per GPU) when there are 2+ GPUs
@@ -34,7 +38,7 @@
 # returns at most 8 files).
 set -uo pipefail
 RC=0  # the exit status: pytest's in the tests stage
-STAGE=${1:?stage: tests, gpu1, gpu2, gpu3, gpu4, bench, nvlink, sweep, megatron, nemo, scaleout or scaleout_bench}
+STAGE=${1:?stage: tests, gpu1, gpu2, gpu3, gpu4, pending, bench, nvlink, sweep, megatron, nemo, scaleout or scaleout_bench}
 OUT=${2:?output folder}
 shift 2
 cd "$(dirname "$0")/.."
@@ -99,6 +103,18 @@ case "$STAGE" in
       "${FILES[@]}" "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
     RC=${PIPESTATUS[0]}
     echo "pytest rc=$RC"
+    ;;
+  pending)
+    mapfile -t PENDING < <(grep -v '^#' scripts/pending_gpu_tests.txt | grep .)
+    if (( ${#PENDING[@]} )); then
+      timeout $((380 - SECONDS)) python3 -m pytest -q -p no:cacheprovider --require-gpu --durations=6 \
+        -m "gpu or megatron" "${PENDING[@]}" 2>&1 | tee "$OUT/pytest_pending.log" | tail -20
+      RC=${PIPESTATUS[0]}
+      echo "pytest rc=$RC"
+    fi
+    CUDA_VISIBLE_DEVICES=0 bench forms --preset standard --ranks 8 --backends hybrid,hybrid+in_place,hybrid+arena,elastic,elastic+in_place \
+      --modes blocking,nonblocking --payloads bf16,fp8 --warmup 2 --iters 3 --graph \
+      --timeout $(( 575 - SECONDS < 290 ? 575 - SECONDS : 290 ))  # under bench()'s own 300 s: partial cases are kept
     ;;
   bench)
     CUDA_VISIBLE_DEVICES=0 bench standard --preset standard --ranks 8

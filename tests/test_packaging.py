@@ -68,3 +68,24 @@ def test_dev_installs_a_module_that_is_missing_or_outside_its_spec():
     assert _dev_installs("no_such_module_here", "no-such-module-here") == "would install: no-such-module-here"
     # torch: python3's own build is reused whatever its version (it is the CUDA one on a GPU machine).
     assert _dev_installs("--any-version", "pytest", "'pytest>=999'") == ""
+
+
+def test_every_pending_gpu_test_names_a_gpu_test_that_exists():
+    """scripts/pending_gpu_tests.txt is what the first device call of a session runs: a name that matches
+    nothing (a typo, a renamed test) would spend scarce device time on "no tests ran"."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    lines = (root / "scripts" / "pending_gpu_tests.txt").read_text().splitlines()
+    for entry in (line.strip() for line in lines if line.strip() and not line.startswith("#")):
+        path, _, name = entry.partition("::")
+        assert (root / path).is_file(), entry
+        if not name:
+            continue
+        tree = ast.parse((root / path).read_text())
+        tests = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+        function = name.partition("[")[0]
+        assert function in tests, f"{entry}: no test {function} in {path}"
+        marks = ast.unparse(tests[function]) + (root / path).read_text()[:2000]  # decorators, or a module pytestmark
+        assert "gpu" in marks or "megatron" in marks, f"{entry}: not a GPU or Megatron test"
