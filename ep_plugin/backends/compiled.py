@@ -429,15 +429,18 @@ class CompiledBackend(Backend):
         two-stage combine receives there; until an op after an in-place combine has met its peers, they
         may still read there). Nothing to wait for on the stream of the last op."""
         handle = streams.stream_handle(self.device)
-        if self._last_stream is not None and handle != self._last_stream_handle and \
-                self._may_wait(handle, self._last_stream_handle):
-            streams.current_stream(self.device).wait_stream(self._last_stream)
+        if handle != self._last_stream_handle:
+            self._wait_for_last_stream(handle, streams.current_stream(self.device))
 
     def _follow_previous_stream(self, handle: int) -> None:
         current = streams.current_stream(self.device)
+        self._wait_for_last_stream(handle, current)
+        self._last_stream_handle, self._last_stream = handle, current
+
+    def _wait_for_last_stream(self, handle: int, current: torch.cuda.Stream) -> None:
+        """``current`` (raw ``handle``) waits for the stream of this backend's last op, where it may."""
         if self._last_stream is not None and self._may_wait(handle, self._last_stream_handle):
             current.wait_stream(self._last_stream)
-        self._last_stream_handle, self._last_stream = handle, current
 
     def _may_wait(self, stream: int, other: int) -> bool:
         """Whether ``stream`` may wait for ``other`` (handles): neither is capturing, or both are in one
