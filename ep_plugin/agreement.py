@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .config import Config
-from .host_collectives import HostCollectives
+from .host_collectives import SETUP_EXCHANGE, HostCollectives
 
 # Op kinds; the code is part of the fingerprint.
 OP_DISPATCH = "dispatch"
@@ -30,7 +30,8 @@ OP_COMBINE = "combine"
 OP_DISPATCH_AGAIN = "dispatch_again"  # cached dispatch along a handle (backward of combine)
 OP_BARRIER = "barrier"
 OP_COMBINE_IN_PLACE = "combine_in_place"  # combine whose rows the sources read in the experts' buffers
-_OPS = (None, OP_DISPATCH, OP_COMBINE, OP_DISPATCH_AGAIN, OP_BARRIER, OP_COMBINE_IN_PLACE)
+OP_SETUP = "setup"  # not an op: a setup call's host exchange (host_collectives.SETUP_EXCHANGE)
+_OPS = (None, OP_DISPATCH, OP_COMBINE, OP_DISPATCH_AGAIN, OP_BARRIER, OP_COMBINE_IN_PLACE, OP_SETUP)
 
 _DTYPES = (None, torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn)
 # "topk+expand": a top-k dispatch that delivers expanded (expert-grouped) rows: its wire carries more.
@@ -133,6 +134,10 @@ def ordinal(number: int) -> str:
     """1st, 2nd, 3rd, 4th, ... 11th, 21st: which backend built on a group (messages)."""
     suffix = "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
     return f"{number}{suffix}"
+
+
+# The setup word is a fingerprint no op has, so an op's opening exchange that meets it knows what it met.
+assert fingerprint_code(OP_SETUP) == SETUP_EXCHANGE
 
 
 def mismatch_message(backend: str, rank: int, peer: int, mine: int, theirs: int) -> str:

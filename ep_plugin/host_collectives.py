@@ -76,6 +76,16 @@ _out_of_step: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary(
 _WAITS_BY_GLOBAL_RANK = "ep_plugin/timeouts/by_global_rank/"
 
 
+# Every host call's first exchange on a group has one size: FRAME_WORDS int64 per pair of ranks (the rows
+# or bytes to follow, what the call is, the owner's number, one more word), whatever the call: reference's
+# opening exchange of an op, the size exchange of a setup gather, a setup barrier. gloo aborts the process
+# (SIGABRT, "Received data size doesn't match expected size") when two ranks meet in collectives of
+# different sizes, and a call one rank issues and its peers do not (an op on one rank while another builds
+# a backend) meets the peers' next call. With one size they meet, read each other's second word and raise
+# EPError naming both calls.
+FRAME_WORDS = 4
+SETUP_EXCHANGE = 6  # the second word of a setup call (agreement.OP_SETUP's fingerprint; an op's is its own)
+
 _OUT_OF_STEP = ("The process group's collectives are now out of step among its ranks (an engine cannot take back a "
                 "collective that one rank gave up on or that failed): end the job, or build a new process group and "
                 "a new backend on it.")
@@ -152,6 +162,12 @@ def registered(group: dist.ProcessGroup) -> bool:
     except (KeyError, ValueError, RuntimeError):
         return False
     return True
+
+
+def _digest(where: str) -> int:
+    """A setup call's name as a non-negative int64, the same in every process (``hash`` is salted per
+    process)."""
+    return int.from_bytes(hashlib.blake2b(where.encode(), digest_size=8).digest(), "little") >> 1
 
 
 def _first_line(exc: BaseException) -> str:
@@ -268,12 +284,12 @@ class HostCollectives:
         return out
 
     def all_gather_object(self, obj: Any, *, where: str) -> list[Any]:
-        """Every rank's ``obj`` (picklable), in rank order: two timed all-to-alls of bytes on ``word_device``."""
+        """Every rank's ``obj`` (picklable), in rank order: two timed all-to-alls on ``word_device`` (the
+        sizes, framed as ``setup_frames`` says, then the bytes). ``where`` names the call, the same on every
+        rank: a peer in another call raises EPError on every rank."""
         device = self.word_device
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-        ones = [1] * self.num_ranks
-        my_size = torch.full((self.num_ranks,), payload.numel(), dtype=torch.int64, device=device)
-        sizes = self.all_to_all(my_size, ones, ones, where=f"{where} (sizes)").tolist()
+        sizes = self.setup_frames(payload.numel(), where=where, phase="sizes")
         received = self.all_to_all(payload.repeat(self.num_ranks), sizes, [payload.numel()] * self.num_ranks,
                                    where=where).cpu()
         objects, start = [], 0
@@ -283,10 +299,42 @@ class HostCollectives:
         return objects
 
     def barrier(self, *, where: str) -> None:
-        """Return once every rank of the group reached this point: one timed all-to-all of a word per peer."""
-        ones = [1] * self.num_ranks
-        self.all_to_all(torch.zeros(self.num_ranks, dtype=torch.int64, device=self.word_device), ones, ones,
-                        where=where)
+        """Return once every rank of the group reached this point: one timed all-to-all of a frame per peer
+        (``setup_frames``; ``where`` names the call, the same on every rank)."""
+        self.setup_frames(0, where=where)
+
+    def setup_frames(self, count: int, *, where: str, phase: Optional[str] = None) -> list[int]:
+        """The first exchange of a setup call (a gather, a barrier): FRAME_WORDS words to every peer, ``count``
+        (what this rank sends next), SETUP_EXCHANGE, 0 and a digest of ``where``; returns each peer's count.
+
+        Raises EPError on every rank that meets a peer in another call, before anything else moves: a peer
+        running an op (reference's opening exchange of one frame) or in another setup call (a digest that
+        differs; each rank's own message names its call). The group stays in step: every rank made one
+        exchange of one size. ``phase``: what the exchange is within the call, for timeout messages."""
+        digest = _digest(where)
+        sent = torch.tensor([count, SETUP_EXCHANGE, 0, digest] * self.num_ranks, dtype=torch.int64,
+                            device=self.word_device)
+        frames = [FRAME_WORDS] * self.num_ranks
+        label = where if phase is None else f"{where} ({phase})"
+        rows = self.all_to_all(sent, frames, frames, where=label).view(self.num_ranks, FRAME_WORDS)
+        rows = rows.tolist()
+        in_ops = [q for q, row in enumerate(rows) if row[1] != SETUP_EXCHANGE]
+        if in_ops:
+            from .agreement import OpFingerprint  # agreement imports this module
+
+            q = in_ops[0]
+            theirs = OpFingerprint.unpack(rows[q][1])
+            raise EPError(f"{self.owner}: {self.peer_name(self.rank)} was in {where} (a setup step) while "
+                          f"{self.peer_name(q)} ran a {theirs.op} op on a backend of this process group: the ranks "
+                          f"issued different calls (an op on some ranks only, or a backend built on some ranks "
+                          f"only). Peers in ops: {', '.join(self.peer_name(p) for p in in_ops)}.")
+        elsewhere = [q for q, row in enumerate(rows) if row[3] != digest]
+        if elsewhere:
+            raise EPError(f"{self.owner}: {self.peer_name(self.rank)} was in {where} while "
+                          f"{', '.join(self.peer_name(q) for q in elsewhere)} were in another setup step (each "
+                          f"rank's own message names its step): the ranks build their backends in different "
+                          f"orders, or with different arguments.")
+        return [row[0] for row in rows]
 
     def release(self) -> None:
         """The owner is being destroyed: let go of the gloo twin (it goes with its last owner). No

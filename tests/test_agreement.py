@@ -14,6 +14,7 @@ import torch
 import ep_plugin
 from ep_plugin.agreement import OP_COMBINE, OP_DISPATCH, OpFingerprint, mismatch_message
 from ep_plugin.config import Config
+from ep_plugin.host_collectives import HostCollectives
 from ep_plugin.testing import run_ranks
 
 HIDDEN = 8
@@ -99,6 +100,16 @@ def op_scenarios(ctx) -> dict:
     rows = {id(first.handle): first.hidden, id(second.handle): second.hidden}
     outcomes["combine_order"] = _outcome(lambda: backend.combine(rows[id(handles[0])], handles[0]))
 
+    # A call on some ranks only: the odd rank builds a backend where its peers dispatch, or meets a setup
+    # call of another name. gloo aborted the process when the two first exchanges differed in size.
+    outcomes["op_vs_build"] = _outcome(lambda: _reference(hidden_size=HIDDEN, num_experts=experts) if odd
+                                       else backend.dispatch(hidden, routing_map=routing_map))
+    outcomes["barrier_vs_build"] = _outcome(lambda: _reference(hidden_size=HIDDEN, num_experts=experts) if odd
+                                            else backend.barrier())
+    words = HostCollectives(None, owner="test", timeout_s=TIMEOUT_S, label="setup steps")
+    outcomes["setup_vs_setup"] = _outcome(lambda: words.barrier(where="step a") if odd
+                                          else words.all_gather_object(ctx.rank, where="step b"))
+
     def retry_after_refusal():
         """The odd rank's input alone is wrong: it is refused there before anything is sent, as if never
         called; the same call with the input fixed pairs with the dispatch its peers are waiting in."""
@@ -150,6 +161,18 @@ def test_op_mismatch_raises_on_every_rank(op_outcomes, scenario):
             assert word in message, (rank, word, message)
         peers = [ODD] if rank != ODD else [q for q in range(NUM_RANKS) if q != ODD]
         assert any(f"rank {q}" in message for q in peers), (rank, message)
+        assert seconds < TIMEOUT_S
+
+
+@pytest.mark.parametrize("scenario", ["op_vs_build", "barrier_vs_build", "setup_vs_setup"])
+def test_a_call_on_some_ranks_only_raises_on_every_rank(op_outcomes, scenario):
+    """Not a crash (every rank returns), not a wait for the timeout: an EPError naming the other ranks."""
+    for rank, outcomes in enumerate(op_outcomes):
+        kind, message, seconds = outcomes[scenario]
+        assert kind == "EPError", (rank, kind, message)
+        assert ("different calls" in message or "another setup step" in message), (rank, message)
+        peers = [ODD] if rank != ODD else [q for q in range(NUM_RANKS) if q != ODD]
+        assert all(f"rank {q}" in message for q in peers), (rank, message)
         assert seconds < TIMEOUT_S
 
 

@@ -50,13 +50,13 @@ from ..agreement import (
 )
 from ..errors import EPError
 from ..handle import CombineOutput, DispatchOutput, Handle
-from ..host_collectives import HostCollectives, moves_host_memory
+from ..host_collectives import FRAME_WORDS, SETUP_EXCHANGE, HostCollectives, moves_host_memory
 from ..routing import TOPK, Routing
 from .base import Backend, Capabilities
 
 # Codes of the probs dtype in the opening exchange (0 = the op carries no probs).
 _PROBS_DTYPES = (None, torch.float32, torch.float64)
-_OPEN_WORDS = 4  # per pair of ranks: rows sent, fingerprint, backend number, probs dtype
+_OPEN_WORDS = FRAME_WORDS  # per pair of ranks: rows sent, fingerprint, backend number, probs dtype
 _REFUSED = -1  # the rows count a rank announces when it refused its dispatch's top-k ids
 _TOPK_FIELD_MAX = 127  # OpFingerprint.topk has 7 bits; wider top-k (reference only) compares as 127
 
@@ -207,6 +207,14 @@ class ReferenceBackend(Backend):
 
         def differing(field: int) -> list[int]:
             return [q for q in range(self.num_ranks) if theirs[q][field] != mine[field]]
+
+        in_setup = [q for q in range(self.num_ranks) if theirs[q][0] == SETUP_EXCHANGE]
+        if in_setup:  # a peer building a backend (or another setup step) met this op: one frame size, no abort
+            raise EPError(
+                f"ep_plugin reference: {self._comm.peer_name(self.rank)} ran {where} while "
+                f"{', '.join(self._comm.peer_name(q) for q in in_setup)} were in a setup step on this process "
+                "group (building a backend; their own messages name it): the ranks issued different calls (an op "
+                "on some ranks only, or a backend built on some ranks only).")
 
         if differing(1):  # first: other fields mean nothing when the ops ran on different backends
             q = differing(1)[0]
