@@ -143,13 +143,13 @@ def gloo_twin(group: dist.ProcessGroup, *, timeout_s: float) -> GlooTwin:
     where = f"ep_plugin/gloo_twin/{name}/{hashlib.sha1(str(ranks).encode()).hexdigest()[:16]}"
     generation = (store.add(f"{where}/arrivals", 1) - 1) // size  # the same on every rank of this making
     gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"{where}/{generation}/", store), dist.get_rank(group), size,
-                                 timedelta(seconds=timeout_s + _twin_margin_s(timeout_s)))
+                                 timedelta(seconds=timeout_s + twin_margin_s(timeout_s)))
     twin = GlooTwin(group, gloo)
     _twins[name] = weakref.ref(twin)
     return twin
 
 
-def _twin_margin_s(timeout_s: float) -> float:
+def twin_margin_s(timeout_s: float) -> float:
     """How much longer than ``timeout_s`` gloo itself waits on a twin: ``HostCollectives``' own wait must
     expire first (it names the late peer; gloo's timeout would end the op with an error that names none)."""
     return 2 * _grace_s(timeout_s) + 1.0
@@ -273,7 +273,7 @@ class HostCollectives:
         try:
             if self._twin is not None:  # the twin is torch's gloo engine itself: its own call, its own timeout
                 options = dist.AllToAllOptions()
-                options.timeout = timedelta(seconds=self.timeout_s + _twin_margin_s(self.timeout_s))
+                options.timeout = timedelta(seconds=self.timeout_s + twin_margin_s(self.timeout_s))
                 work = self._twin.gloo.alltoall_base(out, tensor.contiguous(), out_splits, in_splits, options)
             else:
                 work = dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=self.group,

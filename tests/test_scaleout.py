@@ -10,6 +10,7 @@ ranks: every rank raises EPError), and the reorder and byte packing alone.
 """
 
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -137,6 +138,30 @@ def test_forced_domains_in_an_ep_subgroup_of_the_world():
     """The domain and rail groups are made by the EP group's ranks alone (torch's new_group would
     otherwise wait for every rank of the world, which here builds the other EP group: a hang)."""
     assert run_ranks(domains_in_an_ep_subgroup, 4, timeout_s=120) == [True] * 4
+
+
+def group_timeouts(ctx) -> dict:
+    """The domain and rail groups' engine timeouts, on EP groups made with a long and a short timeout."""
+    def timeouts(group_timeout: timedelta, timeout_s: float) -> tuple:
+        group = dist.new_group([0, 1], timeout=group_timeout)
+        backend = ep_plugin.get_backend("reference")(group, hidden_size=4, num_experts=4, device="cpu",
+                                                     config=Config.from_env(timeout_s=timeout_s),
+                                                     topology=Topology(2, 1, ctx.rank))
+        made = [backend.scaleout.domain_group, backend.scaleout.rail_group]
+        found = tuple(g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in made)
+        backend.destroy()
+        return found
+
+    return {"megatron's hour": timeouts(timedelta(hours=1), 5.0), "a long EP_PLUGIN_TIMEOUT_S": timeouts(
+        timedelta(minutes=1), 5000.0)}
+
+
+def test_domain_and_rail_groups_wait_as_long_as_the_ep_group_and_the_plugin_timeout():
+    """torch's default (30 min gloo, 10 min NCCL) ignored the EP group's timeout (Megatron's
+    --distributed-timeout-minutes) and a longer EP_PLUGIN_TIMEOUT_S: the engine gave up first."""
+    for found in run_ranks(group_timeouts, 2, timeout_s=120):
+        assert found["megatron's hour"] == (3600.0, 3600.0), found
+        assert all(5000.0 < seconds < 5100.0 for seconds in found["a long EP_PLUGIN_TIMEOUT_S"]), found
 
 
 class _ReferenceWithGrid(ReferenceBackend):

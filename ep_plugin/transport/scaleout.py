@@ -41,13 +41,15 @@ buffers (they hold the whole payload); it does not yet overlap the rounds with f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
 
 from ..errors import EPError
-from ..host_collectives import HostCollectives, moves_host_memory, registered
+from ..host_collectives import HostCollectives, moves_host_memory, registered, twin_margin_s
 from ..topology import Topology
 
 # (parent group name, domain size, rail engine) -> (domain groups, rail groups), by index.
@@ -82,12 +84,27 @@ def make_groups(group: dist.ProcessGroup, topology: Topology, engine: str, *, ti
         # members must belong to equally many (checked above; true of Megatron's ranks of one EP group,
         # which share a pipeline stage). Each rank then joins one domain group and one rail group, so
         # the members of every later group have made equally many too.
+        timeout = groups_timeout(group, timeout_s)
         domains = [dist.new_group(_global_ranks(group, topology.domain_ranks(d)), backend=parent_engine,
-                                  use_local_synchronization=True) for d in range(topology.num_domains)]
-        rails = [dist.new_group(_global_ranks(group, topology.rail_ranks(local)), backend=engine,
+                                  timeout=timeout, use_local_synchronization=True) for d in range(topology.num_domains)]
+        rails = [dist.new_group(_global_ranks(group, topology.rail_ranks(local)), backend=engine, timeout=timeout,
                                 use_local_synchronization=True) for local in range(topology.domain_size)]
         _groups[key] = (domains, rails)
     return _groups[key]
+
+
+def groups_timeout(group: dist.ProcessGroup, timeout_s: float) -> timedelta:
+    """The engine timeout of the domain and rail groups: the EP group's own (Megatron's
+    --distributed-timeout-minutes; torch's default, 10 min for NCCL, would end a long rail payload wait
+    first), and never shorter than ``timeout_s`` plus a margin (ep_plugin's own wait must name the late peer
+    before the engine gives up)."""
+    floor = timedelta(seconds=timeout_s + twin_margin_s(timeout_s))
+    nccl = dist.get_backend(group) == "nccl"
+    try:  # no public getter: each engine's options carry the timeout the group was made with
+        parent = group._get_backend(torch.device("cuda" if nccl else "cpu")).options._timeout
+    except (AttributeError, RuntimeError, ValueError):  # torch's default for the engine, as new_group would use
+        parent = default_pg_nccl_timeout if nccl else default_pg_timeout
+    return max(floor, parent)
 
 
 def _check_group_names(group: dist.ProcessGroup, *, timeout_s: float, owner: str, device: Optional[torch.device],
