@@ -9,6 +9,7 @@ with a late rank (and a parallel-order control), a missing rank, ranks that disa
 ranks: every rank raises EPError), and the reorder and byte packing alone.
 """
 
+import dataclasses
 import time
 from datetime import timedelta
 
@@ -429,6 +430,56 @@ class CompactBackend(Backend):
             for row, token in enumerate(layout["tokens"].tolist()):
                 values[token] = torch.where(layout["mine"][row], returned[row], values[token])
         return CombineOutput(summed.to(rows.dtype), values)
+
+
+class CompactWithExpand(CompactBackend):
+    """CompactBackend taking elastic's ``expand`` flag, which changes its dispatch form (the rows here stay
+    compact: what is tested is that ranks which differ in the flag disagree)."""
+
+    name = "compact_expand_test"
+    capabilities = dataclasses.replace(CompactBackend.capabilities, dispatch_options=("expand",))
+
+    def dispatch_form(self, form, *, expand=False, **_):
+        return f"{form}+expand" if expand else form
+
+    def _dispatch(self, hidden, routing, probs, pad_multiple, expand=False):
+        return super()._dispatch(hidden, routing, probs, pad_multiple)
+
+
+def expand_on_some_ranks(ctx) -> dict:
+    """2 domains x 2, blocking and sync-free: rank 0 alone, then domain 1 (ranks 2, 3), passes expand=True."""
+    torch.set_num_threads(1)
+    outcomes = {}
+    problem = make_problem(5, [3, 4, 2, 5], HIDDEN, 8, 2, integer_valued=True)
+    routing = _routing(problem, ctx.rank, "topk")
+    hidden = problem.hidden[ctx.rank]
+    for blocking in (True, False):
+        config = ep_plugin.Config.from_env().replace(timeout_s=20.0, blocking=blocking, max_tokens_per_rank=8)
+        backend = CompactWithExpand(hidden_size=HIDDEN, num_experts=8, device="cpu", config=config,
+                                    topology=Topology(4, 2, ctx.rank))
+        for who, odd in (("rank 0", ctx.rank == 0), ("domain 1", ctx.rank >= 2)):
+            try:
+                backend.dispatch(hidden, expand=odd, **routing)
+                outcomes[(blocking, who)] = "no error"
+            except Exception as error:  # noqa: BLE001 - the test compares what came
+                outcomes[(blocking, who)] = f"{type(error).__name__}: {error}"
+        out = backend.dispatch(hidden, **routing)  # still usable: the compact sum counts each rank once
+        idx = problem.topk_idx[ctx.rank]
+        ranks_reached = [len({e // 2 for e in row if e >= 0}) for row in idx.tolist()]
+        outcomes[(blocking, "after")] = torch.equal(backend.combine(out.hidden, out.handle).hidden,
+                                                    hidden * torch.tensor(ranks_reached, dtype=hidden.dtype)[:, None])
+    return outcomes
+
+
+def test_ranks_that_differ_in_a_form_option_across_domains_all_raise():
+    """The rail fingerprint named the routing form alone: a rank that expanded (elastic) disagreed only in its
+    domain's handshake, after the rail rows moved, and a whole domain that expanded disagreed nowhere."""
+    for rank, outcomes in enumerate(run_ranks(expand_on_some_ranks, 4, timeout_s=120)):
+        for key, outcome in outcomes.items():
+            if key[1] == "after":
+                assert outcome is True, (rank, key)
+            else:
+                assert outcome.startswith("EPError") and "disagree" in outcome, (rank, key, outcome)
 
 
 def check_compact_form(ctx) -> list[str]:

@@ -462,6 +462,12 @@ class Backend(abc.ABC):
             takes = f"it takes {', '.join(known)}" if known else "it takes none"
             raise TypeError(f"backend {self.name!r} has no {op} option(s) {unknown}; {takes}")
 
+    def dispatch_form(self, form: str, **options) -> str:
+        """The form a dispatch with these options names in its op fingerprint (``agreement``'s forms): the
+        routing form, unless an option changes what the rows on the wire are (elastic's expand and
+        in_place). The hierarchical backend asks its domain backend, so ranks that differ there disagree."""
+        return form
+
     def check_dispatch_flags(self, **options) -> None:
         """The values of this backend's own dispatch options (``check_options`` checks their names), before
         any communication. None by default; the hierarchical backend asks its domain backend's first."""

@@ -76,7 +76,7 @@ import torch
 from .. import streams
 from ..agreement import OP_COMBINE, OP_COMBINE_IN_PLACE, OP_DISPATCH, OP_DISPATCH_AGAIN, fingerprint_code
 from ..handle import COMPACT, EXPERT_ROWS, CombineOutput, DispatchOutput, Handle
-from ..routing import ROUTING_MAP, Routing, check_tensor, route_counts
+from ..routing import ROUTING_MAP, TOPK, Routing, check_tensor, route_counts
 from .base import Capabilities, merge_alignment
 from .compiled import CompiledBackend, Scratch, nvtx_range, op_range
 
@@ -220,6 +220,9 @@ class ElasticBackend(CompiledBackend):
                                 pad_multiple=pad_multiple, expand=expand, zero_padding=zero_padding,
                                 in_place=in_place)
 
+    def dispatch_form(self, form: str, *, expand: bool = False, in_place: bool = False, **_) -> str:
+        return f"{form}+expand" if expand else f"{form}+in_place" if in_place else form
+
     def check_dispatch_flags(self, *, expand: bool = False, zero_padding: bool = False,
                              in_place: bool = False) -> None:
         if not all(isinstance(flag, bool) for flag in (expand, zero_padding, in_place)):
@@ -250,7 +253,7 @@ class ElasticBackend(CompiledBackend):
     def _fingerprint(self, op: str, *, dtype, probs: bool = False, topk: int = 0, expand: bool = False,
                      in_place: bool = False, handle: Optional[Handle] = None) -> int:
         """The op's packed fingerprint (``agreement.fingerprint_code``), as the handshake takes it."""
-        form = None if op != OP_DISPATCH else "topk+expand" if expand else "topk+in_place" if in_place else "topk"
+        form = None if op != OP_DISPATCH else self.dispatch_form(TOPK, expand=expand, in_place=in_place)
         return fingerprint_code(op, dtype, probs, form, topk, handle.handle_id if handle is not None else 0,
                                 self.op_records_backward, self.op_probs_need_grad)
 

@@ -380,7 +380,10 @@ class HierarchicalBackend(Backend):
                     values["probs"] = probs
             return values
 
-        fingerprint = OpFingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, form=routing.form,
+        # The domain backend's form: ranks that differ in an option that changes it (elastic's expand) disagree
+        # here, on every rank, not in one domain's handshake after the rail rows moved (or nowhere).
+        form = self.domain.dispatch_form(routing.form, **options)
+        fingerprint = OpFingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, form=form,
                                     topk=min(k, _TOPK_FIELD_MAX), grad=self.op_records_backward,
                                     probs_grad=self.op_probs_need_grad)
         if self.config.blocking:  # the domain stage of the agreement comes with the segment counts below
