@@ -165,6 +165,26 @@ def test_domain_and_rail_groups_wait_as_long_as_the_ep_group_and_the_plugin_time
         assert all(5000.0 < seconds < 5100.0 for seconds in found["a long EP_PLUGIN_TIMEOUT_S"]), found
 
 
+def build_with_too_many_local_experts(ctx) -> tuple:
+    """2 x 2 forced domains with 300 local experts per rank: more than the domain words hold."""
+    config = Config.from_env(timeout_s=20.0)
+    try:
+        ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4 * 300, device="cpu", config=config,
+                                           topology=Topology(4, 2, ctx.rank))
+        outcome = "built"
+    except ValueError as error:
+        outcome = str(error)
+    ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu", config=config).barrier()
+    return outcome
+
+
+def test_more_local_experts_than_the_domain_words_hold_are_refused_on_every_rank():
+    """Their words were larger than other backends' on the group: ranks using two backends in two orders
+    met in collectives of two sizes, and gloo aborted the processes."""
+    for outcome in run_ranks(build_with_too_many_local_experts, 4, timeout_s=120):
+        assert "300 local experts" in outcome and "at most 256" in outcome, outcome
+
+
 class _ReferenceWithGrid(ReferenceBackend):
     """``reference`` that, like the compiled backends, makes its domain agree on ``num_sms`` when built: a
     setting only the domain backend checks (over its own domain)."""

@@ -106,8 +106,9 @@ from .base import Backend, merge_alignment
 _TOPK_FIELD_MAX = 127  # OpFingerprint.topk has 7 bits
 # Sent in place of the rail row width by a rank whose dispatch input was refused (see _rail_agreement).
 _REFUSED_INPUT = -1
-# Local experts the domain stage's count words have room for on every backend (more only where a backend has
-# more: the compiled ones allow 256); see HierarchicalBackend._domain_count_width.
+# Local experts the domain stage's count words have room for, on every backend (the compiled ones allow 256);
+# a backend with more is refused across domains: its words would differ in size from other backends' on the
+# group, and gloo aborts the process where two sizes meet. See HierarchicalBackend._domain_count_width.
 DOMAIN_COUNT_EXPERTS = 256
 
 
@@ -153,6 +154,9 @@ class HierarchicalBackend(Backend):
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
                          topology=topology)
         S, D = topology.domain_size, topology.num_domains
+        if self.num_local_experts > DOMAIN_COUNT_EXPERTS:  # the same on every rank: the group agreed above
+            raise ValueError(f"{self.num_local_experts} local experts per rank: across NVLink domains a backend "
+                             f"takes at most {DOMAIN_COUNT_EXPERTS} (use more ranks, or one domain)")
         self.domain_size, self.num_domains = S, D
         self.experts_per_domain = S * self.num_local_experts
         self.scaleout = ScaleOut(self.group, topology, self.device, timeout_s=self.config.timeout_s,
@@ -188,7 +192,7 @@ class HierarchicalBackend(Backend):
         # whatever this backend has, so that two backends on one group (other expert counts, or modes) send
         # words of one size: ranks that use them in two orders then see two backend numbers, where gloo
         # would abort on two sizes.
-        self._domain_count_width = self.num_domains * (max(self.num_local_experts, DOMAIN_COUNT_EXPERTS) + 1)
+        self._domain_count_width = self.num_domains * (DOMAIN_COUNT_EXPERTS + 1)
         self._num_dispatches = 0
         # Sync-free top-k dispatches: a device bool, whether any held an id out of range (check_errors raises).
         self._invalid_expert_ids: Optional[torch.Tensor] = None
