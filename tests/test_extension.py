@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ep_plugin import _cuda
+from ep_plugin.backends import compiled
 
 
 def test_import_without_driver_reports_no_device():
@@ -47,6 +48,8 @@ def test_region_layouts_and_argument_structs_need_no_gpu():
     # Count words per source: per expert, the packet count, the input flags (hybrid: also the
     # receive budget and pad_multiple, from which peers derive where their rows land).
     assert layouts["elastic"].count_words == 32 + 2 and layouts["hybrid"].count_words == 32 + 4
+    # The Python mirror that checks a Megatron layer's shape at model build, where _C is not asked.
+    assert C.MAX_LOCAL_EXPERTS == compiled.MAX_LOCAL_EXPERTS
     for field, bad in (("num_ranks", 33), ("hidden", 12), ("num_local_experts", 257), ("max_blocks", 0)):
         with pytest.raises(ValueError, match=field if field != "max_blocks" else "max_blocks"):
             C.hybrid.Regions(**{**shape, field: bad})

@@ -372,8 +372,9 @@ def test_options_the_plugin_cannot_honour_fail_at_model_build(ep_megatron, monke
 def test_a_cuda_graph_over_the_dispatch_and_a_too_wide_top_k_fail_at_model_build(ep_megatron):
     """Megatron settings that used to pass the build and fail at the first forward (or in a capture, with advice
     the build refuses): a CUDA graph of the whole layer or iteration, which would capture the blocking dispatch;
-    elastic with more than 32 experts per token (top-k times the expert tensor-parallel copies); and 0.19's
-    fixed receive budget, where Megatron's own check would send the user to its HybridEP."""
+    elastic with more than 32 experts per token (top-k times the expert tensor-parallel copies); a layer shape
+    the kernels cannot take; and 0.19's fixed receive budget, where Megatron's own check would send the user to
+    its HybridEP."""
     from megatron.core.transformer.enums import CudaGraphScope
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
 
@@ -414,6 +415,15 @@ def test_a_cuda_graph_over_the_dispatch_and_a_too_wide_top_k_fail_at_model_build
     unavailable = backend_problem("elastic", "cuda")  # none on a GPU machine with the extension built
     with pytest.raises(ep_plugin.BackendUnavailableError) if unavailable else contextlib.nullcontext():
         resolve_backend_class("elastic", config)  # past the option checks (then refused only if it cannot run)
+
+    # Shapes the compiled kernels cannot take: refused here, not at the first step after the checkpoint loaded.
+    for backend, shape, words in (("ep_hybrid", dict(hidden_size=4100), "hidden_size divisible by 8.*4100"),
+                                  ("ep_elastic", dict(num_moe_experts=1028, expert_model_parallel_size=2),
+                                   "at most 256 local experts, got 514")):
+        config = _config(moe_flex_dispatcher_backend=backend, **shape)
+        with pytest.raises(ValueError, match=words):
+            build(config)
+    assert ep_plugin.get_backend("reference").shape_problem(4100, 514) is None  # reference takes any shape
 
     config = _config(moe_flex_dispatcher_backend="ep_reference")
     config.moe_expert_rank_capacity_factor = 1.5  # a 0.19 field; its checks run in __post_init__

@@ -462,6 +462,12 @@ class Backend(abc.ABC):
             takes = f"it takes {', '.join(known)}" if known else "it takes none"
             raise TypeError(f"backend {self.name!r} has no {op} option(s) {unknown}; {takes}")
 
+    @classmethod
+    def shape_problem(cls, hidden_size: int, num_local_experts: int) -> Optional[str]:
+        """What this backend cannot take about a layer's shape (its kernels' limits), or None. Asked when a
+        backend is built, and by the Megatron integration at model build (before the first step)."""
+        return None
+
     def dispatch_form(self, form: str, **options) -> str:
         """The form a dispatch with these options names in its op fingerprint (``agreement``'s forms): the
         routing form, unless an option changes what the rows on the wire are (elastic's expand and

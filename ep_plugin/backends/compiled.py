@@ -24,6 +24,9 @@ from ..transport.symmetric import SymmetricBuffer
 from .base import Backend
 
 INT32_MAX = (1 << 31) - 1  # the kernels' row and packet indices are int32
+# csrc/include/ep/limits.h's kMaxLocalExperts (the extension's MAX_LOCAL_EXPERTS; test_extension checks they
+# agree), here so that a layer's shape is checked where the extension is not loaded (Megatron's model build).
+MAX_LOCAL_EXPERTS = 256
 
 
 def worst_case_rows(num_ranks: int, max_tokens_per_rank: int, num_local_experts: int, experts_per_token: int,
@@ -129,6 +132,14 @@ class CompiledBackend(Backend):
     _launches: int = 0
     _failed_mid_op: Optional[str] = None
 
+    @classmethod
+    def shape_problem(cls, hidden_size: int, num_local_experts: int) -> Optional[str]:
+        if num_local_experts > MAX_LOCAL_EXPERTS:
+            return f"backend {cls.name!r} supports at most {MAX_LOCAL_EXPERTS} local experts, got {num_local_experts}"
+        if hidden_size % 8:
+            return f"backend {cls.name!r} needs hidden_size divisible by 8 (16-byte rows), got {hidden_size}"
+        return None
+
     def experts_per_token_limit(self) -> int:
         """The most of one rank's experts a token can reach: all of them in the routing-map form (hybrid);
         backends that take top-k ids say their widest k."""
@@ -140,6 +151,9 @@ class CompiledBackend(Backend):
         # First, as no GPU could serve it either (row_index_problem).
         problem = row_index_problem(self.name, self.num_ranks, self.config.max_tokens_per_rank,
                                     self.num_local_experts, self.experts_per_token_limit())
+        if problem:
+            raise ValueError(problem)
+        problem = self.shape_problem(hidden_size, self.num_local_experts)
         if problem:
             raise ValueError(problem)
         if not _cuda.available():
@@ -154,12 +168,6 @@ class CompiledBackend(Backend):
         if self.num_ranks > self._C.MAX_RANKS:
             raise ValueError(f"backend {self.name!r} supports at most {self._C.MAX_RANKS} ranks per NVLink domain, "
                              f"got {self.num_ranks}")
-        if self.num_local_experts > self._C.MAX_LOCAL_EXPERTS:
-            raise ValueError(f"backend {self.name!r} supports at most {self._C.MAX_LOCAL_EXPERTS} local experts, "
-                             f"got {self.num_local_experts}")
-        if hidden_size % 8:
-            raise ValueError(
-                f"backend {self.name!r} needs hidden_size divisible by 8 (16-byte rows), got {hidden_size}")
         # The setup's host exchanges run on the base's timed collectives (self._host): a rank that failed
         # alone, say out of memory, makes the others raise naming it instead of waiting out the group's own timeout.
         sharing = ranks_per_gpu(self._host, self.device)

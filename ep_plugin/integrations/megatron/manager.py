@@ -113,7 +113,9 @@ def check_megatron_options(config, backend_class) -> None:
     - A CUDA graph that captures the dispatch (the whole layer, a whole iteration): blocking mode reads the
       exact counts on the host, which a capture cannot, and non-blocking mode is refused above.
     - Top-k wider than the backend takes (elastic: 32 ids per token; Megatron hands it
-      ``moe_router_topk`` per tensor-parallel copy of the experts).
+      ``moe_router_topk`` per tensor-parallel copy of the experts), and a layer shape its kernels cannot take
+      (``Backend.shape_problem``: the compiled backends' hidden size, or latent size, a multiple of 8 and at
+      most 256 experts per rank), which would otherwise be refused at the first step.
 
     Warned about: ``variable_seq_lengths`` without EP_PLUGIN_MAX_TOKENS_PER_RANK (the backend is sized from
     the first call: ``tokens_per_rank``).
@@ -131,6 +133,12 @@ def check_megatron_options(config, backend_class) -> None:
                          f"(moe_router_topk={config.moe_router_topk} x expert_tensor_parallel_size={copies}: the "
                          "flex dispatcher gives each tensor-parallel rank its own copy of the experts); lower one "
                          "of them, or choose 'ep_hybrid', which takes Megatron's routing map as it is")
+    # The tokens the dispatcher moves: 0.19's latent MoE projects them down to moe_latent_size first.
+    moved_size = getattr(config, "moe_latent_size", None) or config.hidden_size
+    shape = backend_class.shape_problem(moved_size, config.num_moe_experts // config.expert_model_parallel_size)
+    if shape:
+        raise ValueError(f"{selected}: {shape} (num_moe_experts={config.num_moe_experts} over "
+                         f"expert_model_parallel_size={config.expert_model_parallel_size})")
     if config.moe_pad_expert_input_to_capacity:
         raise ValueError(f"{selected}: ep_plugin backends are dropless; moe_pad_expert_input_to_capacity=True is not "
                          "supported")
