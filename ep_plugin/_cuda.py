@@ -58,6 +58,12 @@ def arch_problem(capability: tuple[int, int], archs: Optional[tuple[str, ...]] =
     return None if mismatch is None else f"{mismatch[0]}: {mismatch[1]}"
 
 
+def runtime_version() -> Optional[int]:
+    """The CUDA runtime the extension was built with (CUDART_VERSION: 13000 is 13.0), or None when not built.
+    A driver older than its major version runs none of its kernels (no CUDA device, as ``available`` says)."""
+    return None if _module is None else int(_module.cuda_runtime_version())
+
+
 def describe() -> str:
     if _module is None:
         return f"ep_plugin._C not built ({_import_error}); reinstall with nvcc on PATH for the CUDA backends"

@@ -31,6 +31,7 @@ from .transport.fabric import Fabric, probe_fabric
 from .transport.sizing import SmSizing, autosize_sms, co_residency_limit
 
 OK, DEGRADED, UNAVAILABLE, NOT_NEEDED = "ok", "degraded", "unavailable", "not needed"
+UNCHECKED = "not checked"  # a path doctor knows nothing of (a third-party backend): never shown as ok
 KERNEL_BACKENDS = ("hybrid", "elastic")
 GIB = 1 << 30
 # The kernel counts every host page an RDMA NIC registers against RLIMIT_MEMLOCK: NCCL's queues, and its
@@ -52,7 +53,7 @@ class Verdict:
 
     path: str  # "nvlink", "scaleout", "mps", "gloo", "backend"
     title: str
-    status: str  # ok / degraded / unavailable / not needed
+    status: str  # ok / degraded / unavailable / not needed / not checked
     summary: str
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -140,7 +141,8 @@ def _no_gpu_reason(fabric: Fabric) -> Optional[Problem]:
 
 
 def nvlink_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str], extension: tuple[bool, str],
-                   registered: list[str]) -> Verdict:
+                   registered: list[str], runtime_version: Optional[int] = None) -> Verdict:
+    """``runtime_version``: the CUDA runtime the extension was built with (``_cuda.runtime_version``)."""
     verdict = Verdict("nvlink", "NVLink domain (hybrid / elastic kernels)", OK, "",
                       asked=options.backend in KERNEL_BACKENDS)
     problems = verdict.problems
@@ -166,6 +168,10 @@ def nvlink_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str],
         build_for = "" if archs == "90" else f'EP_PLUGIN_CUDA_ARCHS="{archs}" '  # the default build is sm_90's
         problems.append(Problem(why, f"reinstall with nvcc on PATH: pip install pybind11, then {build_for}pip "
                                      f"install --no-build-isolation -e ."))
+        verdict.status = UNAVAILABLE
+    too_old = _driver_too_old(runtime_version, fabric.driver.driver_version) if built else None
+    if too_old is not None:
+        problems.append(too_old)
         verdict.status = UNAVAILABLE
     gpus = fabric.gpus
     groups = _peer_groups(fabric)
@@ -207,6 +213,20 @@ def nvlink_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str],
     _check_co_residency(fabric, options, environ, verdict)
     verdict.passed = verdict.status != UNAVAILABLE
     return verdict
+
+
+def _driver_too_old(runtime_version: Optional[int], driver_version: Optional[int]) -> Optional[Problem]:
+    """A driver whose CUDA major version is older than the extension's runtime's starts none of its kernels
+    (CUDA's minor-version compatibility holds within one major version only)."""
+    if runtime_version is None or driver_version is None or runtime_version // 1000 <= driver_version // 1000:
+        return None
+    built = f"{runtime_version // 1000}.{runtime_version % 1000 // 10}"
+    has = f"{driver_version // 1000}.{driver_version % 1000 // 10}"
+    needs = " (R580 or newer)" if runtime_version // 1000 == 13 else ""
+    return Problem(f"ep_plugin._C was built with CUDA {built}; this driver supports CUDA {has}: the extension sees "
+                   f"no CUDA device", f"update the NVIDIA driver to one for CUDA {runtime_version // 1000}{needs}, "
+                   f"or rebuild ep_plugin with a CUDA {driver_version // 1000}.x nvcc (CUDA_HOME=...; pip install "
+                   f"--no-build-isolation -e .)")
 
 
 def _check_scaleup_size(fabric: Fabric, options: Options, environ: Mapping[str, str], verdict: Verdict) -> None:
@@ -370,7 +390,9 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
         return nccl_probe.STAGED, "GPU without GPUDirect RDMA"
     dmabuf_ok, dmabuf_why = _dmabuf_usable(fabric, environ, first)
     peermem = bool(fabric.peermem)
-    if (dmabuf_ok or peermem) and _too_far_for_gdr(fabric, gdr_level, problems):
+    efa_flags = {nic.efa_gdr for nic in fabric.usable_nics if nic.efa}
+    efa_registers = True in efa_flags  # AWS's efa driver registers GPU memory itself (device/gdr)
+    if (dmabuf_ok or peermem or efa_registers) and _too_far_for_gdr(fabric, gdr_level, problems):
         return nccl_probe.STAGED, "every GPU's NIC is farther than NCCL_NET_GDR_LEVEL allows"
     _note_gdr_distance(fabric, verdict)
     if dmabuf_ok:
@@ -379,6 +401,23 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
     if peermem:
         verdict.notes.append(f"DMA-BUF not used: {dmabuf_why}")
         return nccl_probe.GDR_PEERMEM, f"nvidia-peermem loaded ({fabric.peermem[0]})"
+    if efa_registers:
+        verdict.notes.append(f"DMA-BUF not used: {dmabuf_why}")
+        return nccl_probe.GDR_UNSPECIFIED, "the efa driver registers GPU memory itself (its devices' gdr reads 1)"
+    if fabric.efa:
+        if False in efa_flags:
+            problems.append(Problem("the efa driver cannot register GPU memory (its devices' gdr reads 0: it found "
+                                    f"no NVIDIA driver to register through), and DMA-BUF is not usable ({dmabuf_why}): "
+                                    "NCCL stages every transfer through host memory",
+                                    "with the open GPU kernel modules load efa_nv_peermem; else reinstall the EFA "
+                                    "installer's efa driver after the NVIDIA driver"))
+        else:
+            problems.append(Problem(f"EFA without a way to register GPU memory: DMA-BUF is not usable ({dmabuf_why}), "
+                                    "and this efa driver does not register it itself (no device/gdr file: the "
+                                    "upstream driver): NCCL stages every transfer through host memory",
+                                    "install the efa driver of AWS's EFA installer, or use the open GPU kernel "
+                                    "modules on Linux >= 5.12 for DMA-BUF"))
+        return nccl_probe.STAGED, "EFA without GPUDirect RDMA"
     problems.append(Problem(f"neither nvidia-peermem nor a working DMA-BUF export ({dmabuf_why}): NCCL stages "
                             f"every transfer through host memory ('GPU Direct RDMA Disabled')",
                             "modprobe nvidia_peermem, or use the open GPU kernel modules on Linux >= 5.12 "
@@ -446,7 +485,9 @@ def _dmabuf_usable(fabric: Fabric, environ: Mapping[str, str], gpu) -> tuple[boo
 # NCCL_NET_GDR_LEVEL's names and numbers, and the level a NIC's affinity to its GPU needs.
 _GDR_LEVELS = {"LOC": 0, "PIX": 1, "PXB": 2, "PHB": 3, "SYS": 4}
 _NCCL_DEFAULT_GDR_LEVEL = "PXB"  # NIC and GPU behind PCIe switches, not through the CPU's root complex
-_AFFINITY_GDR_LEVEL = {"PCIe switch": 2, "PCI root": 3, "NUMA node": 4}
+# NCCL's path types: through one CPU's host bridge(s) is PHB, even between two PCI roots of that CPU; SYS
+# crosses the link between CPUs (a NIC on another NUMA node, which has no affinity here).
+_AFFINITY_GDR_LEVEL = {"PCIe switch": 2, "PCI root": 3, "NUMA node": 3}
 
 
 def _too_far_for_gdr(fabric: Fabric, gdr_level: str, problems: list[Problem]) -> bool:
@@ -577,7 +618,11 @@ def config_verdict(options: Options, environ: Mapping[str, str]) -> Verdict:
     """The EP_PLUGIN_* knobs as every backend reads them (``Config.from_env``): a value it refuses fails
     every backend's build, reference's too. Asked with ``--backend``."""
     verdict = Verdict("config", "EP_PLUGIN_* knobs", OK, "", asked=options.backend is not None)
-    set_here = sorted(name for name in environ if name.startswith("EP_PLUGIN_") and environ[name].strip())
+    from .config import unknown_variables
+
+    unknown = unknown_variables(dict(environ))
+    set_here = sorted(name for name in environ if name.startswith("EP_PLUGIN_") and environ[name].strip()
+                      and name not in unknown)
     try:
         _config(environ)
     except (ValueError, TypeError) as exc:
@@ -586,6 +631,10 @@ def config_verdict(options: Options, environ: Mapping[str, str]) -> Verdict:
         verdict.summary = "a value is refused: building any backend raises"
         return verdict
     verdict.summary = f"set here: {', '.join(set_here)}" if set_here else "none set (the defaults)"
+    for name, hint in unknown.items():  # a typo leaves the knob it meant at its default
+        verdict.problems.append(Problem(f"{name} is not an ep_plugin knob{hint}: ignored",
+                                        "fix its name, or unset it (python -m ep_plugin info lists every knob)"))
+        verdict.status = DEGRADED
     return verdict
 
 
@@ -601,11 +650,11 @@ def backend_verdict(options: Options, registered: list[str], nvlink: Verdict) ->
     if options.backend == "reference":
         return Verdict("backend", "backend 'reference'", OK, "torch.distributed all-to-all: works on CPU (gloo) "
                        "and GPU (NCCL)", asked=True)
-    return Verdict("backend", f"backend {options.backend!r}", OK, "registered (third-party: not checked here)",
-                   asked=True)
+    return Verdict("backend", f"backend {options.backend!r}", UNCHECKED,
+                   "registered (third-party: what it needs is not checked here)", asked=True)
 
 
-_ORDER = {OK: 0, NOT_NEEDED: 0, DEGRADED: 1, UNAVAILABLE: 2}
+_ORDER = {OK: 0, NOT_NEEDED: 0, UNCHECKED: 0, DEGRADED: 1, UNAVAILABLE: 2}
 
 
 def _worst(a: str, b: str) -> str:
@@ -636,13 +685,17 @@ def sm_sizing(fabric: Fabric, options: Options, environ: Optional[Mapping[str, s
 
 def assess(fabric: Fabric, options: Options, *, environ: Optional[Mapping[str, str]] = None,
            extension: Optional[tuple[bool, str]] = None, registered: Optional[list[str]] = None,
-           probe: Optional[nccl_probe.NcclProbeResult] = None) -> list[Verdict]:
-    """Every verdict for this fabric; pure given its inputs (the defaults read this process). NCCL's
-    config files (``fabric.nccl.config``) count as the environment, under it."""
+           probe: Optional[nccl_probe.NcclProbeResult] = None, runtime_version: Optional[int] = None
+           ) -> list[Verdict]:
+    """Every verdict for this fabric; pure given its inputs (the defaults read this process: ``extension``,
+    ``registered``, and ``runtime_version``, the extension's CUDA runtime). NCCL's config files
+    (``fabric.nccl.config``) count as the environment, under it."""
     environ = fabric.nccl.effective_environ(os.environ if environ is None else environ)
     extension = extension if extension is not None else _extension_state()
     registered = registered if registered is not None else _registered_backends()
-    nvlink = nvlink_verdict(fabric, options, environ, extension, registered)
+    if runtime_version is None:
+        runtime_version = _cuda.runtime_version()
+    nvlink = nvlink_verdict(fabric, options, environ, extension, registered, runtime_version)
     verdicts = [nvlink, scaleout_verdict(fabric, options, environ, probe), mps_verdict(fabric, options),
                 gloo_verdict(fabric, options, environ), config_verdict(options, environ)]
     extra = backend_verdict(options, registered, nvlink)
@@ -752,7 +805,7 @@ def render(fabric: Fabric, verdicts: list[Verdict], sizing: Optional[SmSizing], 
                       f"(links could use {sizing.demand:.1f}; co-residency limit {sizing.limit})"]
     lines += ["", "Verdicts"]
     for verdict in verdicts:
-        tag = {OK: "ok", NOT_NEEDED: "n/a", DEGRADED: "warn", UNAVAILABLE: "FAIL"}[verdict.status]
+        tag = {OK: "ok", NOT_NEEDED: "n/a", UNCHECKED: "?", DEGRADED: "warn", UNAVAILABLE: "FAIL"}[verdict.status]
         if verdict.asked and not verdict.passed:  # what the exit code reads: never shown as a mere warning
             tag = "FAIL"
         asked = " (asked)" if verdict.asked else ""
@@ -771,8 +824,7 @@ def render(fabric: Fabric, verdicts: list[Verdict], sizing: Optional[SmSizing], 
 def summary_line(fabric: Fabric, environ: Optional[Mapping[str, str]] = None) -> str:
     """One line for ``python -m ep_plugin info``."""
     environ = fabric.nccl.effective_environ(os.environ if environ is None else environ)
-    probe_free = Verdict("scaleout", "", OK, "")
-    mode, _ = _static_scaleout(fabric, environ, probe_free)
+    mode = scaleout_verdict(fabric, Options(), environ).mode  # as doctor says it (CPU ranks: gloo's sockets)
     nics = fabric.usable_nics
     nic_text = (f"{len(nics)} ACTIVE RDMA NIC(s) ({', '.join(sorted({n.model for n in nics}))})" if nics
                 else "no ACTIVE RDMA NIC")

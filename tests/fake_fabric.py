@@ -43,9 +43,12 @@ def add_gpu_pci(root: Path, chain: list[str], numa: int = -1) -> None:
 
 def add_rdma(root: Path, name: str, chain: list[str], *, vendor: str = "0x15b3", hca_type: Optional[str] = "MT4129",
              ports: tuple[tuple[str, str, str], ...] = (("4: ACTIVE", CX7_RATE, "InfiniBand"),),
-             numa: int = -1) -> None:
-    """An RDMA device; ``ports`` are (state, rate, link_layer) texts, a None-like "" rate is omitted."""
+             numa: int = -1, gdr: Optional[str] = None) -> None:
+    """An RDMA device; ``ports`` are (state, rate, link_layer) texts, a None-like "" rate is omitted; ``gdr``:
+    the text of an EFA device's device/gdr (AWS's efa driver), None for no such file."""
     device_dir = add_pci_device(root, chain, vendor=vendor, numa=numa)
+    if gdr is not None:
+        write(Path(device_dir) / "gdr", gdr)
     base = root / "sys" / "class" / "infiniband" / name
     base.mkdir(parents=True, exist_ok=True)
     os.symlink(device_dir, base / "device")
@@ -127,8 +130,10 @@ def dgx_cx7(root: Path, *, down: tuple[int, ...] = (), peermem: bool = True, dma
     return driver(gpus)
 
 
-def p5en_efa(root: Path, *, rate: str = "200 Gb/sec (4X HDR)", plugin: bool = True) -> DriverReport:
-    """AWS p5en-like: 8 H200, 16 EFA devices ``rdmap<bus>s0`` (two behind each GPU's switch), no hca_type."""
+def p5en_efa(root: Path, *, rate: str = "200 Gb/sec (4X HDR)", plugin: bool = True,
+             gdr: Optional[str] = None) -> DriverReport:
+    """AWS p5en-like: 8 H200, 16 EFA devices ``rdmap<bus>s0`` (two behind each GPU's switch), no hca_type;
+    ``gdr``: what their device/gdr files read (None: no such file, the upstream efa driver)."""
     gpus = []
     for pair in range(8):
         gpu_chain, nic_chain = dgx_chains(pair)
@@ -139,7 +144,7 @@ def p5en_efa(root: Path, *, rate: str = "200 Gb/sec (4X HDR)", plugin: bool = Tr
             downstream = nic_chain[-2][:-4] + f"{1 + extra:02x}.0"
             chain = nic_chain[:-2] + [downstream, f"0000:{bus:02x}:00.0"]
             add_rdma(root, f"rdmap{bus}s0", chain, vendor="0x1d0f", hca_type=None,
-                     ports=(("4: ACTIVE", rate, "Unknown"),), numa=numa)
+                     ports=(("4: ACTIVE", rate, "Unknown"),), numa=numa, gdr=gdr)
         gpus.append(gpu(pair, gpu_chain[-1], name="NVIDIA H200", sms=132))
     add_uverbs(root, 16)
     if plugin:

@@ -1,5 +1,6 @@
 """doctor's verdicts on fake machines, its exit codes and JSON, and a run on this machine."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -32,9 +33,10 @@ BUILT = (True, "ep_plugin._C is built")
 REGISTERED = ["hybrid", "reference"]
 
 
-def verdicts(fabric, environ=None, probe=None, extension=BUILT, registered=REGISTERED, **options):
+def verdicts(fabric, environ=None, probe=None, extension=BUILT, registered=REGISTERED, runtime_version=13000,
+             **options):
     found = assess(fabric, Options(**options), environ=environ or {}, extension=extension, registered=registered,
-                   probe=probe)
+                   probe=probe, runtime_version=runtime_version)
     return {v.path: v for v in found}, exit_code(found)
 
 
@@ -166,6 +168,20 @@ def test_nics_farther_than_nccls_gdr_level_mean_staging(tmp_path):
     assert found["scaleout"].mode == nccl_probe.STAGED
 
 
+def test_a_nic_under_another_host_bridge_of_the_gpus_cpu_is_phb(tmp_path):
+    """NCCL calls any path through the CPU PHB (SYS only crosses CPUs): a NIC on another PCI root of the GPU's
+    NUMA node gets GPUDirect RDMA at NCCL_NET_GDR_LEVEL=PHB. It was taken for SYS: staged, and told to set SYS."""
+    add_gpu_pci(tmp_path, ["pci0000:15", "0000:15:01.0", "0000:16:00.0"], numa=0)
+    add_rdma(tmp_path, "mlx5_0", ["pci0000:37", "0000:37:01.0", "0000:38:00.0"], numa=0)
+    add_uverbs(tmp_path, 1)
+    report = driver([gpu(0, "0000:16:00.0")])
+    found, code = scaleout(tmp_path, report, {"NCCL_NET_GDR_LEVEL": "PHB"})
+    assert (found["scaleout"].mode, code) == (nccl_probe.GDR_DMABUF, 0), found["scaleout"]
+    found, code = scaleout(tmp_path, report)  # NCCL's default, PXB, stops short of the host bridge
+    assert (found["scaleout"].mode, code) == (nccl_probe.STAGED, 1) and "NCCL_NET_GDR_LEVEL=PHB" in fixes(
+        found["scaleout"])
+
+
 def test_old_kernel_cannot_import_dmabuf(tmp_path):
     report = dgx_cx7(tmp_path, peermem=False)
     write(tmp_path / "proc/sys/kernel/osrelease", "5.4.0-150-generic")
@@ -295,6 +311,31 @@ def test_efa_with_plugin_and_queue_pair_cap(tmp_path):
     assert any("GPU 7: 50" in note for note in verdict.notes)
 
 
+@pytest.mark.parametrize("gdr, mode, fix", [("1", nccl_probe.GDR_UNSPECIFIED, None),
+                                            ("0", nccl_probe.STAGED, "efa_nv_peermem"),
+                                            (None, nccl_probe.STAGED, "efa driver of AWS's EFA installer")])
+def test_efa_without_peermem_or_dmabuf_asks_the_efa_driver(tmp_path, gdr, mode, fix):
+    """AWS's efa driver registers GPU memory through its own NVIDIA provider (the proprietary GPU modules have
+    no DMA-BUF, nvidia-peermem is not needed) and says so in device/gdr. doctor said staged, and told the user
+    to load nvidia_peermem."""
+    report = p5en_efa(tmp_path, gdr=gdr)
+    report.gpus = [dataclasses.replace(g, dmabuf_supported=False) for g in report.gpus]
+    found, code = scaleout(tmp_path, report, {"FI_PROVIDER": "efa"})
+    verdict = found["scaleout"]
+    assert (verdict.mode, code) == (mode, 0 if fix is None else 1), verdict
+    if fix is not None:
+        assert fix in fixes(verdict) and "modprobe nvidia_peermem" not in fixes(verdict), fixes(verdict)
+
+
+def test_fi_provider_efa_alone_does_not_make_an_infiniband_host_efa(tmp_path):
+    """Only libfabric reads FI_PROVIDER, and NCCL loads it only for EFA devices: a stray export in a job script
+    turned a ConnectX-7 host into "EFA without its NCCL plugin" (sockets, exit 1)."""
+    fabric = make_fabric(tmp_path, dgx_cx7(tmp_path), {"FI_PROVIDER": "efa"})
+    assert not fabric.efa and any("FI_PROVIDER=efa is set" in text for text in fabric.warnings), fabric.warnings
+    found, code = verdicts(fabric, {"FI_PROVIDER": "efa"}, scaleout="rdma")
+    assert (found["scaleout"].mode, code) == (nccl_probe.GDR_DMABUF, 0), found["scaleout"]
+
+
 def test_efa_without_plugin(tmp_path):
     found, code = scaleout(tmp_path, p5en_efa(tmp_path, plugin=False), {"FI_PROVIDER": "efa"})
     assert (found["scaleout"].mode, code) == (nccl_probe.SOCKET, 1)
@@ -399,6 +440,22 @@ def test_extension_missing_and_unregistered_backend(tmp_path):
     assert code == 1 and "'elastic' is not in this build" in found["nvlink"].problems[0].text
     found, code = verdicts(fabric, backend="magic")
     assert code == 1 and found["backend"].status == UNAVAILABLE
+
+
+def test_a_driver_older_than_the_extensions_cuda_is_unavailable(tmp_path):
+    """An R550 driver (CUDA 12.4) runs no kernel of an extension built with CUDA 13: the backends find no
+    device. doctor said ok (it checked the import and the architecture only)."""
+    report = dgx_cx7(tmp_path)
+    report.driver_version = 12040
+    fabric = make_fabric(tmp_path, report)
+    found, code = verdicts(fabric, backend="hybrid", runtime_version=13000)
+    assert (found["nvlink"].status, code) == (UNAVAILABLE, 1), found["nvlink"]
+    assert "built with CUDA 13.0; this driver supports CUDA 12.4" in found["nvlink"].problems[0].text
+    assert "R580" in fixes(found["nvlink"]) and "CUDA 12.x nvcc" in fixes(found["nvlink"])
+    # Within one major version the driver runs a newer minor's kernels (minor-version compatibility).
+    for runtime in (12080, 12040, 11080):
+        found, code = verdicts(fabric, backend="hybrid", runtime_version=runtime)
+        assert (found["nvlink"].status, code) == (OK, 0), (runtime, found["nvlink"])
 
 
 def test_co_residency_refuses_too_many_sms(tmp_path):
@@ -514,6 +571,19 @@ def test_a_knob_every_backend_refuses_fails_any_backend_job(tmp_path):
         assert verdicts(fabric, bad)[1] == 0  # no backend named: shown, not asked
         found, code = verdicts(fabric, {"EP_PLUGIN_NUM_SMS": "8"}, backend="reference")
         assert (found["config"].status, code) == (OK, 0) and "EP_PLUGIN_NUM_SMS" in found["config"].summary
+        # A misspelt knob leaves the one it meant at its default: a warning naming it, not "[ok] set here".
+        found, code = verdicts(fabric, {"EP_PLUGIN_NUM_SM": "8"}, backend="reference")
+        assert (found["config"].status, code) == (DEGRADED, 0), found["config"]
+        assert "did you mean EP_PLUGIN_NUM_SMS?" in found["config"].problems[0].text
+        assert "EP_PLUGIN_NUM_SM" not in found["config"].summary
+
+
+def test_a_third_party_backend_is_not_shown_as_checked(tmp_path):
+    fabric = make_fabric(tmp_path, dgx_cx7(tmp_path))
+    found, code = verdicts(fabric, registered=REGISTERED + ["vendor_ep"], backend="vendor_ep")
+    assert (found["backend"].status, code) == (doctor.UNCHECKED, 0)
+    text = doctor.render(fabric, list(found.values()), None, Options(backend="vendor_ep"))
+    assert "[?   ] backend 'vendor_ep' (asked)" in text, text
 
 
 def test_an_asked_verdict_that_fails_is_shown_as_fail(tmp_path):
@@ -627,6 +697,9 @@ def test_summary_line(tmp_path):
     line = doctor.summary_line(make_fabric(tmp_path, p5en_efa(tmp_path)), {})
     assert line.startswith("8 x NVIDIA H200 (132 SMs, sm_90)") and "16 ACTIVE RDMA NIC(s) (EFA)" in line
     assert nccl_probe.GDR_DMABUF in line
+    # No GPU: CPU ranks cross nodes over gloo, as doctor's verdict says (info said "unavailable").
+    line = doctor.summary_line(make_fabric(tmp_path / "cpu", DriverReport(loaded=False, error="no driver")), {})
+    assert f"scale-out: {nccl_probe.SOCKET}" in line, line
 
 
 def test_partial_driver_report_is_a_problem_not_a_crash(tmp_path):

@@ -111,6 +111,10 @@ class RdmaDevice:
     ports: tuple[RdmaPort, ...]
     efa: bool
     software: bool  # soft-RoCE / soft-iWARP: no GPUDirect RDMA, never counted
+    # EFA: AWS's efa driver says in device/gdr whether it registers GPU memory itself, through its own NVIDIA
+    # provider (1) or cannot (0: no NVIDIA driver symbols); None where there is no such file (the upstream
+    # driver, which needs DMA-BUF) or the device is not EFA.
+    efa_gdr: Optional[bool] = None
 
     @property
     def usable(self) -> bool:
@@ -336,7 +340,9 @@ def _read_rdma_devices(tree: _Tree, warnings: list[str]) -> list[RdmaDevice]:
         devices.append(RdmaDevice(name=name, vendor_id=vendor_id, vendor=vendor, hca_type=hca_type, model=model,
                                   numa_node=_numa(tree.read(f"{base}/device/numa_node")), pci_path=pci_path,
                                   ports=tuple(sorted(ports, key=lambda p: p.number)), efa=efa,
-                                  software=software is not None))
+                                  software=software is not None,
+                                  efa_gdr={"1": True, "0": False}.get(tree.read(f"{base}/device/gdr") or "")
+                                  if efa else None))
     return devices
 
 
@@ -594,7 +600,11 @@ def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mappi
     efa_nics = [nic.name for nic in nics if nic.efa]
     reasons = []
     if environ.get("FI_PROVIDER", "").lower() == "efa":
-        reasons.append("FI_PROVIDER=efa")
+        if efa_nics:
+            reasons.append("FI_PROVIDER=efa")
+        else:  # only libfabric reads it, and NCCL loads libfabric only through aws-ofi-nccl, for EFA devices
+            warnings.append("FI_PROVIDER=efa is set, but this host has no EFA device: ignored (NCCL uses its own "
+                            "transports here)")
     if efa_nics:
         shown = ", ".join(efa_nics[:3]) + (", ..." if len(efa_nics) > 3 else "")
         reasons.append(f"{len(efa_nics)} EFA device(s): {shown}")
