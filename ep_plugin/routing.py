@@ -138,6 +138,8 @@ def check_tensor(
     """Raise TypeError/ValueError naming ``name``, the expected and the actual property."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:  # a sparse tensor has no strides (is_contiguous raises, or misleads)
+        raise TypeError(f"{name} must be a dense tensor (call .to_dense()), got layout {tensor.layout}")
     if tensor.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {tensor.dtype}")
     expected_ndim = len(shape) if shape is not None else ndim

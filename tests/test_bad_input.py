@@ -41,6 +41,8 @@ def _bad_calls(backend, problem, rank):
         (ValueError, "max_tokens_per_rank", dispatch(too_many, routing_map=too_many_map,
                                                      probs=too_many_map.float())),
         (ValueError, "contiguous", dispatch(torch.zeros(HIDDEN, len(x)).t(), routing_map=rmap, probs=probs)),
+        (TypeError, "hidden must be a dense tensor", dispatch(x.to_sparse_csr(), routing_map=rmap, probs=probs)),
+        (TypeError, "routing_map must be a dense tensor", dispatch(x, routing_map=rmap.to_sparse(), probs=probs)),
         (ValueError, "must be on cpu", dispatch(x.to("meta"), routing_map=rmap, probs=probs)),
         (ValueError, "probs must be on cpu", dispatch(x, routing_map=rmap, probs=probs.to("meta"))),
         (ValueError, "exactly one routing form", dispatch(x)),
@@ -81,7 +83,7 @@ def test_bad_input_rejected_before_communication(blocking):
     """blocking=False too: the reference has no sync-free mode, so it checks everything anyway. Top-k id
     values are the next test's (every rank calls there)."""
     rejected = run_ranks(check_bad_inputs_leave_backend_usable, 2, blocking, timeout_s=120)
-    assert rejected[0] == 16 and rejected[1] == 0
+    assert rejected[0] == 18 and rejected[1] == 0
 
 
 def bad_ids_on_one_rank(ctx, blocking: bool) -> list[str]:
