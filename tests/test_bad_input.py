@@ -233,6 +233,14 @@ def launches_past_the_buffer(ctx, name: str) -> list[str]:
         with pytest.raises(ValueError, match=f"ep_plugin {name}: num_tokens 65 outside \\[0, max_tokens=64\\]"):
             launch(raw, regions, args, backend.num_blocks, stream)
         refused.append(f"{op} tokens")
+    # Rows the copies cannot move, or larger than a staging slot (2 x 16 bf16 = 32 bytes here).
+    for row_bytes, scale_bytes, words in ((8, 0, "row_bytes 8 is not a positive multiple of 16"),
+                                          (32, 2, "scale_bytes 2 is not a multiple of 4"),
+                                          (48, 0, "a row of 48 \\+ 0 bytes is larger than this buffer's slot of 32")):
+        with pytest.raises(ValueError, match=f"ep_plugin {name}: {words}"):
+            kernels.dispatch_send(raw, regions, kernels.SendArgs(num_tokens=1, row_bytes=row_bytes,
+                                                                 scale_bytes=scale_bytes), backend.num_blocks, stream)
+        refused.append(f"dispatch_send rows of {row_bytes} + {scale_bytes}")
     assert torch.equal(round_trip(), before), "the backend changed after the refused launches"
     backend.destroy()
     return refused
@@ -242,4 +250,6 @@ def launches_past_the_buffer(ctx, name: str) -> list[str]:
 @pytest.mark.parametrize("name", ["hybrid", "elastic"])
 def test_the_extensions_launchers_refuse_more_than_the_buffer_holds(name):
     for refused in run_ranks(launches_past_the_buffer, 2, name, device="cuda", timeout_s=180):
-        assert refused == ["combine_send blocks", "dispatch_send tokens", "combine_recv tokens"], refused
+        assert refused == ["combine_send blocks", "dispatch_send tokens", "combine_recv tokens",
+                           "dispatch_send rows of 8 + 0", "dispatch_send rows of 32 + 2",
+                           "dispatch_send rows of 48 + 0"], refused

@@ -57,7 +57,9 @@ __device__ __forceinline__ int prepare_packet(const View& v, const ReceiveArgs& 
         const int k = recv_k(v, me, r, s)[lane];
         const float weight = a.out_row_weights != nullptr ? recv_w(v, me, r, s)[lane] : 0.0f;
         row = local >= 0 ? a.row_base[r * v.g.num_local_experts + local] + k : -1;
-        cached[lane] = row;
+        // A row past the output is dropped here; so it is for a cached dispatch and the combine (which read
+        // these) too: they would read or write past the output.
+        cached[lane] = row < a.capacity ? row : -1;
         if (row >= 0 && row < a.capacity && a.out_row_weights != nullptr) a.out_row_weights[row] = weight;
       }
     }
@@ -179,6 +181,7 @@ void launch_dispatch_receive(const SymmetricBuffer& buffer, const Regions& regio
   if (args.payload_pushed && (args.expand || args.cached || args.out_scales))
     throw std::invalid_argument("ep_plugin elastic: a pushed payload is a first compact dispatch (scales pushed too)");
   check_launch_fits("elastic", regions, num_blocks);
+  check_rows_fit("elastic", regions, args.row_bytes, args.scale_bytes);
   EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
   // Placing metadata copies no rows: the register kernel does it.
   const bool bulk = args.bulk_copy && buffer.bulk_capable() && !args.payload_pushed;

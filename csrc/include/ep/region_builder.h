@@ -52,4 +52,20 @@ inline void check_launch_fits(const char* backend, const Regions& regions, int n
                                 std::to_string(regions.max_tokens) + "] of this buffer");
 }
 
+// Throws std::invalid_argument naming `backend` when a launch's rows do not fit what its kernels copy: rows of
+// a positive multiple of 16 bytes (the vector and bulk copies' unit), scales of whole floats, a row and its
+// scales within one staging slot of the buffer. The Python layer never asks otherwise; a row past its slot
+// would overwrite the next token's, and the last one the region after it, which peers write.
+template <typename Regions>
+inline void check_rows_fit(const char* backend, const Regions& regions, int64_t row_bytes, int64_t scale_bytes) {
+  const std::string who = std::string("ep_plugin ") + backend + ": ";
+  if (row_bytes <= 0 || row_bytes % 16)
+    throw std::invalid_argument(who + "row_bytes " + std::to_string(row_bytes) + " is not a positive multiple of 16");
+  if (scale_bytes < 0 || scale_bytes % 4)
+    throw std::invalid_argument(who + "scale_bytes " + std::to_string(scale_bytes) + " is not a multiple of 4");
+  if (row_bytes + scale_bytes > regions.slot_bytes)
+    throw std::invalid_argument(who + "a row of " + std::to_string(row_bytes) + " + " + std::to_string(scale_bytes) +
+                                " bytes is larger than this buffer's slot of " + std::to_string(regions.slot_bytes));
+}
+
 }  // namespace ep
