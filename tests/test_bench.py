@@ -11,7 +11,14 @@ import torch
 import ep_plugin
 from ep_plugin.backends.reference import ReferenceBackend
 from ep_plugin.bench.__main__ import main, parse_args, reference_limits
-from ep_plugin.bench.report import _reference_levels, _series, format_table, summarize, write_plots
+from ep_plugin.bench.report import (
+    _reference_levels,
+    _series,
+    attach_reference_ratio,
+    format_table,
+    summarize,
+    write_plots,
+)
 from ep_plugin.bench.runner import SweepSpec, bench_rank
 from ep_plugin.bench.workload import Shape, make_routing, traffic
 from ep_plugin.testing import run_ranks
@@ -230,6 +237,19 @@ def test_failed_graph_capture_summarizes_without_samples():
     assert "nonblocking+graph" in format_table(rows)
 
 
+def test_a_case_that_failed_shows_no_figure_anywhere():
+    """An error record's rows showed a median, GB/s and ceil/ours in the table and plots (only the JSON's error
+    said otherwise), and an errored reference was a ratio's baseline."""
+    bad = summarize(_per_gpu_record(backend="reference", mode="blocking", sms=None, error="rank 0: wrong rows"),
+                    link_gbps=1.0)
+    good = summarize(_per_gpu_record(backend="hybrid", mode="blocking", sms=8), link_gbps=1.0)
+    assert all(row[key] is None for row in bad for key in ("median_us", "algo_gbps", "ceiling_ratio", "link_pct"))
+    attach_reference_ratio(bad + good)
+    assert all(row["reference_ratio"] is None for row in good)
+    lines = format_table(bad + good).splitlines()
+    assert all("FAILED" in line for line in lines[1:len(bad) + 1]) and "FAILED" not in "".join(lines[len(bad) + 1:])
+
+
 def test_a_case_whose_ops_dropped_rows_is_an_error_row_that_compare_counts_as_missing(tmp_path, capsys):
     """The bench never asked a backend what its timed ops dropped (check_errors, over_budget): a kernel that
     lost rows read as faster. Such a case's rows now carry the error, and compare refuses to pass them."""
@@ -239,7 +259,7 @@ def test_a_case_whose_ops_dropped_rows_is_an_error_row_that_compare_counts_as_mi
                              error="rank 1: rows past the non-blocking budget were dropped (over_budget)")
     rows = summarize(record, link_gbps=1.0)
     assert rows and all("over_budget" in row["error"] for row in rows)
-    good = [{**row, "error": None} for row in rows]
+    good = summarize({**record, "error": None}, link_gbps=1.0)
     paths = {}
     for name, summary in (("new", rows), ("base", good)):
         paths[name] = tmp_path / f"{name}.json"
@@ -286,6 +306,21 @@ class _HalvingReference(ReferenceBackend):
     def _combine(self, rows, handle, row_probs):
         combined = super()._combine(rows, handle, row_probs)
         return combined._replace(hidden=combined.hidden / 2)
+
+
+class _StaleLastTokenReference(ReferenceBackend):
+    """A combine that writes into one buffer it keeps and, after its first call, skips the last token's sum (a
+    kernel that skips a write): right whenever its input repeats the last call's, as the timed loop's do."""
+
+    kept = None
+
+    def _combine(self, rows, handle, row_probs):
+        combined = super()._combine(rows, handle, row_probs)
+        if self.kept is None or self.kept.shape != combined.hidden.shape:
+            self.kept = combined.hidden.clone()
+        else:
+            self.kept[:-1] = combined.hidden[:-1]
+        return combined._replace(hidden=self.kept)
 
 
 class _UncheckableOnRankOne(ReferenceBackend):
@@ -362,6 +397,7 @@ def test_a_checked_dispatch_failing_on_one_rank_keeps_the_collectives_in_step():
     (_SegmentShiftingReference, "rows, the sources routed"),
     (_HalvingReference, "combine of the dispatched rows is wrong"),
     (_ProbsDoublingReference, "the wrong probs"),
+    (_StaleLastTokenReference, "combine of the dispatched rows is wrong"),  # passed on the timed loop's values
 ])
 @pytest.mark.parametrize("scaleup", [0, 1])  # flat; and across two domains (a domain backend per rank)
 def test_a_case_whose_ops_moved_wrong_values_is_an_error_row(backend_class, words, scaleup):

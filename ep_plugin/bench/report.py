@@ -123,7 +123,13 @@ def summarize(record: dict, link_gbps: float) -> list[dict]:
             error=record.get("graph_error") or record.get("error")))
         if record.get("scaleout_bytes"):  # its own line in plots and tables next to the one-domain run
             rows[-1]["backend"] = f"{record['backend']} {record['domains']}"
+        if rows[-1]["error"]:  # wrong values or a failed graph: no figure anywhere (table, plots, ratios, JSON)
+            rows[-1].update({key: None for key in FIGURES})
     return rows
+
+
+# The row keys that are figures of the timed ops: none of them stands for a case that failed (``error``).
+FIGURES = ("median_us", "p10_us", "p90_us", "algo_gbps", "ceiling_ratio", "link_gbps", "link_pct", "scaleout_gbps")
 
 
 def _attach_ratio(rows: list[dict], baseline: str, key: str, keys: tuple[str, ...]) -> None:
@@ -131,7 +137,7 @@ def _attach_ratio(rows: list[dict], baseline: str, key: str, keys: tuple[str, ..
     times = {tuple(r[k] for k in keys): r["median_us"] for r in rows if r["backend"] == baseline}
     for row in rows:
         time = times.get(tuple(row[k] for k in keys))
-        row[key] = time / row["median_us"] if time and row["backend"] != baseline and row["median_us"] > 0 else None
+        row[key] = time / row["median_us"] if time and row["backend"] != baseline and row["median_us"] else None
 
 
 def attach_reference_ratio(rows: list[dict]) -> None:
@@ -167,7 +173,8 @@ def _cell(value, digits: int) -> str:
 def format_table(rows: list[dict]) -> str:
     """Right-aligned columns, each as wide as its longest cell (mode names like nonblocking+graph)."""
     cells = [[header for header, _, _ in COLUMNS]]
-    cells += [[_cell(row.get(key), digits) for _, key, digits in COLUMNS] for row in rows]
+    cells += [[("FAILED" if key == "median_us" and row.get("error") else _cell(row.get(key), digits))
+               for _, key, digits in COLUMNS] for row in rows]
     widths = [max(10, *(len(line[i]) for line in cells)) for i in range(len(COLUMNS))]
     return "\n".join(" ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True))
                      for line in cells)

@@ -164,9 +164,11 @@ class _Calls:
         self.hidden = make_hidden(shape, rank, device, torch.bfloat16)
         self.out = self.combined = self._bf16_rows = None
 
-    def dispatch(self) -> None:
+    def dispatch(self, hidden=None) -> None:
+        """One dispatch of ``hidden`` (default: this case's tokens) along this case's routing."""
         self.out = None  # free the previous output first: non-blocking outputs are worst-case sized
-        self.out = self.backend.dispatch(self.hidden, **self.routing, **in_place_dispatch(self.backend, self.in_place))
+        self.out = self.backend.dispatch(self.hidden if hidden is None else hidden, **self.routing,
+                                         **in_place_dispatch(self.backend, self.in_place))
 
     def combine(self) -> None:
         self.combined = None
@@ -196,16 +198,21 @@ class _Calls:
         """One more dispatch and combine of this case's tokens, checked (``verify.py``): what they got wrong,
         or None. A collective: every rank runs the dispatch, one gather and the combine whatever fails in its
         own checks (a rank that skipped one would pair its next collective with the peers' previous one);
-        where a rank's dispatch raised, every rank learns it in the gather and none combines."""
+        where a rank's dispatch raised, every rank learns it in the gather and none combines.
+
+        The checked tokens are the timed ones negated: the same routing, other values, so an op that skipped a
+        write (a row, a token's sum) cannot pass on what the timed loop left in memory the allocator hands out
+        again."""
         problem = None
+        fresh = _negated(self.hidden)
         try:  # before the dispatch: what this rank sends each expert
-            tokens = verify.as_bf16_rows(self.hidden)
+            tokens = verify.as_bf16_rows(fresh)
             chosen = verify.chosen_experts(self.routing, self.shape.experts)
             sent = verify.sent_checksums(tokens, chosen, verify.dense_probs(self.routing, self.shape.experts))
         except Exception as exc:  # noqa: BLE001 - reported through the gather below
             problem = f"checking the values (the sent checksums): {type(exc).__name__}: {exc}"
         try:  # one rank's failure (an allocation, say) must not take it past the gather its peers join
-            self.dispatch()
+            self.dispatch(fresh)
             dispatched = True
         except Exception as exc:  # noqa: BLE001 - reported through the gather below
             problem, dispatched = f"the checked dispatch raised {type(exc).__name__}: {exc}", False
@@ -251,6 +258,14 @@ class _Calls:
 
     def release(self) -> None:
         self.out = self.combined = None
+
+
+def _negated(hidden):
+    """-hidden; fp8 (data, scales) by its scales (float8 has no negation): dequantized, the same values negated."""
+    if isinstance(hidden, tuple):
+        data, scales = hidden
+        return data, -scales
+    return -hidden
 
 
 def _time_pairs(dispatch: Callable[[], None], combine: Callable[[], None], device: torch.device, warmup: int,
