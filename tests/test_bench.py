@@ -779,6 +779,22 @@ def test_compare_fails_when_new_lost_a_case_or_nothing_matched(tmp_path, capsys)
         assert "missing in new (failed or not run)" in out and "1 missing in new" in out, out
         assert compare.main(["--new", new, "--base", str(base), "--allow-missing"]) == 0
         capsys.readouterr()
+    # A case that failed in one round of two: the passing round's median alone hid it (0 slower, exit 0).
+    assert compare.main(["--new", failed, str(base), "--base", str(base)]) == 1
+    out = capsys.readouterr().out
+    assert "failed or not run in 1 of 2 new file(s)" in out, out
+    assert compare.main(["--new", failed, str(base), "--base", str(base), "--allow-missing"]) == 0
+    capsys.readouterr()
+    # Runs timed on another GPU kind, or another way, are not compared unless asked (0.7 read as a speed-up).
+    elsewhere_timed = json.loads(json.dumps(report))
+    elsewhere_timed["environment"].update(gpu="NVIDIA H100 80GB HBM3", timing="barrier before every iteration")
+    other = tmp_path / "other_gpu.json"
+    other.write_text(json.dumps(elsewhere_timed))
+    assert compare.main(["--new", str(other), "--base", str(base)]) == 1
+    out = capsys.readouterr().out
+    assert "timed unlike: gpu: NVIDIA H100 80GB HBM3 (new) vs None (base)" in out and "timing:" in out, out
+    assert compare.main(["--new", str(other), "--base", str(base), "--allow-env-diff"]) == 0
+    capsys.readouterr()
     elsewhere = new_side("elsewhere.json", lambda rows: [row.update(tokens=row["tokens"] + 1) for row in rows])
     assert compare.main(["--new", elsewhere, "--base", str(base), "--allow-missing"]) == 1
     assert "no case is on both sides" in capsys.readouterr().out

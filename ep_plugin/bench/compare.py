@@ -6,8 +6,10 @@ median µs. Cases are matched by everything that names them (backend, mode, payl
 routing, ranks, domains, op). Prints one line per case, slowest first, the geometric mean of the
 ratios per op, and the cases found on one side only; exits 1 when any case is slower than
 ``--worse`` allows (default 5%), when a case of base is missing in new (it failed there, or was not
-run; ``--allow-missing`` accepts that) or when no case is on both sides, so a script can stop on a
-regression.
+run; ``--allow-missing`` accepts that), when a case of new failed in some of its files (a median of
+the rounds that passed would hide the others), when the runs were timed on unlike machines or ways
+(``TIMING_ENVIRONMENT``; ``--allow-env-diff`` accepts that) or when no case is on both sides, so a
+script can stop on a regression.
 
   python -m ep_plugin.bench.compare --new new_1/bench.json new_2/bench.json --base base_1/bench.json
 
@@ -39,29 +41,62 @@ CASE_KEYS = ("backend", "mode", "payload", "tokens", "hidden", "topk", "experts"
              "domains", "op")
 
 
-def read_summary(path: str) -> list[dict]:
-    """The summary rows of one bench.json; ValueError naming the file when it is none."""
+# What in a bench.json's environment sets its timings: runs that differ here are not compared (a GPU of another
+# kind, ranks over another process group or sharing GPUs otherwise, the other timing method).
+TIMING_ENVIRONMENT = ("device", "gpu", "process_group", "ranks_per_gpu", "timing")
+
+
+def _read(path: str) -> dict:
     try:
         with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
             report = json.load(f)
     except (OSError, EOFError, json.JSONDecodeError) as error:
         raise ValueError(f"{path}: cannot read a bench.json ({error})") from error
-    rows = report.get("summary") if isinstance(report, dict) else None
+    return report if isinstance(report, dict) else {}
+
+
+def read_environment(path: str) -> dict:
+    """The environment of one bench.json ({} in one written without it)."""
+    environment = _read(path).get("environment")
+    return environment if isinstance(environment, dict) else {}
+
+
+def read_summary(path: str) -> list[dict]:
+    """The summary rows of one bench.json; ValueError naming the file when it is none."""
+    report = _read(path)
+    rows = report.get("summary")
     if not isinstance(rows, list):
         raise ValueError(f"{path}: no 'summary' list: not a bench.json written by python -m ep_plugin.bench")
     return rows
 
 
-def case_medians(paths: list[str], ops: Optional[set] = None) -> dict[tuple, float]:
-    """Case -> the median over the files of the case's median µs (cases with an error or no median are
-    left out, and with ``ops`` those of other ops)."""
+def case_figures(paths: list[str], ops: Optional[set] = None) -> dict[tuple, list[float]]:
+    """Case -> its median µs in each file where it has one (cases with an error or no median are left out,
+    and with ``ops`` those of other ops)."""
     per_case: dict[tuple, list[float]] = {}
     for path in paths:
         for row in read_summary(path):
             if row.get("error") or not row.get("median_us") or (ops and row.get("op") not in ops):
                 continue
             per_case.setdefault(tuple(row.get(key) for key in CASE_KEYS), []).append(row["median_us"])
-    return {case: statistics.median(values) for case, values in per_case.items()}
+    return per_case
+
+
+def case_medians(paths: list[str], ops: Optional[set] = None) -> dict[tuple, float]:
+    """Case -> the median over the files of the case's median µs (``case_figures``)."""
+    return {case: statistics.median(values) for case, values in case_figures(paths, ops).items()}
+
+
+def environment_differences(new_paths: list[str], base_paths: list[str]) -> list[str]:
+    """"key: new value(s) vs base value(s)" for each TIMING_ENVIRONMENT key whose values differ between the
+    files (within a side too: one side's rounds ran alike)."""
+    sides = [[read_environment(path) for path in paths] for paths in (new_paths, base_paths)]
+    differences = []
+    for key in TIMING_ENVIRONMENT:
+        values = [sorted({str(env.get(key)) for env in side}) for side in sides]
+        if len(set(values[0]) | set(values[1])) > 1:
+            differences.append(f"{key}: {' / '.join(values[0])} (new) vs {' / '.join(values[1])} (base)")
+    return differences
 
 
 def match_domains(new: dict[tuple, float], base: dict[tuple, float]) -> tuple[dict, dict]:
@@ -148,7 +183,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--ops", default="",
                         help="comma list of the ops to compare (dispatch, combine, roundtrip, step; default all)")
     parser.add_argument("--allow-missing", action="store_true",
-                        help="a case of base that new lacks (it failed, or was not run) is not a regression")
+                        help="a case of base that new lacks (it failed, or was not run), or that failed in some of "
+                             "new's files, is not a regression")
+    parser.add_argument("--allow-env-diff", action="store_true",
+                        help="compare runs timed on unlike machines or ways (" + ", ".join(TIMING_ENVIRONMENT) + ")")
     args = parser.parse_args(argv)
     if not 0 <= args.worse < 10:
         parser.error(f"--worse is a fraction (0.05 = 5%), got {args.worse}")
@@ -156,7 +194,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if ops - set(ROW_OPS):
         parser.error(f"--ops takes {', '.join(ROW_OPS)}; got {', '.join(sorted(ops - set(ROW_OPS)))}")
     try:
-        new, base = match_domains(case_medians(args.new, ops), case_medians(args.base, ops))
+        new_figures = case_figures(args.new, ops)
+        new, base = match_domains({case: statistics.median(values) for case, values in new_figures.items()},
+                                  case_medians(args.base, ops))
     except ValueError as error:
         parser.error(str(error))
     rows, alone = compare(new, base, args.worse)
@@ -171,6 +211,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         for label, means in round_geomeans(pairs, ops):
             print(f"  round {label}: " + ", ".join(f"{op} {mean:.3f}" for op, mean in means.items()))
     missing = [case for side, case in alone if side == "base"]
+    # A case new failed in some rounds: its median is the passing rounds' alone, which hides the others.
+    partial = sorted((case for case, values in new_figures.items() if len(values) < len(args.new)), key=str)
+    for case in partial:
+        print(f"failed or not run in {len(args.new) - len(new_figures[case])} of {len(args.new)} new file(s): "
+              f"{_describe(case)}")
+    missing += partial
+    for name, paths in (("new", args.new), ("base", args.base)):
+        for path in paths:
+            environment = read_environment(path)
+            for key in ("incomplete", "teardown"):
+                if environment.get(key):
+                    how = "incompletely" if key == "incomplete" else "with a teardown error"
+                    print(f"note: {name} file {path} ran {how}: {environment[key]}")
+    differences = environment_differences(args.new, args.base)
+    for difference in differences:
+        print(f"timed unlike: {difference}")
     for side, case in alone:
         # A case base ran and new did not is a regression (new failed it, or stopped running it), not a detail.
         print(f"missing in new (failed or not run): {_describe(case)}" if side == "base" else
@@ -180,6 +236,10 @@ def main(argv: Optional[list[str]] = None) -> int:
           + (f", {len(missing)} missing in new" if missing else ""))
     if not rows:
         print("no case is on both sides: nothing was compared")
+        return 1
+    if differences and not args.allow_env_diff:
+        print("the runs were timed on unlike machines or ways (above): their ratios say nothing of the code "
+              "(--allow-env-diff compares them anyway)")
         return 1
     return 1 if slower or (missing and not args.allow_missing) else 0
 
