@@ -75,6 +75,16 @@ def test_ceiling_per_gpu_link_uses_the_busiest_ranks_remote_bytes():
     assert "step" not in rows  # a record written before the step row existed has none
 
 
+def test_the_link_floor_counts_the_busiest_direction():
+    """Skewed: ranks 1 and 2 each send rank 0 five tokens and rank 0 sends one to each, so rank 0 receives 10
+    where no rank sends more than 6: its incoming link bounds the dispatch (and its outgoing the combine)."""
+    from ep_plugin.bench.runner import _compact_link_floor
+
+    shape = Shape(tokens=8, hidden=64, topk=1, experts=3, payload="bf16", routing="skewed")
+    packets = [[2, 1, 1], [5, 2, 1], [5, 0, 3]]  # packets[source][dest], the own rank's not over a link
+    assert _compact_link_floor(shape, packets) == {"dispatch": 10 * 128, "combine": 10 * 128}
+
+
 def test_step_row_is_the_median_over_ranks_of_the_loop_figure():
     record = dict(backend="hybrid", mode="nonblocking", payload="bf16", tokens=4, hidden=8, topk=1, experts=2,
                   sms=8, routing="balanced", ranks=3, samples_us=[[[10.0, 20.0]]] * 3, step_us=[25.0, 31.0, 40.0],
