@@ -129,7 +129,10 @@ def test_ranks_go_with_a_launcher_that_was_killed(tmp_path):
     """A launcher killed by SIGKILL (a CI timeout) cannot stop its ranks: they must not outlive it."""
     import signal
 
-    launcher, ranks = _start_launcher(tmp_path)
+    folder, tmp = tmp_path / "pids", tmp_path / "tmp"  # the killed launcher's rendezvous folder stays: in tmp_path
+    folder.mkdir()
+    tmp.mkdir()
+    launcher, ranks = _start_launcher(folder, env={**os.environ, "TMPDIR": str(tmp)})
     launcher.send_signal(signal.SIGKILL)
     launcher.wait(timeout=30)
     alive = _kill_survivors(ranks, wait_s=20)
@@ -140,7 +143,8 @@ def test_ranks_go_with_a_launcher_that_was_killed(tmp_path):
 def test_a_launcher_stopped_by_sigterm_cleans_up(tmp_path):
     """SIGTERM (a CI timeout, ``timeout``) ended the launcher at once: its cleanup never ran, so the private
     MPS daemon (ranks sharing a GPU) and the rendezvous folder stayed behind. Now it unwinds: the folder
-    (in the launcher's TMPDIR here) goes, the ranks go, and the exit status says SIGTERM."""
+    (in the launcher's TMPDIR here) goes, the ranks go, and then SIGTERM ends the process as it would have
+    (a SystemExit alone let pytest go on to the next test, past the caller's timeout)."""
     import signal
 
     folder, tmp = tmp_path / "pids", tmp_path / "tmp"
@@ -151,8 +155,57 @@ def test_a_launcher_stopped_by_sigterm_cleans_up(tmp_path):
     launcher.send_signal(signal.SIGTERM)
     code = launcher.wait(timeout=60)
     alive = _kill_survivors(ranks)
-    assert code == 128 + signal.SIGTERM and not alive, (code, alive)
+    assert code == -signal.SIGTERM and not alive, (code, alive)
     assert not [name for name in os.listdir(tmp) if name.startswith("ep_plugin_rdzv_")], os.listdir(tmp)
+
+
+def crash_in_teardown_after_a_large_result(ctx, size):
+    """Rank 1's process group teardown crashes (a CUDA or NCCL destroy can) while its result may still be on
+    its way out."""
+    import torch.distributed as d
+
+    if ctx.rank == 1:
+        def destroy(*args, **kwargs):
+            time.sleep(0.05)
+            os.kill(os.getpid(), __import__("signal").SIGSEGV)
+
+        d.destroy_process_group = destroy
+    return b"x" * size
+
+
+CRASH_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from ep_plugin.testing import run_ranks
+from test_launcher import crash_in_teardown_after_a_large_result
+try:
+    run_ranks(crash_in_teardown_after_a_large_result, 2, 100_000_000, timeout_s=30)
+except Exception as error:
+    print(type(error).__name__, str(error)[:300])
+"""
+
+
+def test_a_teardown_that_crashes_after_the_result_is_reported_not_waited_on():
+    """The result was queued to a writer thread, and the teardown ran while it wrote: a crash there left half
+    a message in the pipe, and the launcher's read of it waited for ever (the ranks hold the write end, so no
+    end of file came). Now the result is out before the teardown begins: the crash is reported."""
+    import subprocess
+
+    script = CRASH_SCRIPT.format(tests=os.path.dirname(__file__))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150)
+    assert "TeardownError" in done.stdout and "rank 1: killed by SIGSEGV" in done.stdout, (done.stdout,
+                                                                                          done.stderr[-2000:])
+
+
+def returns_a_tensor(ctx):
+    return __import__("torch").full((1000,), float(ctx.rank))
+
+
+def test_a_tensor_result_comes_back_by_value():
+    """The queue's pickler sent a CPU tensor as a file descriptor the rank's process serves, which is gone once
+    the rank exits (a FileNotFoundError naming no rank, if the launcher read it a little late)."""
+    for rank, tensor in enumerate(run_ranks(returns_a_tensor, 2, timeout_s=60)):
+        assert not tensor.is_shared() and float(tensor.sum()) == 1000.0 * rank
 
 
 def report_rank(ctx, offset):

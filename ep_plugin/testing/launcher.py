@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import shutil
 import signal
@@ -29,7 +30,6 @@ import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Iterator, Optional
 
 from ..errors import EPError, EPTimeoutError
@@ -165,13 +165,17 @@ def run_ranks(
 def _sigterm_unwinds() -> Iterator[None]:
     """SIGTERM (a CI job's timeout, ``timeout``, ``kill``) raises SystemExit in the launcher, so that its
     cleanup runs: the ranks are killed, the private MPS daemon quits, the rendezvous folder goes. By
-    default SIGTERM ends the process at once and left the daemon and the folders behind. Main thread only
-    (signal handlers can be set nowhere else); the earlier handler comes back afterwards."""
+    default SIGTERM ends the process at once and left the daemon and the folders behind. Then the signal is
+    delivered again to the earlier handler (by default: the process ends, as SIGTERM asked): pytest took the
+    SystemExit for one failed test and ran on to the next, past the caller's timeout. Main thread only
+    (signal handlers can be set nowhere else)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    received = []
 
     def unwind(signum, frame):
+        received.append(signum)
         raise SystemExit(128 + signum)
 
     earlier = signal.signal(signal.SIGTERM, unwind)
@@ -179,6 +183,8 @@ def _sigterm_unwinds() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, earlier)
+        if received:  # the cleanup above ran; now what SIGTERM would have done
+            signal.raise_signal(signal.SIGTERM)
 
 
 def _spawn(fn, args, plan: LaunchPlan, timeout_s: float, env: dict[str, str]) -> list[Any]:
@@ -198,6 +204,8 @@ def _spawn(fn, args, plan: LaunchPlan, timeout_s: float, env: dict[str, str]) ->
             return outputs
         finally:
             for process in processes:
+                if process.pid is None:  # never started (the start that failed is what propagates)
+                    continue
                 if process.is_alive():
                     process.kill()
                 process.join(timeout=10)
@@ -234,7 +242,7 @@ def _collect(processes, results, num_ranks: int, timeout_s: float) -> list[Any]:
             continue
         if not ok:
             raise EPError(_failure_report(processes, outputs, rank, payload))
-        outputs[rank] = ForkingPickler.loads(payload)
+        outputs[rank] = pickle.loads(payload)
     return [outputs[rank] for rank in range(num_ranks)]
 
 
@@ -345,12 +353,18 @@ def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dic
             # Reported before the teardown: destroying a process group whose peers are still inside a
             # collective can block (NCCL), and the launcher would then say "did not finish" instead.
             results.put((rank, False, traceback.format_exc()))
+            results.close()
+            results.join_thread()
             _destroy_quietly(dist)
             return
-        # Pickled here (bytes: dumps gives a memoryview, which does not pickle), as the queue would: the queue
-        # pickles in a thread of its own, which drops an object that does not pickle without a word (the rank
-        # then exits with code 0 and the launcher waits out its timeout).
-        results.put((rank, True, bytes(ForkingPickler.dumps(output))))
+        # Pickled here, by value: the queue pickles in a thread of its own, which drops an object that does not
+        # pickle without a word (the rank then exits with code 0 and the launcher waits out its timeout); and
+        # its pickler sends a CPU tensor as a file descriptor this process serves, gone once it exits.
+        results.put((rank, True, pickle.dumps(output)))
+        # Written out before the teardown: a crash in it must not leave half a message in the pipe, which the
+        # launcher's read would wait on for ever (the ranks hold the pipe's write end: no end of file comes).
+        results.close()
+        results.join_thread()
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, False, traceback.format_exc()))
         if dist is not None:  # e.g. a result that does not pickle: the group still goes first
