@@ -31,13 +31,13 @@
 #                                                     a Bridge-built GPT-MoE on ep_hybrid vs alltoall, STEPS
 #                                                     steps (default 50; needs .bridge_wheels/ too:
 #                                                     examples/nemo/README.md)
-# Every stage builds first (quick when nothing changed) and stops, with the build log's tail, unless
-# ep_plugin._C imports and sees a GPU; GPU tests then fail instead of skipping (EP_PLUGIN_REQUIRE_GPU=1).
-# Megatron-core comes from a carried wheel
-# in .whl/ (the GPU image has none). Logs, JSON and plots end up in OUT/results.tgz (the device
-# returns at most 8 files).
+# Every stage builds first and stops, with the build log's tail, unless ep_plugin._C imports and sees a
+# GPU; GPU tests then fail instead of skipping (EP_PLUGIN_REQUIRE_GPU=1). Megatron-core comes from a
+# carried wheel in .whl/ (the GPU image has none): the stages that run Megatron stop without it (its
+# tests would skip, green). The exit status is the first failure's (pytest's, a bench run's, a script's).
+# Logs, JSON and plots end up in OUT/results.tgz (the device returns at most 8 files).
 set -uo pipefail
-RC=0  # the exit status: pytest's in the tests stage
+RC=0  # the exit status: the first failure's (fail)
 STAGE=${1:?stage: tests, gpu1, gpu2, gpu3, gpu4, pending, bench, nvlink, sweep, megatron, nemo, scaleout or scaleout_bench}
 OUT=${2:?output folder}
 shift 2
@@ -45,7 +45,8 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 if ls .whl/megatron_core-*.whl >/dev/null 2>&1 && ! python3 -c "import megatron.core" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || echo "WARNING: the carried megatron-core wheel did not install"
   export PYTHONPATH=/tmp/site
 fi
 # GPU tests fail, never skip, when CUDA or ep_plugin._C is missing (tests/conftest.py).
@@ -70,20 +71,47 @@ GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 python3 -c "from ep_plugin import _cuda; print(_cuda.describe()); raise SystemExit(not _cuda.available())" \
   >> /tmp/build.log 2>&1 && [[ "$GPUS" -ge 1 ]] || stop "no usable CUDA device (torch sees $GPUS)"
 echo "build ok: ep_plugin._C imports; $GPUS GPU(s)"
+case "$STAGE" in  # the stages whose Megatron tests or scripts would skip (or fail late) without it
+  gpu4|pending|megatron|nemo)
+    python3 -c "import megatron.core" 2>/dev/null || stop "no megatron-core here: carry .whl/ (a cp312 wheel)" ;;
+esac
+
+fail() {  # fail RC: keep the first nonzero status as the stage's exit status
+  (( RC )) || RC=$1
+}
+
+pytest_run() {  # pytest_run SECONDS LOG TAIL ARGS...: pytest under a timeout (SIGKILL 20 s after its SIGTERM)
+  local seconds=$1 log=$2 lines=$3; shift 3
+  timeout -k 20 "$seconds" python3 -m pytest -q -p no:cacheprovider --require-gpu "$@" 2>&1 | tee "$log" \
+    | tail -"$lines"
+  local rc=${PIPESTATUS[0]}
+  echo "pytest rc=$rc"
+  fail "$rc"
+}
 
 bench() {  # bench NAME ARGS...: one benchmark run, its table into the log, JSON + plots under OUT/NAME
   local name=$1; shift
-  timeout 300 python3 -m ep_plugin.bench --out "$OUT/$name" "$@" 2>&1 | grep -v "case/s" > "$OUT/$name.log"
-  echo "== $name (rc ${PIPESTATUS[0]}): $*"; sed -n '/^ *backend/,$p' "$OUT/$name.log" | cut -c1-200
+  local seconds=$(( 585 - SECONDS < 300 ? 585 - SECONDS : 300 ))  # what is left of the call, at most 300 s
+  if (( seconds < 60 )); then
+    echo "== $name: not run, $SECONDS s of the call used"; fail 1; return
+  fi
+  # The bench's own --timeout ends it first (an explicit one in ARGS comes later and wins): it then writes
+  # the cases that finished, where the outer timeout would leave nothing.
+  timeout -k 20 "$seconds" python3 -m ep_plugin.bench --out "$OUT/$name" --timeout $(( seconds - 15 )) "$@" 2>&1 \
+    | grep -v "case/s" > "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name (rc $rc): $*"; sed -n '/^ *backend/,$p' "$OUT/$name.log" | cut -c1-200
+  if (( rc )); then
+    tail -15 "$OUT/$name.log" | cut -c1-300  # a failed run has no table: its traceback says why
+    fail "$rc"
+  fi
 }
 
 case "$STAGE" in
   tests)
     nvidia-smi topo -m | head -4
     python3 -m ep_plugin info | head -3
-    timeout 500 python3 -m pytest -q -p no:cacheprovider --require-gpu --durations=6 "${@:-tests}" 2>&1 | tee "$OUT/pytest.log" | tail -25
-    RC=${PIPESTATUS[0]}
-    echo "pytest rc=$RC"
+    pytest_run 500 "$OUT/pytest.log" 25 --durations=6 "${@:-tests}"
     ;;
   gpu1|gpu2|gpu3|gpu4)
     HEAVY=(tests/test_elastic.py tests/test_hybrid.py)  # the two longest GPU files, about half the GPU time
@@ -98,23 +126,15 @@ case "$STAGE" in
       gpu3) FILES=("${WAITING[@]}") ;;
       gpu4) FILES=("${MEGATRON[@]}") ;;
     esac
-    timeout $((585 - SECONDS)) python3 -m pytest -q -p no:cacheprovider --require-gpu --durations=8 \
-      -m "gpu or megatron" \
-      "${FILES[@]}" "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
-    RC=${PIPESTATUS[0]}
-    echo "pytest rc=$RC"
+    pytest_run $((585 - SECONDS)) "$OUT/pytest.log" 25 --durations=8 -m "gpu or megatron" "${FILES[@]}" "$@"
     ;;
   pending)
     mapfile -t PENDING < <(grep -v '^#' scripts/pending_gpu_tests.txt | grep .)
     if (( ${#PENDING[@]} )); then
-      timeout $((380 - SECONDS)) python3 -m pytest -q -p no:cacheprovider --require-gpu --durations=6 \
-        -m "gpu or megatron" "${PENDING[@]}" 2>&1 | tee "$OUT/pytest_pending.log" | tail -20
-      RC=${PIPESTATUS[0]}
-      echo "pytest rc=$RC"
+      pytest_run $((380 - SECONDS)) "$OUT/pytest_pending.log" 20 --durations=6 -m "gpu or megatron" "${PENDING[@]}"
     fi
     CUDA_VISIBLE_DEVICES=0 bench forms --preset standard --ranks 8 --backends hybrid,hybrid+in_place,hybrid+arena,elastic,elastic+in_place \
-      --modes blocking,nonblocking --payloads bf16,fp8 --warmup 2 --iters 3 --graph \
-      --timeout $(( 575 - SECONDS < 290 ? 575 - SECONDS : 290 ))  # under bench()'s own 300 s: partial cases are kept
+      --modes blocking,nonblocking --payloads bf16,fp8 --warmup 2 --iters 3 --graph  # bench() sets its --timeout
     ;;
   bench)
     CUDA_VISIBLE_DEVICES=0 bench standard --preset standard --ranks 8
@@ -135,34 +155,33 @@ case "$STAGE" in
     bench nvlink_in_place --preset nvlink --ranks 2 --backends hybrid+in_place,elastic+in_place,all_to_all \
       --payloads bf16 --sms 24
     if (( SECONDS < 500 )); then
-      timeout $((585 - SECONDS)) python3 -m pytest -q -p no:cacheprovider --require-gpu --durations=6 \
-        -m "gpu or megatron" tests -k "[2] or two_gpus or per_device or nccl_group" 2>&1 | tee "$OUT/pytest_nvlink.log" | tail -15
-      RC=${PIPESTATUS[0]}
-      echo "pytest rc=$RC"
+      pytest_run $((585 - SECONDS)) "$OUT/pytest_nvlink.log" 15 --durations=6 -m "gpu or megatron" tests \
+        -k "[2] or two_gpus or per_device or nccl_group"
     else
       echo "no time left in this call for the 2-rank tests ($SECONDS s used): run this stage's pytest line alone"
+      fail 1  # not run is not passed
     fi
     ;;
   scaleout)
     timeout 60 python3 scripts/gloo_probe.py 2>&1 | tee "$OUT/gloo_probe.log"
-    timeout 480 python3 -m pytest -q -p no:cacheprovider --require-gpu --durations=6 tests/test_scaleout_gpu.py \
-      2>&1 | tee "$OUT/pytest_scaleout.log" | tail -25
-    RC=${PIPESTATUS[0]}
-    echo "pytest rc=$RC"
+    pytest_run 480 "$OUT/pytest_scaleout.log" 25 --durations=6 tests/test_scaleout_gpu.py
     ;;
   scaleout_bench)
     CUDA_VISIBLE_DEVICES=0 bench scaleout --preset standard --ranks 8 --backends hybrid,elastic --payloads bf16 \
       --scaleup-size 8,4 --iters 5
     ;;
   megatron)
-    timeout 300 examples/megatron/run_comparison.sh /tmp/megatron 50 4 ep_hybrid > "$OUT/megatron.log" 2>&1
-    echo "megatron rc=$?"; tail -5 "$OUT/megatron.log"
+    timeout -k 20 300 examples/megatron/run_comparison.sh /tmp/megatron 50 4 ep_hybrid > "$OUT/megatron.log" 2>&1
+    rc=$?
+    echo "megatron rc=$rc"; tail -5 "$OUT/megatron.log"
+    fail "$rc"
     cp /tmp/megatron/loss.png /tmp/megatron/compare.txt "$OUT/" 2>/dev/null
     ;;
   nemo)
-    timeout 480 examples/nemo/run_bridge_comparison.sh /tmp/nemo "${STEPS:-50}" 4 ep_hybrid > "$OUT/nemo.log" 2>&1
-    RC=$?
-    echo "nemo rc=$RC"
+    timeout -k 20 480 examples/nemo/run_bridge_comparison.sh /tmp/nemo "${STEPS:-50}" 4 ep_hybrid > "$OUT/nemo.log" 2>&1
+    rc=$?
+    echo "nemo rc=$rc"
+    fail "$rc"
     grep -E "^megatron-core|^Bridge model-config|passed|failed|error|FAILED|STOPPED" "$OUT/nemo.log" | cut -c1-300 | head -20
     cat /tmp/nemo/compare.txt 2>/dev/null
     cp /tmp/nemo/loss.png /tmp/nemo/compare.txt /tmp/nemo/*.json "$OUT/" 2>/dev/null

@@ -6,10 +6,12 @@ A GPU test module declares itself with one line and no import-time checks:
 
 (or ``@pytest.mark.gpu`` on single tests). Such tests need a CUDA device and the compiled
 extension ``ep_plugin._C`` (``pytest.mark.gpu(extension=False)``: a CUDA device only). Where one
-is missing they skip with the reason by default, and fail with it under ``--require-gpu`` (or
-``EP_PLUGIN_REQUIRE_GPU=1``), so that a run on the GPU machine cannot come out green having run no
-kernel. The module must import without CUDA and without the extension (collection comes before
-the check): keep CUDA work inside test and rank functions, never at module level.
+is missing they skip with the reason on a machine without a CUDA device (CI), and fail with it where
+torch sees one, or under ``--require-gpu`` (or ``EP_PLUGIN_REQUIRE_GPU=1``), so that a run on a GPU
+machine cannot come out green having run no kernel (an extension that did not build, or does not
+import). ``EP_PLUGIN_REQUIRE_GPU=0`` makes them skip there too. The module must import without CUDA
+and without the extension (collection comes before the check): keep CUDA work inside test and rank
+functions, never at module level.
 """
 
 import functools
@@ -33,7 +35,14 @@ def pytest_addoption(parser):
 
 
 def require_gpu(config) -> bool:
-    return bool(config.getoption("--require-gpu")) or os.environ.get(REQUIRE_GPU_ENV, "0") not in ("", "0")
+    """Whether a GPU test that cannot run fails (else it skips): asked for, or by default where torch sees a
+    CUDA device (on a GPU machine a kernel test that cannot run means the extension did not build)."""
+    if config.getoption("--require-gpu"):
+        return True
+    value = os.environ.get(REQUIRE_GPU_ENV, "").strip()
+    if value:
+        return value != "0"
+    return torch.cuda.is_available()
 
 
 @functools.lru_cache(maxsize=None)

@@ -92,3 +92,27 @@ def test_every_pending_gpu_test_names_a_gpu_test_that_exists():
                         and any(getattr(target, "id", None) == "pytestmark" for target in node.targets)]
         marks = " ".join([ast.unparse(d) for d in tests[function].decorator_list] + module_marks)
         assert "mark.gpu" in marks or "mark.megatron" in marks, f"{entry}: not marked gpu or megatron ({marks})"
+
+
+def test_gpu_tests_that_cannot_run_fail_on_a_machine_with_a_gpu(monkeypatch):
+    """On a GPU machine a kernel test that cannot run (the extension did not build, or does not import) fails
+    by default: it skipped unless --require-gpu was passed, so ./dev test there came out green having run no
+    kernel. Without a GPU (CI) it skips; EP_PLUGIN_REQUIRE_GPU decides where set."""
+    import conftest
+
+    class Config:
+        def __init__(self, flag):
+            self.flag = flag
+
+        def getoption(self, name):
+            return self.flag
+
+    monkeypatch.delenv(conftest.REQUIRE_GPU_ENV, raising=False)
+    for cuda, flag, env, fails in ((True, False, None, True), (False, False, None, False), (False, True, None, True),
+                                   (True, False, "0", False), (False, False, "1", True), (True, False, " ", True)):
+        monkeypatch.setattr(conftest.torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        if env is None:
+            monkeypatch.delenv(conftest.REQUIRE_GPU_ENV, raising=False)
+        else:
+            monkeypatch.setenv(conftest.REQUIRE_GPU_ENV, env)
+        assert conftest.require_gpu(Config(flag)) is fails, (cuda, flag, env)

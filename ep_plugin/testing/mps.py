@@ -47,6 +47,10 @@ class PrivateMPS:
         deadline = time.monotonic() + 10.0
         while not os.path.exists(control) and time.monotonic() < deadline:
             time.sleep(0.05)
+        if not os.path.exists(control):  # the ranks would time-slice the GPU: slow, and timings that mislead
+            self.stop()
+            raise RuntimeError(f"the private MPS daemon made no control pipe in 10 s ({control}): several ranks per "
+                               f"GPU need it")
         return self.env
 
     def __exit__(self, *exc) -> None:
