@@ -82,7 +82,10 @@ def pytest_runtest_call(item):
     # Under --require-gpu the test fails (reported FAILED, not skipped) before its body runs.
     reason = _gpu_missing_for(item)
     if reason is not None:
-        pytest.fail(f"GPU required (--require-gpu / {REQUIRE_GPU_ENV}=1) but {reason}", pytrace=False)
+        why = ("--require-gpu" if item.config.getoption("--require-gpu") else f"{REQUIRE_GPU_ENV} is set"
+               if os.environ.get(REQUIRE_GPU_ENV, "").strip() else
+               f"torch sees a CUDA GPU ({REQUIRE_GPU_ENV}=0 makes these tests skip here)")
+        pytest.fail(f"GPU test cannot run ({why}): {reason}", pytrace=False)
 
 
 @pytest.fixture

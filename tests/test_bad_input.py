@@ -253,3 +253,25 @@ def test_the_extensions_launchers_refuse_more_than_the_buffer_holds(name):
         assert refused == ["combine_send blocks", "dispatch_send tokens", "combine_recv tokens",
                            "dispatch_send rows of 8 + 0", "dispatch_send rows of 32 + 2",
                            "dispatch_send rows of 48 + 0"], refused
+
+
+def build_without_a_gpu(ctx) -> list[str]:
+    outcomes = []
+    for name in ("hybrid", "elastic"):
+        for device in (None, "cuda"):
+            try:
+                ep_plugin.get_backend(name)(hidden_size=HIDDEN, num_experts=EXPERTS, device=device)
+                outcomes.append("built")
+            except Exception as error:  # noqa: BLE001 - the test compares what came
+                outcomes.append(f"{type(error).__name__}: {error}")
+    return outcomes
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a CUDA GPU gets")
+def test_a_compiled_backend_without_a_gpu_is_unavailable_not_an_assertion():
+    """design.md's error table: BackendUnavailableError where the backend cannot run. Without a GPU it was a
+    ValueError about the device, or with device="cuda" torch's bare 'Torch not compiled with CUDA enabled'
+    (the topology's CUDA call came before any check of ours)."""
+    for outcome in run_ranks(build_without_a_gpu, 2, timeout_s=120)[0]:
+        assert outcome.startswith("BackendUnavailableError") and "needs a CUDA GPU; torch sees none" in outcome, \
+            outcome

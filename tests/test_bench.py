@@ -486,6 +486,27 @@ def _run_main(tmp_path, capsys, *extra):
     return json.loads((out / "bench.json").read_text()), stdout
 
 
+def _bench_rank_with_a_halving_reference(ctx, spec):
+    from ep_plugin.bench.runner import bench_rank as real
+
+    ep_plugin.register_backend("reference", _HalvingReference, overwrite=True)
+    return real(ctx, spec)
+
+
+def test_a_sweep_with_a_failed_case_exits_1(tmp_path, capsys, monkeypatch):
+    """The bench exited 0 with FAILED rows: scripts/gpu_validate.sh's value check of every compiled form (its
+    pending stage) came out green whatever the check found."""
+    from ep_plugin.bench import __main__ as bench_main
+
+    monkeypatch.setattr(bench_main, "bench_rank", _bench_rank_with_a_halving_reference)
+    argv = ["--device", "cpu", "--ranks", "2", "--backends", "reference", "--tokens", "16", "--hidden", "64",
+            "--experts", "8", "--topk", "2", "--routings", "balanced", "--modes", "blocking", "--iters", "2",
+            "--warmup", "1", "--out", str(tmp_path / "bench")]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "1 case(s) FAILED" in captured.err and "FAILED" in captured.out.splitlines()[-1], captured
+
+
 def test_back_to_back_timing_through_main(tmp_path, capsys):
     report, stdout = _run_main(tmp_path, capsys, "--modes", "blocking")
     assert report["environment"]["timing"] == "one barrier, then back to back"

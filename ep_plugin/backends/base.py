@@ -18,6 +18,7 @@ import torch.distributed as dist
 from .. import streams
 from ..agreement import check_construction
 from ..config import MAX_PAD_MULTIPLE, Config
+from ..errors import BackendUnavailableError
 from ..handle import CombineOutput, DispatchOutput, Handle
 from ..host_collectives import HostCollectives
 from ..routing import TOPK, Routing, check_tensor, check_topk_values, make_routing, route_counts
@@ -57,6 +58,9 @@ def _check_arguments(name: str, capabilities: Capabilities, group: Optional[dist
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     if num_experts % num_ranks:
         raise ValueError(f"num_experts={num_experts} is not divisible by the {num_ranks} ranks of the group")
+    if "cpu" not in capabilities.devices and not torch.cuda.is_available():  # before any CUDA call (it asserts)
+        raise BackendUnavailableError(f"backend {name!r} needs a CUDA GPU; torch sees none (torch "
+                                      f"{torch.__version__}, built for CUDA {torch.version.cuda})")
     if _default_device(device).type not in capabilities.devices:
         raise ValueError(f"backend {name!r} runs on {capabilities.devices}, not on {_default_device(device)}")
 

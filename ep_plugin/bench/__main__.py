@@ -44,7 +44,8 @@ Writes a table to stdout (last), and under --out (default ./bench_out, which the
 vs SMs with the reference as dashed levels); when no plot is written the output says why. A sweep
 that --timeout ends still writes the cases that finished (rank 0 writes each down as it finishes), with
 ``environment.incomplete`` saying so, and exits 1; one whose ranks crash or hang on their way out after
-the last case writes every case, with ``environment.teardown`` saying so, and exits 1.
+the last case writes every case, with ``environment.teardown`` saying so, and exits 1. A case whose values
+were wrong (or whose graph capture failed) reads FAILED in the table and makes the exit status 1 too.
 """
 
 from __future__ import annotations
@@ -377,7 +378,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m ep_plugin.bench: INCOMPLETE: {incomplete}", file=sys.stderr)
     if teardown:
         print(f"python -m ep_plugin.bench: every case ran, but {teardown}", file=sys.stderr)
-    return 1 if incomplete or teardown else 0
+    failed = [record for record in records if record.get("error") or record.get("graph_error")]
+    if failed:  # a script that runs the bench (scripts/gpu_validate.sh) must not read wrong values as a pass
+        print(f"python -m ep_plugin.bench: {len(failed)} case(s) FAILED (their rows above; bench.json's records "
+              f"say why)", file=sys.stderr)
+    return 1 if incomplete or teardown or failed else 0
 
 
 def _finished_records(path: str) -> list[dict]:

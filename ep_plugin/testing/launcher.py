@@ -367,6 +367,8 @@ def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dic
         results.join_thread()
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, False, traceback.format_exc()))
+        results.close()
+        results.join_thread()  # out before the teardown, as above
         if dist is not None:  # e.g. a result that does not pickle: the group still goes first
             _destroy_quietly(dist)
         return

@@ -38,18 +38,23 @@ inline void check_backend_shape(const char* backend, int num_ranks, int max_toke
   if (max_tokens < 1 || max_blocks < 1) throw std::invalid_argument(who + "max_tokens and max_blocks >= 1");
 }
 
+// Throws std::invalid_argument "ep_plugin <backend>: <what>". The launch checks below call it only when a
+// check fails: on every launch's path they build no string.
+[[noreturn]] inline void refuse_launch(const char* backend, const std::string& what) {
+  throw std::invalid_argument(std::string("ep_plugin ") + backend + ": " + what);
+}
+
 // Throws std::invalid_argument naming `backend` when a launch asks for more than its buffer was built for
 // (the Python layer never does; this guards the extension's own API): blocks past max_blocks would raise
 // done flags past their region, tokens past max_tokens would index rows past theirs.
 template <typename Regions>
 inline void check_launch_fits(const char* backend, const Regions& regions, int num_blocks, int num_tokens = 0) {
-  const std::string who = std::string("ep_plugin ") + backend + ": ";
   if (num_blocks < 1 || num_blocks > regions.max_blocks)
-    throw std::invalid_argument(who + "num_blocks " + std::to_string(num_blocks) + " outside [1, max_blocks=" +
-                                std::to_string(regions.max_blocks) + "] of this buffer");
+    refuse_launch(backend, "num_blocks " + std::to_string(num_blocks) + " outside [1, max_blocks=" +
+                               std::to_string(regions.max_blocks) + "] of this buffer");
   if (num_tokens < 0 || num_tokens > regions.max_tokens)
-    throw std::invalid_argument(who + "num_tokens " + std::to_string(num_tokens) + " outside [0, max_tokens=" +
-                                std::to_string(regions.max_tokens) + "] of this buffer");
+    refuse_launch(backend, "num_tokens " + std::to_string(num_tokens) + " outside [0, max_tokens=" +
+                               std::to_string(regions.max_tokens) + "] of this buffer");
 }
 
 // Throws std::invalid_argument naming `backend` when a launch's rows do not fit what its kernels copy: rows of
@@ -58,14 +63,13 @@ inline void check_launch_fits(const char* backend, const Regions& regions, int n
 // would overwrite the next token's, and the last one the region after it, which peers write.
 template <typename Regions>
 inline void check_rows_fit(const char* backend, const Regions& regions, int64_t row_bytes, int64_t scale_bytes) {
-  const std::string who = std::string("ep_plugin ") + backend + ": ";
   if (row_bytes <= 0 || row_bytes % 16)
-    throw std::invalid_argument(who + "row_bytes " + std::to_string(row_bytes) + " is not a positive multiple of 16");
+    refuse_launch(backend, "row_bytes " + std::to_string(row_bytes) + " is not a positive multiple of 16");
   if (scale_bytes < 0 || scale_bytes % 4)
-    throw std::invalid_argument(who + "scale_bytes " + std::to_string(scale_bytes) + " is not a multiple of 4");
+    refuse_launch(backend, "scale_bytes " + std::to_string(scale_bytes) + " is not a multiple of 4");
   if (row_bytes + scale_bytes > regions.slot_bytes)
-    throw std::invalid_argument(who + "a row of " + std::to_string(row_bytes) + " + " + std::to_string(scale_bytes) +
-                                " bytes is larger than this buffer's slot of " + std::to_string(regions.slot_bytes));
+    refuse_launch(backend, "a row of " + std::to_string(row_bytes) + " + " + std::to_string(scale_bytes) +
+                               " bytes is larger than this buffer's slot of " + std::to_string(regions.slot_bytes));
 }
 
 }  // namespace ep

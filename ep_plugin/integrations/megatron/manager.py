@@ -1,6 +1,6 @@
 """The communication manager that ``MoEFlexTokenDispatcher`` drives when a plugin name is chosen.
 
-Megatron's flex dispatcher calls, per MoE layer and step (docs/design.md, Megatron facts):
+Megatron's flex dispatcher calls, per MoE layer and step (docs/design.md, §7 Megatron-Core):
 
     setup_metadata(routing_map, probs)      inside torch.compile: reshapes only, sets token_probs
     dispatch(hidden, async_finish, allocate_on_comm_stream) -> rows; sets dispatched_probs
