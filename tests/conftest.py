@@ -89,6 +89,21 @@ def pytest_runtest_call(item):
 
 
 @pytest.fixture
+def extension(request):
+    """The compiled ``ep_plugin._C``, for tests that need it but no GPU (host code, argument structs): they
+    skip without it, and fail where GPU tests fail (``require_gpu``: on a GPU machine a missing extension is
+    a failed build)."""
+    from ep_plugin import _cuda
+
+    if _cuda._module is None:
+        reason = f"ep_plugin._C is not built or does not import ({_cuda._import_error})"
+        if require_gpu(request.config):
+            pytest.fail(f"the extension is required here: {reason}", pytrace=False)
+        pytest.skip(reason)
+    return _cuda._module
+
+
+@pytest.fixture
 def ep_megatron():
     """ep_plugin.integrations.megatron, installed; restored to Megatron's original state afterwards
     (test_megatron_integration.py, test_nemo_bridge.py). Imports Megatron only when a test uses it."""

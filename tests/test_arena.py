@@ -81,10 +81,8 @@ def test_megatron_default_arena_leaves_decode_sized_outputs_to_the_two_stage_com
 
 
 @pytest.fixture()
-def library():
-    if _cuda._module is None:
-        pytest.skip(f"extension not built here: {_cuda._import_error}")
-    lib = ctypes.CDLL(_cuda._module.__file__)
+def library(extension):
+    lib = ctypes.CDLL(extension.__file__)
     lib.ep_arena_alloc.restype = ctypes.c_void_p
     lib.ep_arena_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     lib.ep_arena_free.restype = None

@@ -10,9 +10,7 @@ from ep_plugin import _cuda
 from ep_plugin.backends import compiled
 
 
-def test_import_without_driver_reports_no_device():
-    if _cuda._module is None:
-        pytest.skip(f"extension not built here: {_cuda._import_error}")
+def test_import_without_driver_reports_no_device(extension):
     # A fresh interpreter: importing _C alone must not crash, whatever the machine has.
     code = "import ep_plugin._C as c; print(c.cuda_device_count()); print(c.describe_devices())"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -34,12 +32,10 @@ def test_missing_extension_explains_itself(monkeypatch):
         _cuda.extension()
 
 
-def test_region_layouts_and_argument_structs_need_no_gpu():
+def test_region_layouts_and_argument_structs_need_no_gpu(extension):
     """The backends' region layouts (host code) and the keyword-filled argument structs: shapes the
     kernels cannot take are refused by name, regions are 256-byte aligned and do not overlap."""
-    if _cuda._module is None:
-        pytest.skip(f"extension not built here: {_cuda._import_error}")
-    C = _cuda._module
+    C = extension
     shape = dict(num_ranks=8, max_tokens=4096, hidden=7168, num_local_experts=32, max_blocks=16)
     layouts = {"hybrid": C.hybrid.Regions(**shape), "elastic": C.elastic.Regions(**shape, max_topk=8)}
     for name, regions in layouts.items():
@@ -75,13 +71,11 @@ def test_region_layouts_and_argument_structs_need_no_gpu():
     assert (args.capacity, args.expand, args.out) == (5, True, 0)
 
 
-def test_pointer_fields_take_tensors_ints_and_none():
+def test_pointer_fields_take_tensors_ints_and_none(extension):
     """Pointer fields of the argument structs read a tensor's address (subclasses and any class with
     a data_ptr() method too: the extension looks data_ptr up once per class), take ints and None,
     and refuse anything else by field and type name."""
-    if _cuda._module is None:
-        pytest.skip(f"extension not built here: {_cuda._import_error}")
-    C = _cuda._module
+    C = extension
     counts = torch.zeros(8, dtype=torch.int32)
     weights = torch.nn.Parameter(torch.zeros(4))
 
