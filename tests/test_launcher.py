@@ -348,3 +348,37 @@ def test_a_rank_whose_exit_hangs_is_named(monkeypatch):
     with pytest.raises(EPError, match=r"rank\(s\) \[0\] did not exit within 3 s of returning their results"):
         run_ranks(hang_at_exit_on_rank_zero, 2, timeout_s=60)
     assert time.monotonic() - start < 30  # and the launcher's cleanup killed it
+
+
+def test_a_private_mps_daemon_whose_owner_was_killed_is_stopped_by_the_next(tmp_path, monkeypatch):
+    """A launcher killed by SIGKILL (a device call's last resort) runs no cleanup: its daemon stayed, for
+    ever on a machine kept warm. The next PrivateMPS of this user stops daemons whose owner is gone (an
+    ``nvidia-cuda-mps-control`` stand-in records what it was told), and leaves a live owner's alone."""
+    import subprocess
+    import tempfile
+
+    from ep_plugin.testing import mps
+
+    calls, tmp, bin_dir = tmp_path / "calls", tmp_path / "tmp", tmp_path / "bin"
+    tmp.mkdir()
+    bin_dir.mkdir()
+    fake = bin_dir / mps.CONTROL
+    fake.write_text(f"""#!/bin/sh
+if [ "$1" = "-d" ]; then touch "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0; fi
+echo "$(cat) $CUDA_MPS_PIPE_DIRECTORY" >> {calls}
+rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    orphan, live = tmp / f"{mps.PREFIX}{finished.pid}_a", tmp / f"{mps.PREFIX}{os.getppid()}_b"
+    for root in (orphan, live):
+        (root / "pipe").mkdir(parents=True)
+        (root / "pipe" / "control").touch()
+    with mps.PrivateMPS() as env:
+        assert env["CUDA_MPS_PIPE_DIRECTORY"].startswith(str(tmp / f"{mps.PREFIX}{os.getpid()}_"))
+    assert not orphan.exists() and live.exists()
+    told = calls.read_text().splitlines()
+    assert told[0] == f"quit {orphan / 'pipe'}" and told[1].startswith("quit ") and len(told) == 2, told

@@ -1,8 +1,10 @@
 """A private CUDA MPS daemon so that several rank processes can share one GPU concurrently.
 
 Without MPS, processes on one GPU time-slice (a cross-process flag round trip ~2 ms);
-with it they run at once. The daemon lives in a fresh 0700 directory, and only the
-daemon this object started is stopped — also when the body raises or is interrupted.
+with it they run at once. The daemon lives in a fresh 0700 directory named after the
+process that owns it, and only the daemon this object started is stopped — also when the
+body raises or is interrupted. A daemon whose owner was killed (SIGKILL: no cleanup ran)
+is stopped by the next PrivateMPS of this user, which finds its folder with its owner gone.
 """
 
 from __future__ import annotations
@@ -15,6 +17,40 @@ import tempfile
 import time
 
 CONTROL = "nvidia-cuda-mps-control"
+PREFIX = "ep_plugin_mps_"  # then the owner's pid and "_"
+
+
+def _owner_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def stop_orphaned_daemons(folder: str | None = None) -> list[str]:
+    """Stop the private daemons in ``folder`` (default: the temp folder) whose owner process is gone, and
+    remove their folders; returns the folders it removed. Only this user's folders are readable (0700)."""
+    folder = folder or tempfile.gettempdir()
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        owner = name[len(PREFIX):].split("_", 1)[0]
+        root = os.path.join(folder, name)
+        if not name.startswith(PREFIX) or not owner.isdigit() or _owner_alive(int(owner)):
+            continue
+        pipe = os.path.join(root, "pipe")
+        if os.path.exists(os.path.join(pipe, "control")):
+            try:
+                subprocess.run([CONTROL], input="quit\n", capture_output=True, text=True, timeout=30,
+                               env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": pipe,
+                                    "CUDA_MPS_LOG_DIRECTORY": os.path.join(root, "log")})
+            except (OSError, subprocess.SubprocessError):
+                pass  # the folder goes anyway: a daemon that is not answering is past saving
+        shutil.rmtree(root, ignore_errors=True)
+        removed.append(root)
+    return removed
 
 
 class PrivateMPS:
@@ -27,7 +63,8 @@ class PrivateMPS:
     def __enter__(self) -> dict[str, str]:
         if shutil.which(CONTROL) is None:
             raise RuntimeError(f"{CONTROL} not found: several ranks per GPU need CUDA MPS")
-        self.root = tempfile.mkdtemp(prefix="ep_plugin_mps_")
+        stop_orphaned_daemons()
+        self.root = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}_")
         os.chmod(self.root, 0o700)
         self.env = {
             "CUDA_MPS_PIPE_DIRECTORY": os.path.join(self.root, "pipe"),
