@@ -37,8 +37,9 @@ def library(functions):
     return types.SimpleNamespace(**{fn.__name__: Entry(fn) for fn in functions})
 
 
-def fake_cuda(*, count=2, init_rc=0, export_rc=0, peer=True, with_export=True, attributes=None):
-    """A namespace of plain functions named like libcuda's entry points; ``calls`` records the order."""
+def fake_cuda(*, count=2, init_rc=0, export_rc=0, peer=True, with_export=True, attributes=None, without=()):
+    """A namespace of plain functions named like libcuda's entry points; ``calls`` records the order.
+    ``without``: entry points this (older) driver lacks."""
     calls = []
     state = {"fd": None, "allocated": 0}
     attributes = {16: 132, 75: 9, 76: 0, 102: 1, 110: 1, 116: 1, 124: 1, 128: 0, **(attributes or {})}
@@ -126,7 +127,7 @@ def fake_cuda(*, count=2, init_rc=0, export_rc=0, peer=True, with_export=True, a
                  cuMemAlloc_v2, cuMemFree_v2]
     if with_export:
         functions.append(cuMemGetHandleForAddressRange)
-    return library(functions), calls, state
+    return library([f for f in functions if f.__name__ not in without]), calls, state
 
 
 def fake_nvml(active_links=4):
@@ -189,6 +190,16 @@ def test_old_driver_without_the_export_entry_point():
     lib, _, _ = fake_cuda(count=1, with_export=False)
     report = probe_driver(library=lib, nvml=False)
     assert report.loaded and report.gpus[0].dmabuf_export.startswith("failed: this driver has no")
+
+
+def test_a_driver_before_cuda_11_still_lists_its_gpus():
+    """An R418/R440 driver has no cuDevicePrimaryCtxRelease_v2 (CUDA 11.0) nor the export: the export's entry
+    points were bound as required, so the whole report was lost ("lacks an entry point": no GPUs listed)."""
+    lib, _, _ = fake_cuda(count=1, with_export=False, without=("cuDevicePrimaryCtxRelease_v2",))
+    report = probe_driver(library=lib, nvml=False)
+    assert report.loaded and report.error is None and len(report.gpus) == 1, report
+    assert report.gpus[0].dmabuf_export == "failed: this driver has no cuDevicePrimaryCtxRelease_v2 (the export " \
+                                           "needs a CUDA 11.7+ driver)"
 
 
 def test_init_failure_is_text_not_an_exception(monkeypatch):

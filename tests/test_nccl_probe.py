@@ -12,12 +12,22 @@ IB_DMABUF = [
     "DMA-BUF is available on GPU device 0",
     "NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/IB [RO]; OOB ens3:10.0.0.2<0>",
     "Using network IB",
-    "NET/IB : GPU Direct RDMA (DMABUF) enabled for HCA 0 'mlx5_0'",
-    "NET/IB : GPU Direct RDMA (DMABUF) enabled for HCA 1 'mlx5_1'",
+    # The RDMA plugin's lines print no closing quote; NCCL's own (its topology) cannot say which module.
+    "NET/IB : GPU Direct RDMA (DMABUF) enabled for HCA 0 'mlx5_0",
+    "NET/IB : GPU Direct RDMA (DMABUF) enabled for HCA 1 'mlx5_1",
+    "NET/IB : GPU Direct RDMA Enabled for HCA 0 'mlx5_0'",
     "Channel 00/0 : 0[0] -> 1[1] [send] via NET/IB/0/GDRDMA",
     "Channel 01/0 : 0[0] -> 1[1] [send] via NET/IB/1/GDRDMA",
 ]
 IB_PEERMEM = [
+    "Using network IB",
+    "NET/IB : GPU Direct RDMA (nvidia-peermem) enabled for HCA 0 'mlx5_0",
+    "NET/IB : GPU Direct RDMA Enabled for HCA 0 'mlx5_0'",
+    "Channel 00/0 : 1[1] -> 0[0] [receive] via NET/IB/0/GDRDMA",
+]
+# NCCL's own IB transport alone: "Enabled" is peermem or DMA-BUF (it was read as peermem).
+IB_ENABLED = [
+    "DMA-BUF is available on GPU device 0",
     "Using network IB",
     "NET/IB : GPU Direct RDMA Enabled for HCA 0 'mlx5_0'",
     "Channel 00/0 : 1[1] -> 0[0] [receive] via NET/IB/0/GDRDMA",
@@ -62,7 +72,7 @@ def lines(sample):
 @pytest.mark.parametrize("sample,mode", [
     (IB_DMABUF, nccl_probe.GDR_DMABUF), (IB_PEERMEM, nccl_probe.GDR_PEERMEM), (IB_STAGED, nccl_probe.STAGED),
     (SOCKETS, nccl_probe.SOCKET), (P2P_ONLY, None), (EFA_GDR, nccl_probe.GDR_UNSPECIFIED),
-    (CONFLICTING, nccl_probe.STAGED),
+    (CONFLICTING, nccl_probe.STAGED), (IB_ENABLED, nccl_probe.GDR_UNSPECIFIED),
 ])
 def test_log_decides_the_mode(sample, mode):
     assert scaleout_mode_from_log(parse_nccl_log(lines(sample)))[0] == mode
@@ -72,6 +82,8 @@ def test_parsed_facts():
     facts = parse_nccl_log(lines(IB_DMABUF))
     assert (facts.version, facts.network, facts.gpu_dmabuf_available) == ("2.27.3+cuda12.9", "IB", True)
     assert facts.gdr_dmabuf_hcas == ["mlx5_0", "mlx5_1"] and facts.gdr_enabled_hcas == []
+    assert facts.gdr_unspecified_hcas == ["mlx5_0"]
+    assert parse_nccl_log(lines(IB_PEERMEM)).gdr_enabled_hcas == ["mlx5_0"]
     assert (facts.net_channels, facts.gdr_channels) == (2, 2)
     staged = parse_nccl_log(lines(IB_STAGED))
     assert staged.gdr_disabled_hcas == ["mlx5_0"] and (staged.net_channels, staged.gdr_channels) == (2, 0)

@@ -121,13 +121,14 @@ class _Driver:
         self._bind("cuDeviceGetPCIBusId", [ctypes.c_char_p, c_int, c_int])
         self._bind("cuDeviceTotalMem_v2", [ctypes.POINTER(c_size_t), c_int])
         self._bind("cuDeviceCanAccessPeer", [p_int, c_int, c_int])
-        self._bind("cuDevicePrimaryCtxRetain", [ctypes.POINTER(ctypes.c_void_p), c_int])
-        self._bind("cuDevicePrimaryCtxRelease_v2", [c_int])
-        self._bind("cuCtxPushCurrent_v2", [ctypes.c_void_p])
-        self._bind("cuCtxPopCurrent_v2", [ctypes.POINTER(ctypes.c_void_p)])
-        self._bind("cuMemAlloc_v2", [ctypes.POINTER(cu_device_ptr), c_size_t])
-        self._bind("cuMemFree_v2", [cu_device_ptr])
-        # Absent before CUDA 11.7 drivers: probed lazily so older drivers still get a report.
+        # The DMA-BUF export's alone (cuDevicePrimaryCtxRelease_v2 from CUDA 11.0 drivers on,
+        # cuMemGetHandleForAddressRange from 11.7): optional, so that an older driver still gets the GPUs listed.
+        self._bind("cuDevicePrimaryCtxRetain", [ctypes.POINTER(ctypes.c_void_p), c_int], optional=True)
+        self._bind("cuDevicePrimaryCtxRelease_v2", [c_int], optional=True)
+        self._bind("cuCtxPushCurrent_v2", [ctypes.c_void_p], optional=True)
+        self._bind("cuCtxPopCurrent_v2", [ctypes.POINTER(ctypes.c_void_p)], optional=True)
+        self._bind("cuMemAlloc_v2", [ctypes.POINTER(cu_device_ptr), c_size_t], optional=True)
+        self._bind("cuMemFree_v2", [cu_device_ptr], optional=True)
         self._bind("cuMemGetHandleForAddressRange", [ctypes.c_void_p, cu_device_ptr, c_size_t, c_int,
                                                       ctypes.c_ulonglong], optional=True)
 
@@ -263,10 +264,15 @@ def _probe_devices(driver: _Driver, report: DriverReport) -> None:
                 report.peer_access[i][j] = bool(can.value)
 
 
+_EXPORT_ENTRY_POINTS = ("cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2", "cuCtxPushCurrent_v2",
+                        "cuCtxPopCurrent_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetHandleForAddressRange")
+
+
 def _try_dmabuf_export(driver: _Driver, device: int, driver_version: Optional[int]) -> str:
     """Export a page-aligned range of a fresh cuMemAlloc as a DMA-BUF fd; "ok" or "failed: why"."""
-    if driver.cuMemGetHandleForAddressRange is None:
-        return "failed: this driver has no cuMemGetHandleForAddressRange (needs CUDA 11.7+)"
+    for name in _EXPORT_ENTRY_POINTS:
+        if getattr(driver, name) is None:
+            return f"failed: this driver has no {name} (the export needs a CUDA 11.7+ driver)"
     if driver_version is not None and driver_version < DMA_BUF_MIN_DRIVER_VERSION:
         return f"failed: driver API {driver_version} is older than 11.7"
     context = ctypes.c_void_p()

@@ -33,7 +33,8 @@ UNAVAILABLE = "unavailable"
 RANK = {GDR_DMABUF: 3, GDR_PEERMEM: 3, GDR_UNSPECIFIED: 3, STAGED: 2, SOCKET: 1, UNAVAILABLE: 0}
 REQUIREMENTS = {"gdr": 3, "rdma": 2, "socket": 1}
 
-_HCA = r"for HCA \d+ '([^']+)'"
+# The HCA's name; the RDMA plugin's "(DMABUF) enabled" and "(nvidia-peermem) enabled" lines print no closing quote.
+_HCA = r"for HCA \d+ '([^'\s]+)'?"
 
 
 @dataclass
@@ -44,7 +45,9 @@ class NcclLogFacts:
     network: Optional[str] = None  # "IB", "Socket", "AWS Libfabric", ...
     gpu_dmabuf_available: bool = False
     gdr_dmabuf_hcas: list[str] = field(default_factory=list)
-    gdr_enabled_hcas: list[str] = field(default_factory=list)  # peermem (or unspecified) GDR
+    gdr_enabled_hcas: list[str] = field(default_factory=list)  # "(nvidia-peermem) enabled"
+    # NCCL's own "GPU Direct RDMA Enabled" (its topology): peermem or DMA-BUF, it does not say which.
+    gdr_unspecified_hcas: list[str] = field(default_factory=list)
     gdr_disabled_hcas: list[str] = field(default_factory=list)
     net_channels: int = 0  # connections through the network transport
     gdr_channels: int = 0  # ... of which use GPUDirect RDMA
@@ -64,8 +67,10 @@ def parse_nccl_log(lines: Iterable[str]) -> NcclLogFacts:
             facts.gpu_dmabuf_available = True
         if match := re.search(r"GPU Direct RDMA \(DMABUF\) enabled " + _HCA, line, re.IGNORECASE):
             _add(facts.gdr_dmabuf_hcas, match.group(1))
-        elif match := re.search(r"GPU Direct RDMA (?:\(nvidia-peermem\) )?enabled " + _HCA, line, re.IGNORECASE):
+        elif match := re.search(r"GPU Direct RDMA \(nvidia-peermem\) enabled " + _HCA, line, re.IGNORECASE):
             _add(facts.gdr_enabled_hcas, match.group(1))
+        elif match := re.search(r"GPU Direct RDMA Enabled " + _HCA, line):
+            _add(facts.gdr_unspecified_hcas, match.group(1))
         elif match := re.search(r"GPU Direct RDMA Disabled " + _HCA, line):
             _add(facts.gdr_disabled_hcas, match.group(1))
         if re.search(r"\bvia NET/", line):
@@ -96,8 +101,9 @@ def scaleout_mode_from_log(facts: NcclLogFacts) -> tuple[Optional[str], str]:
         if facts.gdr_enabled_hcas:
             return GDR_PEERMEM, f"{facts.gdr_channels} of {facts.net_channels} {network} connections use " \
                                 f"GPUDirect RDMA (peer memory) on {', '.join(facts.gdr_enabled_hcas)}"
+        dmabuf = " (DMA-BUF is available on the GPU)" if facts.gpu_dmabuf_available else ""
         return GDR_UNSPECIFIED, f"{facts.gdr_channels} of {facts.net_channels} {network} connections use " \
-                                f"GPUDirect RDMA (the log does not say through which module)"
+                                f"GPUDirect RDMA (the log does not say through which module{dmabuf})"
     disabled = f" (GPU Direct RDMA Disabled for {', '.join(facts.gdr_disabled_hcas)})" \
         if facts.gdr_disabled_hcas else ""
     return STAGED, f"{facts.net_channels} {network} connections, none with GPUDirect RDMA{disabled}"
