@@ -65,6 +65,7 @@ PYBIND11_MODULE(_C, m) {
       .def("export_handle", [](const ep::SymmetricBuffer& b) { return py::bytes(b.export_handle()); })
       .def("open_peers", &ep::SymmetricBuffer::open_peers, py::arg("handles"))
       .def("destroy", &ep::SymmetricBuffer::destroy)
+      .def("abandon", &ep::SymmetricBuffer::abandon)
       .def("report", &ep::SymmetricBuffer::report)
       .def("failed", &ep::SymmetricBuffer::failed)
       .def("mailbox", &ep::SymmetricBuffer::mailbox, py::arg("first"), py::arg("count"))

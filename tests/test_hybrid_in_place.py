@@ -399,13 +399,48 @@ def arena(ctx) -> int:
     return checked
 
 
+def arena_tensor_outliving_its_backend(ctx) -> int:
+    """A tensor of the arena alive at destroy(): the buffer was freed, the next backend's buffer came back at
+    the same address, and when torch gave the old pool's segment back late, the new arena's part was marked
+    free while the new pool held it (two pools lending the same bytes). Now the old buffer stays allocated
+    (a warning says so): the new arena lies elsewhere, and the late free changes nothing of it."""
+    num_experts = 32
+    room = HybridBackend.worst_case_rows(ctx.world_size, MAX_TOKENS, num_experts // ctx.world_size, 4, 16)
+    _, first = make_backends(ctx, num_experts, room)
+    with first.combine_input_arena() as usable:
+        assert usable, first.arena.unusable_reason
+        kept = torch.ones(1000, dtype=torch.bfloat16, device=ctx.device)
+    old_address = first.arena.address
+    first.destroy()
+    assert first.keep_buffer_memory
+    _, second = make_backends(ctx, num_experts, room)
+    with second.combine_input_arena() as usable:
+        assert usable, second.arena.unusable_reason
+        fresh = torch.full((1000,), 2.0, dtype=torch.bfloat16, device=ctx.device)
+    assert second.arena.address != old_address and second.arena.lent_parts() == 2
+    del kept
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the old pool gives its segment back now
+    assert second.arena.lent_parts() == 2, second.arena.lent_parts()
+    with second.combine_input_arena() as usable:  # a new block must not land on fresh's bytes
+        other = torch.zeros(1000, dtype=torch.bfloat16, device=ctx.device)
+    assert other.data_ptr() != fresh.data_ptr() and float(fresh.float().sum()) == 2000.0
+    del fresh, other
+    torch.cuda.synchronize()
+    second.destroy()
+    assert not second.keep_buffer_memory
+    return 1
+
+
 def run_suite(ctx) -> dict:
     return {"blocking": blocking_sweep(ctx), "over_budget": over_budget(ctx), "graph": graph_replays(ctx),
-            "autograd": autograd_and_misuse(ctx), "arena": arena(ctx)}
+            "autograd": autograd_and_misuse(ctx), "arena": arena(ctx),
+            "arena outliving its backend": arena_tensor_outliving_its_backend(ctx)}
 
 
 @pytest.mark.parametrize("num_ranks", [2, 8])
 def test_hybrid_combine_in_place_is_the_one_pass_sum(num_ranks):
     results = run_ranks(run_suite, num_ranks, device="cuda", timeout_s=LAUNCH_TIMEOUT_S)
-    assert results[0] == {"blocking": 3 * 8 + 8, "over_budget": 1, "graph": 6, "autograd": 1, "arena": 8}, results[0]
+    assert results[0] == {"blocking": 3 * 8 + 8, "over_budget": 1, "graph": 6, "autograd": 1, "arena": 8,
+                          "arena outliving its backend": 1}, results[0]
     assert all(r == results[0] for r in results)

@@ -130,6 +130,7 @@ class CompiledBackend(Backend):
     sm_write_gbytes_per_s: float = 20.0
     # op_range's state (set per instance in __init__; here too, for an op reached before that finished)
     _launches: int = 0
+    keep_buffer_memory: bool = False  # destroy() leaves the buffer allocated (hybrid: an arena tensor lives on)
     _failed_mid_op: Optional[str] = None
 
     @classmethod
@@ -591,7 +592,7 @@ class CompiledBackend(Backend):
     def destroy(self) -> None:
         try:
             if self.buffer is not None:
-                self.buffer.destroy()
+                self.buffer.destroy(keep_memory=self.keep_buffer_memory)
         finally:  # destroyed also where the buffer's last wait failed: every op refuses from now on
             super().destroy()
 

@@ -97,6 +97,7 @@ Rules and limits:
 from __future__ import annotations
 
 import collections
+import logging
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -112,6 +113,8 @@ from ..routing import ROUTING_MAP, Routing, route_counts
 from ..transport.arena import CombineInputArena, arena_bytes
 from .base import Capabilities
 from .compiled import CompiledBackend, Scratch, nvtx_range, op_range, worst_case_rows
+
+logger = logging.getLogger(__name__)
 
 PHASE_NAMES = {
     1: "dispatch/notify (handshake + count exchange)",
@@ -418,8 +421,11 @@ class HybridBackend(CompiledBackend):
 
     def destroy(self) -> None:
         try:
-            if self.arena is not None:
-                self.arena.destroy()
+            if self.arena is not None and self.arena.destroy():
+                self.keep_buffer_memory = True
+                logger.warning("ep_plugin hybrid: a tensor of the combine-input arena outlived its backend: the "
+                               "buffer (%.2f GiB) stays allocated until the process ends",
+                               self.buffer.total_bytes / 2**30)
         finally:
             super().destroy()
 

@@ -134,12 +134,17 @@ class CombineInputArena:
         """Segments of ordinary memory the pool took while the arena was full (0 normally)."""
         return self._C.arena_fallback_segments(self.id)
 
-    def destroy(self) -> None:
+    def destroy(self) -> bool:
         """Drop the pool and forget the arena, before its buffer is freed (a later buffer may get the
-        same addresses); tensors still in it must not be used."""
+        same addresses); tensors still in it must not be used. Returns whether the pool still holds part of
+        the arena (a tensor in it is alive): then the buffer must not be freed, or a later buffer at the
+        same address would be lent to a new pool while the old one still holds it (two pools handing out the
+        same bytes; torch gives the old segment back whenever it likes)."""
         self._pool = None  # torch gives the pool's free segments back now, while the arena is known
+        still_held = self._C.arena_lent_parts(self.id) > 0
         self._C.arena_unregister(self.id)
         self.unusable_reason = "the arena was destroyed with its buffer"
+        return still_held
 
     # ---- the pool ------------------------------------------------------------------------------
 

@@ -171,11 +171,12 @@ class SymmetricBuffer:
         if raise_report:
             self.raise_if_failed()
 
-    def destroy(self) -> None:
+    def destroy(self, *, keep_memory: bool = False) -> None:
         """Collective: wait until no peer can still write here, then free everything. Where that wait fails
         (a peer gone or late, this GPU still busy), it raises, and the buffer counts as destroyed all the
         same, with its memory left allocated and mapped: a peer or a kernel may still write there, and freed
-        memory would be handed to other allocations (a leak, not a corruption)."""
+        memory would be handed to other allocations (a leak, not a corruption). ``keep_memory``: the same
+        after a wait that succeeded (a tensor of the combine-input arena outlives the backend)."""
         if self._destroyed:
             return
         try:
@@ -183,19 +184,19 @@ class SymmetricBuffer:
             self.synchronize("destroy", raise_report=False)
             self._collectives.barrier(where="destroy")  # ... and so are everyone's into ours
         except BaseException:
-            _KEPT_AFTER_A_FAILED_DESTROY.append(self._buffer)  # its destructor would free the memory
+            # Not freed, not even by its destructor at exit (whose device-wide synchronize would wait on the
+            # kernel that never finished, with the process on its way out).
+            self._buffer.abandon()
             raise
         finally:
             self._destroyed = True
             self._collectives.release()
             WATCH.unwatch(self)  # before the report's memory goes
         self._region_tensors.clear()
-        self._buffer.destroy()
-
-
-# Buffers whose destroy() could not tell that no peer or kernel still writes into them: kept for the life of
-# the process (their C++ destructor would free the memory, which other allocations would then share).
-_KEPT_AFTER_A_FAILED_DESTROY: list = []
+        if keep_memory:
+            self._buffer.abandon()
+        else:
+            self._buffer.destroy()
 
 
 # bf16 has no typestr: it travels as int16 and is reinterpreted on the torch side.

@@ -110,6 +110,9 @@ class SymmetricBuffer {
   void open_peers(const std::vector<std::string>& handles);
   // Release everything (idempotent). Peers must not touch this buffer afterwards.
   void destroy();
+  // Marks the buffer destroyed and frees nothing, now or in the destructor: the memory stays allocated and
+  // mapped for the life of the process (a peer or a kernel may still use it, or a pool still holds part).
+  void abandon() { destroyed_ = true; }
 
   // (kind, rank, phase, peer, expected, seen, waited_ns); kind 0 = nothing failed. Reads mapped
   // host memory only: no CUDA call, no sync.
