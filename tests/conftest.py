@@ -16,7 +16,9 @@ functions, never at module level.
 
 import functools
 import os
+import signal
 import sys
+import threading
 from typing import Optional
 
 import pytest
@@ -26,6 +28,18 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 REQUIRE_GPU_ENV = "EP_PLUGIN_REQUIRE_GPU"
+
+
+def pytest_configure(config):
+    # A timeout's SIGTERM (the GPU stages run pytest under `timeout`) stops the session as Ctrl-C does: pytest
+    # then prints what failed so far, where SIGTERM ended it with no summary. (The launcher cleans its ranks
+    # up first and then hands SIGTERM on to this handler.)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop_like_ctrl_c)
+
+
+def _stop_like_ctrl_c(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum} (SIGTERM)")
 
 
 def pytest_addoption(parser):

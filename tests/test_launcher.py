@@ -382,3 +382,38 @@ rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
     assert not orphan.exists() and live.exists()
     told = calls.read_text().splitlines()
     assert told[0] == f"quit {orphan / 'pipe'}" and told[1].startswith("quit ") and len(told) == 2, told
+
+
+SESSION_UNDER_SIGTERM = '''
+import time
+from ep_plugin.testing import run_ranks
+
+
+def sleep_in_rank(ctx):
+    time.sleep(120)
+
+
+def test_a_fails():
+    assert 1 == 2, "planted failure"
+
+
+def test_b_runs_ranks_past_the_timeout():
+    run_ranks(sleep_in_rank, 2, timeout_s=120)
+'''
+
+
+def test_a_pytest_session_stopped_by_sigterm_reports_what_failed(tmp_path):
+    """The GPU stages run pytest under `timeout`: its SIGTERM ended pytest with no summary (or, once the launcher
+    turned it into SystemExit, only the current test failed and the session ran on past the timeout). Now the
+    launcher cleans its ranks up, and pytest stops as on Ctrl-C, printing what failed so far."""
+    import shutil
+    import subprocess
+
+    shutil.copy(os.path.join(os.path.dirname(__file__), "conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_session.py").write_text(SESSION_UNDER_SIGTERM)
+    done = subprocess.run(["timeout", "-k", "30", "20", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(tmp_path / "test_session.py")], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert "FAILED test_session.py::test_a_fails" in done.stdout and "KeyboardInterrupt" in done.stdout, done.stdout
+    assert done.returncode == 124, done.returncode  # timeout's status: ended by its SIGTERM, not its SIGKILL
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("ep_plugin_rdzv_")]  # the launcher cleaned up
