@@ -40,17 +40,32 @@ def stop_orphaned_daemons(folder: str | None = None) -> list[str]:
         root = os.path.join(folder, name)
         if not name.startswith(PREFIX) or not owner.isdigit() or _owner_alive(int(owner)):
             continue
-        pipe = os.path.join(root, "pipe")
-        if os.path.exists(os.path.join(pipe, "control")):
-            try:
-                subprocess.run([CONTROL], input="quit\n", capture_output=True, text=True, timeout=30,
-                               env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": pipe,
-                                    "CUDA_MPS_LOG_DIRECTORY": os.path.join(root, "log")})
-            except (OSError, subprocess.SubprocessError):
-                pass  # the folder goes anyway: a daemon that is not answering is past saving
-        shutil.rmtree(root, ignore_errors=True)
+        _quit_and_remove(root)
         removed.append(root)
     return removed
+
+
+def _folders(root: str) -> dict[str, str]:
+    """The environment that points MPS clients and the control tool at the daemon of ``root``."""
+    return {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(root, "pipe"), "CUDA_MPS_LOG_DIRECTORY": os.path.join(root, "log")}
+
+
+def _quit_and_remove(root: str) -> None:
+    """Tell the daemon of ``root`` to quit, give it up to 5 s to go (it removes its control pipe when it has
+    exited), and remove the folder whatever it answered: a daemon that is not answering is past saving."""
+    control = os.path.join(root, "pipe", "control")
+    try:
+        if os.path.exists(control):
+            subprocess.run([CONTROL], input="quit\n", env={**os.environ, **_folders(root)}, capture_output=True,
+                           text=True, timeout=30)
+            for _ in range(50):
+                if not os.path.exists(control):
+                    break
+                time.sleep(0.1)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 class PrivateMPS:
@@ -66,10 +81,7 @@ class PrivateMPS:
         stop_orphaned_daemons()
         self.root = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}_")
         os.chmod(self.root, 0o700)
-        self.env = {
-            "CUDA_MPS_PIPE_DIRECTORY": os.path.join(self.root, "pipe"),
-            "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.root, "log"),
-        }
+        self.env = _folders(self.root)
         for path in self.env.values():
             os.makedirs(path, mode=0o700)
         result = subprocess.run([CONTROL, "-d"], env={**os.environ, **self.env}, capture_output=True, text=True,
@@ -96,17 +108,9 @@ class PrivateMPS:
     def stop(self) -> None:
         if self.root is None:
             return
-        try:
-            subprocess.run([CONTROL], input="quit\n", env={**os.environ, **self.env}, capture_output=True, text=True,
-                           timeout=30)
-            # The daemon removes its pipe when it has exited; give it a moment.
-            for _ in range(50):
-                if not os.path.exists(os.path.join(self.env["CUDA_MPS_PIPE_DIRECTORY"], "control")):
-                    break
-                time.sleep(0.1)
-        finally:
-            self._cleanup_dir()
-            atexit.unregister(self.stop)
+        root, self.root = self.root, None
+        atexit.unregister(self.stop)
+        _quit_and_remove(root)
 
     def _cleanup_dir(self) -> None:
         if self.root is not None:
