@@ -353,22 +353,17 @@ def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dic
             # Reported before the teardown: destroying a process group whose peers are still inside a
             # collective can block (NCCL), and the launcher would then say "did not finish" instead.
             results.put((rank, False, traceback.format_exc()))
-            results.close()
-            results.join_thread()
+            _flush(results)
             _destroy_quietly(dist)
             return
         # Pickled here, by value: the queue pickles in a thread of its own, which drops an object that does not
         # pickle without a word (the rank then exits with code 0 and the launcher waits out its timeout); and
         # its pickler sends a CPU tensor as a file descriptor this process serves, gone once it exits.
         results.put((rank, True, pickle.dumps(output)))
-        # Written out before the teardown: a crash in it must not leave half a message in the pipe, which the
-        # launcher's read would wait on for ever (the ranks hold the pipe's write end: no end of file comes).
-        results.close()
-        results.join_thread()
+        _flush(results)  # out before the teardown, which may crash
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, False, traceback.format_exc()))
-        results.close()
-        results.join_thread()  # out before the teardown, as above
+        _flush(results)
         if dist is not None:  # e.g. a result that does not pickle: the group still goes first
             _destroy_quietly(dist)
         return
@@ -379,11 +374,18 @@ def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dic
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the result is reported; the exit code tells the launcher
         traceback.print_exc()
-        results.close()
-        results.join_thread()  # the result has left this process
+        _flush(results)
         sys.stderr.flush()
         os._exit(1)
     _exit_after_own_teardown(results)
+
+
+def _flush(results) -> None:
+    """Wait until what this rank put in ``results`` has left the process (the queue writes from a thread of its
+    own): a crash after this cannot leave half a message in the pipe, which the launcher would wait on for ever
+    (the ranks hold the pipe's write end: no end of file comes)."""
+    results.close()
+    results.join_thread()
 
 
 def _exit_after_own_teardown(results) -> None:
@@ -396,8 +398,7 @@ def _exit_after_own_teardown(results) -> None:
     import atexit
     import gc
 
-    results.close()
-    results.join_thread()  # the result has left this process
+    _flush(results)
     gc.collect()
     atexit._run_exitfuncs()
     sys.stdout.flush()
