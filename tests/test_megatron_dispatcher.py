@@ -564,6 +564,22 @@ def test_single_rank_plugin_path_and_traceable_metadata():
         replaced.startswith("BackendUnavailableError") and "'hybrid'" in replaced), replaced
 
 
+def _restore_error(dispatcher, num_tokens: int, generator) -> float:
+    """One top-2 call through the dispatcher: rows scaled by their probs and combined give the input back
+    (probs of a token sum to one); returns the largest error."""
+    import torch
+
+    hidden = torch.randn(num_tokens, HIDDEN, generator=generator)
+    top = torch.rand(num_tokens, NUM_EXPERTS, generator=generator).topk(2, dim=-1).indices
+    routing_map = torch.zeros(num_tokens, NUM_EXPERTS, dtype=torch.bool).scatter(-1, top, True)
+    probs = routing_map.float() / 2
+    hidden_2d, token_probs = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
+    rows, row_probs = dispatcher.token_dispatch(hidden_2d, token_probs)
+    rows, _, row_probs = dispatcher.dispatch_postprocess(rows, row_probs)
+    combined = dispatcher.token_combine(dispatcher.combine_preprocess(rows * row_probs.unsqueeze(-1)))
+    return _max_error(dispatcher.combine_postprocess(combined), hidden)
+
+
 def _tokens_past_the_default(ctx) -> dict:
     """Megatron's tokens per rank (sequence x micro-batch) are not in its config: the first call sizes the backend."""
     import os
@@ -580,16 +596,7 @@ def _tokens_past_the_default(ctx) -> dict:
         generator = torch.Generator().manual_seed(ctx.rank)
 
         def restore_error(num_tokens: int) -> float:
-            """Rows scaled by their probs and combined give the input back (probs of a token sum to one)."""
-            hidden = torch.randn(num_tokens, HIDDEN, generator=generator)
-            top = torch.rand(num_tokens, NUM_EXPERTS, generator=generator).topk(2, dim=-1).indices
-            routing_map = torch.zeros(num_tokens, NUM_EXPERTS, dtype=torch.bool).scatter(-1, top, True)
-            probs = routing_map.float() / 2
-            hidden_2d, token_probs = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
-            rows, row_probs = dispatcher.token_dispatch(hidden_2d, token_probs)
-            rows, _, row_probs = dispatcher.dispatch_postprocess(rows, row_probs)
-            combined = dispatcher.token_combine(dispatcher.combine_preprocess(rows * row_probs.unsqueeze(-1)))
-            return _max_error(dispatcher.combine_postprocess(combined), hidden)
+            return _restore_error(dispatcher, num_tokens, generator)
 
         default = Config().max_tokens_per_rank
         outcome = {"default": default}
@@ -635,6 +642,55 @@ def test_the_first_call_sizes_the_backend_for_megatrons_tokens_per_rank():
         assert "EP_PLUGIN_MAX_TOKENS_PER_RANK" in outcome["past"], outcome["past"]
         assert f"EP_PLUGIN_MAX_TOKENS_PER_RANK=100 (rank 0: {default + 64})" in outcome["set"], (rank, outcome)
         assert outcome["room_set"] == 100 and outcome["set_then"] < 1e-5, (rank, outcome)
+
+
+def _a_setting_on_rank_1_only(ctx, variable: str, value: str) -> dict:
+    """The first call with ``variable`` set on rank 1 only, then (unset again) the same call."""
+    import os
+
+    import torch
+
+    _init_megatron(ctx)
+    try:
+        dispatcher = _make_layer(_make_config(2), torch.zeros(NUM_EXPERTS, FFN, HIDDEN),
+                                 torch.zeros(NUM_EXPERTS, HIDDEN, FFN))[0]
+        generator = torch.Generator().manual_seed(ctx.rank)
+        if ctx.rank == 1:
+            os.environ[variable] = value
+        try:  # rank 1 past its own limit where the variable is the token limit
+            _restore_error(dispatcher, 200 if ctx.rank == 1 else 8, generator)
+            outcome = {"first": "ran"}
+        except ValueError as error:
+            outcome = {"first": f"{type(error).__name__}: {error}"}
+        os.environ.pop(variable, None)
+        outcome["again"] = _restore_error(dispatcher, 200 if ctx.rank == 1 else 8, generator)
+        return outcome
+    finally:
+        _finish_megatron()
+
+
+@pytest.mark.parametrize("variable, value, named", [
+    ("EP_PLUGIN_MAX_TOKENS_PER_RANK", "100", "EP_PLUGIN_MAX_TOKENS_PER_RANK (whether, and to what, it is set): "
+                                             "rank 0: unset, rank 1: 100"),
+    ("EP_PLUGIN_COMBINE_INPUT_ROWS", "64", "EP_PLUGIN_COMBINE_INPUT_ROWS (whether, and to what, it is set): "
+                                           "rank 0: unset, rank 1: 64"),
+    ("EP_PLUGIN_TIMEOUT_S", "soon", "rank 1: ep_plugin config: cannot parse EP_PLUGIN_TIMEOUT_S='soon'"),
+])
+def test_a_setting_on_one_rank_only_is_refused_on_every_rank_at_the_build(variable, value, named):
+    """An env file of one node: a variable that decides the build's first steps (the token limit, the arena's
+    size), or one that does not parse, set on one rank only. That rank refused alone, or took another path
+    than its peers, which then waited out the timeout or met it in another setup step, and no message named
+    the variable. Now every rank raises ValueError naming it and each rank's value, at once, nothing is
+    built, and the same call runs once the variable is gone."""
+    from ep_plugin.testing.launcher import run_ranks
+
+    results = run_ranks(_a_setting_on_rank_1_only, 2, variable, value, timeout_s=300,
+                        env={"TORCHDYNAMO_DISABLE": "1", "EP_PLUGIN_TIMEOUT_S": "20", variable: ""})
+    for rank, outcome in enumerate(results):
+        assert outcome["first"].startswith("ValueError: ep_plugin megatron: no rank builds the backend"), \
+            (rank, outcome)
+        assert named in outcome["first"], (rank, outcome)
+        assert outcome["again"] < 1e-5, (rank, outcome)
 
 
 # bf16 tokens, weights and expert GEMMs against float64 over the same rounded values: a few bf16 ulps

@@ -28,7 +28,7 @@ import torch
 
 import ep_plugin
 from ep_plugin.backends.base import Backend
-from ep_plugin.config import Config, env_is_set
+from ep_plugin.config import Config, env_is_set, env_var_name
 from ep_plugin.host_collectives import HostCollectives
 from ep_plugin.logs import warn_once
 
@@ -184,13 +184,16 @@ def backend_config(megatron_config) -> Config:
 
 def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int, device: torch.device, *,
                    experts_per_token: int, pad_multiple: Optional[int], config: Optional[Config] = None,
-                   experts_take_arena: bool = True, num_tokens: Optional[int] = None) -> Backend:
+                   experts_take_arena: bool = True, num_tokens: Optional[int] = None,
+                   config_problem: Optional[str] = None) -> Backend:
     """One backend instance per (name, group, hidden size, experts, device, top-k, padding, SMs), shared by
     all layers (a collective call when it builds one). Its buffers hold the tokens per rank of the call that
     builds it (``num_tokens``, the largest over the group; ``tokens_per_rank``). A backend with a
     combine-input arena gets Megatron's default size (``arena.combine_input_options``) where the experts can
     put their output there (``experts_take_arena``: SequentialMLP; grouped-GEMM experts cannot, and an arena
-    would be memory nothing uses). ``config``: the backend's (default: the EP_PLUGIN_* variables)."""
+    would be memory nothing uses). ``config``: the backend's (default: the EP_PLUGIN_* variables);
+    ``config_problem``: why this rank's EP_PLUGIN_* variables did not parse (``config`` is then the defaults),
+    which the first exchange tells every rank (``agree_before_build``)."""
     config = config if config is not None else Config.from_env()
     key = (backend_name, group, hidden_size, num_experts, str(device), experts_per_token, pad_multiple,
            config.num_sms, experts_take_arena)
@@ -200,7 +203,9 @@ def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int,
         words = HostCollectives(group, owner="ep_plugin megatron", timeout_s=config.timeout_s,
                                 label="megatron sizing and arena", device=device, on_host=config.gloo_host_words)
         default_tokens = config.max_tokens_per_rank
-        config = tokens_per_rank(config, words, num_tokens)
+        counts = agree_before_build(words, config, num_tokens, experts_take_arena=experts_take_arena,
+                                    config_problem=config_problem)
+        config = tokens_per_rank(config, words, counts)
         options = {} if not experts_take_arena else arena.combine_input_options(
             backend_class, words, device, config=config, num_experts=num_experts,
             experts_per_token=experts_per_token, pad_multiple=pad_multiple, hidden_size=hidden_size)
@@ -218,25 +223,60 @@ def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int,
     return _backends[key]
 
 
-def tokens_per_rank(config: Config, words: HostCollectives, num_tokens: Optional[int]) -> Config:
-    """``config`` with room for the largest ``num_tokens`` of the group's ranks (one timed exchange).
+# The settings that decide which exchanges a rank runs before the backend's own agreement check
+# (``check_construction``): ranks that differ in one would part ways before any check could name it.
+SHARED_BEFORE_BUILD = {
+    env_var_name("max_tokens_per_rank"): "whether, and to what, it is set",
+    env_var_name("combine_input_rows"): "whether, and to what, it is set",
+    "moe_grouped_gemm": "the experts' kind: only SequentialMLP's output goes to the combine-input arena",
+}
+
+
+def agree_before_build(words: HostCollectives, config: Config, num_tokens: Optional[int], *,
+                       experts_take_arena: bool, config_problem: Optional[str] = None) -> list[Optional[int]]:
+    """The tokens per rank of every rank's first call, from the one timed exchange every rank runs before a
+    shared backend is built. ValueError on every rank alike, naming the ranks and their values, where a rank's
+    EP_PLUGIN_* variables did not parse (``config_problem``) or the ranks differ in ``SHARED_BEFORE_BUILD``:
+    a rank that refused alone would leave its peers waiting for it in the next exchange."""
+    mine = {"tokens": num_tokens, "problem": config_problem, "moe_grouped_gemm": not experts_take_arena}
+    for knob in ("max_tokens_per_rank", "combine_input_rows"):
+        mine[env_var_name(knob)] = getattr(config, knob) if env_is_set(knob) else None
+    gathered = words.all_gather_object(mine, where="sizing (tokens per rank)")
+    unparsed = [f"{words.peer_name(rank)}: {facts['problem']}" for rank, facts in enumerate(gathered)
+                if facts["problem"]]
+    if unparsed:
+        raise ValueError("ep_plugin megatron: no rank builds the backend, as the EP_PLUGIN_* variables of some "
+                         "ranks do not parse: " + "; ".join(unparsed))
+    differing = []
+    for name, meaning in SHARED_BEFORE_BUILD.items():
+        values = [facts[name] for facts in gathered]
+        if any(value != values[0] for value in values):
+            per_rank = ", ".join(f"{words.peer_name(rank)}: {'unset' if value is None else value}"
+                                 for rank, value in enumerate(values))
+            differing.append(f"{name} ({meaning}): {per_rank}")
+    if differing:
+        raise ValueError("ep_plugin megatron: no rank builds the backend, as the ranks differ in settings they "
+                         "must share: " + "; ".join(differing))
+    return [facts["tokens"] for facts in gathered]
+
+
+def tokens_per_rank(config: Config, words: HostCollectives, counts: list[Optional[int]]) -> Config:
+    """``config`` with room for the largest of the group's ranks' tokens (``counts``, from
+    ``agree_before_build``; None where a rank's caller did not say).
 
     Megatron's tokens per rank (sequence length x micro-batch, over TP with sequence parallelism and over
     CP) are not in its TransformerConfig, and recipes commonly pass 8192 (the default) or more: the
     call that builds the backend shows them, as HybridEP sizes its buffer from its first call. Never below
     the default; a later call with more tokens (another sequence length at evaluation, variable-length
     batches) is refused with the fix, by the rank that has them. Where EP_PLUGIN_MAX_TOKENS_PER_RANK is set it
-    decides, and a first call past it is refused on every rank (the exchange runs whatever the variable
-    says, so the ranks' collectives stay in step); with no ``num_tokens``, no exchange."""
-    if num_tokens is None:
-        return config
-    counts = words.all_gather_object(int(num_tokens), where="sizing (tokens per rank)")
-    largest = max(counts)
+    decides (on every rank alike: ``agree_before_build``), and a first call past it is refused on every rank."""
+    known = [count for count in counts if count is not None]
+    largest = max(known, default=0)
     if largest <= config.max_tokens_per_rank:
         return config
     if env_is_set("max_tokens_per_rank"):  # every rank refuses, rather than one while its peers wait
         over = ", ".join(f"{words.peer_name(rank)}: {count}" for rank, count in enumerate(counts)
-                         if count > config.max_tokens_per_rank)
+                         if count is not None and count > config.max_tokens_per_rank)
         raise ValueError(f"ep_plugin megatron: the first MoE call has more tokens per rank than "
                          f"EP_PLUGIN_MAX_TOKENS_PER_RANK={config.max_tokens_per_rank} ({over}); raise it to the most "
                          f"tokens per rank of any step, or unset it to size from the first call")
@@ -421,9 +461,13 @@ class EPPluginManager:
             device = hidden_states.device
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
+            try:
+                config, problem = backend_config(self.config), None
+            except ValueError as error:  # refused on every rank, in the build's first exchange
+                config, problem = Config(), str(error)
             backend = shared_backend(self.backend_name, self.group, hidden_size, self.num_experts, device,
                                      experts_per_token=self._experts_per_token(), pad_multiple=self.pad_multiple,
-                                     config=backend_config(self.config),
+                                     config=config, config_problem=problem,
                                      # Only SequentialMLP's output goes to the arena (arena.run_experts).
                                      experts_take_arena=not getattr(self.config, "moe_grouped_gemm", False),
                                      num_tokens=_tokens_of(hidden_states))
