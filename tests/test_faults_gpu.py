@@ -297,6 +297,25 @@ def test_oversubscribed_sms_are_refused(backend_name):
     assert all("resident" in message for message in results), results
 
 
+def co_residency_on_one_rank(ctx, backend_name: str) -> str:
+    # Rank 1 says its GPU offers one SM too few for its share of 4 blocks (its own EP_PLUGIN_MAX_SMS_PER_GPU).
+    sharing = -(-ctx.world_size // torch.cuda.device_count())
+    try:
+        make_backend(ctx, backend_name, num_sms=4, max_sms_per_gpu=4 * sharing - 1 if ctx.rank == 1 else 0)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_grid_past_one_ranks_limit_is_refused_on_every_rank(backend_name):
+    """A co-residency limit (EP_PLUGIN_MAX_SMS_PER_GPU, the MPS percentage) that only one rank's grid passes:
+    that rank refused alone and its peers waited for it in the buffer's exchange; every rank refuses now."""
+    results = run_ranks(co_residency_on_one_rank, 2, backend_name, device="cuda", timeout_s=120)
+    assert "resident" in results[0] and "on rank(s) [1]" in results[0], results
+    assert "resident" in results[1] and "on this rank" in results[1], results
+
+
 # ---- a device kept busy by someone else's kernel -------------------------------------------------
 
 def busy_device(ctx, backend_name: str) -> dict:

@@ -175,9 +175,10 @@ class Backend(abc.ABC):
         differently without harm: ``timeout_s``; ``pad_multiple`` (a per-call default that pads the
         receiver's own output); ``num_permuted_tokens`` (the receiver's output budget);
         ``avoid_record_stream``, ``bulk_copy`` (local stream policy, local copy engine);
-        ``max_sms_per_gpu`` (a local co-residency check); and the device (gloo stages CUDA
-        tensors through the host). Topology and kernel-grid facts (``num_sms`` sizes the
-        compiled backends' per-block regions) belong to the backends that have them.
+        ``max_sms_per_gpu`` (each rank's own co-residency limit: a grid past any rank's is refused on
+        every rank); and the device (gloo stages CUDA tensors through the host). Topology and kernel-grid
+        facts (``num_sms`` sizes the compiled backends' per-block regions) belong to the backends that have
+        them.
         """
         return {
             "backend": self.name,

@@ -230,21 +230,28 @@ class CompiledBackend(Backend):
 
     def _check_co_residency(self, sharing: int) -> None:
         """Refuse (before any launch) grids that could not all be resident at once: spin-waiting blocks
-        of ranks sharing a GPU deadlock when some of them cannot be scheduled."""
+        of ranks sharing a GPU deadlock when some of them cannot be scheduled. Every rank refuses when one
+        rank's grid does not fit (one exchange): a rank that refused alone (its own EP_PLUGIN_MAX_SMS_PER_GPU
+        or MPS percentage) would leave its peers waiting for it in the buffer's exchange."""
         sms = self.config.max_sms_per_gpu or self._device_sms()
         # Under MPS a client runs on at most its active-thread percentage of the SMs, whatever is free.
         percentage = mps_thread_percentage()
         limit = co_residency_limit(sms, sharing, percentage)
-        if self.num_blocks <= limit:
+        everyone = self._host.all_gather_object((limit, sms, percentage),
+                                                where="checking that every rank's blocks fit on its GPU")
+        over = [rank for rank, (their_limit, _, _) in enumerate(everyone) if self.num_blocks > their_limit]
+        if not over:
             return
+        limit, sms, percentage = everyone[over[0]]
         mps = "" if percentage is None else (f", of which CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percentage:g} lets "
                                              f"each rank use {int(sms * min(percentage, 100.0) / 100.0)}")
         fix = (f"Lower EP_PLUGIN_NUM_SMS to <= {limit}" if limit >= 1 else
                "Not one block per rank fits: run fewer ranks per GPU" + (" or raise the percentage" if mps else ""))
+        where = "on this rank" if over == [self.rank] else f"on rank(s) {over}"
         raise ValueError(
-            f"backend {self.name!r}: {sharing} rank(s) share one GPU and each runs {self.num_blocks} spin-waiting "
-            f"blocks (num_sms), {sharing * self.num_blocks} in all, but the GPU offers {sms} SMs{mps}; all must be "
-            f"resident at once or the kernels deadlock. {fix}.")
+            f"backend {self.name!r}: {where}, {sharing} rank(s) share one GPU and each runs {self.num_blocks} "
+            f"spin-waiting blocks (num_sms), {sharing * self.num_blocks} in all, but the GPU offers {sms} "
+            f"SMs{mps}; all must be resident at once or the kernels deadlock. {fix}.")
 
     # ---- the send-side layout (both backends) -----------------------------------------------
 
