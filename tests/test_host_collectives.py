@@ -22,6 +22,12 @@ SLACK_S = 3.0  # process scheduling on a busy 2-core machine
 HIDDEN, EXPERTS = 8, 6
 
 
+def test_a_timed_out_rank_reports_a_tenth_of_the_timeout_later_between_0_2_and_2_s():
+    """How long a rank that timed out waits for its peers' posts before it reports: the time bounds of the
+    tests below add it, so a grace that grew (a report a quarter of a minute late) would widen them too."""
+    assert [_grace_s(t) for t in (1.0, 2.0, 10.0, 100.0, 1000.0)] == [0.2, 0.2, 1.0, 2.0, 2.0]
+
+
 def _reference():
     return ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=EXPERTS, device="cpu",
                                               config=Config.from_env(timeout_s=TIMEOUT_S))

@@ -131,7 +131,9 @@ def check_bf16_combine_rounds_once_from_fp32(ctx) -> None:
         f"combine differs from the fp32 sum rounded once in {int((combined != expected).sum())} elements")
 
 
-def test_bf16_combine_accumulates_in_fp32():
+def test_bf16_combine_rounds_the_exact_sum_once_on_cpu():
+    """The combined values on CPU. Which dtype the sum runs in, the CUDA twin below tells: torch's CPU
+    index_add_ of bf16 sums a whole call in fp32, so a bf16 accumulator passes here (watched)."""
     run_ranks(check_bf16_combine_rounds_once_from_fp32, 2, timeout_s=120)
 
 
