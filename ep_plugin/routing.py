@@ -68,7 +68,7 @@ def make_routing(
 
     ``check_values`` reads expert ids on the host to range-check them before the op; backends that
     check them inside the op pass False (on the device, or on the host with the verdict carried in the
-    op's first exchange, see ``Backend._refused_ids``), and sync-free modes, which drop bad ids.
+    op's first exchange, see ``Backend._refused_input``), and sync-free modes, which drop bad ids.
     """
     num_tokens = hidden.shape[0]
     if (routing_map is None) == (topk_idx is None):

@@ -23,8 +23,6 @@ def _bad_calls(backend, problem, rank):
     """(expected error type, text the message must contain, call) for each kind of bad input."""
     x, rmap, probs = problem.hidden[rank], problem.routing_map[rank], problem.probs[rank]
     idx, weights = problem.topk_idx[rank], problem.topk_weights[rank]
-    too_many = torch.zeros(backend.config.max_tokens_per_rank + 1, HIDDEN)
-    too_many_map = torch.zeros(len(too_many), EXPERTS, dtype=torch.bool)
 
     def dispatch(hidden, **kw):
         return lambda: ep_plugin.dispatch(backend, hidden, **kw)
@@ -38,8 +36,6 @@ def _bad_calls(backend, problem, rank):
         (ValueError, "hidden_size=8", dispatch(torch.zeros(len(x), HIDDEN + 1), routing_map=rmap, probs=probs)),
         (ValueError, "routing_map must have shape", dispatch(x, routing_map=rmap[:, :2].contiguous(),
                                                              probs=probs)),
-        (ValueError, "max_tokens_per_rank", dispatch(too_many, routing_map=too_many_map,
-                                                     probs=too_many_map.float())),
         (ValueError, "contiguous", dispatch(torch.zeros(HIDDEN, len(x)).t(), routing_map=rmap, probs=probs)),
         (TypeError, "hidden must be a dense tensor", dispatch(x.to_sparse_csr(), routing_map=rmap, probs=probs)),
         (TypeError, "routing_map must be a dense tensor", dispatch(x, routing_map=rmap.to_sparse(), probs=probs)),
@@ -83,11 +79,12 @@ def test_bad_input_rejected_before_communication(blocking):
     """blocking=False too: the reference has no sync-free mode, so it checks everything anyway. Top-k id
     values are the next test's (every rank calls there)."""
     rejected = run_ranks(check_bad_inputs_leave_backend_usable, 2, blocking, timeout_s=120)
-    assert rejected[0] == 18 and rejected[1] == 0
+    assert rejected[0] == 17 and rejected[1] == 0
 
 
 def bad_ids_on_one_rank(ctx, blocking: bool) -> list[str]:
-    """Rank 1 passes top-k ids out of range, then an expert twice; every rank calls dispatch each time."""
+    """Rank 1 passes top-k ids out of range, then an expert twice, then more tokens than max_tokens_per_rank;
+    every rank calls dispatch each time."""
     config = Config.from_env(max_tokens_per_rank=64, blocking=blocking, timeout_s=20.0)
     backend = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=EXPERTS, config=config,
                                                  device="cpu")
@@ -97,10 +94,17 @@ def bad_ids_on_one_rank(ctx, blocking: bool) -> list[str]:
     out_of_range, repeated = idx.clone(), idx.clone()
     out_of_range[0, 0] = EXPERTS
     repeated[0, 1] = repeated[0, 0]
+    too_many = config.max_tokens_per_rank + 1  # valid ids, one token too many
+    too_many_ids = torch.arange(TOPK).repeat(too_many, 1)
+    bad_calls = [(x, out_of_range, weights), (x, repeated, weights),
+                 (torch.zeros(too_many, HIDDEN), too_many_ids, torch.full((too_many, TOPK), 1 / TOPK))]
     messages = []
-    for bad in (out_of_range, repeated):
+    for bad_x, bad_idx, bad_weights in bad_calls:
         with pytest.raises(ValueError) as caught:
-            ep_plugin.dispatch(backend, x, topk_idx=bad if ctx.rank == 1 else idx, topk_weights=weights)
+            if ctx.rank == 1:
+                ep_plugin.dispatch(backend, bad_x, topk_idx=bad_idx, topk_weights=bad_weights)
+            else:
+                ep_plugin.dispatch(backend, x, topk_idx=idx, topk_weights=weights)
         messages.append(str(caught.value))
         out = ep_plugin.dispatch(backend, x, topk_idx=idx, topk_weights=weights)  # the backend goes on
         assert torch.equal(out.hidden, rows), "valid dispatch after refused ids returned wrong rows"
@@ -111,12 +115,15 @@ def bad_ids_on_one_rank(ctx, blocking: bool) -> list[str]:
 def test_bad_topk_ids_on_one_rank_raise_on_every_rank(blocking):
     """As the compiled backends do: not only the bad rank raises while the others time out."""
     messages = run_ranks(bad_ids_on_one_rank, 4, blocking, timeout_s=120)
-    out_of_range, repeated = messages[1]
+    out_of_range, repeated, too_many = messages[1]
     assert out_of_range.startswith("topk_idx holds expert id 4") and "(on rank 1)" in out_of_range, out_of_range
     assert repeated.startswith("topk_idx row 0 names the same expert twice"), repeated
+    assert too_many.startswith("hidden has 65 tokens, over max_tokens_per_rank=64") and "(on rank 1)" in too_many
     for rank in (0, 2, 3):
-        for message in messages[rank]:
+        for message in messages[rank][:2]:
             assert message.startswith("rank(s) [1] of the group passed topk_idx"), (rank, message)
+        assert messages[rank][2].startswith("rank(s) [1] of the group passed more tokens than max_tokens_per_rank=64")
+        for message in messages[rank]:
             assert "the backend stays usable" in message, (rank, message)
 
 

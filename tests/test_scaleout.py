@@ -292,18 +292,22 @@ def test_a_cached_dispatch_across_domains_refuses_what_its_domain_backend_would(
 
 
 def bad_topk_values_on_one_rank(ctx, blocking: bool) -> list:
-    """Rank 0's top-k ids name an expert out of range, then rank 3's an expert twice; every rank dispatches
-    each time (2 domains of 2: rank 3 is neither rank 0's rail peer nor in its domain), then validly."""
-    config = Config.from_env(blocking=blocking, timeout_s=20.0)
+    """Rank 0's top-k ids name an expert out of range, then rank 3's an expert twice, then rank 0 has more
+    tokens than max_tokens_per_rank; every rank dispatches each time (2 domains of 2: rank 3 is neither
+    rank 0's rail peer nor in its domain), then validly."""
+    config = Config.from_env(blocking=blocking, timeout_s=20.0, max_tokens_per_rank=64)
     backend = _reference(config=config, topology=Topology(4, 2, ctx.rank))
     problem = make_problem(3, _tokens(0)[:4], HIDDEN, NUM_EXPERTS, 2)
     seen = []
-    for bad_rank, bad_value in ((0, NUM_EXPERTS + 5), (3, "twice")):
-        idx = problem.topk_idx[ctx.rank].clone()
-        if ctx.rank == bad_rank:
+    for bad_rank, bad_value in ((0, NUM_EXPERTS + 5), (3, "twice"), (0, "too many")):
+        hidden, idx, weights = problem.hidden[ctx.rank], problem.topk_idx[ctx.rank].clone(), \
+            problem.topk_weights[ctx.rank]
+        if ctx.rank == bad_rank and bad_value == "too many":
+            hidden, idx, weights = hidden.repeat(65, 1)[:65], idx.repeat(65, 1)[:65], weights.repeat(65, 1)[:65]
+        elif ctx.rank == bad_rank:
             idx[0, 1] = idx[0, 0] if bad_value == "twice" else bad_value
         try:
-            backend.dispatch(problem.hidden[ctx.rank], topk_idx=idx, topk_weights=problem.topk_weights[ctx.rank])
+            backend.dispatch(hidden, topk_idx=idx, topk_weights=weights)
             seen.append("no error")
         except Exception as error:  # noqa: BLE001 - the test compares the type and text
             seen.append(f"{type(error).__name__}: {error}")
@@ -316,12 +320,14 @@ def bad_topk_values_on_one_rank(ctx, blocking: bool) -> list:
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "sync_free_mode"])
 def test_bad_topk_values_on_one_rank_raise_value_error_on_every_rank_across_domains(blocking):
-    """As a flat compiled backend: not a timeout on the others (the agreement carries the refusal)."""
+    """As a flat compiled backend: not a timeout on the others (the agreement carries the refusal); a token
+    count past max_tokens_per_rank on one rank too (a longer micro-batch under Megatron, say)."""
     results = run_ranks(bad_topk_values_on_one_rank, 4, blocking, timeout_s=120)
     assert results[0][0].startswith("ValueError: topk_idx holds expert id 37"), results[0]
     assert results[3][1].startswith("ValueError: topk_idx row 0 names the same expert twice"), results[3]
+    assert results[0][2].startswith("ValueError: hidden has 65 tokens, over max_tokens_per_rank=64"), results[0]
     for rank, seen in enumerate(results):
-        for case, (bad_rank, message) in enumerate(zip((0, 3), seen, strict=True)):
+        for case, (bad_rank, message) in enumerate(zip((0, 3, 0), seen, strict=True)):
             assert message.startswith("ValueError: "), (rank, case, message)
             if rank != bad_rank:
                 assert "refused" in message and "stays usable" in message, (rank, case, message)

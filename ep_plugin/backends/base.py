@@ -92,9 +92,10 @@ class Backend(abc.ABC):
     # Top-k ids are range- and repeat-checked by the backend's own kernels, every rank told of any
     # rank's bad ids (so blocking mode needs no host read of them before the op).
     checks_ids_on_device: bool = False
-    # Top-k ids are checked on the host inside the op (``_refused_ids``), and the verdict travels in the
-    # op's first exchange, so that every rank raises ValueError, not only the one with bad ids.
-    refuses_ids_in_exchange: bool = False
+    # A dispatch's input (its token count, its top-k ids) is checked on the host inside the op
+    # (``_refused_input``), and the verdict travels in the op's first exchange, so that every rank raises
+    # ValueError, not only the one with the bad input, and the backend stays usable.
+    refuses_input_in_exchange: bool = False
     # Whether the op running now was recorded by autograd, so its backward will run on this rank: set
     # by ``ep_plugin.dispatch``/``combine`` around the call, and part of the op's fingerprint
     # (``OpFingerprint.grad``). Ranks that differ (inputs needing grad on some ranks only) raise EPError
@@ -382,9 +383,8 @@ class Backend(abc.ABC):
             hidden = self.check_fp8_hidden(hidden)
         else:
             self.check_hidden("hidden", hidden, None)
-        if hidden.shape[0] > self.config.max_tokens_per_rank:
-            raise ValueError(f"hidden has {hidden.shape[0]} tokens, over max_tokens_per_rank="
-                             f"{self.config.max_tokens_per_rank} (raise it with EP_PLUGIN_MAX_TOKENS_PER_RANK)")
+        if hidden.shape[0] > self.config.max_tokens_per_rank and not self.refuses_input_in_exchange:
+            raise ValueError(self._over_budget(hidden.shape[0]))
         pad_multiple = self.config.pad_multiple if pad_multiple is None else pad_multiple
         if not isinstance(pad_multiple, int) or not 1 <= pad_multiple <= MAX_PAD_MULTIPLE:
             raise ValueError(f"pad_multiple must be an int in [1, {MAX_PAD_MULTIPLE}], got {pad_multiple!r}")
@@ -397,11 +397,18 @@ class Backend(abc.ABC):
     def _reads_ids_on_host(self) -> bool:
         """Whether dispatch range- and repeat-checks top-k ids with a host read before the op: not where
         the kernels check them, nor where the op's exchange carries the verdict, nor in sync-free mode."""
-        return not self.checks_ids_on_device and not self.refuses_ids_in_exchange and not self._sync_free()
+        return not self.checks_ids_on_device and not self.refuses_input_in_exchange and not self._sync_free()
 
-    def _refused_ids(self, routing: Routing) -> Optional[str]:
-        """Why this rank's top-k ids are refused (an id out of range, an expert twice), or None; for a
-        backend that ``refuses_ids_in_exchange``. A host read, so none in sync-free mode."""
+    def _over_budget(self, num_tokens: int) -> str:
+        return (f"hidden has {num_tokens} tokens, over max_tokens_per_rank={self.config.max_tokens_per_rank} "
+                f"(raise it with EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank)")
+
+    def _refused_input(self, routing: Routing) -> Optional[str]:
+        """Why this rank's dispatch input is refused (more tokens than ``max_tokens_per_rank``, a top-k id out
+        of range, an expert twice), or None; for a backend that ``refuses_input_in_exchange``. The ids take
+        a host read, so they are not checked in sync-free mode."""
+        if routing.num_tokens > self.config.max_tokens_per_rank:
+            return self._over_budget(routing.num_tokens)
         if routing.form != TOPK or self._sync_free():
             return None
         try:

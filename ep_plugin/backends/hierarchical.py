@@ -113,8 +113,9 @@ DOMAIN_COUNT_EXPERTS = 256
 
 
 class RefusedInput(str):
-    """A disagreement that is a refused dispatch input (top-k ids): every rank raises ValueError, not
-    EPError, and the backend stays usable, as a flat compiled backend refuses such ids on every rank."""
+    """A disagreement that is a refused dispatch input (top-k ids, more tokens than max_tokens_per_rank):
+    every rank raises ValueError, not EPError, and the backend stays usable, as a flat compiled backend
+    refuses bad ids on every rank."""
 
 
 @dataclass(eq=False)
@@ -140,7 +141,7 @@ class HierarchicalBackend(Backend):
     """
 
     _spans_domains = True
-    refuses_ids_in_exchange = True  # in the rail agreement word and the domain flag
+    refuses_input_in_exchange = True  # in the rail agreement word and the domain flag
 
     def __init__(self, group=None, *, domain_backend: type, topology: Topology, hidden_size: int, num_experts: int,
                  config=None, device=None, **domain_options: Any) -> None:
@@ -335,7 +336,7 @@ class HierarchicalBackend(Backend):
         self.domain.check_dispatch_flags(**options)  # their names were checked; values before the rail exchange
         number = self._num_dispatches + 1
         where = f"dispatch #{number}"
-        refused = self._refused_ids(routing)  # the agreement tells every rank
+        refused = self._refused_input(routing)  # the agreement tells every rank
         refused = None if refused is None else RefusedInput(refused)
         fp8 = isinstance(hidden, (tuple, list))
         data, scales = (hidden[0], hidden[1]) if fp8 else (hidden, None)

@@ -57,7 +57,8 @@ from .base import Backend, Capabilities
 # Codes of the probs dtype in the opening exchange (0 = the op carries no probs).
 _PROBS_DTYPES = (None, torch.float32, torch.float64)
 _OPEN_WORDS = FRAME_WORDS  # per pair of ranks: rows sent, fingerprint, backend number, probs dtype
-_REFUSED = -1  # the rows count a rank announces when it refused its dispatch's top-k ids
+# The rows count a rank announces when it refused its dispatch's input: its top-k ids, or its token count.
+_REFUSED_IDS, _REFUSED_TOKENS = -1, -2
 _TOPK_FIELD_MAX = 127  # OpFingerprint.topk has 7 bits; wider top-k (reference only) compares as 127
 
 
@@ -80,7 +81,7 @@ class ReferenceBackend(Backend):
         hidden_dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16),
         probs_dtypes=(torch.float32, torch.float64),
     )
-    refuses_ids_in_exchange = True  # announced as -1 rows in the opening exchange (see _open)
+    refuses_input_in_exchange = True  # announced as negative rows in the opening exchange (see _open)
 
     def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None) -> None:
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
@@ -106,13 +107,14 @@ class ReferenceBackend(Backend):
         topk = min(routing.topk_idx.shape[1], _TOPK_FIELD_MAX) if routing.form == TOPK else 0
         fingerprint = OpFingerprint(OP_DISPATCH, dtype=hidden.dtype, probs=probs is not None, form=routing.form,
                                     topk=topk, grad=self.op_records_backward, probs_grad=self.op_probs_need_grad)
-        refused = self._refused_ids(routing)
+        refused = self._refused_input(routing)
         if refused is None:
             token, expert, slot = routing.pairs()
             dest_rank = torch.div(expert, self.num_local_experts, rounding_mode="floor")
             send_splits = torch.bincount(dest_rank, minlength=self.num_ranks).tolist()
         else:  # the opening exchange tells every rank, and every rank raises ValueError
-            send_splits = [_REFUSED] * self.num_ranks
+            over = routing.num_tokens > self.config.max_tokens_per_rank
+            send_splits = [_REFUSED_TOKENS if over else _REFUSED_IDS] * self.num_ranks
         recv_splits = self._open(fingerprint, where, send_splits, None if probs is None else probs.dtype,
                                  refused=refused)
         self._num_dispatches = number
@@ -233,13 +235,21 @@ class ReferenceBackend(Backend):
                 f"ep_plugin reference: ranks disagree on {where}: probs dtype: {_PROBS_DTYPES[probs_code]} on "
                 f"{self._comm.peer_name(self.rank)}, {_PROBS_DTYPES[theirs[q][2]]} on {self._comm.peer_name(q)}. All "
                 "ranks must pass probs of one dtype.")
-        refusing = [q for q in range(self.num_ranks) if counts[q] == _REFUSED]
+        refusing = [q for q in range(self.num_ranks) if counts[q] in (_REFUSED_IDS, _REFUSED_TOKENS)]
         if refusing:
             stays = "every rank of backend 'reference' refused this dispatch; the backend stays usable"
             if refused is not None:
                 raise ValueError(f"{refused} (on rank {self.rank}); {stays}")
-            raise ValueError(f"rank(s) {refusing} of the group passed topk_idx with an expert id outside -1 and "
-                             f"[0, {self.num_experts}) or a token naming the same expert twice: {stays}")
+            why = []
+            ids = [q for q in refusing if counts[q] == _REFUSED_IDS]
+            if ids:
+                why.append(f"rank(s) {ids} of the group passed topk_idx with an expert id outside -1 and "
+                           f"[0, {self.num_experts}) or a token naming the same expert twice")
+            tokens = [q for q in refusing if counts[q] == _REFUSED_TOKENS]
+            if tokens:
+                why.append(f"rank(s) {tokens} of the group passed more tokens than max_tokens_per_rank="
+                           f"{self.config.max_tokens_per_rank} (EP_PLUGIN_MAX_TOKENS_PER_RANK)")
+            raise ValueError(f"{'; '.join(why)}: {stays}")
         if expected is not None and counts != expected:
             raise EPError(f"ep_plugin reference: rank {self.rank}: in {where} the peers announce {counts} rows, the "
                           f"handle expects {expected}; the ranks' handles come from different dispatches.")

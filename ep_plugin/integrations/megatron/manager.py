@@ -383,7 +383,9 @@ class EPPluginManager:
         backend = self._backend_for(hidden_states)
         num_tokens = _tokens_of(hidden_states)
         room = backend.config.max_tokens_per_rank
-        if num_tokens > room:  # the backend's own refusal would not say where its size came from
+        # The backend's own refusal would not say where its size came from; one that refuses in its exchange
+        # (reference, across domains) makes every rank raise, where this one rank would leave its peers waiting.
+        if num_tokens > room and not backend.refuses_input_in_exchange:
             raise ValueError(f"{selected_by(self.config)}: this MoE layer's call has {num_tokens} tokens on this rank, "
                              f"over the {room} its shared backend was built for (the largest of the first call, or "
                              f"EP_PLUGIN_MAX_TOKENS_PER_RANK). Set EP_PLUGIN_MAX_TOKENS_PER_RANK to the most tokens "
