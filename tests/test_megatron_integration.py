@@ -582,6 +582,74 @@ def test_name_based_spots_treat_plugin_names_like_hybridep(ep_megatron):
     assert config.moe_flex_dispatcher_backend == "ep_hybrid"  # the alias is only shown during the call
 
 
+def _layer_for_callables(config):
+    """A transformer layer as ``build_transformer_layer_callables`` reads it: the config, an MoE mlp (a real
+    MoELayer subclass: Megatron's own __init__ needs process groups) whose dispatch and experts only hand
+    the probs on, and a record of the backend name Megatron's function holds while it builds the callables
+    (its call of ``layer.init_backward_dw_wrapper``)."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    class MoELayerShape(MoELayer):
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            # 0.19's expert callable also asks a HybridEP manager for its counts.
+            manager = SimpleNamespace(token_probs=None, dispatched_probs=None,
+                                      get_number_of_tokens_per_expert=lambda: torch.ones(1, dtype=torch.int64))
+            self.token_dispatcher = SimpleNamespace(_comm_manager=manager)
+
+        def dispatch(self, hidden_states, probs):
+            return hidden_states, probs
+
+        def routed_experts_compute(self, hidden_states, probs):
+            return hidden_states * probs.unsqueeze(-1), None
+
+    layer = SimpleNamespace(config=config, mlp=MoELayerShape(), recompute_pre_mlp_layernorm=False,
+                            backward_dw_wrapper=None, names_seen=[])
+    layer.init_backward_dw_wrapper = lambda: layer.names_seen.append(config.moe_flex_dispatcher_backend)
+    return layer
+
+
+def _probs_swapped_in(build, layer) -> tuple[bool, bool]:
+    """Whether the dispatch and expert callables ``build(layer)`` gives hand the schedule's detached probs to
+    the dispatcher's manager (Megatron does that for "deepep" and "hybridep", whose managers keep the probs)."""
+    from types import SimpleNamespace
+
+    forward_funcs, _ = build(layer)
+    dispatch, experts = forward_funcs[1], forward_funcs[2]
+    node = SimpleNamespace(layer_state=SimpleNamespace(), detach=lambda tensor: tensor.detach())
+    tokens, probs = torch.randn(4, 16), torch.rand(4)
+    dispatched = dispatch(node, tokens, probs)
+    detached_probs = node.layer_state.dispatched_probs
+    experts(node, dispatched)
+    manager = layer.mlp.token_dispatcher._comm_manager
+    return manager.token_probs is probs, manager.dispatched_probs is detached_probs
+
+
+@needs_megatron
+def test_fine_grained_callables_see_plugin_names_as_hybridep(ep_megatron):
+    """The 1F1B overlap schedule (``overlap_moe_expert_parallel_comm``) builds each layer's callables with
+    ``build_transformer_layer_callables``, which hands the manager the detached probs only for "deepep" and
+    "hybridep". A plugin name must reach it as "hybridep" (our manager keeps the probs for backward as
+    HybridEP's does), else the manager keeps the attention node's probs and backward crosses the schedule's
+    node boundary; the config must hold the user's name again afterwards."""
+    from megatron.core.models.gpt import fine_grained_callables
+
+    build = fine_grained_callables.build_transformer_layer_callables  # install() replaced it by name
+    for name in PLUGIN_NAMES:
+        config = _config(moe_flex_dispatcher_backend=name)
+        layer = _layer_for_callables(config)
+        assert _probs_swapped_in(build, layer) == (True, True), name
+        assert layer.names_seen == ["hybridep"], (name, layer.names_seen)  # what Megatron's function compared
+        assert config.moe_flex_dispatcher_backend == name  # the alias is only shown during the call
+    # Megatron's function itself, given a plugin name, keeps the attention node's probs: the swap above comes
+    # from the name shown, not from this layer.
+    layer = _layer_for_callables(_config(moe_flex_dispatcher_backend="ep_hybrid"))
+    assert _probs_swapped_in(build.__wrapped__, layer) == (False, False)
+    assert layer.names_seen == ["ep_hybrid"]
+
+
 @needs_megatron
 def test_replace_builtin_routes_hybridep_to_plugin(ep_megatron):
     assert ep_megatron.plugin_backend_for("hybridep") is None
