@@ -219,6 +219,23 @@ def test_a_domain_that_refuses_its_build_makes_every_rank_raise():
             assert "could not be built on rank(s) [0, 1]" in message and "num_sms" in message, (rank, message)
 
 
+def build_with_forward_sms_on_one_rank(ctx) -> str:
+    config = Config.from_env(forward_sms=8 if ctx.rank == 1 else 0, timeout_s=30.0)
+    try:
+        _ReferenceWithGrid(hidden_size=4, num_experts=4, device="cpu", config=config,
+                           topology=Topology(4, 2, ctx.rank)).destroy()
+    except ValueError as error:
+        return str(error)
+    return "built"
+
+
+def test_forward_sms_on_one_rank_is_named_as_forward_sms():
+    """EP_PLUGIN_FORWARD_SMS becomes the domain backend's num_sms: a rank that set it alone was reported as
+    disagreeing on num_sms, a knob the user never set."""
+    for rank, message in enumerate(run_ranks(build_with_forward_sms_on_one_rank, 4, timeout_s=120)):
+        assert "forward_sms (rank 0: 0, rank 1: 8, rank 2: 0, rank 3: 0)" in message, (rank, message)
+
+
 def across_a_restarted_world(ctx, store_path: str) -> list:
     """Forced domains, then ``destroy_process_group`` and a new world in the same process (an in-process
     restart), then forced domains again: the second backend must make new domain and rail groups, not

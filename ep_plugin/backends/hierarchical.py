@@ -238,8 +238,10 @@ class HierarchicalBackend(Backend):
             raise
 
     def _construction_facts(self) -> dict[str, Any]:
+        # forward_sms becomes the domain backend's num_sms: checked here, so that a difference is named as the
+        # knob the user set, not as the num_sms the domain's own check would see.
         return {**super()._construction_facts(), "domain_size": self._topology.domain_size,
-                "scaleout_chunk_tokens": self.config.scaleout_chunk_tokens,
+                "scaleout_chunk_tokens": self.config.scaleout_chunk_tokens, "forward_sms": self.config.forward_sms,
                 "domain_options": sorted(self._domain_options.items())}
 
     # ---- public entry points ------------------------------------------------------------------
