@@ -37,6 +37,22 @@ def worst_case_rows(num_ranks: int, max_tokens_per_rank: int, num_local_experts:
     return num_ranks * max_tokens_per_rank * per_token + num_local_experts * (pad_multiple - 1)
 
 
+def co_residency_problem(num_blocks: int, sharing: int, sms: int, percentage: Optional[float]) -> Optional[str]:
+    """Why ``num_blocks`` spin-waiting blocks per rank, for ``sharing`` ranks on a GPU that offers ``sms`` SMs
+    (each MPS client at most ``percentage`` of them, None: no share set), cannot all be resident at once, with
+    the fix; None when they can."""
+    limit = co_residency_limit(sms, sharing, percentage)
+    if num_blocks <= limit:
+        return None
+    mps = "" if percentage is None else (f", of which CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percentage:g} lets "
+                                         f"each rank use {int(sms * min(percentage, 100.0) / 100.0)}")
+    fix = (f"Lower EP_PLUGIN_NUM_SMS to <= {limit}" if limit >= 1 else
+           "Not one block per rank fits: run fewer ranks per GPU" + (" or raise the percentage" if mps else ""))
+    return (f"{sharing} rank(s) share one GPU and each runs {num_blocks} spin-waiting blocks (num_sms), "
+            f"{sharing * num_blocks} in all, but the GPU offers {sms} SMs{mps}; all must be resident at once or "
+            f"the kernels deadlock. {fix}.")
+
+
 def row_index_problem(name: str, num_ranks: int, max_tokens_per_rank: int, num_local_experts: int,
                       experts_per_token: int) -> Optional[str]:
     """Why these sizes could send one rank more rows than the kernels' 32-bit indices hold, or None. Past 2^31
@@ -234,24 +250,12 @@ class CompiledBackend(Backend):
         rank's grid does not fit (one exchange): a rank that refused alone (its own EP_PLUGIN_MAX_SMS_PER_GPU
         or MPS percentage) would leave its peers waiting for it in the buffer's exchange."""
         sms = self.config.max_sms_per_gpu or self._device_sms()
-        # Under MPS a client runs on at most its active-thread percentage of the SMs, whatever is free.
-        percentage = mps_thread_percentage()
-        limit = co_residency_limit(sms, sharing, percentage)
-        everyone = self._host.all_gather_object((limit, sms, percentage),
-                                                where="checking that every rank's blocks fit on its GPU")
-        over = [rank for rank, (their_limit, _, _) in enumerate(everyone) if self.num_blocks > their_limit]
-        if not over:
-            return
-        limit, sms, percentage = everyone[over[0]]
-        mps = "" if percentage is None else (f", of which CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percentage:g} lets "
-                                             f"each rank use {int(sms * min(percentage, 100.0) / 100.0)}")
-        fix = (f"Lower EP_PLUGIN_NUM_SMS to <= {limit}" if limit >= 1 else
-               "Not one block per rank fits: run fewer ranks per GPU" + (" or raise the percentage" if mps else ""))
-        where = "on this rank" if over == [self.rank] else f"on rank(s) {over}"
-        raise ValueError(
-            f"backend {self.name!r}: {where}, {sharing} rank(s) share one GPU and each runs {self.num_blocks} "
-            f"spin-waiting blocks (num_sms), {sharing * self.num_blocks} in all, but the GPU offers {sms} "
-            f"SMs{mps}; all must be resident at once or the kernels deadlock. {fix}.")
+        mine = co_residency_problem(self.num_blocks, sharing, sms, mps_thread_percentage())
+        everyone = self._host.all_gather_object(mine, where="checking that every rank's blocks fit on its GPU")
+        over = [rank for rank, problem in enumerate(everyone) if problem]
+        if over:
+            where = "on this rank" if over == [self.rank] else f"on rank(s) {over}"
+            raise ValueError(f"backend {self.name!r}, {where}: {everyone[over[0]]}")
 
     # ---- the send-side layout (both backends) -----------------------------------------------
 
