@@ -725,6 +725,20 @@ def test_a_setting_on_one_rank_only_is_refused_on_every_rank_at_the_build(variab
         assert outcome["again"] < 1e-5, (rank, outcome)
 
 
+def test_the_exchange_that_reports_an_unparsable_variable_keeps_the_ones_that_parse(monkeypatch):
+    """The rank whose EP_PLUGIN_* variable does not parse still runs the build's first exchange, to tell its
+    peers: with the job's timeout and host-word engine (EP_PLUGIN_GLOO_HOST_WORDS=0 keeps the words on NCCL),
+    as the peers run it, not the defaults (a gloo twin the peers never make)."""
+    from ep_plugin.config import Config
+    from ep_plugin.integrations.megatron.manager import _config_of_what_parses
+
+    monkeypatch.setenv("EP_PLUGIN_NUM_SMS", "many")
+    monkeypatch.setenv("EP_PLUGIN_TIMEOUT_S", "600")
+    monkeypatch.setenv("EP_PLUGIN_GLOO_HOST_WORDS", "0")
+    config = _config_of_what_parses()
+    assert (config.timeout_s, config.gloo_host_words, config.num_sms) == (600.0, False, Config().num_sms), config
+
+
 # bf16 tokens, weights and expert GEMMs against float64 over the same rounded values: a few bf16 ulps
 # (2**-8 relative) of the largest value; a wrong row, weight or count is off by order one.
 BF16_TOLERANCE = 3e-2

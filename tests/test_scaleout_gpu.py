@@ -286,3 +286,26 @@ def test_scaleout_with_nccl_rails_on_two_gpus(nccl_env):
         names = results[0]
         assert len(names) == 4 * len(LAYOUTS), names
         assert all("rail=nccl" in name for name in names if " 2x4 " in name), names
+
+
+def build_with_one_rank_limiting_its_gpu(ctx) -> str:
+    """2 x 2 forced domains; rank 0 alone says its GPU holds one block too few for the 4 blocks of every rank on
+    it (its domain's own check, over its two ranks, passes)."""
+    sharing = -(-ctx.world_size // torch.cuda.device_count())  # ranks on one GPU (round-robin placement)
+    config = _config(num_sms=4, max_sms_per_gpu=4 * sharing - 1 if ctx.rank == 0 else 0)
+    try:
+        ep_plugin.get_backend("hybrid")(hidden_size=HIDDEN, num_experts=NUM_EXPERTS, device=ctx.device,
+                                        config=config, topology=Topology(ctx.world_size, 2, ctx.rank)).destroy()
+    except (ValueError, ep_plugin.EPError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "built"
+
+
+def test_a_gpu_one_domain_cannot_share_refuses_the_build_in_every_domain():
+    """Domains that share a GPU check co-residency with every rank on it, over their own domain: the domain
+    with the limiting rank refused, the other built and waited for it at its first op until the timeout."""
+    results = run_ranks(build_with_one_rank_limiting_its_gpu, 4, device="cuda", timeout_s=LAUNCH_TIMEOUT_S)
+    for rank, outcome in enumerate(results):
+        assert outcome.startswith("ValueError: ") and "resident" in outcome, (rank, outcome)
+        if rank >= 2:
+            assert "could not be built on rank(s) [0, 1]" in outcome, (rank, outcome)

@@ -236,12 +236,19 @@ class CompiledBackend(Backend):
         if self.config.num_sms > 0:
             return self.config.num_sms
         nvlink, scaleout = gpu_link_bandwidths(self.device.index)
-        mine = resolve_num_sms(self.config, device_sms=self._device_sms(), ranks_sharing_gpu=sharing,
-                               num_ranks=self.num_ranks, num_experts=self.num_experts, topk=self.autosize_topk,
-                               hidden_bytes=2 * self.hidden_size, nvlink_gbytes_per_s=nvlink,
-                               scaleout_gbytes_per_s=scaleout, sm_read_gbytes_per_s=self.sm_read_gbytes_per_s,
-                               sm_write_gbytes_per_s=self.sm_write_gbytes_per_s)
+        try:
+            mine = resolve_num_sms(self.config, device_sms=self._device_sms(), ranks_sharing_gpu=sharing,
+                                   num_ranks=self.num_ranks, num_experts=self.num_experts, topk=self.autosize_topk,
+                                   hidden_bytes=2 * self.hidden_size, nvlink_gbytes_per_s=nvlink,
+                                   scaleout_gbytes_per_s=scaleout, sm_read_gbytes_per_s=self.sm_read_gbytes_per_s,
+                                   sm_write_gbytes_per_s=self.sm_write_gbytes_per_s)
+        except ValueError as error:  # not one block fits here: every rank refuses, none waits for this one
+            mine = str(error)
         everyone = self._host.all_gather_object(mine, where="autosizing num_sms")
+        refused = [rank for rank, value in enumerate(everyone) if isinstance(value, str)]
+        if refused:
+            where = "on this rank" if refused == [self.rank] else f"on rank(s) {refused}"
+            raise ValueError(f"backend {self.name!r}, {where}: {everyone[refused[0]]}")
         return min(everyone)
 
     def _check_co_residency(self, sharing: int) -> None:

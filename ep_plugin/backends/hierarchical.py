@@ -173,11 +173,11 @@ class HierarchicalBackend(Backend):
                                    "combine_input_rows": 0}
         if self.config.forward_sms and domain_backend.needs_shared_memory:
             changes["num_sms"] = self.config.forward_sms  # the domain kernels are the forwarding
-        self.domain = self._build_domain(lambda: domain_backend(
+        # The GPU-sharing check inside the build: a domain that refuses there is heard of by every domain.
+        self.domain = self._build_domain(lambda: self._check_gpu_sharing(domain_backend(
             self.scaleout.domain_group, hidden_size=hidden_size, num_experts=self.experts_per_domain,
             config=self.config.replace(**changes), device=self.device,
-            topology=Topology.flat(S, topology.local_index), **domain_options))
-        self._check_gpu_sharing(topology)
+            topology=Topology.flat(S, topology.local_index), **domain_options), topology))
         self._domain_counts = HostCollectives(self.scaleout.domain_group, owner=f"ep_plugin {self.name} "
                                               f"{self.domain_level}", timeout_s=self.config.timeout_s,
                                               label="domain counts", device=self.device)
@@ -224,18 +224,22 @@ class HierarchicalBackend(Backend):
         raise error(f"ep_plugin {self.name}: the domain backend could not be built on rank(s) {sorted(failed)} "
                     f"(rank {first}: {kind}: {message})")
 
-    def _check_gpu_sharing(self, topology: Topology) -> None:
-        """The domain backend checked co-residency for its own domain's ranks; when domains share a GPU (forced
-        domains on one host) their spin-waiting kernels run at once too, so check with every rank on the GPU."""
-        check = getattr(self.domain, "_check_co_residency", None)
+    @staticmethod
+    def _check_gpu_sharing(domain: Backend, topology: Topology) -> Backend:
+        """``domain``, once its co-residency is checked with every rank on its GPU: the domain backend checked
+        it for its own domain's ranks, but where domains share a GPU (forced domains on one host) their
+        spin-waiting kernels run at once too. A collective of the domain (every rank of it raises or none);
+        ``_build_domain`` tells the other domains."""
+        check = getattr(domain, "_check_co_residency", None)
         gpus = [gpu for gpu in topology.gpu_of_rank if gpu is not None]
         if check is None or not gpus:
-            return
+            return domain
         try:
-            check(max(gpus.count(gpu) for gpu in gpus))  # the same on every rank: all raise or none
+            check(max(gpus.count(gpu) for gpu in gpus))
         except ValueError:
-            self.domain.destroy()
+            domain.destroy()
             raise
+        return domain
 
     def _construction_facts(self) -> dict[str, Any]:
         # forward_sms becomes the domain backend's num_sms: checked here, so that a difference is named as the

@@ -13,7 +13,8 @@ Agreement: every op (dispatch, dispatch_again, combine, barrier) opens with one 
 all-to-all of four int64 per pair of ranks: the rows the sender will send to that peer, the
 op's ``OpFingerprint``, the number of this backend among the reference backends built on the
 group (ranks must use their backends in the same order), and the probs dtype. A rank whose top-k ids
-are out of range or name an expert twice announces -1 rows: every rank then raises ``ValueError``
+are out of range or name an expert twice announces -1 rows, one with more tokens than max_tokens_per_rank
+-2 rows: every rank then raises ``ValueError``
 (the backend stays usable), as the compiled backends do, instead of the others timing out. For dispatch
 this is the count exchange it needs anyway; dispatch_again, combine and barrier have no count
 exchange of their own, so for them it is one extra small collective and one host read. Every
@@ -191,7 +192,8 @@ class ReferenceBackend(Backend):
         """The exchange every op starts with (see the module docstring); returns each peer's row count.
 
         Raises EPError on every rank when the ranks disagree, before any payload moves; else ValueError on
-        every rank when a rank refused its top-k ids (``refused``: why, on that rank; it sends -1 rows).
+        every rank when a rank refused its input (``refused``: why, on that rank; it sends -1 rows for its top-k
+        ids, -2 for its token count).
         ``expected``: the rows each peer should announce (known from the handle), checked too.
         """
         # Over NCCL the words travel on the gloo twin, whose own check misses a timeout of the NCCL ops (_comm):

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
+from dataclasses import fields
 from typing import Optional
 
 import torch
@@ -167,8 +169,9 @@ def check_megatron_options(config, backend_class) -> None:
     if getattr(config, "variable_seq_lengths", False) and not env_is_set("max_tokens_per_rank"):
         warn_once(logger, "variable_seq_lengths",
                   "%s with variable_seq_lengths=True: the backend is sized from the first MoE call's tokens per "
-                  "rank, and a later micro-batch with more is refused on its rank (whose peers then wait out "
-                  "EP_PLUGIN_TIMEOUT_S). Set EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank, to the most any "
+                  "rank, and a later micro-batch with more is refused (within one NVLink domain on hybrid and "
+                  "elastic, on its rank alone: its peers then wait out EP_PLUGIN_TIMEOUT_S). Set "
+                  "EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank, to the most any "
                   "micro-batch can have: sequence length x micro-batch size, over TP with sequence parallelism "
                   "and over CP", selected)
 
@@ -180,6 +183,24 @@ def backend_config(megatron_config) -> Config:
     if num_sms is None or env_is_set("num_sms"):
         return Config.from_env()
     return Config.from_env(num_sms=num_sms)
+
+
+def _config_of_what_parses() -> Config:
+    """The EP_PLUGIN_* variables that parse, for the exchange that tells every rank of one that does not: it
+    must run with the job's timeout and engine for the host words (EP_PLUGIN_GLOO_HOST_WORDS), as the peers'."""
+    usable = {}
+    for knob in fields(Config):
+        variable = env_var_name(knob.name)
+        if env_is_set(knob.name):
+            try:
+                Config.from_env({variable: os.environ[variable]})
+            except ValueError:
+                continue
+            usable[variable] = os.environ[variable]
+    try:
+        return Config.from_env(usable)
+    except ValueError:  # fields that parse alone and clash together: the defaults, then
+        return Config()
 
 
 def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int, device: torch.device, *,
@@ -268,7 +289,8 @@ def tokens_per_rank(config: Config, words: HostCollectives, counts: list[Optiona
     CP) are not in its TransformerConfig, and recipes commonly pass 8192 (the default) or more: the
     call that builds the backend shows them, as HybridEP sizes its buffer from its first call. Never below
     the default; a later call with more tokens (another sequence length at evaluation, variable-length
-    batches) is refused with the fix, by the rank that has them. Where EP_PLUGIN_MAX_TOKENS_PER_RANK is set it
+    batches) is refused with the fix (on every rank where the backend's exchange carries the refusal, else by
+    the rank that has them). Where EP_PLUGIN_MAX_TOKENS_PER_RANK is set it
     decides (on every rank alike: ``agree_before_build``), and a first call past it is refused on every rank."""
     known = [count for count in counts if count is not None]
     largest = max(known, default=0)
@@ -466,7 +488,7 @@ class EPPluginManager:
             try:
                 config, problem = backend_config(self.config), None
             except ValueError as error:  # refused on every rank, in the build's first exchange
-                config, problem = Config(), str(error)
+                config, problem = _config_of_what_parses(), str(error)
             backend = shared_backend(self.backend_name, self.group, hidden_size, self.num_experts, device,
                                      experts_per_token=self._experts_per_token(), pad_multiple=self.pad_multiple,
                                      config=config, config_problem=problem,
