@@ -50,6 +50,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAILBOX_EXPERT_ROWS") = ep::kMailboxExpertRows;
   m.attr("INPUT_ID_OUT_OF_RANGE") = ep::kInputIdOutOfRange;
   m.attr("INPUT_ID_REPEATED") = ep::kInputIdRepeated;
+  m.attr("INPUT_TOO_MANY_TOKENS") = ep::kInputTooManyTokens;
   m.attr("REPORT_TIMEOUT") = static_cast<int>(ep::kReportTimeout);
   m.attr("REPORT_MISMATCH") = static_cast<int>(ep::kReportMismatch);
   m.attr("REPORT_PEER_EXITED") = static_cast<int>(ep::kReportPeerExited);
@@ -83,6 +84,7 @@ PYBIND11_MODULE(_C, m) {
       .ptr("expert_counts", &ep::ExchangeArgs::expert_counts)
       .ptr("rank_counts", &ep::ExchangeArgs::rank_counts)
       .ptr("input_flags", &ep::ExchangeArgs::input_flags)
+      .val("host_input_flags", &ep::ExchangeArgs::host_input_flags)
       .val("num_local_experts", &ep::ExchangeArgs::num_local_experts)
       .val("pad_multiple", &ep::ExchangeArgs::pad_multiple)
       .ptr("row_base", &ep::ExchangeArgs::row_base)

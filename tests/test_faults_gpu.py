@@ -321,6 +321,40 @@ def test_a_grid_past_one_ranks_limit_is_refused_on_every_rank(backend_name, num_
         assert ("on this rank" if rank == 1 else "on rank(s) [1]") in message, (rank, message)
 
 
+# ---- more tokens than the buffer holds, on one rank ---------------------------------------------
+
+def over_budget_on_one_rank(ctx, backend_name: str, form: str) -> list:
+    """Rank 1 dispatches one token more than max_tokens_per_rank, then every rank validly (blocking mode)."""
+    backend = make_backend(ctx, backend_name)
+    outcomes = []
+    for num_tokens in (MAX_TOKENS + 1 if ctx.rank == 1 else 20, 20):
+        x, idx, w, routing_map, probs = make_inputs(804, ctx.rank, ctx.world_size, num_tokens, 256, NUM_EXPERTS,
+                                                    2, skewed=False, drop_some=False)
+        routing = dict(topk_idx=idx, topk_weights=w) if form == "topk" else dict(routing_map=routing_map,
+                                                                                  probs=probs)
+        try:
+            out = backend.dispatch(x, **routing)
+            combined = backend.combine(out.hidden, out.handle).hidden
+            outcomes.append(f"combined {tuple(combined.shape)}")
+        except ValueError as error:
+            outcomes.append(f"ValueError: {error}")
+    return outcomes
+
+
+@pytest.mark.parametrize("backend_name, form", [("hybrid", "routing_map"), ("hybrid", "topk"), ("elastic", "topk")])
+def test_more_tokens_than_the_budget_on_one_rank_are_refused_on_every_rank(backend_name, form):
+    """A longer micro-batch on one rank (variable-length data under Megatron): that rank refused alone and
+    its peers waited out the timeout in the dispatch. It runs the op with no tokens now and its count
+    exchange says why: every rank raises ValueError, and the next dispatch runs."""
+    results = run_ranks(over_budget_on_one_rank, 2, backend_name, form, device="cuda", timeout_s=180)
+    refused, _ = results[1]
+    assert refused.startswith(f"ValueError: hidden has {MAX_TOKENS + 1} tokens, over max_tokens_per_rank="), results
+    assert "(on rank 1)" in refused and "stays usable" in refused, results
+    assert results[0][0].startswith("ValueError: rank(s) [1] of the group passed more tokens than "
+                                    f"max_tokens_per_rank={MAX_TOKENS}"), results
+    assert results[0][1] == results[1][1] == "combined (20, 256)", results
+
+
 # ---- a device kept busy by someone else's kernel -------------------------------------------------
 
 def busy_device(ctx, backend_name: str) -> dict:

@@ -335,12 +335,13 @@ class CompiledBackend(Backend):
 
     def _layout_and_exchange(self, routing: Routing, probs: Optional[torch.Tensor], scratch: "Scratch", phase: int,
                              fingerprint: int, *, addresses: Callable[[], dict], pad_multiple: int = 1,
-                             receive_budget: Optional[int] = None):
+                             receive_budget: Optional[int] = None, refused: Optional[str] = None):
         """``_layout`` and then ``_exchange`` of its counts, in one launch (``_C.layout_exchange``: the last
         layout block runs the exchange). ``addresses()``: where the exchange's outputs go in ``scratch``, as
         ``_C.ExchangeArgs`` fields (called when the struct is built: once per plan and address, see
         ``Scratch.args``); its inputs are the layout's pieces of ``scratch``; ``phase``, ``fingerprint``,
-        ``pad_multiple`` and ``receive_budget`` (None: unbounded) are the op's own. Returns what ``_layout``
+        ``pad_multiple`` and ``receive_budget`` (None: unbounded) are the op's own; ``refused``: why this rank
+        refused its input (``_within_budget``), which the exchange tells every rank. Returns what ``_layout``
         does."""
         args, dense_probs = self._layout_args(routing, probs, scratch)
         at = scratch.address
@@ -350,6 +351,7 @@ class CompiledBackend(Backend):
             **addresses()))
         exchange.phase, exchange.fingerprint, exchange.pad_multiple = phase, fingerprint, pad_multiple
         exchange.receive_budget = self._C.UNBOUNDED_ROWS if receive_budget is None else receive_budget
+        exchange.host_input_flags = 0 if refused is None else self._C.INPUT_TOO_MANY_TOKENS
         self._C.layout_exchange(self.buffer.raw, args, exchange, self._stream())
         self._peers_may_read_arena = False  # once enqueued, as in _exchange
         return dense_probs
@@ -539,7 +541,7 @@ class CompiledBackend(Backend):
         (default: what was enqueued so far)."""
         self.buffer.wait_event(mark if mark is not None else self._mark(), self.config.timeout_s + 5.0, what)
 
-    def _dispatch_counts(self, counted: torch.cuda.Event, routing: Routing) -> list[int]:
+    def _dispatch_counts(self, counted: torch.cuda.Event, routing: Routing, refused: Optional[str] = None) -> list[int]:
         """Blocking mode: the mailbox words of a dispatch's count exchange ([0, MAILBOX_EXPERT_ROWS + L)),
         read once the exchange (before ``counted``) has run. The exchange told every rank each rank's
         input flags, so a dispatch whose top-k ids any rank got wrong raises ValueError here on every
@@ -550,23 +552,53 @@ class CompiledBackend(Backend):
         words = self.buffer.mailbox(0, self._C.MAILBOX_EXPERT_ROWS + self.num_local_experts)
         if words[self._C.MAILBOX_INPUT_FLAGS]:
             self._refuse_flagged_input(words[self._C.MAILBOX_INPUT_FLAGS], words[self._C.MAILBOX_FLAGGED_RANKS],
-                                       routing)
+                                       routing, refused)
         return words
 
-    def _refuse_flagged_input(self, flags: int, flagged_ranks: int, routing: Routing) -> None:
+    def _refuse_flagged_input(self, flags: int, flagged_ranks: int, routing: Routing,
+                              refused: Optional[str] = None) -> None:
         ranks = [r for r in range(self.num_ranks) if flagged_ranks >> r & 1]
-        refused = f"every rank of backend {self.name!r} refused this dispatch; the backend stays usable"
+        every = f"every rank of backend {self.name!r} refused this dispatch; the backend stays usable"
         if self.rank in ranks:
+            if refused is not None:  # this rank ran the op with no tokens (_within_budget)
+                raise ValueError(f"{refused} (on rank {self.rank}); {every}")
             try:
                 check_topk_values(routing.topk_idx, self.num_experts)  # names the id or the token
             except ValueError as exc:
-                raise ValueError(f"{exc} (on rank {self.rank}); {refused}") from None
+                raise ValueError(f"{exc} (on rank {self.rank}); {every}") from None
         problems = []
         if flags & self._C.INPUT_ID_OUT_OF_RANGE:
-            problems.append(f"an expert id outside -1 and [0, {self.num_experts})")
+            problems.append(f"topk_idx with an expert id outside -1 and [0, {self.num_experts})")
         if flags & self._C.INPUT_ID_REPEATED:
-            problems.append("a token naming the same expert twice")
-        raise ValueError(f"rank(s) {ranks} of the group passed topk_idx with {' and '.join(problems)}: {refused}")
+            problems.append("topk_idx with a token naming the same expert twice")
+        if flags & self._C.INPUT_TOO_MANY_TOKENS:
+            problems.append(f"more tokens than max_tokens_per_rank={self.config.max_tokens_per_rank} "
+                            f"(EP_PLUGIN_MAX_TOKENS_PER_RANK)")
+        raise ValueError(f"rank(s) {ranks} of the group passed {' or '.join(problems)}: {every}")
+
+    @property
+    def refuses_input_in_exchange(self) -> bool:
+        """Blocking mode: a token count past max_tokens_per_rank rides the count exchange (``_within_budget``),
+        so every rank refuses it. Sync-free mode refuses it on the rank before any launch."""
+        return self.config.blocking
+
+    def _within_budget(self, hidden, routing: Routing, probs: Optional[torch.Tensor]) -> tuple:
+        """(hidden, routing, probs, refused): the dispatch's input as it is, or, with more tokens than
+        max_tokens_per_rank (blocking mode only: ``refuses_input_in_exchange``), the same with no rows and
+        why this rank refuses it. The op then runs with no tokens of this rank, its count exchange tells every
+        rank, and every rank raises ValueError at the count read (``_dispatch_counts``), as for bad top-k ids:
+        the ranks stay in step and the backend usable."""
+        if routing.num_tokens <= self.config.max_tokens_per_rank:
+            return hidden, routing, probs, None
+
+        def none_of(tensor):  # zero rows of the same dtype, columns and device
+            return None if tensor is None else tensor[:0]
+
+        refused = self._over_budget(routing.num_tokens)
+        hidden = (none_of(hidden[0]), none_of(hidden[1])) if isinstance(hidden, (tuple, list)) else none_of(hidden)
+        routing = Routing(routing.form, 0, routing.num_experts, routing_map=none_of(routing.routing_map),
+                          topk_idx=none_of(routing.topk_idx))
+        return hidden, routing, none_of(probs), refused
 
     # ---- lifecycle / errors -------------------------------------------------------------------
 

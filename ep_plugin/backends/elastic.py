@@ -281,6 +281,7 @@ class ElasticBackend(CompiledBackend):
                   zero_padding: bool = False, in_place: bool = False) -> DispatchOutput:
         assert routing.form != ROUTING_MAP  # dispatch() rejects the routing map
         self.buffer.raise_if_failed()
+        hidden, routing, probs, refused = self._within_budget(hidden, routing, probs)  # every rank refuses
         fp8 = isinstance(hidden, (tuple, list))
         data, scales = (hidden[0], hidden[1]) if fp8 else (hidden, None)
         data = self._aligned(data)
@@ -300,6 +301,7 @@ class ElasticBackend(CompiledBackend):
         outputs = None if self.config.blocking or in_place else self._receive_outputs(
             worst_case, packet_capacity, k, expand, data.dtype, fp8, probs is not None)
         self._layout_and_exchange(routing, None, scratch, PHASE_DISPATCH, fingerprint, pad_multiple=pad_multiple,
+                                  refused=refused,
                                   addresses=lambda: dict(row_base=at("row_base"), expert_start=at("expert_start"),
                                                          tokens_per_expert=at("tokens_per_expert"),
                                                          real_per_expert=at("real_per_expert"),
@@ -329,7 +331,7 @@ class ElasticBackend(CompiledBackend):
         tokens_list = None
         if self.config.blocking:
             with nvtx_range("ep.elastic.dispatch.wait_count"):
-                words = self._dispatch_counts(counted, routing)
+                words = self._dispatch_counts(counted, routing, refused)
                 packet_capacity = words[self._C.MAILBOX_TOTAL_PACKETS]
                 capacity = words[self._C.MAILBOX_TOTAL_ROWS] if expand else packet_capacity
                 tokens_list = words[self._C.MAILBOX_EXPERT_ROWS:]

@@ -271,6 +271,7 @@ class HybridBackend(CompiledBackend):
     @op_range("dispatch")
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple) -> DispatchOutput:
         self.buffer.raise_if_failed()
+        hidden, routing, probs, refused = self._within_budget(hidden, routing, probs)  # every rank refuses
         fp8 = isinstance(hidden, (tuple, list))
         data, scales = (hidden[0], hidden[1]) if fp8 else (hidden, None)
         data = self._aligned(data)
@@ -286,7 +287,7 @@ class HybridBackend(CompiledBackend):
         outputs = None if budget is None else self._dispatch_outputs(budget, data.dtype, fp8, probs is not None)
         dense_probs = self._layout_and_exchange(
             routing, probs, scratch, PHASE_DISPATCH, fingerprint, pad_multiple=pad_multiple,
-            receive_budget=budget,
+            receive_budget=budget, refused=refused,
             addresses=lambda: dict(row_base=at("row_base"), expert_start=at("expert_start"),
                                    tokens_per_expert=at("tokens_per_expert"),
                                    real_per_expert=at("real_per_expert"), num_packets=at("num_packets"),
@@ -308,7 +309,7 @@ class HybridBackend(CompiledBackend):
         if self.config.blocking:
             self._C.hybrid.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
             with nvtx_range("ep.hybrid.dispatch.wait_count"):
-                words = self._dispatch_counts(counted, routing)
+                words = self._dispatch_counts(counted, routing, refused)
                 budget, tokens_list = words[self._C.MAILBOX_TOTAL_ROWS], words[self._C.MAILBOX_EXPERT_ROWS:]
         out, out_scales, out_probs = outputs or self._dispatch_outputs(budget, data.dtype, fp8, probs is not None)
         permute = scratch.args(("permute", fp8), lambda: self._C.hybrid.PermuteArgs(

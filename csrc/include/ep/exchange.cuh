@@ -68,7 +68,7 @@ __device__ __forceinline__ void exchange_block(const TransportView& t, const Exc
   // Words per destination: L expert counts, packets, flags (+ budget and pad_multiple, if room).
   const int words = t.sync.count_words >= count_words_with_budget(L) ? count_words_with_budget(L) : L + 2;
   if (a.expert_counts != nullptr) {
-    int flags = 0;
+    int flags = a.host_input_flags;
     if (a.input_flags != nullptr) {
       for (int p = 0; p < R; ++p) flags |= __ldcg(a.input_flags + p);
     }

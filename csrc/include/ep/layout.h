@@ -20,6 +20,9 @@ namespace ep {
 // Input flags of the top-k form (bits of input_flags[p]); the count exchange sends them to every rank.
 constexpr int kInputIdOutOfRange = 1;  // some id was < -1 or >= E (every p's flags carry it)
 constexpr int kInputIdRepeated = 2;    // some token named one of rank p's experts twice
+// Set by the host (ExchangeArgs::host_input_flags), not the layout: the rank refused its own input for
+// more tokens than its buffer holds, and runs the op with none, so that every rank refuses it together.
+constexpr int kInputTooManyTokens = 4;
 
 struct LayoutArgs {
   const uint8_t* routing_map;  // [T, E] or null (top-k form)

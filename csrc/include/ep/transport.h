@@ -161,7 +161,8 @@ class SymmetricBuffer {
 // pad_multiple. One block; nothing here is backend-specific.
 //
 // Count words from this rank to destination p: expert_counts[p * L + j] for j < L, then
-// rank_counts[p] (packets), then this rank's input flags (the OR over input_flags[0..R)), so
+// rank_counts[p] (packets), then this rank's input flags (the OR over input_flags[0..R) and
+// host_input_flags), so
 // W = L + 2. Every rank thus learns every rank's flags in the same op, and a blocking dispatch
 // that any rank flagged is refused on all of them at the one host read of the counts.
 // A backend that declared W >= L + 4 also gets word L + 2 = this rank's receive budget (rows of
@@ -174,6 +175,7 @@ struct ExchangeArgs {
   const int32_t* expert_counts;         // [R * L] or null: handshake only
   const int32_t* rank_counts;           // [R]
   const int32_t* input_flags;           // [R] or null (none): the layout's flags for each rank
+  int32_t host_input_flags = 0;         // kInput* bits the host adds to this rank's flags (kInputTooManyTokens)
   int num_local_experts;                // L
   int pad_multiple;                     // >= 1
   int32_t* row_base;                    // out [R, L]: first row of (source r, local expert e)

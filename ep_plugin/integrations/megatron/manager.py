@@ -169,8 +169,7 @@ def check_megatron_options(config, backend_class) -> None:
     if getattr(config, "variable_seq_lengths", False) and not env_is_set("max_tokens_per_rank"):
         warn_once(logger, "variable_seq_lengths",
                   "%s with variable_seq_lengths=True: the backend is sized from the first MoE call's tokens per "
-                  "rank, and a later micro-batch with more is refused (within one NVLink domain on hybrid and "
-                  "elastic, on its rank alone: its peers then wait out EP_PLUGIN_TIMEOUT_S). Set "
+                  "rank, and a later micro-batch with more is refused (a ValueError on every rank). Set "
                   "EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank, to the most any "
                   "micro-batch can have: sequence length x micro-batch size, over TP with sequence parallelism "
                   "and over CP", selected)
@@ -289,9 +288,9 @@ def tokens_per_rank(config: Config, words: HostCollectives, counts: list[Optiona
     CP) are not in its TransformerConfig, and recipes commonly pass 8192 (the default) or more: the
     call that builds the backend shows them, as HybridEP sizes its buffer from its first call. Never below
     the default; a later call with more tokens (another sequence length at evaluation, variable-length
-    batches) is refused with the fix (on every rank where the backend's exchange carries the refusal, else by
-    the rank that has them). Where EP_PLUGIN_MAX_TOKENS_PER_RANK is set it
-    decides (on every rank alike: ``agree_before_build``), and a first call past it is refused on every rank."""
+    batches) is refused with the fix, on every rank (the op's first exchange carries the refusal). Where
+    EP_PLUGIN_MAX_TOKENS_PER_RANK is set it decides (on every rank alike: ``agree_before_build``), and a first
+    call past it is refused on every rank."""
     known = [count for count in counts if count is not None]
     largest = max(known, default=0)
     if largest <= config.max_tokens_per_rank:
@@ -406,7 +405,8 @@ class EPPluginManager:
         num_tokens = _tokens_of(hidden_states)
         room = backend.config.max_tokens_per_rank
         # The backend's own refusal would not say where its size came from; one that refuses in its exchange
-        # (reference, across domains) makes every rank raise, where this one rank would leave its peers waiting.
+        # (every backend in blocking mode, which Megatron's needs) makes every rank raise, where this one rank
+        # would leave its peers waiting.
         if num_tokens > room and not backend.refuses_input_in_exchange:
             raise ValueError(f"{selected_by(self.config)}: this MoE layer's call has {num_tokens} tokens on this rank, "
                              f"over the {room} its shared backend was built for (the largest of the first call, or "
