@@ -324,35 +324,43 @@ def test_a_grid_past_one_ranks_limit_is_refused_on_every_rank(backend_name, num_
 # ---- more tokens than the buffer holds, on one rank ---------------------------------------------
 
 def over_budget_on_one_rank(ctx, backend_name: str, form: str) -> list:
-    """Rank 1 dispatches one token more than max_tokens_per_rank, then every rank validly (blocking mode)."""
+    """Rank 1 dispatches one token more than max_tokens_per_rank, then every rank validly (blocking mode):
+    each outcome is the error, or the largest error of the round trip (every token back times its experts)."""
     backend = make_backend(ctx, backend_name)
+    options = {"in_place": True} if form == "topk_in_place" else {}
     outcomes = []
     for num_tokens in (MAX_TOKENS + 1 if ctx.rank == 1 else 20, 20):
         x, idx, w, routing_map, probs = make_inputs(804, ctx.rank, ctx.world_size, num_tokens, 256, NUM_EXPERTS,
                                                     2, skewed=False, drop_some=False)
-        routing = dict(topk_idx=idx, topk_weights=w) if form == "topk" else dict(routing_map=routing_map,
-                                                                                  probs=probs)
+        routing = dict(routing_map=routing_map, probs=probs) if form == "routing_map" else dict(topk_idx=idx,
+                                                                                               topk_weights=w)
         try:
-            out = backend.dispatch(x, **routing)
-            combined = backend.combine(out.hidden, out.handle).hidden
-            outcomes.append(f"combined {tuple(combined.shape)}")
+            out = backend.dispatch(x, **routing, **options)
+            combined = backend.combine(out.hidden, out.handle).hidden.float()
+            # Copies of a token: one per expert (hybrid's rows), one per destination rank (elastic's compact rows).
+            ranks = routing_map.view(num_tokens, ctx.world_size, -1).any(2)
+            copies = (ranks if backend_name == "elastic" else routing_map).sum(1, keepdim=True).float()
+            outcomes.append(float((combined - x.float() * copies).abs().max()))
         except ValueError as error:
             outcomes.append(f"ValueError: {error}")
+    torch.cuda.synchronize()
+    backend.destroy()
     return outcomes
 
 
-@pytest.mark.parametrize("backend_name, form", [("hybrid", "routing_map"), ("hybrid", "topk"), ("elastic", "topk")])
+@pytest.mark.parametrize("backend_name, form", [("hybrid", "routing_map"), ("hybrid", "topk"), ("elastic", "topk"),
+                                                ("elastic", "topk_in_place")])
 def test_more_tokens_than_the_budget_on_one_rank_are_refused_on_every_rank(backend_name, form):
     """A longer micro-batch on one rank (variable-length data under Megatron): that rank refused alone and
     its peers waited out the timeout in the dispatch. It runs the op with no tokens now and its count
-    exchange says why: every rank raises ValueError, and the next dispatch runs."""
+    exchange says why: every rank raises ValueError, and the next round trip is exact."""
     results = run_ranks(over_budget_on_one_rank, 2, backend_name, form, device="cuda", timeout_s=180)
-    refused, _ = results[1]
+    refused = results[1][0]
     assert refused.startswith(f"ValueError: hidden has {MAX_TOKENS + 1} tokens, over max_tokens_per_rank="), results
     assert "(on rank 1)" in refused and "stays usable" in refused, results
     assert results[0][0].startswith("ValueError: rank(s) [1] of the group passed more tokens than "
                                     f"max_tokens_per_rank={MAX_TOKENS}"), results
-    assert results[0][1] == results[1][1] == "combined (20, 256)", results
+    assert results[0][1] == results[1][1] == 0.0, results  # 2 copies of a bf16 token sum exactly
 
 
 # ---- a device kept busy by someone else's kernel -------------------------------------------------

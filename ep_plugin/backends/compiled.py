@@ -550,8 +550,9 @@ class CompiledBackend(Backend):
         """
         self._wait_for_host("the dispatch counts", counted)
         words = self.buffer.mailbox(0, self._C.MAILBOX_EXPERT_ROWS + self.num_local_experts)
-        if words[self._C.MAILBOX_INPUT_FLAGS]:
-            self._refuse_flagged_input(words[self._C.MAILBOX_INPUT_FLAGS], words[self._C.MAILBOX_FLAGGED_RANKS],
+        if words[self._C.MAILBOX_INPUT_FLAGS] or refused is not None:  # (the flag is this rank's own, too)
+            self._refuse_flagged_input(words[self._C.MAILBOX_INPUT_FLAGS],
+                                       words[self._C.MAILBOX_FLAGGED_RANKS] | (refused is not None) << self.rank,
                                        routing, refused)
         return words
 
@@ -590,6 +591,8 @@ class CompiledBackend(Backend):
         the ranks stay in step and the backend usable."""
         if routing.num_tokens <= self.config.max_tokens_per_rank:
             return hidden, routing, probs, None
+        if not self.config.blocking:  # no count read would raise: refuse here, before any launch
+            raise ValueError(self._over_budget(routing.num_tokens))
 
         def none_of(tensor):  # zero rows of the same dtype, columns and device
             return None if tensor is None else tensor[:0]
