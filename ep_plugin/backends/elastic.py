@@ -33,7 +33,8 @@ What a DeepEP user knows, under our names (DeepEP's in parentheses):
   ``in_place_dispatch=True``): the sources write each row straight into this rank's buffer and
   ``hidden`` (and FP8 scales) are views of it, so the payload crosses once instead of being staged
   and pulled. The rows are valid until the next in-place dispatch on this backend, which overwrites
-  them (also when it is then refused for bad ids: the rows are pushed before the count read).
+  them (also when it is then refused for bad ids or a rank's token count: the rows are pushed before
+  the count read).
   DeepEP's low-latency receive buffers work the same way. Copy what must live longer (e.g. rows
   saved for a backward). Metadata, counts and the handle are ordinary tensors.
 - ``combine_input(handle)`` (compact form): a [rows, H] bf16 tensor inside the backend's buffer. Write

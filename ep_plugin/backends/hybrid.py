@@ -62,8 +62,9 @@ bytes per rank, plus 12 MiB for the allocator's segment rules.
 Blocking mode (``config.blocking``): the output has exactly the received rows; the host reads the
 total from pinned memory owned by the buffer after waiting (with a timeout) on an event recorded
 after the notify kernel, while the send (enqueued before the wait) runs. The same read tells every
-rank whether any rank's top-k ids were out of range or repeated: then every rank raises
-``ValueError`` and nothing is permuted. Non-blocking mode: the output has ``num_permuted_tokens`` rows (0 = the
+rank whether any rank's top-k ids were out of range or repeated, or a rank had more tokens than
+``max_tokens_per_rank`` (it ran the op with none): then every rank raises ``ValueError`` and nothing
+is permuted. Non-blocking mode: the output has ``num_permuted_tokens`` rows (0 = the
 worst case), counts stay on the device, rows past the budget are dropped and raise
 ``handle.layout.overflow`` (also ``backend.over_budget``); nothing syncs, so dispatch and combine
 can be captured in a CUDA graph (the op number advances on the device at each replay).
