@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ep_plugin
-from ep_plugin.agreement import OP_COMBINE, OP_DISPATCH, OpFingerprint, mismatch_message
+from ep_plugin.agreement import OP_COMBINE, OP_DISPATCH, OpFingerprint, check_construction, mismatch_message
 from ep_plugin.config import Config
 from ep_plugin.host_collectives import HostCollectives
 from ep_plugin.testing import run_ranks
@@ -54,7 +54,19 @@ def construction_scenarios(ctx) -> dict:
         assert out.tokens_per_expert.tolist() == ([NUM_RANKS] * 2 if ctx.rank < 2 else [0, 0])
 
     outcomes["agreed"] = _outcome(agreed_build_still_works)
+    # A backend version that checks one field more on some ranks (a mixed install): the others, whose own
+    # fields all agree, must raise too.
+    facts = {"hidden_size": HIDDEN, **({"num_sms": 8} if odd else {})}
+    outcomes["fields"] = _outcome(lambda: check_construction(None, "reference", facts, timeout_s=TIMEOUT_S))
     return outcomes
+
+
+def test_ranks_that_check_different_fields_raise_on_every_rank(construction_outcomes):
+    for rank, outcomes in enumerate(construction_outcomes):
+        kind, message, _ = outcomes["fields"]
+        assert kind == "ValueError", (rank, kind, message)
+        if rank != ODD:
+            assert "the set of checked fields (['hidden_size', 'num_sms'] vs ['hidden_size'] here)" in message, message
 
 
 @pytest.fixture(scope="module")
