@@ -256,13 +256,15 @@ class CompiledBackend(Backend):
         of ranks sharing a GPU deadlock when some of them cannot be scheduled. Every rank refuses when one
         rank's grid does not fit (one exchange): a rank that refused alone (its own EP_PLUGIN_MAX_SMS_PER_GPU
         or MPS percentage) would leave its peers waiting for it in the buffer's exchange."""
-        sms = self.config.max_sms_per_gpu or self._device_sms()
-        mine = co_residency_problem(self.num_blocks, sharing, sms, mps_thread_percentage())
+        sms, percentage = self.config.max_sms_per_gpu or self._device_sms(), mps_thread_percentage()
+        mine = (co_residency_limit(sms, sharing, percentage),
+                co_residency_problem(self.num_blocks, sharing, sms, percentage))
         everyone = self._host.all_gather_object(mine, where="checking that every rank's blocks fit on its GPU")
-        over = [rank for rank, problem in enumerate(everyone) if problem]
+        over = [rank for rank, (_, problem) in enumerate(everyone) if problem]
         if over:
             where = "on this rank" if over == [self.rank] else f"on rank(s) {over}"
-            raise ValueError(f"backend {self.name!r}, {where}: {everyone[over[0]]}")
+            tightest = min(over, key=lambda rank: everyone[rank][0])  # its fix is the one that fits every rank
+            raise ValueError(f"backend {self.name!r}, {where}: {everyone[tightest][1]}")
 
     # ---- the send-side layout (both backends) -----------------------------------------------
 
