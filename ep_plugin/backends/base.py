@@ -400,8 +400,13 @@ class Backend(abc.ABC):
         return not self.checks_ids_on_device and not self.refuses_input_in_exchange and not self._sync_free()
 
     def _over_budget(self, num_tokens: int) -> str:
+        """Why this rank refuses a dispatch of ``num_tokens`` tokens (``_too_many_tokens``: its peers' words)."""
         return (f"hidden has {num_tokens} tokens, over max_tokens_per_rank={self.config.max_tokens_per_rank} "
                 f"(raise it with EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank)")
+
+    def _too_many_tokens(self) -> str:
+        """What a peer passed whose dispatch was refused for its token count (every rank's message)."""
+        return f"more tokens than max_tokens_per_rank={self.config.max_tokens_per_rank} (EP_PLUGIN_MAX_TOKENS_PER_RANK)"
 
     def _refused_input(self, routing: Routing) -> Optional[str]:
         """Why this rank's dispatch input is refused (more tokens than ``max_tokens_per_rank``, a top-k id out

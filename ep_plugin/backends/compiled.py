@@ -247,8 +247,7 @@ class CompiledBackend(Backend):
         everyone = self._host.all_gather_object(mine, where="autosizing num_sms")
         refused = [rank for rank, value in enumerate(everyone) if isinstance(value, str)]
         if refused:
-            where = "on this rank" if refused == [self.rank] else f"on rank(s) {refused}"
-            raise ValueError(f"backend {self.name!r}, {where}: {everyone[refused[0]]}")
+            self._refuse_build(refused, everyone[refused[0]])
         return min(everyone)
 
     def _check_co_residency(self, sharing: int) -> None:
@@ -262,9 +261,13 @@ class CompiledBackend(Backend):
         everyone = self._host.all_gather_object(mine, where="checking that every rank's blocks fit on its GPU")
         over = [rank for rank, (_, problem) in enumerate(everyone) if problem]
         if over:
-            where = "on this rank" if over == [self.rank] else f"on rank(s) {over}"
             tightest = min(over, key=lambda rank: everyone[rank][0])  # its fix is the one that fits every rank
-            raise ValueError(f"backend {self.name!r}, {where}: {everyone[tightest][1]}")
+            self._refuse_build(over, everyone[tightest][1])
+
+    def _refuse_build(self, ranks: list[int], problem: str) -> None:
+        """ValueError on every rank: the build's exchange found ``problem`` on ``ranks``."""
+        where = "on this rank" if ranks == [self.rank] else f"on rank(s) {ranks}"
+        raise ValueError(f"backend {self.name!r}, {where}: {problem}")
 
     # ---- the send-side layout (both backends) -----------------------------------------------
 
@@ -575,8 +578,7 @@ class CompiledBackend(Backend):
         if flags & self._C.INPUT_ID_REPEATED:
             problems.append("topk_idx with a token naming the same expert twice")
         if flags & self._C.INPUT_TOO_MANY_TOKENS:
-            problems.append(f"more tokens than max_tokens_per_rank={self.config.max_tokens_per_rank} "
-                            f"(EP_PLUGIN_MAX_TOKENS_PER_RANK)")
+            problems.append(self._too_many_tokens())
         raise ValueError(f"rank(s) {ranks} of the group passed {' or '.join(problems)}: {every}")
 
     @property

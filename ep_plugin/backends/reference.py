@@ -249,8 +249,7 @@ class ReferenceBackend(Backend):
                            f"[0, {self.num_experts}) or a token naming the same expert twice")
             tokens = [q for q in refusing if counts[q] == _REFUSED_TOKENS]
             if tokens:
-                why.append(f"rank(s) {tokens} of the group passed more tokens than max_tokens_per_rank="
-                           f"{self.config.max_tokens_per_rank} (EP_PLUGIN_MAX_TOKENS_PER_RANK)")
+                why.append(f"rank(s) {tokens} of the group passed {self._too_many_tokens()}")
             raise ValueError(f"{'; '.join(why)}: {stays}")
         if expected is not None and counts != expected:
             raise EPError(f"ep_plugin reference: rank {self.rank}: in {where} the peers announce {counts} rows, the "
