@@ -54,7 +54,7 @@ void check_exchange_args(const SymmetricBuffer& buffer, const ExchangeArgs& args
 
 void launch_exchange(const SymmetricBuffer& buffer, const ExchangeArgs& args, uintptr_t stream) {
   check_exchange_args(buffer, args);
-  EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
+  const DeviceScope device_scope(buffer.device());
   exchange_kernel<<<1, kExchangeThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), args);
   EP_CUDA_CHECK(cudaGetLastError());
 }

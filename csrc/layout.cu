@@ -595,7 +595,7 @@ void launch_kernel(const LayoutArgs& a, int device, const TransportView& t, cons
   int groups = 1;
   while (groups * 32 < vecs) groups *= 2;  // <= 2 (vectorized) or <= 8
 
-  EP_CUDA_CHECK(cudaSetDevice(device));
+  const DeviceScope device_scope(device);
   const int budget = a.max_blocks > 0 ? std::min(a.max_blocks, multiprocessors(device)) : multiprocessors(device);
   const int per_sm = std::max(1, budget / R);
   const int chunks = T == 0 ? 1 : std::min((T + kMinTokensPerBlock - 1) / kMinTokensPerBlock, per_sm);

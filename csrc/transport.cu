@@ -39,7 +39,7 @@ SymmetricBuffer::SymmetricBuffer(int device, int rank, int num_ranks, int64_t re
     throw std::invalid_argument("ep_plugin: num_ranks must be in [1, " + std::to_string(kMaxRanks) + "]");
   if (rank < 0 || rank >= num_ranks) throw std::invalid_argument("ep_plugin: rank out of range");
   if (region_bytes < 0 || count_words < 0) throw std::invalid_argument("ep_plugin: negative buffer size");
-  EP_CUDA_CHECK(cudaSetDevice(device));
+  const DeviceScope device_scope(device);
   int major = 0;
   EP_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   bulk_capable_ = major >= 9;
@@ -90,7 +90,7 @@ void SymmetricBuffer::set_timeout(double timeout_s) {
 
 std::string SymmetricBuffer::export_handle() const {
   if (destroyed_) throw std::runtime_error("ep_plugin: buffer already destroyed");
-  EP_CUDA_CHECK(cudaSetDevice(device_));
+  const DeviceScope device_scope(device_);
   cudaIpcMemHandle_t handle;
   EP_CUDA_CHECK(cudaIpcGetMemHandle(&handle, local_));
   return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
@@ -100,7 +100,7 @@ void SymmetricBuffer::open_peers(const std::vector<std::string>& handles) {
   const int R = view_.num_ranks;
   if (static_cast<int>(handles.size()) != R) throw std::invalid_argument("ep_plugin: open_peers needs one handle per rank");
   if (!opened_.empty()) throw std::runtime_error("ep_plugin: peers already opened");
-  EP_CUDA_CHECK(cudaSetDevice(device_));
+  const DeviceScope device_scope(device_);
   std::vector<char*> table(R, nullptr);
   for (int r = 0; r < R; ++r) {
     if (r == view_.rank) {
@@ -128,7 +128,7 @@ uintptr_t SymmetricBuffer::peer_region_address(int r) const {
 void SymmetricBuffer::destroy() {
   if (destroyed_) return;
   destroyed_ = true;
-  cudaSetDevice(device_);
+  const DeviceScope device_scope(device_, std::nothrow);
   // Errors are collected so every resource is released; the first one is raised.
   cudaError_t first = cudaSuccess;
   auto keep = [&first](cudaError_t status) {

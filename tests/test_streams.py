@@ -245,3 +245,41 @@ def test_a_combine_input_taken_on_another_stream_waits_for_the_queued_ops(backen
         # sleep_running_at_the_query: the host reached the query while the sleep still ran (else the test
         # proves nothing)
         assert result == {"writer_waited": True, "sleep_running_at_the_query": True, "same": True}, (rank, result)
+
+
+def _ops_from_gpu_0(ctx, backend_name: str) -> dict:
+    """A job that passes ``device=`` without torch.cuda.set_device: every rank's current device is GPU 0.
+    Each step's current device afterwards, and whether the round trip matches the same ops issued with
+    the backend's own GPU current."""
+    from test_faults_gpu import make_backend, routed_tokens
+
+    torch.cuda.set_device(0)
+    current = {}
+    backend = make_backend(ctx, backend_name)
+    current["build"] = torch.cuda.current_device()
+    x, routing = routed_tokens(ctx, 809)
+    out = backend.dispatch(x, **routing)
+    current["dispatch"] = torch.cuda.current_device()
+    back = backend.combine(out.hidden, out.handle).hidden
+    current["combine"] = torch.cuda.current_device()
+    with torch.cuda.device(ctx.device):
+        again = backend.dispatch(x, **routing)
+        want = backend.combine(again.hidden, again.handle).hidden
+        torch.cuda.synchronize()
+    backend.destroy()
+    current["destroy"] = torch.cuda.current_device()
+    return {"current": current, "same": torch.equal(back, want)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend_name", ["hybrid", "elastic"])
+def test_ops_leave_the_callers_current_device_on_two_gpus(backend_name):
+    # The extension's entry points select the backend's GPU for their CUDA calls; they must give the
+    # caller's current device back (else rank 1's next torch.empty(device="cuda") lands on GPU 1).
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two visible GPUs (one rank each, the current device GPU 0 on both)")
+    from ep_plugin.testing import run_ranks
+
+    for rank, result in enumerate(run_ranks(_ops_from_gpu_0, 2, backend_name, device="cuda", timeout_s=120)):
+        assert result == {"current": dict.fromkeys(["build", "dispatch", "combine", "destroy"], 0), "same": True}, \
+            (rank, result)

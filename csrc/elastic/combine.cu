@@ -139,7 +139,7 @@ void launch_combine_send(const SymmetricBuffer& buffer, const Regions& regions, 
   if (args.topk < 1 || args.topk > regions.max_topk)
     throw std::invalid_argument("ep_plugin elastic: topk out of range for this buffer");
   check_launch_fits("elastic", regions, num_blocks);
-  EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
+  const DeviceScope device_scope(buffer.device());
   combine_send_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), regions,
                                                                                            args);
   EP_CUDA_CHECK(cudaGetLastError());
@@ -150,7 +150,7 @@ void launch_combine_recv(const SymmetricBuffer& buffer, const Regions& regions, 
   if (args.out_topk_values != nullptr && (args.topk < 1 || args.topk > regions.max_topk || !args.topk_idx))
     throw std::invalid_argument("ep_plugin elastic: routing values back needs topk_idx and a topk in range");
   check_launch_fits("elastic", regions, num_blocks, args.num_tokens);
-  EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
+  const DeviceScope device_scope(buffer.device());
   combine_recv_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), regions,
                                                                                            args);
   EP_CUDA_CHECK(cudaGetLastError());

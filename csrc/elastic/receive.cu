@@ -182,7 +182,7 @@ void launch_dispatch_receive(const SymmetricBuffer& buffer, const Regions& regio
     throw std::invalid_argument("ep_plugin elastic: a pushed payload is a first compact dispatch (scales pushed too)");
   check_launch_fits("elastic", regions, num_blocks);
   check_rows_fit("elastic", regions, args.row_bytes, args.scale_bytes);
-  EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
+  const DeviceScope device_scope(buffer.device());
   // Placing metadata copies no rows: the register kernel does it.
   const bool bulk = args.bulk_copy && buffer.bulk_capable() && !args.payload_pushed;
   launch_copy_kernel(bulk, receive_bulk_kernel, receive_kernel, buffer.view(), regions, args, args.row_bytes,

@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(TransportView t,
 
 void launch_combine_send(const SymmetricBuffer& buffer, const Regions& regions, const CombineSendArgs& args, int num_blocks, uintptr_t stream) {
   check_launch_fits("hybrid", regions, num_blocks);
-  EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
+  const DeviceScope device_scope(buffer.device());
   combine_send_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), regions, args);
   EP_CUDA_CHECK(cudaGetLastError());
 }
@@ -230,7 +230,7 @@ void launch_combine_recv(const SymmetricBuffer& buffer, const Regions& regions, 
   if (args.peer_rows == nullptr && args.out_probs != nullptr && !args.wait_for_send)
     throw std::invalid_argument("ep_plugin hybrid: scalars routed back need combine_send (wait_for_send)");
   check_launch_fits("hybrid", regions, num_blocks, args.num_tokens);
-  EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
+  const DeviceScope device_scope(buffer.device());
   const auto kernel = args.peer_rows != nullptr ? combine_recv_kernel<true> : combine_recv_kernel<false>;
   kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), regions, args);
   EP_CUDA_CHECK(cudaGetLastError());

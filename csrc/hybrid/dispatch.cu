@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kBulkWarps * 32) dispatch_send_bulk_kernel(Tra
 void launch_dispatch_send(const SymmetricBuffer& buffer, const Regions& regions, const SendArgs& args, int num_blocks, uintptr_t stream) {
   check_launch_fits("hybrid", regions, num_blocks, args.num_tokens);
   check_rows_fit("hybrid", regions, args.row_bytes, args.scale_bytes);
-  EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
+  const DeviceScope device_scope(buffer.device());
   const bool bulk = args.bulk_copy && buffer.bulk_capable();
   launch_copy_kernel(bulk, dispatch_send_bulk_kernel, dispatch_send_kernel, buffer.view(), regions, args, args.row_bytes, num_blocks,
                      reinterpret_cast<cudaStream_t>(stream));

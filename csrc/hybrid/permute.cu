@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kBulkWarps * 32) dispatch_fused_bulk_kernel(Tr
 void launch_permute(const SymmetricBuffer& buffer, const Regions& regions, const PermuteArgs& args, int num_blocks, uintptr_t stream) {
   check_launch_fits("hybrid", regions, num_blocks);
   check_rows_fit("hybrid", regions, args.row_bytes, args.scale_bytes);
-  EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
+  const DeviceScope device_scope(buffer.device());
   const bool bulk = args.bulk_copy && buffer.bulk_capable();
   launch_copy_kernel(bulk, permute_bulk_kernel, permute_kernel, buffer.view(), regions, args, args.row_bytes, num_blocks,
                      reinterpret_cast<cudaStream_t>(stream));
@@ -100,7 +100,7 @@ void launch_dispatch_fused(const SymmetricBuffer& buffer, const Regions& regions
     throw std::invalid_argument("ep_plugin hybrid: the fused dispatch is a first dispatch (use_cached_rows)");
   check_launch_fits("hybrid", regions, num_blocks, send.num_tokens);
   check_rows_fit("hybrid", regions, send.row_bytes, send.scale_bytes);
-  EP_CUDA_CHECK(cudaSetDevice(buffer.device()));
+  const DeviceScope device_scope(buffer.device());
   const bool bulk = send.bulk_copy && permute.bulk_copy && buffer.bulk_capable();
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   if (bulk) {
