@@ -130,7 +130,9 @@ def fake_cuda(*, count=2, init_rc=0, export_rc=0, peer=True, with_export=True, a
     return library([f for f in functions if f.__name__ not in without]), calls, state
 
 
-def fake_nvml(active_links=4):
+def fake_nvml(active_links=4, link_codes=None):
+    """NVML with ``active_links`` enabled links at indices 0.., or with ``link_codes[i]`` answering link i
+    (0: enabled; "disabled": a disabled link; otherwise the error code returned)."""
     def nvmlInit_v2():
         return 0
 
@@ -142,10 +144,14 @@ def fake_nvml(active_links=4):
         return 0
 
     def nvmlDeviceGetNvLinkState(handle, link, active):
-        if link >= active_links:
-            return cuda_driver.NVML_ERROR_INVALID_ARGUMENT
-        active._obj.value = 1
-        return 0
+        codes = link_codes if link_codes is not None else [0] * active_links
+        code = codes[link] if link < len(codes) else cuda_driver.NVML_ERROR_INVALID_ARGUMENT
+        if code == "disabled":
+            active._obj.value = 0
+            return 0
+        if code == 0:
+            active._obj.value = cuda_driver.NVML_FEATURE_ENABLED
+        return code
 
     return library([nvmlInit_v2, nvmlShutdown, nvmlDeviceGetHandleByPciBusId_v2, nvmlDeviceGetNvLinkState])
 
@@ -216,6 +222,16 @@ def test_no_peer_access_and_no_nvlink():
     assert report.peer_access == [[True, False], [False, True]]
     assert [g.nvlink_active_links for g in report.gpus] == [0, 0]
     assert report.gpus[0].dmabuf_export == "not tried"
+
+
+def test_links_are_counted_past_an_index_without_a_link():
+    # NVML answers NOT_SUPPORTED / INVALID_ARGUMENT for an index with no link; the populated links need not
+    # be the first indices, so counting must not stop at the first such answer.
+    unsupported, invalid = cuda_driver.NVML_ERROR_NOT_SUPPORTED, cuda_driver.NVML_ERROR_INVALID_ARGUMENT
+    lib, _, _ = fake_cuda()
+    nvml = fake_nvml(link_codes=[unsupported, 0, 0, invalid, "disabled", 0])
+    report = probe_driver(library=lib, nvml_library=nvml, dmabuf_export=False)
+    assert [g.nvlink_active_links for g in report.gpus] == [3, 3] and report.nvml_error is None
 
 
 def test_missing_library_is_reported(monkeypatch):

@@ -336,7 +336,9 @@ def _count_nvlinks(gpus: list[GpuInfo], library: Any = None) -> Optional[str]:
                 state = ctypes.c_uint(0)
                 code = link_state(handle, link, ctypes.byref(state))
                 if code in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT):
-                    break  # no NVLink at all, or past this GPU's last link
+                    # No NVLink at all, or no link at this index: the populated links need not be the first
+                    # ones (nvidia-smi asks every index too), so go on to the next.
+                    continue
                 if code != NVML_SUCCESS:
                     active = None
                     problems.append(f"GPU {gpu.index}: nvmlDeviceGetNvLinkState({link}) failed ({code})")
