@@ -326,8 +326,9 @@ def test_a_grid_past_one_ranks_limit_is_refused_on_every_rank(backend_name, num_
 def over_budget_on_one_rank(ctx, backend_name: str, form: str) -> list:
     """Rank 1 dispatches one token more than max_tokens_per_rank, then every rank validly (blocking mode):
     each outcome is the error, or the largest error of the round trip (every token back times its experts)."""
-    backend = make_backend(ctx, backend_name)
-    options = {"in_place": True} if form == "topk_in_place" else {}
+    in_place = form == "topk_in_place"
+    backend = make_backend(ctx, backend_name, options={"in_place_dispatch": True} if in_place else None)
+    options = {"in_place": True} if in_place else {}
     outcomes = []
     for num_tokens in (MAX_TOKENS + 1 if ctx.rank == 1 else 20, 20):
         x, idx, w, routing_map, probs = make_inputs(804, ctx.rank, ctx.world_size, num_tokens, 256, NUM_EXPERTS,

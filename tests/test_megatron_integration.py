@@ -605,8 +605,11 @@ def _layer_for_callables(config):
         def routed_experts_compute(self, hidden_states, probs):
             return hidden_states * probs.unsqueeze(-1), None
 
+    def _forward_mlp(hidden_states):  # 0.19 copies its signature onto the dense layers' callable
+        raise AssertionError("a dense layer's callable ran for an MoE layer")
+
     layer = SimpleNamespace(config=config, mlp=MoELayerShape(), recompute_pre_mlp_layernorm=False,
-                            backward_dw_wrapper=None, names_seen=[])
+                            backward_dw_wrapper=None, names_seen=[], _forward_mlp=_forward_mlp)
     layer.init_backward_dw_wrapper = lambda: layer.names_seen.append(config.moe_flex_dispatcher_backend)
     return layer
 
