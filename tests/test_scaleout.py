@@ -308,6 +308,32 @@ def test_a_cached_dispatch_across_domains_refuses_what_its_domain_backend_would(
                           "none"], raised
 
 
+def combine_input_across_domains(ctx) -> dict:
+    """Code written for one domain's combine input, run across domains: combine_input says why it cannot be,
+    the arena context routes nothing, and a round trip through it is the two-stage one."""
+    backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",
+                                                 topology=Topology(2, 1, ctx.rank))
+    x, idx = torch.arange(8.0).view(2, 4) + ctx.rank, torch.tensor([[0, 1], [2, 3]])
+    out = backend.dispatch(x, topk_idx=idx)
+    try:
+        backend.combine_input(out.handle)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    with backend.combine_input_arena() as usable:
+        rows = out.hidden * 1.0  # the expert's output, allocated inside the context
+    back = backend.combine(rows, out.handle).hidden
+    return {"refused": refused, "usable": usable, "round_trip": torch.equal(back, x * 2)}
+
+
+def test_combine_input_across_domains_is_refused_with_a_reason_and_the_arena_routes_nothing():
+    # Before: a HierarchicalBackend had neither method (AttributeError) and dropped combine_input_rows unsaid.
+    for result in run_ranks(combine_input_across_domains, 2, timeout_s=120):
+        assert result["refused"].startswith("combine_input: across NVLink domains (2 domains of 1 ranks)"), result
+        assert "combine a tensor of your own" in result["refused"], result
+        assert (result["usable"], result["round_trip"]) == (False, True), result
+
+
 def bad_topk_values_on_one_rank(ctx, blocking: bool) -> list:
     """Rank 0's top-k ids name an expert out of range, then rank 3's an expert twice, then rank 0 has more
     tokens than max_tokens_per_rank; every rank dispatches each time (2 domains of 2: rank 3 is neither

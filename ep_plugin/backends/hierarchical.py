@@ -78,9 +78,10 @@ rows (it forwards up to that many), the same bytes per rank as the flat backend 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -287,6 +288,23 @@ class HierarchicalBackend(Backend):
             check_tensor("bias", options["bias"], dtypes=self.capabilities.hidden_dtypes,
                          shape=(handle.num_tokens, self.hidden_size), device=self.device)
         return super().combine(rows, handle, row_probs=row_probs, **options)
+
+    def combine_input(self, handle: Handle) -> torch.Tensor:
+        """Refused (ValueError): across domains a domain backend's combine input is the reorder of the
+        expert rows into rail order, never the tensor the experts wrote, so there is no buffer memory to hand
+        out for them. Combine a tensor of your own (one pass more on the expert side)."""
+        self.refuse_if_destroyed("combine_input")
+        raise ValueError(f"combine_input: across NVLink domains ({self.num_domains} domains of {self.domain_size} ranks) "
+                         "the rows are reordered for the rails before the domain combine reads them, so no combine "
+                         "input lives in the buffer (combine_input_rows is ignored here); combine a tensor of your "
+                         "own")
+
+    @contextlib.contextmanager
+    def combine_input_arena(self) -> Iterator[bool]:
+        """As the one-domain backend's context, which yields whether allocations go to its arena: never
+        across domains (see ``combine_input``), so what is allocated inside is ordinary memory, combined the
+        two-stage way. Code written for one domain runs unchanged."""
+        yield False
 
     def _barrier(self) -> None:
         """Every rank of every domain reached this point: the op agreement (rail, then domain stage), then
