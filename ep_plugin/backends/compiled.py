@@ -179,7 +179,7 @@ class CompiledBackend(Backend):
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         problem = _cuda.arch_problem(torch.cuda.get_device_capability(self.device))
-        if problem:  # before any collective: every rank of a job has such GPUs, so every rank raises
+        if problem:  # before the buffer's exchange: every rank of a job has such GPUs, so every rank raises
             raise BackendUnavailableError(f"backend {self.name!r}: {problem}")
         self._C = _cuda.extension()
         if self.num_ranks > self._C.MAX_RANKS:

@@ -56,8 +56,8 @@ Two ways to put the output there, one per backend (the first used takes the aren
   Megatron's SequentialMLP experts allocate their output this way (``integrations/megatron``).
 
 ``N`` sizes the arena for the largest combine input expected (the largest blocking output, or
-``num_permuted_tokens`` in non-blocking mode; ``worst_case_rows(...)`` always fits): about ``N * 2H``
-bytes per rank, plus 12 MiB for the allocator's segment rules.
+``num_permuted_tokens`` in non-blocking mode; ``worst_case_rows(...)`` always fits): at most ``N * 2H``
+bytes per rank plus 12 MiB for the allocator's segment rules (``arena_bytes``).
 
 Blocking mode (``config.blocking``): the output has exactly the received rows; the host reads the
 total from pinned memory owned by the buffer after waiting (with a timeout) on an event recorded
