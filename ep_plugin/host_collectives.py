@@ -350,6 +350,14 @@ class HostCollectives:
             raise EPError(f"{self.owner}: rank {self.rank} cannot run more ops after an earlier failure on this "
                           f"process group ({failed_there}). {_OUT_OF_STEP}")
 
+    def mark_out_of_step(self, what: str) -> None:
+        """The owner's rank left an op between two of its collectives (an exception of its own, say): the
+        peers run, or wait in, the ones it skipped, so its next collective would pair with one of theirs.
+        From now on this owner, and every owner on the same engine in this process, refuses (``check_usable``);
+        an earlier failure keeps its own text."""
+        if self.failed is None:
+            self._mark_failed(what)
+
     def _engine_object(self):
         """What the collectives run on: the gloo twin, or the process group itself."""
         return self._twin if self._twin is not None else self.group

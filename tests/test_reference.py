@@ -170,6 +170,52 @@ def test_check_usable_refuses_after_a_timed_out_op():
     assert "cannot run more ops after an earlier failure" in outcome and seconds < 1.0, (outcome, seconds)
 
 
+def _failure_between_two_collectives(ctx) -> dict:
+    """Rank 1's dispatch fails after the opening exchange (an allocation, say) and rank 1 tries again. Before,
+    its retry's opening words met rank 0's rows exchange: rank 0 read them as rows, or gloo aborted rank 0 on
+    the sizes. Now rank 1 refuses the retry, naming the op it left, and rank 0 times out in that op."""
+    import time
+
+    backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",
+                                                 config=ep_plugin.Config.from_env(timeout_s=3.0))
+    store = torch.distributed.distributed_c10d._get_default_store()
+    x, idx = torch.ones(2, 4), torch.tensor([[0, 2], [1, 3]])
+    backend.dispatch(x, topk_idx=idx)  # both ranks in step
+    if ctx.rank == 0:
+        try:
+            backend.dispatch(x, topk_idx=idx)
+            outcome = "no error"
+        except ep_plugin.EPError as error:
+            outcome = f"{type(error).__name__}: {error}"
+        store.set("rank 0 done", "1")
+        return {"outcome": outcome}
+
+    def fail_once(*_args, **_kwargs):
+        raise MemoryError("the rows' allocation failed")
+
+    backend._send_rows = fail_once  # what a rank-local failure between the two exchanges looks like
+    with pytest.raises(MemoryError):
+        backend.dispatch(x, topk_idx=idx)
+    del backend._send_rows
+    start = time.monotonic()
+    try:
+        backend.dispatch(x, topk_idx=idx)
+        outcome = "no error"
+    except ep_plugin.EPError as error:
+        outcome = f"{type(error).__name__}: {error}"
+    seconds = time.monotonic() - start
+    store.wait(["rank 0 done"])  # alive until then: a peer that exited would end rank 0's wait otherwise
+    return {"outcome": outcome, "seconds": seconds}
+
+
+def test_a_rank_that_failed_between_two_collectives_refuses_and_its_peer_times_out():
+    rank0, rank1 = run_ranks(_failure_between_two_collectives, 2, timeout_s=120)
+    assert rank1["outcome"].startswith("EPError: ") and rank1["seconds"] < 1.0, rank1
+    assert "dispatch #2 was left midway on this rank by MemoryError: the rows' allocation failed" in \
+        rank1["outcome"], rank1
+    assert rank0["outcome"].startswith("EPTimeoutError: ") and "dispatch #2 (rows)" in rank0["outcome"], rank0
+
+
 def _late_payload_then_next_op_over_a_twin(ctx):
     """The words on a gloo twin, as over NCCL (``use_gloo_twin``, forced here on a gloo group); rank 1 is late
     in dispatch #1 after the opening exchange, so rank 0's payload exchange (_comm) times out. Rank 0's next

@@ -294,10 +294,10 @@ class HierarchicalBackend(Backend):
         expert rows into rail order, never the tensor the experts wrote, so there is no buffer memory to hand
         out for them. Combine a tensor of your own (one pass more on the expert side)."""
         self.refuse_if_destroyed("combine_input")
-        raise ValueError(f"combine_input: across NVLink domains ({self.num_domains} domains of {self.domain_size} ranks) "
-                         "the rows are reordered for the rails before the domain combine reads them, so no combine "
-                         "input lives in the buffer (combine_input_rows is ignored here); combine a tensor of your "
-                         "own")
+        raise ValueError(f"combine_input: across NVLink domains ({self.num_domains} domains of {self.domain_size} "
+                         "ranks) the rows are reordered for the rails before the domain combine reads them, so no "
+                         "combine input lives in the buffer (combine_input_rows is ignored here); combine a tensor "
+                         "of your own")
 
     @contextlib.contextmanager
     def combine_input_arena(self) -> Iterator[bool]:

@@ -34,8 +34,9 @@ further ops: the group's collectives are out of step among its ranks.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -120,22 +121,23 @@ class ReferenceBackend(Backend):
                                  refused=refused)
         self._num_dispatches = number
 
-        layout, real_counts, padded_counts = self._make_layout(number, token, expert, slot, dest_rank, send_splits,
-                                                               recv_splits, pad_multiple, where)
-        padded_list = padded_counts.tolist()  # one host read for the row count and the host copy
-        num_rows = sum(padded_list)
-        handle = Handle(
-            backend=self, num_tokens=routing.num_tokens, hidden_size=self.hidden_size, hidden_dtype=hidden.dtype,
-            probs_shape=routing.probs_shape if probs is not None else None, num_experts=self.num_experts,
-            num_local_experts=self.num_local_experts, pad_multiple=pad_multiple, num_rows=num_rows,
-            tokens_per_expert=padded_counts, num_real_tokens_per_expert=real_counts, layout=layout)
-        rows = self._send_rows(hidden, handle, f"{where} (rows)")
-        row_probs = None
-        if probs is not None:
-            sent = probs.reshape(-1)[layout.send_slot]
-            row_probs = probs.new_zeros(num_rows)
-            row_probs[layout.recv_row] = self._all_to_all(sent, layout.recv_splits, layout.send_splits,
-                                                          f"{where} (probs)")
+        with self._after_opening(where):
+            layout, real_counts, padded_counts = self._make_layout(number, token, expert, slot, dest_rank,
+                                                                   send_splits, recv_splits, pad_multiple, where)
+            padded_list = padded_counts.tolist()  # one host read for the row count and the host copy
+            num_rows = sum(padded_list)
+            handle = Handle(
+                backend=self, num_tokens=routing.num_tokens, hidden_size=self.hidden_size, hidden_dtype=hidden.dtype,
+                probs_shape=routing.probs_shape if probs is not None else None, num_experts=self.num_experts,
+                num_local_experts=self.num_local_experts, pad_multiple=pad_multiple, num_rows=num_rows,
+                tokens_per_expert=padded_counts, num_real_tokens_per_expert=real_counts, layout=layout)
+            rows = self._send_rows(hidden, handle, f"{where} (rows)")
+            row_probs = None
+            if probs is not None:
+                sent = probs.reshape(-1)[layout.send_slot]
+                row_probs = probs.new_zeros(num_rows)
+                row_probs[layout.recv_row] = self._all_to_all(sent, layout.recv_splits, layout.send_splits,
+                                                              f"{where} (probs)")
         return DispatchOutput(rows, row_probs, padded_counts, handle, tokens_per_expert_list=padded_list)
 
     def _dispatch_again(self, hidden, handle: Handle) -> torch.Tensor:
@@ -143,7 +145,8 @@ class ReferenceBackend(Backend):
         where = f"dispatch_again along dispatch #{layout.dispatch_id}"
         fingerprint = OpFingerprint(OP_DISPATCH_AGAIN, dtype=hidden.dtype, handle_id=layout.dispatch_id)
         self._open(fingerprint, where, layout.send_splits, None, expected=layout.recv_splits)
-        return self._send_rows(hidden, handle, f"{where} (rows)")
+        with self._after_opening(where):
+            return self._send_rows(hidden, handle, f"{where} (rows)")
 
     def _combine(self, rows, handle: Handle, row_probs) -> CombineOutput:
         layout: ReferenceLayout = handle.layout
@@ -152,18 +155,20 @@ class ReferenceBackend(Backend):
                                     handle_id=layout.dispatch_id, grad=self.op_records_backward)
         self._open(fingerprint, where, layout.recv_splits, None if row_probs is None else row_probs.dtype,
                    expected=layout.send_splits)
-        returned = self._all_to_all(rows[layout.recv_row], layout.send_splits, layout.recv_splits, f"{where} (rows)")
-        # Accumulate in fp32 (or fp64) whatever the payload dtype. On CUDA index_add_ adds a token's pairs in no set
-        # order (atomics), so a sum of three or more can differ in its last bit from run to run; exact on CPU.
-        accumulate_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
-        summed = torch.zeros(handle.num_tokens, self.hidden_size, dtype=accumulate_dtype, device=rows.device)
-        summed.index_add_(0, layout.send_token, returned.to(accumulate_dtype))
-        probs = None
-        if row_probs is not None:
-            returned_probs = self._all_to_all(row_probs[layout.recv_row], layout.send_splits, layout.recv_splits,
-                                              f"{where} (probs)")
-            probs = row_probs.new_zeros(handle.probs_shape)
-            probs.view(-1)[layout.send_slot] = returned_probs
+        with self._after_opening(where):
+            returned = self._all_to_all(rows[layout.recv_row], layout.send_splits, layout.recv_splits,
+                                        f"{where} (rows)")
+            # Accumulate in fp32 (or fp64) whatever the payload dtype. On CUDA index_add_ adds a token's pairs in no
+            # set order (atomics), so a sum of three or more can differ in its last bit from run to run; exact on CPU.
+            accumulate_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
+            summed = torch.zeros(handle.num_tokens, self.hidden_size, dtype=accumulate_dtype, device=rows.device)
+            summed.index_add_(0, layout.send_token, returned.to(accumulate_dtype))
+            probs = None
+            if row_probs is not None:
+                returned_probs = self._all_to_all(row_probs[layout.recv_row], layout.send_splits, layout.recv_splits,
+                                                  f"{where} (probs)")
+                probs = row_probs.new_zeros(handle.probs_shape)
+                probs.view(-1)[layout.send_slot] = returned_probs
         return CombineOutput(summed.to(rows.dtype), probs)
 
     def _barrier(self) -> None:
@@ -175,6 +180,21 @@ class ReferenceBackend(Backend):
         self._open(OpFingerprint(OP_BARRIER), "barrier", nothing, None, expected=nothing)
 
     # ---- helpers ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _after_opening(self, where: str) -> Iterator[None]:
+        """The rest of an op once its opening exchange agreed: collectives every rank runs in one order. A rank
+        that leaves here by an exception of its own (an allocation that failed, say) skipped some that its
+        peers run: its next call would meet one of theirs (rows read as opening words, or gloo aborting on a
+        size). So this rank refuses every later op, naming why, and its peers time out in the op, naming it."""
+        try:
+            yield
+        except BaseException as error:
+            first_line = next(iter(str(error).splitlines()), "")
+            what = f"{where} was left midway on this rank by {type(error).__name__}: {first_line}"
+            self._comm.mark_out_of_step(what)
+            self._words.mark_out_of_step(what)
+            raise
 
     def destroy(self) -> None:
         self._words.release()
