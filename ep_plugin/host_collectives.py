@@ -391,6 +391,10 @@ class HostCollectives:
                 work.wait(timeout=timedelta(seconds=self.timeout_s))
                 return
             except RuntimeError as exc:
+                if work.is_completed() and "timed out" in str(exc).lower():
+                    # The process group's own timeout, shorter than ours, ended the wait: a late peer all the
+                    # same, so report it as one (naming it), not as an engine failure.
+                    raise self._timeout_error(where, time.monotonic() - start, engine_timeout=True) from None
                 if work.is_completed():  # finished, with the engine's own error
                     raise self._engine_error(where, exc) from None
                 # else gloo's "Operation timed out!": the op is still queued; report below
@@ -415,19 +419,23 @@ class HostCollectives:
         return EPError(f"{self.owner}: {self.peer_name(self.rank)}: {where} failed in {self.engine}: {message}. A peer "
                        f"probably exited or ran a different collective on this process group. {_OUT_OF_STEP}")
 
-    def _timeout_error(self, where: str, waited_s: float, *, engine_out_of_step: bool = True) -> EPTimeoutError:
+    def _timeout_error(self, where: str, waited_s: float, *, engine_out_of_step: bool = True,
+                       engine_timeout: bool = False) -> EPTimeoutError:
         """``engine_out_of_step``: a collective was left behind on the engine (not so for the twin's making,
-        which runs none on the group): every owner on it refuses from now on."""
+        which runs none on the group): every owner on it refuses from now on. ``engine_timeout``: the process
+        group's own, shorter, timeout ended the wait."""
         if engine_out_of_step:
             self._mark_failed(f"timed out in {where}")
         else:
             self.failed = f"timed out in {where}"
         peers = [q for q in range(self.num_ranks) if q != self.rank]
         report = self._report_peers(where, peers)
+        limit = (f"the process group's own timeout, shorter than timeout_s={self.timeout_s:g} (EP_PLUGIN_TIMEOUT_S), "
+                 "ended the wait; give the group a timeout of at least that (init_process_group / new_group "
+                 "timeout=)" if engine_timeout else f"timeout_s={self.timeout_s:g}, EP_PLUGIN_TIMEOUT_S")
         return EPTimeoutError(
-            f"{self.owner}: {self.peer_name(self.rank)} timed out after {waited_s:.1f} s "
-            f"(timeout_s={self.timeout_s:g}, EP_PLUGIN_TIMEOUT_S) in {where} over {self.engine}. {report} "
-            f"Raise EP_PLUGIN_TIMEOUT_S if the peers are only slow. {_OUT_OF_STEP}")
+            f"{self.owner}: {self.peer_name(self.rank)} timed out after {waited_s:.1f} s ({limit}) in {where} over "
+            f"{self.engine}. {report} Raise EP_PLUGIN_TIMEOUT_S if the peers are only slow. {_OUT_OF_STEP}")
 
     def _waits_elsewhere(self, store, peers: list[int], grace: float) -> dict[int, str]:
         """Of ``peers`` (none of which posted a wait here), those that timed out in another group's collective

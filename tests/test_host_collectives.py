@@ -6,6 +6,7 @@ phase, and the late peer; ``EPError`` carrying the engine's message when a peer 
 
 import time
 import weakref
+from datetime import timedelta
 
 import pytest
 import torch
@@ -133,6 +134,31 @@ def reference_across_a_restart(ctx):
 
 def test_a_backend_in_a_restarted_world_meets_its_peers():
     assert run_ranks(reference_across_a_restart, 4, timeout_s=120) == [True] * 4
+
+
+def late_peer_on_a_group_of_a_shorter_timeout(ctx):
+    """A group made with a 2 s engine timeout, a backend on it with timeout_s=10; rank 2 comes 4 s late."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
+    backend = ep_plugin.get_backend("reference")(group, hidden_size=HIDDEN, num_experts=EXPERTS, device="cpu",
+                                                 config=Config.from_env(timeout_s=10.0))
+    store = dist.distributed_c10d._get_default_store()
+    if ctx.rank == 2:
+        time.sleep(4.0)
+    outcome = _outcome(lambda: _dispatch(backend))
+    if ctx.rank == 2:
+        store.set("rank 2 done", "1")
+    else:
+        store.wait(["rank 2 done"])  # alive until then (leaving would close the connection rank 2 waits on)
+    return outcome
+
+
+def test_a_late_peer_is_named_when_the_groups_own_shorter_timeout_ends_the_wait():
+    # gloo's own timeout ended the wait first: this was an EPError blaming an exited peer or another collective.
+    for rank, (kind, message, seconds) in enumerate(run_ranks(late_peer_on_a_group_of_a_shorter_timeout, 3,
+                                                             timeout_s=120)[:2]):
+        assert kind == "EPTimeoutError", (rank, kind, message)
+        assert "Late peer(s): rank 2" in message and "the process group's own timeout" in message, message
+        assert seconds < 2.0 + _grace_s(10.0) + SLACK_S, seconds
 
 
 def departed_peer(ctx):
