@@ -416,8 +416,12 @@ class HostCollectives:
     def _engine_error(self, where: str, exc: BaseException) -> EPError:
         self._mark_failed(f"{self.engine} failed in {where}")
         message = _first_line(exc)
-        return EPError(f"{self.owner}: {self.peer_name(self.rank)}: {where} failed in {self.engine}: {message}. A peer "
-                       f"probably exited or ran a different collective on this process group. {_OUT_OF_STEP}")
+        # The engine names a peer by its address at most: the ranks that failed here post it, so the one that
+        # did not is named (a peer that exited, most often).
+        report = self._report_peers(where, [q for q in range(self.num_ranks) if q != self.rank], engine_error=True)
+        return EPError(f"{self.owner}: {self.peer_name(self.rank)}: {where} failed in {self.engine}: {message}. "
+                       f"{report + ' ' if report else ''}A peer probably exited or ran a different collective on this "
+                       f"process group. {_OUT_OF_STEP}")
 
     def _timeout_error(self, where: str, waited_s: float, *, engine_out_of_step: bool = True,
                        engine_timeout: bool = False) -> EPTimeoutError:
@@ -454,8 +458,9 @@ class HostCollectives:
                 found[q] = place
         return found
 
-    def _report_peers(self, where: str, peers: list[int]) -> str:
-        """Which peers are late, from the posts of the ranks that timed out (see the module docstring)."""
+    def _report_peers(self, where: str, peers: list[int], *, engine_error: bool = False) -> str:
+        """Which peers are late, from the posts of the ranks that timed out (see the module docstring);
+        ``engine_error``: of the ranks whose engine failed here, which did not say so."""
         if not peers:
             return ""
         try:
@@ -482,7 +487,10 @@ class HostCollectives:
         waiting = [q for q in peers if places.get(q) == where]
         elsewhere = [q for q in peers if q in places and places[q] != where]
         parts = []
-        if late:
+        if late and engine_error:
+            parts.append(f"No report from {', '.join(self.peer_name(q) for q in late)} within {grace:.1f} s of this "
+                         f"rank's failure in {where} (exited, or busy elsewhere).")
+        elif late:
             parts.append(f"Late peer(s): {', '.join(self.peer_name(q) for q in late)} (no wait reported in {where} "
                          f"within {grace:.1f} s of this rank's timeout: they came late or never: stopped calling "
                          f"ep_plugin, busy elsewhere, or dead).")
@@ -492,5 +500,6 @@ class HostCollectives:
             parts.append(f"{self.peer_name(q)} did not come because it waits elsewhere itself, in {place}: its "
                          f"own error names whom it waits for.")
         if waiting:
-            parts.append(f"Waiting here too: {', '.join(self.peer_name(q) for q in waiting)}.")
+            parts.append(f"{'Failed' if engine_error else 'Waiting'} here too: "
+                         f"{', '.join(self.peer_name(q) for q in waiting)}.")
         return " ".join(parts)

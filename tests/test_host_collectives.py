@@ -172,8 +172,9 @@ def departed_peer(ctx):
 def test_a_departed_peer_gives_an_ep_error_with_the_engine_message():
     kind, message, seconds = run_ranks(departed_peer, 2, timeout_s=120)[0]
     assert kind in ("EPError", "EPTimeoutError"), (kind, message)
-    if kind == "EPError":  # gloo noticed the closed connection: its message, wrapped
+    if kind == "EPError":  # gloo noticed the closed connection: its message, wrapped, and the peer named
         assert "rank 0: dispatch #1 (opening exchange) failed in gloo:" in message, message
+        assert "No report from rank 1 within" in message, message
     else:  # it did not: the peer is named as late
         assert "Late peer(s): rank 1" in message, message
     assert seconds < TIMEOUT_S + _grace_s(TIMEOUT_S) + SLACK_S, seconds
