@@ -63,6 +63,7 @@ CASES = (
     ("top1_fp32", 1, "float32"),
     ("top4_fp32", 4, "float32"),
     ("top4_bf16_probs", 4, "bfloat16"),
+    ("top4_fp64_probs", 4, "float64"),  # moe_router_dtype="fp64": the reference carries them as they are
 )
 
 
@@ -488,15 +489,17 @@ def _rank_compiled(ctx, backend: str) -> dict:
 
 # ---- parent side ---------------------------------------------------------------------------------
 
-def _check_layer(name: str, result: dict, tolerance: float, probs_grad_tolerance=None) -> None:
-    """``probs_grad_tolerance`` (default ``tolerance``) bounds grad_probs alone: every other key keeps ``tolerance``."""
+def _check_layer(name: str, result: dict, tolerance: float, probs_grad_tolerance=None,
+                 row_probs_dtype: str = "torch.float32") -> None:
+    """``probs_grad_tolerance`` (default ``tolerance``) bounds grad_probs alone: every other key keeps ``tolerance``.
+    ``row_probs_dtype``: what the experts get (fp32 but where the backend carries the router's fp64)."""
     for key in ("out", "grad_hidden", "grad_probs", "grad_fc1", "grad_fc2"):
         bound = probs_grad_tolerance if key == "grad_probs" and probs_grad_tolerance is not None else tolerance
         assert result[key] < bound, f"{name}: {key} differs from the dense layer by {result[key]:.3g}"
     assert result["tokens_per_expert"] == result["expected_tokens_per_expert"], (
         f"{name}: tokens_per_expert {result['tokens_per_expert']}, expected {result['expected_tokens_per_expert']}")
     assert result["out_dtype"] == "torch.float32" and result["out_shape"] == (TOKENS_PER_RANK, HIDDEN), name
-    assert result["row_probs_dtype"] == "torch.float32", f"{name}: probs must travel in fp32"
+    assert result["row_probs_dtype"] == row_probs_dtype, f"{name}: the experts' probs are {result['row_probs_dtype']}"
     assert result["manager"] == "EPPluginManager", name
 
 
@@ -529,7 +532,8 @@ def test_flex_dispatcher_matches_dense_layer(num_ranks):
         for name, _topk, probs_dtype in CASES:
             result = per_rank[name]
             probs_grad_tolerance = BF16_PROBS_GRAD_TOLERANCE if probs_dtype == "bfloat16" else None
-            _check_layer(f"rank {rank}/{num_ranks} {name}", result, 1e-5, probs_grad_tolerance)
+            _check_layer(f"rank {rank}/{num_ranks} {name}", result, 1e-5, probs_grad_tolerance,
+                         "torch.float64" if probs_dtype == "float64" else "torch.float32")
             assert result["probs_grad_dtype"] == f"torch.{probs_dtype}"
         _check_layer(f"rank {rank}/{num_ranks} TP=2 x EP={num_ranks // 2}", per_rank["tp2_top2"], 1e-5)
         for topk in (1, 4):

@@ -398,10 +398,12 @@ class EPPluginManager:
             # Before the backend's own refusal, whose advice (EP_PLUGIN_BLOCKING=0) Megatron's build refuses.
             raise RuntimeError(f"{selected_by(self.config)}: Megatron is capturing this MoE layer's dispatch in a "
                                f"CUDA graph; {CAPTURE_PROBLEM}")
-        probs = self.token_probs
-        if probs.dtype != torch.float32:
-            probs = probs.float()  # ep_plugin carries fp32 probs, like HybridEP
         backend = self._backend_for(hidden_states)
+        probs = self.token_probs
+        if probs.dtype not in backend.capabilities.probs_dtypes:
+            # fp32, as HybridEP carries them; a backend that carries the router's dtype (the reference, fp64
+            # under moe_router_dtype="fp64") keeps it, as Megatron's alltoall dispatcher does.
+            probs = probs.float()
         num_tokens = _tokens_of(hidden_states)
         room = backend.config.max_tokens_per_rank
         # The backend's own refusal would not say where its size came from; one that refuses in its exchange
