@@ -45,6 +45,7 @@ with their global rank where that differs. The store is reached through ``torch.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import pickle
@@ -52,7 +53,7 @@ import time
 import weakref
 from collections import Counter
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -179,6 +180,23 @@ def _first_line(exc: BaseException) -> str:
 def _grace_s(timeout_s: float) -> float:
     """How long a rank that timed out waits for its peers' posts before it reports."""
     return min(2.0, max(0.2, 0.1 * timeout_s))
+
+
+@contextlib.contextmanager
+def between_exchanges(where: str, collectives: Iterable[HostCollectives]) -> Iterator[None]:
+    """A stretch of an op after its agreed opening, where every rank runs the same collectives in one order. A
+    rank that leaves it by an exception of its own (an allocation that failed, say) skipped some that its
+    peers run: its next call would meet one of theirs (rows read as opening words, or gloo aborting on a
+    size). So ``collectives`` refuse every later op on this rank, naming why (``mark_out_of_step``), and the
+    peers time out in this op, naming this rank. Refusals that every rank raises alike (a disagreement, a
+    refused input) belong outside such stretches: they leave the backend usable."""
+    try:
+        yield
+    except BaseException as error:
+        what = f"{where} was left midway on this rank by {type(error).__name__}: {_first_line(error)}"
+        for owner in collectives:
+            owner.mark_out_of_step(what)
+        raise
 
 
 class HostCollectives:

@@ -334,6 +334,54 @@ def test_combine_input_across_domains_is_refused_with_a_reason_and_the_arena_rou
         assert (result["usable"], result["round_trip"]) == (False, True), result
 
 
+def failure_between_two_exchanges_across_domains(ctx, blocking: bool) -> dict:
+    """Rank 1's dispatch fails after the agreement, packing its rail rows (an allocation, say), and rank 1
+    tries again: it must refuse, naming the op it left, and rank 0 time out in the rail exchange it waits in
+    (not meet rank 1's retry there)."""
+    import time
+
+    backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",
+                                                 topology=Topology(2, 1, ctx.rank),
+                                                 config=Config.from_env(timeout_s=3.0, blocking=blocking))
+    store = torch.distributed.distributed_c10d._get_default_store()
+    x, idx = torch.ones(2, 4), torch.tensor([[0, 2], [1, 3]])
+    backend.dispatch(x, topk_idx=idx)  # both ranks in step
+    if ctx.rank == 0:
+        try:
+            backend.dispatch(x, topk_idx=idx)
+            outcome = "no error"
+        except ep_plugin.EPError as error:
+            outcome = f"{type(error).__name__}: {error}"
+        store.set(f"rank 0 done {blocking}", "1")
+        return {"outcome": outcome}
+
+    def fail(*_args, **_kwargs):
+        raise MemoryError("the rail rows' allocation failed")
+
+    backend._pack_for_rail = fail
+    with pytest.raises(MemoryError):
+        backend.dispatch(x, topk_idx=idx)
+    del backend._pack_for_rail
+    start = time.monotonic()
+    try:
+        backend.dispatch(x, topk_idx=idx)
+        outcome = "no error"
+    except ep_plugin.EPError as error:
+        outcome = f"{type(error).__name__}: {error}"
+    seconds = time.monotonic() - start
+    store.wait([f"rank 0 done {blocking}"])  # alive until then: an exited peer would end rank 0's wait otherwise
+    return {"outcome": outcome, "seconds": seconds}
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "sync_free_mode"])
+def test_a_rank_that_failed_between_two_exchanges_across_domains_refuses_and_its_peer_times_out(blocking):
+    rank0, rank1 = run_ranks(failure_between_two_exchanges_across_domains, 2, blocking, timeout_s=120)
+    assert rank1["outcome"].startswith("EPError: ") and rank1["seconds"] < 1.0, rank1
+    assert "dispatch #2 was left midway on this rank by MemoryError: the rail rows' allocation failed" in \
+        rank1["outcome"], rank1
+    assert rank0["outcome"].startswith("EPTimeoutError: ") and "dispatch #2: rail/tokens" in rank0["outcome"], rank0
+
+
 def bad_topk_values_on_one_rank(ctx, blocking: bool) -> list:
     """Rank 0's top-k ids name an expert out of range, then rank 3's an expert twice, then rank 0 has more
     tokens than max_tokens_per_rank; every rank dispatches each time (2 domains of 2: rank 3 is neither

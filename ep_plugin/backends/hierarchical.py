@@ -98,7 +98,7 @@ from ..agreement import (
 )
 from ..errors import EPError
 from ..handle import COMPACT, CombineOutput, DispatchOutput, Handle
-from ..host_collectives import HostCollectives, moves_host_memory
+from ..host_collectives import HostCollectives, between_exchanges, moves_host_memory
 from ..routing import ROUTING_MAP, TOPK, Routing, check_tensor, dropped_ids_error
 from ..topology import Topology
 from ..transport.scaleout import RailSplits, RowPacker, ScaleOut, flat_order_index
@@ -422,47 +422,49 @@ class HierarchicalBackend(Backend):
             self._open(fingerprint, packer.row_bytes, where, refused=refused)
             capacity = self.config.max_tokens_per_rank
             splits, disagreement = RailSplits([capacity] * D, [capacity] * D, capacity), None
-        if disagreement is None:
-            payload = self._pack_for_rail(packer, token_fields, to_domain, send_tokens, send_slot)
-            received = packer.unpack(self.scaleout.exchange_rows(payload, splits, where=f"{where}: rail/tokens"))
-        else:  # no payload moves on this rail; the domain hears of it with the segment counts below
-            splits = RailSplits([0] * D, [0] * D, 0)
-            received = packer.unpack(torch.zeros(0, packer.row_bytes, dtype=torch.uint8, device=dev))
+        with self._between_exchanges(where):  # (a disagreement raises in _segment_counts, on every rank)
+            if disagreement is None:
+                payload = self._pack_for_rail(packer, token_fields, to_domain, send_tokens, send_slot)
+                received = packer.unpack(self.scaleout.exchange_rows(payload, splits, where=f"{where}: rail/tokens"))
+            else:  # no payload moves on this rail; the domain hears of it with the segment counts below
+                splits = RailSplits([0] * D, [0] * D, 0)
+                received = packer.unpack(torch.zeros(0, packer.row_bytes, dtype=torch.uint8, device=dev))
 
-        # The domain stage: the received rows, in (source domain, source token) order.
-        num_received = sum(splits.recv)
-        hidden_in = (received["hidden"], received["scales"]) if fp8 else received["hidden"]
-        if routing.form == ROUTING_MAP:
-            mask = received["route"]
-            routing_in = {"routing_map": mask, "probs": received.get("probs")}
-        else:
-            ids = received["route"] - 1
-            mask = torch.zeros(num_received, G + 1, dtype=torch.bool, device=dev).scatter_(
-                1, torch.where(ids >= 0, ids, torch.full_like(ids, G)), True)[:, :G]
-            routing_in = {"topk_idx": ids, "topk_weights": received.get("probs")}
+            # The domain stage: the received rows, in (source domain, source token) order.
+            num_received = sum(splits.recv)
+            hidden_in = (received["hidden"], received["scales"]) if fp8 else received["hidden"]
+            if routing.form == ROUTING_MAP:
+                mask = received["route"]
+                routing_in = {"routing_map": mask, "probs": received.get("probs")}
+            else:
+                ids = received["route"] - 1
+                mask = torch.zeros(num_received, G + 1, dtype=torch.bool, device=dev).scatter_(
+                    1, torch.where(ids >= 0, ids, torch.full_like(ids, G)), True)[:, :G]
+                routing_in = {"topk_idx": ids, "topk_weights": received.get("probs")}
         counts = self._segment_counts(mask, splits, where, fingerprint, disagreement)
         self._num_dispatches = number
-        out = self._at_domain_level(lambda: self.domain.dispatch(hidden_in, pad_multiple=pad_multiple, **routing_in,
-                                                                 **options))
-        inner: Handle = out.handle
-        if inner.output_form == COMPACT:
-            dest = flat_order_index(counts[:, :, L:], 1, inner.num_rows)
-        else:
-            dest = flat_order_index(counts[:, :, :L], pad_multiple, inner.num_rows)
+        with self._between_exchanges(where):
+            out = self._at_domain_level(lambda: self.domain.dispatch(hidden_in, pad_multiple=pad_multiple, **routing_in,
+                                                                     **options))
+            inner: Handle = out.handle
+            if inner.output_form == COMPACT:
+                dest = flat_order_index(counts[:, :, L:], 1, inner.num_rows)
+            else:
+                dest = flat_order_index(counts[:, :, :L], pad_multiple, inner.num_rows)
 
-        layout = HierarchicalLayout(dispatch_id=number, domain_handle=inner, to_domain=to_domain,
-                                    send_tokens=send_tokens, send_slot=send_slot, splits=splits,
-                                    slot_domain=slot_domain, dest=dest)
-        handle = Handle(
-            backend=self, num_tokens=T, hidden_size=self.hidden_size, hidden_dtype=inner.hidden_dtype,
-            probs_shape=routing.probs_shape if probs is not None else None, num_experts=E, num_local_experts=L,
-            pad_multiple=pad_multiple, num_rows=inner.num_rows, tokens_per_expert=inner.tokens_per_expert,
-            num_real_tokens_per_expert=inner.num_real_tokens_per_expert, layout=layout, handle_id=number,
-            output_form=inner.output_form, row_probs_shape=inner.row_probs_shape)
-        rows = tuple(_to_flat(t, dest) for t in out.hidden) if fp8 else _to_flat(out.hidden, dest)
-        return DispatchOutput(rows, _to_flat(out.probs, dest), out.tokens_per_expert, handle,
-                              topk_idx=_to_flat(out.topk_idx, dest), num_valid_rows=out.num_valid_rows,
-                              tokens_per_expert_list=out.tokens_per_expert_list, ready=self._ready())
+            layout = HierarchicalLayout(dispatch_id=number, domain_handle=inner, to_domain=to_domain,
+                                        send_tokens=send_tokens, send_slot=send_slot, splits=splits,
+                                        slot_domain=slot_domain, dest=dest)
+            handle = Handle(
+                backend=self, num_tokens=T, hidden_size=self.hidden_size, hidden_dtype=inner.hidden_dtype,
+                probs_shape=routing.probs_shape if probs is not None else None, num_experts=E, num_local_experts=L,
+                pad_multiple=pad_multiple, num_rows=inner.num_rows, tokens_per_expert=inner.tokens_per_expert,
+                num_real_tokens_per_expert=inner.num_real_tokens_per_expert, layout=layout, handle_id=number,
+                output_form=inner.output_form, row_probs_shape=inner.row_probs_shape)
+            rows = tuple(_to_flat(t, dest) for t in out.hidden) if fp8 else _to_flat(out.hidden, dest)
+            return DispatchOutput(rows, _to_flat(out.probs, dest), out.tokens_per_expert, handle,
+                                  topk_idx=_to_flat(out.topk_idx, dest), num_valid_rows=out.num_valid_rows,
+                                  tokens_per_expert_list=out.tokens_per_expert_list, ready=self._ready())
 
     def _dispatch_again(self, hidden, handle: Handle) -> torch.Tensor:
         layout: HierarchicalLayout = handle.layout
@@ -504,22 +506,23 @@ class HierarchicalBackend(Backend):
         probs_dtype = None if row_probs is None else row_probs.dtype
         width = _combine_packer(rows.dtype, probs_dtype, layout.domain_handle.probs_shape, H).row_bytes
         self._open(fingerprint, width, where, send_counts=layout.splits.recv, expected=layout.splits.send)
-        inner_probs = row_probs.index_select(0, layout.dest) if row_probs is not None else None
-        partial = self._at_domain_level(lambda: self.domain.combine(rows.index_select(0, layout.dest),
-                                                                    layout.domain_handle, row_probs=inner_probs))
-        packer = _combine_packer(partial.hidden.dtype, None if partial.probs is None else partial.probs.dtype,
-                                 None if partial.probs is None else partial.probs.shape, H)
-        payload = packer.pack_into(self.scaleout.send_rows(partial.hidden.shape[0], packer.row_bytes),
-                                   {"hidden": partial.hidden, "probs": partial.probs})
-        # Views of the received rows (no copy): they are read below, before any other rail exchange.
-        back = packer.unpack(self.scaleout.exchange_rows(payload, layout.splits.reversed(),
-                                                         where=f"{where}: rail/rows"), copy=False)
+        with self._between_exchanges(where):
+            inner_probs = row_probs.index_select(0, layout.dest) if row_probs is not None else None
+            partial = self._at_domain_level(lambda: self.domain.combine(rows.index_select(0, layout.dest),
+                                                                        layout.domain_handle, row_probs=inner_probs))
+            packer = _combine_packer(partial.hidden.dtype, None if partial.probs is None else partial.probs.dtype,
+                                     None if partial.probs is None else partial.probs.shape, H)
+            payload = packer.pack_into(self.scaleout.send_rows(partial.hidden.shape[0], packer.row_bytes),
+                                       {"hidden": partial.hidden, "probs": partial.probs})
+            # Views of the received rows (no copy): they are read below, before any other rail exchange.
+            back = packer.unpack(self.scaleout.exchange_rows(payload, layout.splits.reversed(),
+                                                             where=f"{where}: rail/rows"), copy=False)
 
-        accumulate = torch.float64 if rows.dtype == torch.float64 else torch.float32
-        summed, probs = self._add_returned(back, layout, T, accumulate, handle.probs_shape)
-        if bias is not None:
-            summed += bias.to(accumulate)
-        return CombineOutput(summed.to(rows.dtype), probs)
+            accumulate = torch.float64 if rows.dtype == torch.float64 else torch.float32
+            summed, probs = self._add_returned(back, layout, T, accumulate, handle.probs_shape)
+            if bias is not None:
+                summed += bias.to(accumulate)
+            return CombineOutput(summed.to(rows.dtype), probs)
 
     # ---- stages -------------------------------------------------------------------------------
 
@@ -612,14 +615,15 @@ class HierarchicalBackend(Backend):
         fingerprint = OpFingerprint(OP_DISPATCH_AGAIN, dtype=data.dtype, handle_id=layout.dispatch_id,
                                     grad=self.op_records_backward)
         self._open(fingerprint, packer.row_bytes, where, send_counts=layout.splits.send, expected=layout.splits.recv)
+        with self._between_exchanges(where):
 
-        def token_fields(d: int) -> dict[str, torch.Tensor]:
-            return {"hidden": payload_rows, **({"scales": scales} if scales is not None else {})}
+            def token_fields(d: int) -> dict[str, torch.Tensor]:
+                return {"hidden": payload_rows, **({"scales": scales} if scales is not None else {})}
 
-        payload = self._pack_for_rail(packer, token_fields, layout.to_domain, layout.send_tokens, layout.send_slot)
-        received = packer.unpack(self.scaleout.exchange_rows(payload, layout.splits, where=f"{where}: rail/tokens"))
-        hidden_in = (received["hidden"], received["scales"]) if scales is not None else received["hidden"]
-        return self._at_domain_level(lambda: forward(hidden_in))
+            payload = self._pack_for_rail(packer, token_fields, layout.to_domain, layout.send_tokens, layout.send_slot)
+            received = packer.unpack(self.scaleout.exchange_rows(payload, layout.splits, where=f"{where}: rail/tokens"))
+            hidden_in = (received["hidden"], received["scales"]) if scales is not None else received["hidden"]
+            return self._at_domain_level(lambda: forward(hidden_in))
 
     def _segment_counts(self, mask: torch.Tensor, splits: RailSplits, where: str, fingerprint: OpFingerprint,
                         disagreement: Optional[str]) -> torch.Tensor:
@@ -656,6 +660,11 @@ class HierarchicalBackend(Backend):
     def _domain_counts_device(self, device: torch.device) -> torch.device:
         """Where tensors for ``_domain_counts`` go: the GPU over NCCL, else host memory (gloo)."""
         return device if device.type == "cuda" and self._domain_counts.engine == "nccl" else torch.device("cpu")
+
+    def _between_exchanges(self, where: str):
+        """``host_collectives.between_exchanges`` over the rail's and the domain's collectives."""
+        return between_exchanges(where, (self.scaleout.rail, self.scaleout.rail_words, self._domain_counts,
+                                         self._domain_words))
 
     def _open(self, fingerprint: OpFingerprint, row_bytes: int, where: str, *,
               send_counts: Optional[list[int]] = None, expected: Optional[list[int]] = None,

@@ -34,9 +34,8 @@ further ops: the group's collectives are out of step among its ranks.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -52,7 +51,7 @@ from ..agreement import (
 )
 from ..errors import EPError
 from ..handle import CombineOutput, DispatchOutput, Handle
-from ..host_collectives import FRAME_WORDS, SETUP_EXCHANGE, HostCollectives, moves_host_memory
+from ..host_collectives import FRAME_WORDS, SETUP_EXCHANGE, HostCollectives, between_exchanges, moves_host_memory
 from ..routing import TOPK, Routing
 from .base import Backend, Capabilities
 
@@ -181,20 +180,9 @@ class ReferenceBackend(Backend):
 
     # ---- helpers ------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _after_opening(self, where: str) -> Iterator[None]:
-        """The rest of an op once its opening exchange agreed: collectives every rank runs in one order. A rank
-        that leaves here by an exception of its own (an allocation that failed, say) skipped some that its
-        peers run: its next call would meet one of theirs (rows read as opening words, or gloo aborting on a
-        size). So this rank refuses every later op, naming why, and its peers time out in the op, naming it."""
-        try:
-            yield
-        except BaseException as error:
-            first_line = next(iter(str(error).splitlines()), "")
-            what = f"{where} was left midway on this rank by {type(error).__name__}: {first_line}"
-            self._comm.mark_out_of_step(what)
-            self._words.mark_out_of_step(what)
-            raise
+    def _after_opening(self, where: str):
+        """The rest of an op once its opening exchange agreed (``host_collectives.between_exchanges``)."""
+        return between_exchanges(where, (self._comm, self._words))
 
     def destroy(self) -> None:
         self._words.release()
