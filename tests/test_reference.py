@@ -170,42 +170,50 @@ def test_check_usable_refuses_after_a_timed_out_op():
     assert "cannot run more ops after an earlier failure" in outcome and seconds < 1.0, (outcome, seconds)
 
 
-def _failure_between_two_collectives(ctx) -> dict:
-    """Rank 1's dispatch fails after the opening exchange (an allocation, say) and rank 1 tries again. Before,
-    its retry's opening words met rank 0's rows exchange: rank 0 read them as rows, or gloo aborted rank 0 on
-    the sizes. Now rank 1 refuses the retry, naming the op it left, and rank 0 times out in that op."""
+def fail_midway_then_retry(ctx, backend, stage: str, failure: str, key: str) -> dict:
+    """Both ranks dispatch once in step; then rank 1's dispatch fails in ``stage`` (a method of the backend,
+    run after the opening agreement) with MemoryError(``failure``), and rank 1 dispatches again. Each rank's
+    outcome of that second dispatch (rank 1's: of its retry, with the seconds it took). ``key``: this case's
+    name in the store, where rank 1 waits until rank 0 is done (a peer that exited would end rank 0's wait)."""
     import time
 
-    backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",
-                                                 config=ep_plugin.Config.from_env(timeout_s=3.0))
     store = torch.distributed.distributed_c10d._get_default_store()
     x, idx = torch.ones(2, 4), torch.tensor([[0, 2], [1, 3]])
-    backend.dispatch(x, topk_idx=idx)  # both ranks in step
-    if ctx.rank == 0:
+    backend.dispatch(x, topk_idx=idx)
+
+    def outcome_of_a_dispatch() -> str:
         try:
             backend.dispatch(x, topk_idx=idx)
-            outcome = "no error"
+            return "no error"
         except ep_plugin.EPError as error:
-            outcome = f"{type(error).__name__}: {error}"
-        store.set("rank 0 done", "1")
+            return f"{type(error).__name__}: {error}"
+
+    if ctx.rank == 0:
+        outcome = outcome_of_a_dispatch()
+        store.set(key, "1")
         return {"outcome": outcome}
 
-    def fail_once(*_args, **_kwargs):
-        raise MemoryError("the rows' allocation failed")
+    def fail(*_args, **_kwargs):
+        raise MemoryError(failure)
 
-    backend._send_rows = fail_once  # what a rank-local failure between the two exchanges looks like
+    setattr(backend, stage, fail)  # what a rank-local failure between two exchanges looks like
     with pytest.raises(MemoryError):
         backend.dispatch(x, topk_idx=idx)
-    del backend._send_rows
+    delattr(backend, stage)
     start = time.monotonic()
-    try:
-        backend.dispatch(x, topk_idx=idx)
-        outcome = "no error"
-    except ep_plugin.EPError as error:
-        outcome = f"{type(error).__name__}: {error}"
+    outcome = outcome_of_a_dispatch()
     seconds = time.monotonic() - start
-    store.wait(["rank 0 done"])  # alive until then: a peer that exited would end rank 0's wait otherwise
+    store.wait([key])
     return {"outcome": outcome, "seconds": seconds}
+
+
+def _failure_between_two_collectives(ctx) -> dict:
+    """Before, rank 1's retry's opening words met rank 0's rows exchange: rank 0 read them as rows, or gloo
+    aborted rank 0 on the sizes. Now rank 1 refuses the retry, naming the op it left, and rank 0 times out in
+    that op."""
+    backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",
+                                                 config=ep_plugin.Config.from_env(timeout_s=3.0))
+    return fail_midway_then_retry(ctx, backend, "_send_rows", "the rows' allocation failed", "flat")
 
 
 def test_a_rank_that_failed_between_two_collectives_refuses_and_its_peer_times_out():

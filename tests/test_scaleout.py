@@ -335,42 +335,15 @@ def test_combine_input_across_domains_is_refused_with_a_reason_and_the_arena_rou
 
 
 def failure_between_two_exchanges_across_domains(ctx, blocking: bool) -> dict:
-    """Rank 1's dispatch fails after the agreement, packing its rail rows (an allocation, say), and rank 1
-    tries again: it must refuse, naming the op it left, and rank 0 time out in the rail exchange it waits in
-    (not meet rank 1's retry there)."""
-    import time
+    """Rank 1's dispatch fails packing its rail rows, after the agreement: its retry must refuse, and rank 0
+    time out in the rail exchange it waits in (not meet rank 1's retry there)."""
+    from test_reference import fail_midway_then_retry
 
     backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",
                                                  topology=Topology(2, 1, ctx.rank),
                                                  config=Config.from_env(timeout_s=3.0, blocking=blocking))
-    store = torch.distributed.distributed_c10d._get_default_store()
-    x, idx = torch.ones(2, 4), torch.tensor([[0, 2], [1, 3]])
-    backend.dispatch(x, topk_idx=idx)  # both ranks in step
-    if ctx.rank == 0:
-        try:
-            backend.dispatch(x, topk_idx=idx)
-            outcome = "no error"
-        except ep_plugin.EPError as error:
-            outcome = f"{type(error).__name__}: {error}"
-        store.set(f"rank 0 done {blocking}", "1")
-        return {"outcome": outcome}
-
-    def fail(*_args, **_kwargs):
-        raise MemoryError("the rail rows' allocation failed")
-
-    backend._pack_for_rail = fail
-    with pytest.raises(MemoryError):
-        backend.dispatch(x, topk_idx=idx)
-    del backend._pack_for_rail
-    start = time.monotonic()
-    try:
-        backend.dispatch(x, topk_idx=idx)
-        outcome = "no error"
-    except ep_plugin.EPError as error:
-        outcome = f"{type(error).__name__}: {error}"
-    seconds = time.monotonic() - start
-    store.wait([f"rank 0 done {blocking}"])  # alive until then: an exited peer would end rank 0's wait otherwise
-    return {"outcome": outcome, "seconds": seconds}
+    return fail_midway_then_retry(ctx, backend, "_pack_for_rail", "the rail rows' allocation failed",
+                                  f"across domains, blocking={blocking}")
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "sync_free_mode"])
