@@ -72,7 +72,7 @@ python3 -c "from ep_plugin import _cuda; print(_cuda.describe()); raise SystemEx
   >> /tmp/build.log 2>&1 && [[ "$GPUS" -ge 1 ]] || stop "no usable CUDA device (torch sees $GPUS)"
 echo "build ok: ep_plugin._C imports; $GPUS GPU(s)"
 case "$STAGE" in  # the stages whose Megatron tests or scripts would skip (or fail late) without it
-  gpu4|pending|megatron|nemo)
+  tests|gpu4|pending|nvlink|megatron|nemo)
     python3 -c "import megatron.core" 2>/dev/null || stop "no megatron-core here: carry .whl/ (a cp312 wheel)" ;;
 esac
 
