@@ -165,6 +165,42 @@ def test_domain_and_rail_groups_wait_as_long_as_the_ep_group_and_the_plugin_time
         assert all(5000.0 < seconds < 5100.0 for seconds in found["a long EP_PLUGIN_TIMEOUT_S"]), found
 
 
+def late_into_new_group(ctx) -> list:
+    """Rank 1 passes the timed group-name exchange, then comes 3.5 s late into torch's new_group (as a rank
+    stuck, or gone, there would): what rank 0 logs while it waits in new_group's own barrier."""
+    import logging
+    import time
+
+    messages = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logging.getLogger("ep_plugin.transport.scaleout").addHandler(Collect())
+    if ctx.rank == 1:
+        new_group = dist.new_group
+
+        def late_new_group(*args, **kwargs):
+            time.sleep(3.5)
+            dist.new_group = new_group
+            return new_group(*args, **kwargs)
+
+        dist.new_group = late_new_group
+    backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",
+                                                 topology=Topology(2, 1, ctx.rank),
+                                                 config=Config.from_env(timeout_s=2.0))
+    backend.destroy()
+    return messages
+
+
+def test_a_rank_late_into_torchs_new_group_is_said_after_the_timeout():
+    # new_group waits in a store barrier with the groups' own timeout (30 min by default), which is also their
+    # collectives' and is not shortened: a rank that stopped there left its peers waiting without a word.
+    messages = run_ranks(late_into_new_group, 2, timeout_s=120)[0]
+    assert any("rank 0 has waited 2 s (EP_PLUGIN_TIMEOUT_S) in torch's new_group" in m for m in messages), messages
+
+
 def build_with_too_many_local_experts(ctx) -> tuple:
     """2 x 2 forced domains with 300 local experts per rank: more than the domain words hold."""
     config = Config.from_env(timeout_s=20.0)

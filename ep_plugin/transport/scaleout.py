@@ -40,9 +40,12 @@ buffers (they hold the whole payload); it does not yet overlap the rounds with f
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,6 +54,8 @@ from torch.distributed.constants import default_pg_nccl_timeout, default_pg_time
 from ..errors import EPError
 from ..host_collectives import HostCollectives, moves_host_memory, registered, twin_margin_s
 from ..topology import Topology
+
+logger = logging.getLogger(__name__)
 
 # (parent group name, domain size, rail engine) -> (domain groups, rail groups), by index.
 _groups: dict[tuple, tuple[list, list]] = {}
@@ -85,12 +90,32 @@ def make_groups(group: dist.ProcessGroup, topology: Topology, engine: str, *, ti
         # which share a pipeline stage). Each rank then joins one domain group and one rail group, so
         # the members of every later group have made equally many too.
         timeout = groups_timeout(group, timeout_s)
-        domains = [dist.new_group(_global_ranks(group, topology.domain_ranks(d)), backend=parent_engine,
-                                  timeout=timeout, use_local_synchronization=True) for d in range(topology.num_domains)]
-        rails = [dist.new_group(_global_ranks(group, topology.rail_ranks(local)), backend=engine, timeout=timeout,
-                                use_local_synchronization=True) for local in range(topology.domain_size)]
+        slow = (f"{owner}: rank {dist.get_rank(group)} has waited {timeout_s:g} s (EP_PLUGIN_TIMEOUT_S) in torch's "
+                f"new_group, making the domain and rail groups: a rank of the group that stopped after the "
+                f"group-name exchange (exited, or busy elsewhere) keeps every rank there until the groups' own "
+                f"timeout ({timeout}), which is also their collectives' and so is not shortened")
+        with _said_if_slow(timeout_s, slow):
+            domains = [dist.new_group(_global_ranks(group, topology.domain_ranks(d)), backend=parent_engine,
+                                      timeout=timeout, use_local_synchronization=True)
+                       for d in range(topology.num_domains)]
+            rails = [dist.new_group(_global_ranks(group, topology.rail_ranks(local)), backend=engine,
+                                    timeout=timeout, use_local_synchronization=True)
+                     for local in range(topology.domain_size)]
         _groups[key] = (domains, rails)
     return _groups[key]
+
+
+@contextlib.contextmanager
+def _said_if_slow(seconds: float, message: str) -> Iterator[None]:
+    """Log ``message`` (a warning) once the block has run ``seconds``: for a wait of torch's that cannot
+    be given a shorter timeout of its own."""
+    timer = threading.Timer(seconds, logger.warning, args=(message,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def groups_timeout(group: dist.ProcessGroup, timeout_s: float) -> timedelta:
