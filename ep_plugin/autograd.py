@@ -33,7 +33,9 @@ class _RaiseIfDifferentiated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op: str, result, *incoming_grads):
         ctx.op = op
-        return result.view_as(result)
+        # A copy, not a view: a gradient that create_graph hands back may be written in place (g.mul_(0.5)),
+        # which torch refuses on a view that a custom Function returned. Only under create_graph: a rare copy.
+        return result.clone()
 
     @staticmethod
     def backward(ctx, *_):
