@@ -31,7 +31,7 @@ class DeviceScope {
   explicit DeviceScope(int device) {
     EP_CUDA_CHECK(cudaGetDevice(&previous_));
     if (previous_ != device) {
-      const DeviceScope device_scope(device);
+      EP_CUDA_CHECK(cudaSetDevice(device));
       changed_ = true;
     }
   }
