@@ -49,6 +49,7 @@ import contextlib
 import hashlib
 import logging
 import pickle
+import threading
 import time
 import weakref
 from collections import Counter
@@ -75,6 +76,9 @@ _twins: dict[str, weakref.ref] = {}  # group name -> the GlooTwin its owners hol
 _out_of_step: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 # Store keys where a rank that timed out says where it waits, by its global rank (see _report_peers).
 _WAITS_BY_GLOBAL_RANK = "ep_plugin/timeouts/by_global_rank/"
+# How long the report's store calls may take beyond their grace periods: a healthy store answers in
+# milliseconds, so past this its host is taken for stopped or cut off (see _report_peers).
+_STORE_ANSWER_S = 5.0
 
 
 # Every host call's first exchange on a group has one size: FRAME_WORDS int64 per pair of ranks (the rows
@@ -476,31 +480,51 @@ class HostCollectives:
                 found[q] = place
         return found
 
+    def _read_posts(self, where: str, peers: list[int], grace: float) -> tuple[dict[int, str], dict[int, str]]:
+        """Post where this rank gave up, then read the peers' posts for up to ``grace`` seconds: (peer ->
+        where it posted here, peer -> where it waits in another group)."""
+        store = dist.distributed_c10d._get_default_store()
+        key = f"ep_plugin/timeouts/{self.site}/"
+        store.set(key + str(self.rank), where)
+        # Also by global rank, with the time: a rank that blames this one in another group (a domain peer
+        # of a rank stuck on its rail) learns where this one waits, and for whom.
+        store.set(f"{_WAITS_BY_GLOBAL_RANK}{dist.get_rank()}", f"{time.time():.3f}|{where} ({self.owner})")
+        deadline = time.monotonic() + grace
+        while True:
+            posted = [q for q in peers if store.check([key + str(q)])]
+            if len(posted) == len(peers) or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        places = {q: store.get(key + str(q)).decode() for q in posted}
+        return places, self._waits_elsewhere(store, [q for q in peers if q not in places], grace)
+
     def _report_peers(self, where: str, peers: list[int], *, engine_error: bool = False) -> str:
         """Which peers are late, from the posts of the ranks that timed out (see the module docstring);
         ``engine_error``: of the ranks whose engine failed here, which did not say so."""
         if not peers:
             return ""
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            key = f"ep_plugin/timeouts/{self.site}/"
-            store.set(key + str(self.rank), where)
-            # Also by global rank, with the time: a rank that blames this one in another group (a domain peer
-            # of a rank stuck on its rail) learns where this one waits, and for whom.
-            store.set(f"{_WAITS_BY_GLOBAL_RANK}{dist.get_rank()}", f"{time.time():.3f}|{where} ({self.owner})")
-            grace = _grace_s(self.timeout_s)
-            deadline = time.monotonic() + grace
-            while True:
-                posted = [q for q in peers if store.check([key + str(q)])]
-                if len(posted) == len(peers) or time.monotonic() > deadline:
-                    break
-                time.sleep(0.02)
-            places = {q: store.get(key + str(q)).decode() for q in posted}
-            waits_elsewhere = self._waits_elsewhere(store, [q for q in peers if q not in places], grace)
-        except Exception as exc:  # noqa: BLE001 - no store, or it is gone with a dead rank 0: say so
+        grace = _grace_s(self.timeout_s)
+        # A store call has no bound of its own but the store's timeout (30 min by default): where the store's
+        # host stopped answering (frozen, cut off without a reset), the report would hang that long after the
+        # timeout it reports. So it runs in a thread, and the error comes when the thread is not back in time.
+        limit_s = 2 * grace + _STORE_ANSWER_S
+        outcome: dict[str, Any] = {}
+
+        def read() -> None:
+            try:
+                outcome["posts"] = self._read_posts(where, peers, grace)
+            except Exception as exc:  # noqa: BLE001 - no store, or it is gone with a dead rank 0: said below
+                outcome["error"] = type(exc).__name__
+
+        reader = threading.Thread(target=read, name="ep_plugin store report", daemon=True)
+        reader.start()
+        reader.join(limit_s)
+        if "posts" not in outcome:
             names = ", ".join(self.peer_name(q) for q in peers)
-            return (f"{self.engine} does not say which peer is missing, and the store could not be asked "
-                    f"({type(exc).__name__}); any of {names} may be late.")
+            why = (f"the store could not be asked ({outcome['error']})" if "error" in outcome else
+                   f"the store did not answer within {limit_s:.1f} s (its host stopped or cannot be reached)")
+            return f"{self.engine} does not say which peer is missing, and {why}; any of {names} may be late."
+        places, waits_elsewhere = outcome["posts"]
         late = [q for q in peers if q not in places and q not in waits_elsewhere]
         waiting = [q for q in peers if places.get(q) == where]
         elsewhere = [q for q in peers if q in places and places[q] != where]

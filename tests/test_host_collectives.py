@@ -4,6 +4,9 @@ Never a hang, never a raw engine exception: ``EPTimeoutError`` naming this rank,
 phase, and the late peer; ``EPError`` carrying the engine's message when a peer went away.
 """
 
+import os
+import signal
+import subprocess
 import time
 import weakref
 from datetime import timedelta
@@ -15,7 +18,7 @@ import torch.distributed as dist
 import ep_plugin
 from ep_plugin.backends.base import Backend, Capabilities
 from ep_plugin.config import Config
-from ep_plugin.host_collectives import HostCollectives, _grace_s, moves_host_memory, word_device
+from ep_plugin.host_collectives import _STORE_ANSWER_S, HostCollectives, _grace_s, moves_host_memory, word_device
 from ep_plugin.testing import run_ranks
 
 TIMEOUT_S = 2.0
@@ -159,6 +162,40 @@ def test_a_late_peer_is_named_when_the_groups_own_shorter_timeout_ends_the_wait(
         assert kind == "EPTimeoutError", (rank, kind, message)
         assert "Late peer(s): rank 2" in message and "the process group's own timeout" in message, message
         assert seconds < 2.0 + _grace_s(10.0) + SLACK_S, seconds
+
+
+STORE_FROZEN_S = 15.0  # past the bound below, so a report that waited for the store would fail the test
+
+
+def peers_of_a_frozen_store_host(ctx):
+    """Rank 0, which hosts the default store, stops (SIGSTOP: its store server stops with it, as on a host
+    that froze or dropped off the network without a reset) and is resumed later; ranks 1 and 2 dispatch. The
+    launcher's world meets in a file store, which no process hosts: this one meets in rank 0's TCP store."""
+    files = dist.distributed_c10d._get_default_store()
+    if ctx.rank == 0:
+        hosted = dist.TCPStore("127.0.0.1", 0, ctx.world_size, is_master=True, wait_for_workers=False)
+        files.set("frozen store port", str(hosted.port))
+    port = int(files.get("frozen store port"))
+    dist.destroy_process_group()
+    store = hosted if ctx.rank == 0 else dist.TCPStore("127.0.0.1", port, ctx.world_size, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size)
+    backend = _reference()
+    dist.barrier()
+    if ctx.rank == 0:
+        subprocess.Popen(["sh", "-c", f"sleep {STORE_FROZEN_S}; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return None
+    return _outcome(lambda: _dispatch(backend))
+
+
+def test_a_timeout_report_does_not_wait_for_a_store_that_stopped_answering():
+    # Before: each store call of the report waited for the store's own timeout (30 min by default); the
+    # error came only once rank 0 was resumed, STORE_FROZEN_S later.
+    for rank, (kind, message, seconds) in enumerate(run_ranks(peers_of_a_frozen_store_host, 3,
+                                                             timeout_s=120)[1:], start=1):
+        assert kind == "EPTimeoutError", (rank, kind, message)
+        assert "the store did not answer within" in message and "any of rank 0, rank" in message, message
+        assert seconds < TIMEOUT_S + 2 * _grace_s(TIMEOUT_S) + _STORE_ANSWER_S + SLACK_S, seconds
 
 
 def departed_peer(ctx):
