@@ -418,6 +418,59 @@ def bad_topk_values_on_one_rank(ctx, blocking: bool) -> list:
     return seen
 
 
+class SyncFreeReference(ReferenceBackend):
+    """The reference claiming a sync-free mode, as the compiled backends have, so that the hierarchical
+    backend takes its sync-free path on CPU (no host read of the ids: an id out of range is only flagged,
+    for check_errors). The domain's own ops stay the reference's."""
+
+    name = "sync_free_reference_test"
+    capabilities = dataclasses.replace(ReferenceBackend.capabilities, non_blocking=True)
+
+
+def refused_dispatch_then_check_errors(ctx) -> list[str]:
+    """2 domains of 1, sync-free: rank 0 sends an id out of range while rank 1 sends more tokens than
+    max_tokens_per_rank, so every rank refuses the dispatch; then a clean dispatch and check_errors; then
+    rank 0's bad id in a dispatch the ranks accept, and check_errors again."""
+    config = Config.from_env(blocking=False, timeout_s=20.0, max_tokens_per_rank=8)
+    backend = SyncFreeReference(hidden_size=4, num_experts=4, device="cpu", config=config,
+                                topology=Topology(2, 1, ctx.rank))
+    x, idx, weights = torch.ones(2, 4), torch.tensor([[0, 1], [2, 3]]), torch.ones(2, 2)
+    bad = idx.clone()
+    bad[0, 1] = 99
+    seen = []
+
+    def outcome(action):
+        try:
+            action()
+            seen.append("no error")
+        except Exception as error:  # noqa: BLE001 - the test compares the type and text
+            seen.append(f"{type(error).__name__}: {error}")
+
+    if ctx.rank == 0:
+        outcome(lambda: backend.dispatch(x, topk_idx=bad, topk_weights=weights))
+    else:
+        too_many = idx.repeat(5, 1)[:9]
+        outcome(lambda: backend.dispatch(torch.ones(9, 4), topk_idx=too_many, topk_weights=torch.ones(9, 2)))
+    backend.dispatch(x, topk_idx=idx, topk_weights=weights)
+    outcome(backend.check_errors)
+    backend.dispatch(x, topk_idx=bad if ctx.rank == 0 else idx, topk_weights=weights)
+    outcome(backend.check_errors)
+    return seen
+
+
+def test_a_dispatch_every_rank_refused_leaves_check_errors_nothing_to_report():
+    # Before: the refused dispatch's out-of-range flag was kept, and the check after the clean dispatch blamed it.
+    for rank, (refused, after_clean, after_bad) in enumerate(run_ranks(refused_dispatch_then_check_errors, 2,
+                                                                        timeout_s=120)):
+        assert refused.startswith("ValueError: ") and "stays usable" in refused or "over max_tokens" in refused, \
+            (rank, refused)
+        assert after_clean == "no error", (rank, after_clean)
+        if rank == 0:  # the flag itself still works
+            assert after_bad.startswith("ValueError: ") and "outside -1 or [0, 4)" in after_bad, after_bad
+        else:
+            assert after_bad == "no error", after_bad
+
+
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "sync_free_mode"])
 def test_bad_topk_values_on_one_rank_raise_value_error_on_every_rank_across_domains(blocking):
     """As a flat compiled backend: not a timeout on the others (the agreement carries the refusal); a token
@@ -426,6 +479,9 @@ def test_bad_topk_values_on_one_rank_raise_value_error_on_every_rank_across_doma
     assert results[0][0].startswith("ValueError: topk_idx holds expert id 37"), results[0]
     assert results[3][1].startswith("ValueError: topk_idx row 0 names the same expert twice"), results[3]
     assert results[0][2].startswith("ValueError: hidden has 65 tokens, over max_tokens_per_rank=64"), results[0]
+    # Domain 1 heard of rank 0's refusal from its own rail peer, rank 2, named as the group knows it (it was
+    # once named by its index in the domain, "rank 0", the rank that refused).
+    assert "domain 1 (global ranks [2, 3]): in dispatch #1 the rail of rank 2 found" in results[3][0], results[3]
     for rank, seen in enumerate(results):
         for case, (bad_rank, message) in enumerate(zip((0, 3, 0), seen, strict=True)):
             assert message.startswith("ValueError: "), (rank, case, message)

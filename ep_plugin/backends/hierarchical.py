@@ -367,7 +367,7 @@ class HierarchicalBackend(Backend):
         T, D, G, E, L = routing.num_tokens, self.num_domains, self.experts_per_domain, self.num_experts, \
             self.num_local_experts
         dev = data.device
-        slot_domain = None
+        slot_domain, flagged = None, None
         if routing.form == ROUTING_MAP:
             to_domain = routing.routing_map.view(T, D, G).any(2)
         else:
@@ -377,9 +377,7 @@ class HierarchicalBackend(Backend):
             to_domain = torch.zeros(T, D + 1, dtype=torch.bool, device=dev).scatter_(1, slot_domain, True)[:, :D]
             to_domain = to_domain.contiguous()
             if self._sync_free():  # no host read here: such ids go to no domain, and check_errors reports them
-                flagged = ((idx < -1) | (idx >= E)).any()
-                previous = self._invalid_expert_ids
-                self._invalid_expert_ids = flagged if previous is None else previous | flagged
+                flagged = ((idx < -1) | (idx >= E)).any()  # kept once the ranks agreed on the op (below)
         send_tokens, send_slot = self._rail_layout(to_domain)
 
         k = routing.topk_idx.shape[1] if routing.form == TOPK else 0
@@ -443,6 +441,9 @@ class HierarchicalBackend(Backend):
                 routing_in = {"topk_idx": ids, "topk_weights": received.get("probs")}
         counts = self._segment_counts(mask, splits, where, fingerprint, disagreement)
         self._num_dispatches = number
+        if flagged is not None:  # not before: a dispatch every rank refused must leave check_errors nothing
+            previous = self._invalid_expert_ids
+            self._invalid_expert_ids = flagged if previous is None else previous | flagged
         with self._between_exchanges(where):
             out = self._at_domain_level(lambda: self.domain.dispatch(hidden_in, pad_multiple=pad_multiple, **routing_in,
                                                                      **options))
@@ -775,15 +776,17 @@ class HierarchicalBackend(Backend):
             if number != instance:
                 raise EPError(f"{self._other_backend_message(where, self._topology.domain_ranks()[peer], number)} "
                               f"(seen in {self.domain_level})")
+        # Named as the EP group knows them, like every other message (peer is an index in the domain).
+        domain_ranks = self._topology.domain_ranks()
         refusing = [peer for peer, (flag, _, _) in enumerate(theirs) if flag == 2]
         if refusing:
-            names = ", ".join(collectives.peer_name(peer) for peer in refusing)
+            names = ", ".join(self._host.peer_name(domain_ranks[peer]) for peer in refusing)
             raise ValueError(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found a rank "
                              f"that refused its input (its error says why); every rank refuses it, and the backend "
                              f"stays usable")
         flagged = [peer for peer, (flag, _, _) in enumerate(theirs) if flag]
         if flagged:
-            names = ", ".join(collectives.peer_name(peer) for peer in flagged)
+            names = ", ".join(self._host.peer_name(domain_ranks[peer]) for peer in flagged)
             raise EPError(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found that "
                           f"ranks disagree on the op (their errors say how); every rank of this domain stops here. "
                           f"{WHAT_RANKS_SHARE}")
