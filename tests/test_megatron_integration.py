@@ -333,6 +333,11 @@ def test_plugin_name_without_the_flex_dispatcher_type_is_refused(ep_megatron):
         with pytest.raises(ValueError, match=f"requires moe_token_dispatcher_type='flex', got '{dispatcher_type}'"):
             dispatcher_class(2, [0, 1], config=config)
     assert _config(moe_flex_dispatcher_backend="deepep", moe_token_dispatcher_type="alltoall")  # Megatron's own
+    # A dense model builds no dispatcher: a launch script that always passes the plugin's name must still run it.
+    dense = _config(moe_flex_dispatcher_backend="ep_hybrid", num_moe_experts=None,
+                    moe_token_dispatcher_type="allgather", num_attention_heads=2, tensor_model_parallel_size=2,
+                    sequence_parallel=True)
+    assert dense.num_moe_experts is None and dense.moe_flex_dispatcher_backend == "ep_hybrid"
 
 
 @needs_megatron
@@ -341,6 +346,9 @@ def test_options_the_plugin_cannot_honour_fail_at_model_build(ep_megatron, monke
     ValueError when the dispatcher is built (before any process group is touched), naming the option and
     the config value."""
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    from ep_plugin.integrations.megatron import compat
+    from ep_plugin.integrations.megatron.manager import resolve_backend_class
 
     def build(name, **overrides):
         MoEFlexTokenDispatcher(2, [0, 1], config=_config(moe_flex_dispatcher_backend=name, **overrides))
@@ -361,6 +369,16 @@ def test_options_the_plugin_cannot_honour_fail_at_model_build(ep_megatron, monke
     config.moe_pad_experts_for_cuda_graph_inference = True
     with pytest.raises(ValueError, match="ep_plugin backends are dropless and would send each token to every expert"):
         MoEFlexTokenDispatcher(2, [0, 1], config=config)
+    # Megatron's SM knob becomes the backend's num_sms: out of range, it is named here, not at the first step
+    # as "EP_PLUGIN_* variables that do not parse".
+    config = _config(moe_flex_dispatcher_backend="ep_reference")
+    knob = compat.dispatcher_num_sms_field(config)
+    setattr(config, knob, 2000)
+    with pytest.raises(ValueError, match=f"'ep_reference': {knob}=2000 is the SMs per rank.*num_sms must be in"):
+        MoEFlexTokenDispatcher(2, [0, 1], config=config)
+    monkeypatch.setenv("EP_PLUGIN_NUM_SMS", "8")  # the variable decides then: the knob is not used
+    resolve_backend_class("reference", config)
+    monkeypatch.delenv("EP_PLUGIN_NUM_SMS")
     # Sync-free outputs have unwritten rows past the count, which Megatron's experts would compute with.
     monkeypatch.setenv("EP_PLUGIN_BLOCKING", "0")
     for name in ("ep_hybrid", "ep_elastic"):

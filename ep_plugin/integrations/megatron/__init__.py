@@ -327,6 +327,8 @@ def check_dispatcher_type(config) -> None:
         # Nothing to move between ranks, so no dispatcher is ignored: Bridge's checkpoint loading and export
         # switch a flex config to "allgather" at TP = EP = 1 (which Megatron's flex refuses), keeping the name.
         return
+    if not getattr(config, "num_moe_experts", None):  # a dense model builds no dispatcher (a shared launch script)
+        return
     if name in PLUGIN_BACKENDS and dispatcher_type != "flex":
         raise ValueError(f"moe_flex_dispatcher_backend={name!r} requires moe_token_dispatcher_type='flex', got "
                          f"{dispatcher_type!r}: Megatron would run its own {dispatcher_type} dispatcher instead of "

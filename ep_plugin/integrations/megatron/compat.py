@@ -182,6 +182,11 @@ def dispatcher_num_sms(config) -> Optional[int]:
     return getattr(config, "moe_hybridep_num_sms", None)
 
 
+def dispatcher_num_sms_field(config) -> str:
+    """The name of the field ``dispatcher_num_sms`` reads, for messages."""
+    return "moe_flex_dispatcher_num_sms" if hasattr(config, "moe_flex_dispatcher_num_sms") else "moe_hybridep_num_sms"
+
+
 def graph_capturing_the_dispatch(config) -> Optional[str]:
     """The CUDA-graph setting under which Megatron captures an MoE layer's dispatch in training, as
     "field=value" for a message, or None. The scope field is 0.16's ``cuda_graph_scope``, 0.19's

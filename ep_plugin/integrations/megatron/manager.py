@@ -149,6 +149,13 @@ def check_megatron_options(config, backend_class) -> None:
     capacity_problem = rank_capacity_problem(config)
     if capacity_problem:
         raise ValueError(capacity_problem)
+    num_sms = compat.dispatcher_num_sms(config)
+    if num_sms is not None and not env_is_set("num_sms"):  # Megatron's SM knob becomes the backend's num_sms
+        try:
+            Config(num_sms=num_sms)
+        except ValueError as error:  # at model build, naming the knob (the first step would blame EP_PLUGIN_*)
+            raise ValueError(f"{selected}: {compat.dispatcher_num_sms_field(config)}={num_sms} is the SMs per rank "
+                             f"of ep_plugin's kernels: {error}") from None
     if backend_class.capabilities.non_blocking and not Config.from_env().blocking:
         raise ValueError(f"{selected} with EP_PLUGIN_BLOCKING=0: non-blocking outputs are sized to a budget and "
                          "their rows past the count are not written, while Megatron's experts compute every row "
