@@ -255,6 +255,46 @@ def test_a_domain_that_refuses_its_build_makes_every_rank_raise():
             assert "could not be built on rank(s) [0, 1]" in message and "num_sms" in message, (rank, message)
 
 
+class _ReferenceOutOfMemoryOnRank0(ReferenceBackend):
+    """``reference`` whose build fails on rank 0 alone, before its domain's agreement check (a CUDA
+    allocation that ran out of memory there, say)."""
+
+    def __init__(self, *args, **kwargs):
+        if dist.get_rank() == 0:
+            raise MemoryError("out of memory (injected on rank 0)")
+        super().__init__(*args, **kwargs)
+
+
+def build_with_one_rank_out_of_memory(ctx) -> tuple:
+    """2 x 2 forced domains; rank 0's domain backend fails to build. Every rank stays until the others are
+    done (leaving would close connections they wait on)."""
+    start = time.monotonic()
+    try:
+        _ReferenceOutOfMemoryOnRank0(hidden_size=4, num_experts=4, device="cpu", config=Config.from_env(timeout_s=2.0),
+                                     topology=Topology(4, 2, ctx.rank)).destroy()
+        outcome = "built", ""
+    except Exception as error:  # noqa: BLE001 - the test compares the type and text
+        outcome = type(error).__name__, str(error)
+    time.sleep(max(0.0, 12.0 - (time.monotonic() - start)))
+    return outcome
+
+
+def test_a_rank_whose_domain_build_failed_alone_raises_its_own_error():
+    """Before: its domain peer held it up past the group's wait, and every rank raised a timeout there; the
+    MemoryError itself reached no one."""
+    results = run_ranks(build_with_one_rank_out_of_memory, 4, timeout_s=120)
+    assert results[0] == ("MemoryError", "out of memory (injected on rank 0)"), results[0]
+    # The trail leads there: rank 1 waited for rank 0 in its domain's check, ranks 2 and 3 for rank 1.
+    kind, message = results[1]
+    assert kind == "EPTimeoutError" and "agreement check" in message, (kind, message)
+    assert "rank 0 did not come because it waits elsewhere itself, in building the domain backends" in message, message
+    for rank in (2, 3):
+        kind, message = results[rank]
+        assert kind == "EPTimeoutError" and "in building the domain backends" in message, (rank, kind, message)
+        assert "rank 1 did not come because it waits elsewhere itself, in building the reference backend " \
+               "(agreement check)" in message, (rank, message)
+
+
 def build_with_forward_sms_on_one_rank(ctx) -> str:
     config = Config.from_env(forward_sms=8 if ctx.rank == 1 else 0, timeout_s=30.0)
     try:

@@ -212,7 +212,15 @@ class HierarchicalBackend(Backend):
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the others have heard of it
             domain, failure = None, exc
         outcome = None if failure is None else (type(failure).__name__, str(failure))
-        outcomes = self._host.all_gather_object(outcome, where="building the domain backends")
+        try:
+            outcomes = self._host.all_gather_object(outcome, where="building the domain backends")
+        except EPError:
+            # A rank whose build failed before its domain's own check left its domain peers waiting there until
+            # the timeout, so they come here late and everyone's wait here ends first: each rank that failed
+            # raises its own error, not the wait it caused (the others' messages lead back to it).
+            if failure is not None:
+                raise failure from None
+            raise
         failed = {rank: o for rank, o in enumerate(outcomes) if o is not None}
         if not failed:
             return domain
