@@ -9,6 +9,7 @@
 #include <string>
 
 #include "ep/check.cuh"
+#include "ep/copy.cuh"
 #include "ep/region_builder.h"
 #include "ep/transport.h"
 
@@ -40,9 +41,10 @@ SymmetricBuffer::SymmetricBuffer(int device, int rank, int num_ranks, int64_t re
   if (rank < 0 || rank >= num_ranks) throw std::invalid_argument("ep_plugin: rank out of range");
   if (region_bytes < 0 || count_words < 0) throw std::invalid_argument("ep_plugin: negative buffer size");
   const DeviceScope device_scope(device);
-  int major = 0;
+  int major = 0, smem_per_block = 0;
   EP_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  bulk_capable_ = major >= 9;
+  EP_CUDA_CHECK(cudaDeviceGetAttribute(&smem_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  bulk_capable_ = major >= 9 && smem_per_block >= kBulkSmemBudget + kBulkStaticSmemReserve;
   view_.sync = make_sync_layout(num_ranks, count_words);
   view_.rank = rank;
   view_.num_ranks = num_ranks;

@@ -248,6 +248,26 @@ def launches_past_the_buffer(ctx, name: str) -> list[str]:
             kernels.dispatch_send(raw, regions, kernels.SendArgs(num_tokens=1, row_bytes=row_bytes,
                                                                  scale_bytes=scale_bytes), backend.num_blocks, stream)
         refused.append(f"dispatch_send rows of {row_bytes} + {scale_bytes}")
+    # Pointers the kernel writes or reads whatever the rows, left out (a fault on the device, before).
+    somewhere = torch.zeros(64, dtype=torch.int32, device=ctx.device)
+    if name == "hybrid":
+        missing = [(kernels.permute, kernels.PermuteArgs(row_bytes=32), "the permute needs num_packets")]
+    else:
+        missing = [(kernels.dispatch_receive, kernels.ReceiveArgs(topk=1, capacity=1, row_bytes=32, expand=True,
+                                                                 out=somewhere, row_base=somewhere),
+                    "the expanded form needs packet_rows")]
+    for launch, args, words in missing:
+        with pytest.raises(ValueError, match=f"ep_plugin {name}: {words}"):
+            launch(raw, regions, args, backend.num_blocks, stream)
+        refused.append(words)
+    if name == "elastic":  # pushed scales land in rows of one float per 128 elements (none at hidden 16)
+        in_place = ep_plugin.get_backend(name)(hidden_size=16, num_experts=4, config=Config(max_tokens_per_rank=64),
+                                               in_place_dispatch=True)
+        args = kernels.SendArgs(push_payload=True, topk=1, num_tokens=1, row_bytes=16, scale_bytes=4)
+        with pytest.raises(ValueError, match="pushed scales of 4 bytes per row are more than this buffer's 0"):
+            kernels.dispatch_send(in_place.buffer.raw, in_place.regions, args, in_place.num_blocks, stream)
+        in_place.destroy()
+        refused.append("pushed scales")
     assert torch.equal(round_trip(), before), "the backend changed after the refused launches"
     backend.destroy()
     return refused
@@ -259,7 +279,9 @@ def test_the_extensions_launchers_refuse_more_than_the_buffer_holds(name):
     for refused in run_ranks(launches_past_the_buffer, 2, name, device="cuda", timeout_s=180):
         assert refused == ["combine_send blocks", "dispatch_send tokens", "combine_recv tokens",
                            "dispatch_send rows of 8 + 0", "dispatch_send rows of 32 + 2",
-                           "dispatch_send rows of 48 + 0"], refused
+                           "dispatch_send rows of 48 + 0",
+                           *(["the permute needs num_packets"] if name == "hybrid" else
+                             ["the expanded form needs packet_rows", "pushed scales"])], refused
 
 
 def build_without_a_gpu(ctx) -> list[str]:

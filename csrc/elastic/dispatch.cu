@@ -160,6 +160,11 @@ void launch_dispatch_send(const SymmetricBuffer& buffer, const Regions& regions,
   if (args.push_payload && (!regions.in_place_dispatch || args.topk < 1 || args.k_index != nullptr))
     throw std::invalid_argument("ep_plugin elastic: an in-place dispatch needs a buffer built for it and a first, "
                                 "compact dispatch");
+  // A pushed payload's scales land in recv_scales, whose rows hold one float per 128 elements (the rows
+  // themselves in recv_rows, whose rows hold hidden bytes of fp8 or 2 x hidden of bf16).
+  if (args.push_payload && args.scale_bytes > static_cast<int64_t>(regions.hidden / 128) * 4)
+    refuse_launch("elastic", "pushed scales of " + std::to_string(args.scale_bytes) + " bytes per row are more than "
+                  "this buffer's " + std::to_string(regions.hidden / 128 * 4) + " (one float per 128 elements)");
   check_launch_fits("elastic", regions, num_blocks, args.num_tokens);
   check_rows_fit("elastic", regions, args.row_bytes, args.scale_bytes);
   const DeviceScope device_scope(buffer.device());

@@ -173,6 +173,8 @@ void launch_dispatch_receive(const SymmetricBuffer& buffer, const Regions& regio
     if (!args.out) throw std::invalid_argument("ep_plugin elastic: receive needs out");
     if (args.expand && !args.cached && !args.row_base)
       throw std::invalid_argument("ep_plugin elastic: the expanded form needs row_base");
+    if (args.expand && !args.packet_rows)  // written by a first dispatch, read by a cached one
+      throw std::invalid_argument("ep_plugin elastic: the expanded form needs packet_rows");
     if (!args.expand && !args.cached && !args.out_topk_idx)
       throw std::invalid_argument("ep_plugin elastic: the compact form needs out_topk_idx");
     if (args.expand && args.zero_padding && (!args.expert_start || !args.tokens_per_expert || !args.real_per_expert))

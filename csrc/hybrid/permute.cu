@@ -81,9 +81,22 @@ __global__ void __launch_bounds__(kBulkWarps * 32) dispatch_fused_bulk_kernel(Tr
   permute_block(v, make_bulk_ring(s_stages, s_pull_bars[warp], shape, warp, lane), p, seq, s_targets[warp], s_prefix);
 }
 
+// What every permute reads or writes, whatever its rows: a null one would be a fault on the device.
+void check_permute_args(const PermuteArgs& a) {
+  if (!a.num_packets || !a.total_rows || !a.overflow || !a.packet_rows || !a.expert_start || !a.tokens_per_expert ||
+      !a.real_per_expert)
+    throw std::invalid_argument("ep_plugin hybrid: the permute needs num_packets, total_rows, overflow, packet_rows, "
+                                "expert_start, tokens_per_expert and real_per_expert");
+  if (!a.use_cached_rows && !a.row_base)
+    throw std::invalid_argument("ep_plugin hybrid: a first dispatch's permute needs row_base");
+  // (An empty output has a null address: nothing is written to it, so it is not missing.)
+  if (a.budget > 0 && !a.out) throw std::invalid_argument("ep_plugin hybrid: the permute needs out");
+}
+
 }  // namespace
 
 void launch_permute(const SymmetricBuffer& buffer, const Regions& regions, const PermuteArgs& args, int num_blocks, uintptr_t stream) {
+  check_permute_args(args);
   check_launch_fits("hybrid", regions, num_blocks);
   check_rows_fit("hybrid", regions, args.row_bytes, args.scale_bytes);
   const DeviceScope device_scope(buffer.device());
@@ -98,6 +111,7 @@ void launch_dispatch_fused(const SymmetricBuffer& buffer, const Regions& regions
     throw std::invalid_argument("ep_plugin hybrid: the fused dispatch's send and permute move rows of one size");
   if (permute.use_cached_rows)
     throw std::invalid_argument("ep_plugin hybrid: the fused dispatch is a first dispatch (use_cached_rows)");
+  check_permute_args(permute);
   check_launch_fits("hybrid", regions, num_blocks, send.num_tokens);
   check_rows_fit("hybrid", regions, send.row_bytes, send.scale_bytes);
   const DeviceScope device_scope(buffer.device());

@@ -90,6 +90,9 @@ namespace ep {
 
 constexpr int kBulkMaxStages = 8;      // stages per warp
 constexpr int kBulkSmemBudget = 192 * 1024;
+// What the bulk kernels' own shared memory takes next to the stages (ptxas: at most 20.3 KiB, sm_90), with
+// room: a device whose blocks cannot hold both (sm_120's 99 KiB) copies with registers instead.
+constexpr int kBulkStaticSmemReserve = 24 * 1024;
 
 // Stage geometry, chosen on the host from the row size: more stages keep more bytes in flight.
 struct BulkShape {
