@@ -217,10 +217,13 @@ class HierarchicalBackend(Backend):
         except EPError:
             # A rank whose build failed before its domain's own check left its domain peers waiting there until
             # the timeout, so they come here late and everyone's wait here ends first: each rank that failed
-            # raises its own error, not the wait it caused (the others' messages lead back to it).
-            if failure is not None:
-                raise failure from None
-            raise
+            # raises its own error (below, as it came), not the wait it caused (the others' messages lead
+            # back to it).
+            if failure is None:
+                raise
+            outcomes = None
+        if outcomes is None:
+            raise failure
         failed = {rank: o for rank, o in enumerate(outcomes) if o is not None}
         if not failed:
             return domain

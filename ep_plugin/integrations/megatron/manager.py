@@ -118,6 +118,8 @@ def check_megatron_options(config, backend_class) -> None:
       ``moe_router_topk`` per tensor-parallel copy of the experts), and a layer shape its kernels cannot take
       (``Backend.shape_problem``: the compiled backends' hidden size, or latent size, a multiple of 8 and at
       most 256 experts per rank), which would otherwise be refused at the first step.
+    - Megatron's SM knob for its flex dispatcher (``compat.dispatcher_num_sms``, our ``num_sms`` unless
+      EP_PLUGIN_NUM_SMS is set) out of range.
 
     Warned about: ``variable_seq_lengths`` without EP_PLUGIN_MAX_TOKENS_PER_RANK (the backend is sized from
     the first call: ``tokens_per_rank``).
