@@ -431,6 +431,38 @@ def test_a_rank_that_failed_between_two_exchanges_across_domains_refuses_and_its
     assert rank0["outcome"].startswith("EPTimeoutError: ") and "dispatch #2: rail/tokens" in rank0["outcome"], rank0
 
 
+def failure_before_the_domain_stage(ctx, blocking: bool) -> dict:
+    """Rank 1's dispatch fails counting the rows its rail delivered, after the rail exchange and before the
+    domain's (2 domains of 2: rank 1's domain peer, rank 0, waits for it there)."""
+    from test_reference import fail_midway_then_retry
+
+    backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",
+                                                 topology=Topology(4, 2, ctx.rank),
+                                                 config=Config.from_env(timeout_s=3.0, blocking=blocking))
+    if ctx.rank >= 2:  # domain 1 takes part in both dispatches, and stays until the others are done
+        x, idx = torch.ones(2, 4), torch.tensor([[0, 2], [1, 3]])
+        backend.dispatch(x, topk_idx=idx)
+        try:
+            backend.dispatch(x, topk_idx=idx)
+        except ep_plugin.EPError:
+            pass
+        time.sleep(8.0)
+        return {}
+    return fail_midway_then_retry(ctx, backend, "_local_segment_counts", "the segment counts' allocation failed",
+                                  f"segment counts, blocking={blocking}")
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "sync_free_mode"])
+def test_a_rank_that_failed_before_the_domain_stage_refuses_and_its_domain_peer_times_out(blocking):
+    # Before: nothing marked the collectives, so rank 1's retry went on into exchanges its peers had left.
+    rank0, rank1 = run_ranks(failure_before_the_domain_stage, 4, blocking, timeout_s=120)[:2]
+    assert rank1["outcome"].startswith("EPError: ") and rank1["seconds"] < 1.0, rank1
+    assert "dispatch #2 was left midway on this rank by MemoryError: the segment counts' allocation failed" in \
+        rank1["outcome"], rank1
+    assert rank0["outcome"].startswith("EPTimeoutError: ") and "dispatch #2: domain/segment counts" in \
+        rank0["outcome"], rank0
+
+
 def bad_topk_values_on_one_rank(ctx, blocking: bool) -> list:
     """Rank 0's top-k ids name an expert out of range, then rank 3's an expert twice, then rank 0 has more
     tokens than max_tokens_per_rank; every rank dispatches each time (2 domains of 2: rank 3 is neither

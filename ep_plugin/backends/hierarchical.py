@@ -648,6 +648,23 @@ class HierarchicalBackend(Backend):
         """
         S, D, L = self.domain_size, self.num_domains, self.num_local_experts
         dev = mask.device
+        # After the rail exchange, before the domain's: a failure of this rank's own here leaves its peers in
+        # the domain stage (the exchange's refusals, raised on every rank alike, stay outside).
+        with self._between_exchanges(where):
+            mine = self._local_segment_counts(mask, splits)
+        if self.config.blocking:
+            received = self._domain_agreement(fingerprint, disagreement, where, counts=mine)
+        else:
+            words = [D * (L + 1)] * S
+            received = self._at_domain_level(lambda: self._domain_counts.all_to_all(
+                mine.reshape(-1).to(self._domain_counts_device(dev)), words, words,
+                where=f"{where}: domain/segment counts", read_on_host=False))
+        return received.to(dev).reshape(S, D, L + 1)
+
+    def _local_segment_counts(self, mask: torch.Tensor, splits: RailSplits) -> torch.Tensor:
+        """[S, D * (L + 1)]: this rank's part of ``_segment_counts``, from the rows its rail delivered."""
+        S, D, L = self.domain_size, self.num_domains, self.num_local_experts
+        dev = mask.device
         num_received = mask.shape[0]
         if self.config.blocking:
             source_domain = torch.repeat_interleave(torch.arange(D, device=dev),
@@ -659,15 +676,7 @@ class HierarchicalBackend(Backend):
                                                                                       mask.to(torch.int64))
         per_peer = torch.zeros(D, S, dtype=torch.int64, device=dev).index_add_(
             0, source_domain, mask.view(num_received, S, L).any(2).to(torch.int64))
-        mine = torch.cat([per_expert.view(D, S, L), per_peer.unsqueeze(2)], 2).permute(1, 0, 2).reshape(S, -1)
-        if self.config.blocking:
-            received = self._domain_agreement(fingerprint, disagreement, where, counts=mine)
-        else:
-            words = [D * (L + 1)] * S
-            received = self._at_domain_level(lambda: self._domain_counts.all_to_all(
-                mine.reshape(-1).to(self._domain_counts_device(dev)), words, words,
-                where=f"{where}: domain/segment counts", read_on_host=False))
-        return received.to(dev).reshape(S, D, L + 1)
+        return torch.cat([per_expert.view(D, S, L), per_peer.unsqueeze(2)], 2).permute(1, 0, 2).reshape(S, -1)
 
     def _domain_counts_device(self, device: torch.device) -> torch.device:
         """Where tensors for ``_domain_counts`` go: the GPU over NCCL, else host memory (gloo)."""
