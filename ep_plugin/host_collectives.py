@@ -69,6 +69,10 @@ logger = logging.getLogger(__name__)
 # would differ between ranks that belonged to other groups before the restart.
 _sites: "weakref.WeakKeyDictionary[dist.ProcessGroup, Counter]" = weakref.WeakKeyDictionary()
 _twins: dict[str, weakref.ref] = {}  # group name -> the GlooTwin its owners hold (gloo_twin)
+# Process group -> why a making of its twin failed in this process. The makings are numbered by a count in
+# the store that assumes every rank joins every making: after one that a rank never joined, the ranks would
+# look for each other under different numbers at every later making (use_gloo_twin refuses those instead).
+_failed_twin_makings: "weakref.WeakKeyDictionary[dist.ProcessGroup, str]" = weakref.WeakKeyDictionary()
 # Engines whose collectives fell out of step in this process (a wait that gave up, an engine error): the
 # process group or the gloo twin the words went over -> what failed. Every owner on that engine consults
 # it: another owner's next collective there would meet the op left behind, and gloo aborts the process
@@ -136,7 +140,8 @@ def gloo_twin(group: dist.ProcessGroup, *, timeout_s: float) -> GlooTwin:
     later agrees with the others).
 
     Making it waits up to ``timeout_s`` plus a margin for the peers (then raises: ``DistStoreError`` or
-    gloo's "Connect timeout", by where it waited)."""
+    gloo's "Connect timeout", by where it waited). A rank whose making failed marks that making abandoned in
+    the store: a peer that comes later raises ``TwinAbandoned`` at once instead of meeting stale addresses."""
     name = group.group_name
     held = _twins.get(name)
     twin = held() if held is not None else None
@@ -147,11 +152,24 @@ def gloo_twin(group: dist.ProcessGroup, *, timeout_s: float) -> GlooTwin:
     ranks = [dist.get_global_rank(group, rank) for rank in range(size)]
     where = f"ep_plugin/gloo_twin/{name}/{hashlib.sha1(str(ranks).encode()).hexdigest()[:16]}"
     generation = (store.add(f"{where}/arrivals", 1) - 1) // size  # the same on every rank of this making
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"{where}/{generation}/", store), dist.get_rank(group), size,
-                                 timedelta(seconds=timeout_s + twin_margin_s(timeout_s)))
+    prefix = f"{where}/{generation}/"
+    if store.check([prefix + "abandoned"]):  # its other ranks gave up on it before this one came
+        why = store.get(prefix + "abandoned").decode()
+        raise TwinAbandoned(f"the other ranks gave up making this gloo group ({why}) before this rank came")
+    try:
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), dist.get_rank(group), size,
+                                     timedelta(seconds=timeout_s + twin_margin_s(timeout_s)))
+    except RuntimeError:
+        with contextlib.suppress(Exception):  # a rank that comes later learns it at once (above)
+            store.set(prefix + "abandoned", f"rank {dist.get_rank(group)} could not connect or timed out")
+        raise
     twin = GlooTwin(group, gloo)
     _twins[name] = weakref.ref(twin)
     return twin
+
+
+class TwinAbandoned(RuntimeError):
+    """A rank came to make a gloo twin that its peers had given up on (``gloo_twin``)."""
 
 
 def twin_margin_s(timeout_s: float) -> float:
@@ -255,16 +273,32 @@ class HostCollectives:
             return
         start = time.monotonic()
         where = f"making a gloo group of the {self.engine} group's ranks for the host words"
+        earlier = _failed_twin_makings.get(self.group)
+        if earlier is not None:
+            self.failed = f"an earlier making of the gloo twin failed ({earlier})"
+            raise EPError(f"{self.owner}: rank {self.rank}: {where}: an earlier making of it failed in this "
+                          f"process ({earlier}), and the ranks number their makings by a count that assumes "
+                          f"every rank joined every one, so no later making can meet: end the job, or build a "
+                          f"new process group (and the backends on it)")
         try:
             twin = gloo_twin(self.group, timeout_s=self.timeout_s)
+        except TwinAbandoned as exc:
+            _failed_twin_makings[self.group] = str(exc)
+            self.failed = f"{where}: {exc}"
+            raise EPError(f"{self.owner}: rank {self.rank}: {where}: {exc}. A rank built with "
+                          f"EP_PLUGIN_GLOO_HOST_WORDS=0 never comes here (the knob must be equal on every rank), "
+                          f"and a rank that came past timeout_s={self.timeout_s:g} finds the others gone: end the "
+                          f"job, or build a new process group (and the backends on it)") from None
         except RuntimeError as exc:
             # A peer that never came: the store's wait or gloo's connect times out (DistStoreError or
             # "Connect timeout", by where it waited). Either way the posts say who is late.
             waited = time.monotonic() - start
             if waited >= self.timeout_s:  # no collective ran on the group: this owner alone fails
+                _failed_twin_makings[self.group] = f"timed out after {waited:.1f} s"
                 report = self._timeout_error(where, waited, engine_out_of_step=False)
                 raise EPTimeoutError(f"{report} A rank built with EP_PLUGIN_GLOO_HOST_WORDS=0 never comes here: the "
                                      "knob must be equal on every rank.") from None
+            _failed_twin_makings[self.group] = f"gloo could not connect: {_first_line(exc)}"
             self.failed = f"gloo failed in {where}"
             raise EPError(f"{self.owner}: rank {self.rank}: {where}: gloo could not connect: {_first_line(exc)}. "
                           f"Where gloo cannot connect between these hosts, GLOO_SOCKET_IFNAME names the interface it "

@@ -383,6 +383,38 @@ def slow_peer_on_a_twin_of_a_longer_timeout(ctx):
     return _outcome(lambda: long.all_gather_object(ctx.rank, where="a slow gather"))
 
 
+def twin_again_after_a_failed_making(ctx):
+    """Ranks 0 and 1 make the twin of the world while rank 2 does not (its EP_PLUGIN_GLOO_HOST_WORDS differed,
+    say); once both gave up, all three make it again in the same processes."""
+    store = dist.distributed_c10d._get_default_store()
+    first = None
+    if ctx.rank < 2:
+        first = _outcome(HostCollectives(None, owner="ep_plugin test", timeout_s=TIMEOUT_S,
+                                         label="first twin").use_gloo_twin)
+        store.set(f"again/gave_up/{ctx.rank}", "1")
+    store.wait(["again/gave_up/0", "again/gave_up/1"])
+    again = _outcome(HostCollectives(None, owner="ep_plugin test", timeout_s=TIMEOUT_S,
+                                     label="second twin").use_gloo_twin)
+    store.set(f"again/done/{ctx.rank}", "1")
+    store.wait([f"again/done/{rank}" for rank in range(3)])  # no rank leaves while another waits
+    return first, again
+
+
+def test_a_twin_made_again_after_a_making_a_rank_never_joined_is_refused_at_once():
+    # Before: the makings' count in the store was out of step, so the ranks split across two numbers: rank 2
+    # met stale addresses ("Connection refused"), the others timed out blaming it although it had come.
+    results = run_ranks(twin_again_after_a_failed_making, 3, timeout_s=120)
+    for rank in (0, 1):
+        first, again = results[rank]
+        assert first[0] == "EPTimeoutError" and "Late peer(s): rank 2" in first[1], first
+        kind, message, seconds = again
+        assert kind == "EPError" and "an earlier making of it failed in this process (timed out" in message, again
+        assert "build a new process group" in message and seconds < 1.0, again
+    kind, message, seconds = results[2][1]  # the ranks it comes to gave up on that making: it hears so
+    assert kind == "EPError" and "the other ranks gave up making this gloo group" in message, results[2]
+    assert "EP_PLUGIN_GLOO_HOST_WORDS=0" in message and seconds < 1.0, results[2]
+
+
 def test_each_owner_waits_its_own_timeout_on_a_shared_twin():
     """Before: the twin's gloo timeout was its maker's, so the 30 s owner's gather failed after ~3 s."""
     for kind, message, _ in run_ranks(slow_peer_on_a_twin_of_a_longer_timeout, 2, timeout_s=120):
