@@ -177,9 +177,7 @@ def dispatcher_num_sms(config) -> Optional[int]:
     """The SMs per rank Megatron's config gives its flex dispatcher: 0.19's ``moe_flex_dispatcher_num_sms``
     (None: not set; its __post_init__ routes the deprecated per-backend knobs there), or 0.16's
     ``moe_hybridep_num_sms`` (HybridEP's own knob, default 16), else None."""
-    if hasattr(config, "moe_flex_dispatcher_num_sms"):
-        return config.moe_flex_dispatcher_num_sms
-    return getattr(config, "moe_hybridep_num_sms", None)
+    return getattr(config, dispatcher_num_sms_field(config), None)
 
 
 def dispatcher_num_sms_field(config) -> str:
