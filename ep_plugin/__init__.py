@@ -8,7 +8,7 @@
 
 from .autograd import combine, dispatch
 from .config import Config
-from .errors import BackendUnavailableError, EPError, EPTimeoutError
+from .errors import BackendUnavailableError, EPError, EPTimeoutError, TooManyTokensError
 from .handle import CombineOutput, DispatchOutput, Handle
 from .registry import get_backend, list_backends, register_backend
 from .topology import Topology
@@ -17,5 +17,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError", "CombineOutput", "Config", "DispatchOutput", "EPError", "EPTimeoutError", "Handle",
-    "Topology", "combine", "dispatch", "get_backend", "list_backends", "register_backend",
+    "TooManyTokensError", "Topology", "combine", "dispatch", "get_backend", "list_backends", "register_backend",
 ]

@@ -348,15 +348,20 @@ def test_a_grid_past_one_ranks_limit_is_refused_on_every_rank(backend_name, num_
 # ---- more tokens than the buffer holds, on one rank ---------------------------------------------
 
 def over_budget_on_one_rank(ctx, backend_name: str, form: str) -> list:
-    """Rank 1 dispatches one token more than max_tokens_per_rank, then every rank validly (blocking mode):
-    each outcome is the error, or the largest error of the round trip (every token back times its experts)."""
+    """Rank 1 dispatches one token more than max_tokens_per_rank; then again, while rank 0 names an expert out
+    of range (top-k forms); then every rank validly (blocking mode): each outcome is the error, or the largest
+    error of the round trip (every token back times its experts)."""
     in_place = form == "topk_in_place"
     backend = make_backend(ctx, backend_name, options={"in_place_dispatch": True} if in_place else None)
     options = {"in_place": True} if in_place else {}
     outcomes = []
-    for num_tokens in (MAX_TOKENS + 1 if ctx.rank == 1 else 20, 20):
+    over = MAX_TOKENS + 1 if ctx.rank == 1 else 20
+    rounds = [(over, False)] + ([(over, ctx.rank == 0)] if form != "routing_map" else []) + [(20, False)]
+    for num_tokens, bad_id in rounds:
         x, idx, w, routing_map, probs = make_inputs(804, ctx.rank, ctx.world_size, num_tokens, 256, NUM_EXPERTS,
                                                     2, skewed=False, drop_some=False)
+        if bad_id:
+            idx[0, 0] = NUM_EXPERTS
         routing = dict(routing_map=routing_map, probs=probs) if form == "routing_map" else dict(topk_idx=idx,
                                                                                                topk_weights=w)
         try:
@@ -367,7 +372,7 @@ def over_budget_on_one_rank(ctx, backend_name: str, form: str) -> list:
             copies = (ranks if backend_name == "elastic" else routing_map).sum(1, keepdim=True).float()
             outcomes.append(float((combined - x.float() * copies).abs().max()))
         except ValueError as error:
-            outcomes.append(f"ValueError: {error}")
+            outcomes.append(f"{type(error).__name__}: {error}")
     torch.cuda.synchronize()
     backend.destroy()
     return outcomes
@@ -378,14 +383,20 @@ def over_budget_on_one_rank(ctx, backend_name: str, form: str) -> list:
 def test_more_tokens_than_the_budget_on_one_rank_are_refused_on_every_rank(backend_name, form):
     """A longer micro-batch on one rank (variable-length data under Megatron): that rank refused alone and
     its peers waited out the timeout in the dispatch. It runs the op with no tokens now and its count
-    exchange says why: every rank raises ValueError, and the next round trip is exact."""
+    exchange says why: every rank raises TooManyTokensError (a caller may grow the backend), or ValueError
+    where another rank's ids were refused in the same dispatch, and the next round trip is exact."""
     results = run_ranks(over_budget_on_one_rank, 2, backend_name, form, device="cuda", timeout_s=180)
     refused = results[1][0]
-    assert refused.startswith(f"ValueError: hidden has {MAX_TOKENS + 1} tokens, over max_tokens_per_rank="), results
+    assert refused.startswith(f"TooManyTokensError: hidden has {MAX_TOKENS + 1} tokens, over max_tokens_per_rank="), \
+        results
     assert "(on rank 1)" in refused and "stays usable" in refused, results
-    assert results[0][0].startswith("ValueError: rank(s) [1] of the group passed more tokens than "
+    assert results[0][0].startswith("TooManyTokensError: rank(s) [1] of the group passed more tokens than "
                                     f"max_tokens_per_rank={MAX_TOKENS}"), results
-    assert results[0][1] == results[1][1] == 0.0, results  # 2 copies of a bf16 token sum exactly
+    if form != "routing_map":  # both reasons at once: plain ValueError on both ranks
+        assert results[0][1].startswith("ValueError: topk_idx holds expert id") and "(on rank 0)" in results[0][1], \
+            results
+        assert results[1][1].startswith(f"ValueError: hidden has {MAX_TOKENS + 1} tokens"), results
+    assert results[0][-1] == results[1][-1] == 0.0, results  # 2 copies of a bf16 token sum exactly
 
 
 # ---- a device kept busy by someone else's kernel -------------------------------------------------

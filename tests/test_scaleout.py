@@ -465,18 +465,20 @@ def test_a_rank_that_failed_before_the_domain_stage_refuses_and_its_domain_peer_
 
 def bad_topk_values_on_one_rank(ctx, blocking: bool) -> list:
     """Rank 0's top-k ids name an expert out of range, then rank 3's an expert twice, then rank 0 has more
-    tokens than max_tokens_per_rank; every rank dispatches each time (2 domains of 2: rank 3 is neither
-    rank 0's rail peer nor in its domain), then validly."""
+    tokens than max_tokens_per_rank, then so has rank 0 while rank 3 names an expert twice; every rank
+    dispatches each time (2 domains of 2: rank 3 is neither rank 0's rail peer nor in its domain), then
+    validly."""
     config = Config.from_env(blocking=blocking, timeout_s=20.0, max_tokens_per_rank=64)
     backend = _reference(config=config, topology=Topology(4, 2, ctx.rank))
     problem = make_problem(3, _tokens(0)[:4], HIDDEN, NUM_EXPERTS, 2)
     seen = []
-    for bad_rank, bad_value in ((0, NUM_EXPERTS + 5), (3, "twice"), (0, "too many")):
+    for bad in ({0: NUM_EXPERTS + 5}, {3: "twice"}, {0: "too many"}, {0: "too many", 3: "twice"}):
         hidden, idx, weights = problem.hidden[ctx.rank], problem.topk_idx[ctx.rank].clone(), \
             problem.topk_weights[ctx.rank]
-        if ctx.rank == bad_rank and bad_value == "too many":
+        bad_value = bad.get(ctx.rank)
+        if bad_value == "too many":
             hidden, idx, weights = hidden.repeat(65, 1)[:65], idx.repeat(65, 1)[:65], weights.repeat(65, 1)[:65]
-        elif ctx.rank == bad_rank:
+        elif bad_value is not None:
             idx[0, 1] = idx[0, 0] if bad_value == "twice" else bad_value
         try:
             backend.dispatch(hidden, topk_idx=idx, topk_weights=weights)
@@ -534,9 +536,10 @@ def test_a_dispatch_every_rank_refused_leaves_check_errors_nothing_to_report():
     # Before: the refused dispatch's out-of-range flag was kept, and the check after the clean dispatch blamed it.
     for rank, (refused, after_clean, after_bad) in enumerate(run_ranks(refused_dispatch_then_check_errors, 2,
                                                                         timeout_s=120)):
-        # rank 0 refuses because rank 1 did; rank 1 for its own token count
+        # rank 0 refuses because rank 1 did; rank 1 for its own token count. Sync-free mode reads no ids on the
+        # host, so rank 0's bad id refuses nothing: the token count alone, on every rank (TooManyTokensError).
         words = "stays usable" if rank == 0 else "hidden has 9 tokens, over max_tokens_per_rank=8"
-        assert refused.startswith("ValueError: ") and words in refused, (rank, refused)
+        assert refused.startswith("TooManyTokensError: ") and words in refused, (rank, refused)
         assert after_clean == "no error", (rank, after_clean)
         if rank == 0:  # the flag itself still works
             assert after_bad.startswith("ValueError: ") and "outside -1 or [0, 4)" in after_bad, after_bad
@@ -551,14 +554,19 @@ def test_bad_topk_values_on_one_rank_raise_value_error_on_every_rank_across_doma
     results = run_ranks(bad_topk_values_on_one_rank, 4, blocking, timeout_s=120)
     assert results[0][0].startswith("ValueError: topk_idx holds expert id 37"), results[0]
     assert results[3][1].startswith("ValueError: topk_idx row 0 names the same expert twice"), results[3]
-    assert results[0][2].startswith("ValueError: hidden has 65 tokens, over max_tokens_per_rank=64"), results[0]
+    assert results[0][2].startswith("TooManyTokensError: hidden has 65 tokens, over max_tokens_per_rank=64"), results[0]
     # Domain 1 heard of rank 0's refusal from its own rail peer, rank 2, named as the group knows it (it was
     # once named by its index in the domain, "rank 0", the rank that refused).
     assert "domain 1 (global ranks [2, 3]): in dispatch #1 the rail of rank 2 found" in results[3][0], results[3]
+    # The token count alone is TooManyTokensError on every rank (a caller may grow the backend); with rank 3's
+    # repeated expert in the same dispatch, every rank raises plain ValueError, though neither rank 0's rail
+    # nor its domain holds rank 3.
+    assert results[3][3].startswith("ValueError: topk_idx row 0 names the same expert twice"), results[3]
     for rank, seen in enumerate(results):
-        for case, (bad_rank, message) in enumerate(zip((0, 3, 0), seen, strict=True)):
-            assert message.startswith("ValueError: "), (rank, case, message)
-            if rank != bad_rank:
+        for case, (bad_ranks, message) in enumerate(zip(((0,), (3,), (0,), (0, 3)), seen, strict=True)):
+            kind = "TooManyTokensError: " if case == 2 else "ValueError: "
+            assert message.startswith(kind), (rank, case, message)
+            if rank not in bad_ranks:
                 assert "refused" in message and "stays usable" in message, (rank, case, message)
 
 

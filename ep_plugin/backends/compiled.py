@@ -15,7 +15,7 @@ import torch
 from .. import _cuda, streams
 from ..agreement import OP_BARRIER, fingerprint_code
 from ..config import MAX_PAD_MULTIPLE
-from ..errors import BackendUnavailableError, EPError
+from ..errors import BackendUnavailableError, EPError, TooManyTokensError
 from ..routing import ROUTING_MAP, Routing, check_topk_values, dropped_ids_error
 from ..transport.fabric import gpu_link_bandwidths
 from ..transport.placement import ranks_per_gpu
@@ -565,9 +565,11 @@ class CompiledBackend(Backend):
                               refused: Optional[str] = None) -> None:
         ranks = [r for r in range(self.num_ranks) if flagged_ranks >> r & 1]
         every = f"every rank of backend {self.name!r} refused this dispatch; the backend stays usable"
+        # The flags word is the OR of every rank's (its own too), so every rank picks the same class.
+        error = TooManyTokensError if flags == self._C.INPUT_TOO_MANY_TOKENS else ValueError
         if self.rank in ranks:
             if refused is not None:  # this rank ran the op with no tokens (_within_budget)
-                raise ValueError(f"{refused} (on rank {self.rank}); {every}")
+                raise error(f"{refused} (on rank {self.rank}); {every}")
             try:
                 check_topk_values(routing.topk_idx, self.num_experts)  # names the id or the token
             except ValueError as exc:
@@ -579,7 +581,7 @@ class CompiledBackend(Backend):
             problems.append("topk_idx with a token naming the same expert twice")
         if flags & self._C.INPUT_TOO_MANY_TOKENS:
             problems.append(self._too_many_tokens())
-        raise ValueError(f"rank(s) {ranks} of the group passed {' or '.join(problems)}: {every}")
+        raise error(f"rank(s) {ranks} of the group passed {' or '.join(problems)}: {every}")
 
     @property
     def refuses_input_in_exchange(self) -> bool:

@@ -96,7 +96,7 @@ from ..agreement import (
     mismatch_message,
     ordinal,
 )
-from ..errors import EPError
+from ..errors import EPError, TooManyTokensError
 from ..handle import COMPACT, CombineOutput, DispatchOutput, Handle
 from ..host_collectives import HostCollectives, between_exchanges, moves_host_memory
 from ..routing import ROUTING_MAP, TOPK, Routing, check_tensor, dropped_ids_error
@@ -107,6 +107,7 @@ from .base import Backend, merge_alignment
 _TOPK_FIELD_MAX = 127  # OpFingerprint.topk has 7 bits
 # Sent in place of the rail row width by a rank whose dispatch input was refused (see _rail_agreement).
 _REFUSED_INPUT = -1
+_REFUSED_TOKENS = -2  # ... by one whose only reason was its token count (more than max_tokens_per_rank)
 # Local experts the domain stage's count words have room for, on every backend (the compiled ones allow 256);
 # a backend with more is refused across domains: its words would differ in size from other backends' on the
 # group, and gloo aborts the process where two sizes meet. See HierarchicalBackend._domain_count_width.
@@ -117,6 +118,11 @@ class RefusedInput(str):
     """A disagreement that is a refused dispatch input (top-k ids, more tokens than max_tokens_per_rank):
     every rank raises ValueError, not EPError, and the backend stays usable, as a flat compiled backend
     refuses bad ids on every rank."""
+
+
+class RefusedTokens(RefusedInput):
+    """A refused dispatch input whose only reason, on every refusing rank seen so far, is the token count:
+    TooManyTokensError where every rail of the group saw no other (``_domain_agreement``)."""
 
 
 @dataclass(eq=False)
@@ -372,7 +378,8 @@ class HierarchicalBackend(Backend):
         number = self._num_dispatches + 1
         where = f"dispatch #{number}"
         refused = self._refused_input(routing)  # the agreement tells every rank
-        refused = None if refused is None else RefusedInput(refused)
+        if refused is not None:
+            refused = (RefusedTokens if routing.num_tokens > self.config.max_tokens_per_rank else RefusedInput)(refused)
         fp8 = isinstance(hidden, (tuple, list))
         data, scales = (hidden[0], hidden[1]) if fp8 else (hidden, None)
         T, D, G, E, L = routing.num_tokens, self.num_domains, self.experts_per_domain, self.num_experts, \
@@ -713,7 +720,8 @@ class HierarchicalBackend(Backend):
         ``RefusedInput`` when a rank refused its input); every rank of the rail sees the same words, so every
         one of them finds the disagreement. No payload has moved.
         """
-        mine = (fingerprint.pack(), _REFUSED_INPUT if refused is not None else row_bytes, self._host.instance)
+        refused_code = _REFUSED_TOKENS if isinstance(refused, RefusedTokens) else _REFUSED_INPUT
+        mine = (fingerprint.pack(), refused_code if refused is not None else row_bytes, self._host.instance)
         if self.config.blocking:
             splits, theirs = self.scaleout.exchange_counts(send_counts, mine, where=f"{where}: rail/counts")
         else:  # in the row blocking mode sends (count, words, counts): one size for both modes' backends
@@ -729,11 +737,14 @@ class HierarchicalBackend(Backend):
             if words[0] != mine[0]:
                 return splits, (f"{mismatch_message(self.name, self.rank, rail_ranks[peer], mine[0], words[0])} "
                                 f"(seen on {self.scaleout.level} in {where})")
+        # Tokens alone only where no rank of the rail refused for another reason (the same on every rank).
+        refused_why = RefusedInput if _REFUSED_INPUT in [mine[1]] + [words[1] for words in theirs] else RefusedTokens
         if refused is not None:
-            return splits, refused
-        refusing = [rail_ranks[peer] for peer, words in enumerate(theirs) if words[1] == _REFUSED_INPUT]
+            return splits, refused_why(refused)
+        refusing = [rail_ranks[peer] for peer, words in enumerate(theirs)
+                    if words[1] in (_REFUSED_INPUT, _REFUSED_TOKENS)]
         if refusing:
-            return splits, RefusedInput(f"ep_plugin {self.name}: rank(s) {refusing} of the group refused their "
+            return splits, refused_why(f"ep_plugin {self.name}: rank(s) {refusing} of the group refused their "
                                         f"{where} input (their errors say why; seen on {self.scaleout.level}); "
                                         f"every rank refuses it, and the backend stays usable")
         for peer, words in enumerate(theirs):
@@ -769,8 +780,10 @@ class HierarchicalBackend(Backend):
         (no wait for the GPU), after as many zeros where that group is the blocking mode's too; returns None.
         """
         S, code, instance = self.domain_size, fingerprint.pack(), self._host.instance
-        # The flag: 0 agreed, 1 ranks disagree, 2 a rank refused its input (RefusedInput).
-        flag = 0 if disagreement is None else 2 if isinstance(disagreement, RefusedInput) else 1
+        # The flag: 0 agreed, 1 ranks disagree, 2 a rank refused its input (RefusedInput), 3 for its token count
+        # alone (RefusedTokens).
+        flag = (0 if disagreement is None else 3 if isinstance(disagreement, RefusedTokens)
+                else 2 if isinstance(disagreement, RefusedInput) else 1)
         status = torch.tensor([[flag, code, instance]] * S, dtype=torch.int64)
         phase = "domain/segment counts" if counts is not None else "domain/agreement"
         width = self._domain_count_width
@@ -790,20 +803,23 @@ class HierarchicalBackend(Backend):
         received = self._at_domain_level(lambda: collectives.all_to_all(
             sent.reshape(-1), words, words, where=f"{where}: {phase}", read_on_host=True)).view(S, -1)
         theirs = received[:, width:].tolist()  # [flag, fingerprint, backend number] per peer
+        # A domain holds a rank of every rail, so every rank of the group sees every rail's flag here: where
+        # each rail either agreed or refused token counts alone, every rank raises TooManyTokensError.
+        refused_error = TooManyTokensError if {flag for flag, _, _ in theirs} <= {0, 3} else ValueError
         if disagreement is not None:
-            raise (ValueError if isinstance(disagreement, RefusedInput) else EPError)(str(disagreement))
+            raise (refused_error if isinstance(disagreement, RefusedInput) else EPError)(str(disagreement))
         for peer, (_, _, number) in enumerate(theirs):
             if number != instance:
                 raise EPError(f"{self._other_backend_message(where, self._topology.domain_ranks()[peer], number)} "
                               f"(seen in {self.domain_level})")
         # Named as the EP group knows them, like every other message (peer is an index in the domain).
         domain_ranks = self._topology.domain_ranks()
-        refusing = [peer for peer, (flag, _, _) in enumerate(theirs) if flag == 2]
+        refusing = [peer for peer, (flag, _, _) in enumerate(theirs) if flag in (2, 3)]
         if refusing:
             names = ", ".join(self._host.peer_name(domain_ranks[peer]) for peer in refusing)
-            raise ValueError(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found a rank "
-                             f"that refused its input (its error says why); every rank refuses it, and the backend "
-                             f"stays usable")
+            raise refused_error(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found a "
+                                f"rank that refused its input (its error says why); every rank refuses it, and the "
+                                f"backend stays usable")
         flagged = [peer for peer, (flag, _, _) in enumerate(theirs) if flag]
         if flagged:
             names = ", ".join(self._host.peer_name(domain_ranks[peer]) for peer in flagged)

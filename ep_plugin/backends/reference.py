@@ -49,7 +49,7 @@ from ..agreement import (
     mismatch_message,
     ordinal,
 )
-from ..errors import EPError
+from ..errors import EPError, TooManyTokensError
 from ..handle import CombineOutput, DispatchOutput, Handle
 from ..host_collectives import FRAME_WORDS, SETUP_EXCHANGE, HostCollectives, between_exchanges, moves_host_memory
 from ..routing import TOPK, Routing
@@ -248,8 +248,10 @@ class ReferenceBackend(Backend):
         refusing = [q for q in range(self.num_ranks) if counts[q] in (_REFUSED_IDS, _REFUSED_TOKENS)]
         if refusing:
             stays = "every rank of backend 'reference' refused this dispatch; the backend stays usable"
+            # Every rank sees the same counts, so every rank picks the same class.
+            error = ValueError if _REFUSED_IDS in counts else TooManyTokensError
             if refused is not None:
-                raise ValueError(f"{refused} (on rank {self.rank}); {stays}")
+                raise error(f"{refused} (on rank {self.rank}); {stays}")
             why = []
             ids = [q for q in refusing if counts[q] == _REFUSED_IDS]
             if ids:
@@ -258,7 +260,7 @@ class ReferenceBackend(Backend):
             tokens = [q for q in refusing if counts[q] == _REFUSED_TOKENS]
             if tokens:
                 why.append(f"rank(s) {tokens} of the group passed {self._too_many_tokens()}")
-            raise ValueError(f"{'; '.join(why)}: {stays}")
+            raise error(f"{'; '.join(why)}: {stays}")
         if expected is not None and counts != expected:
             raise EPError(f"ep_plugin reference: rank {self.rank}: in {where} the peers announce {counts} rows, the "
                           f"handle expects {expected}; the ranks' handles come from different dispatches.")
