@@ -77,6 +77,7 @@ class _Dispatch(torch.autograd.Function):
         try:
             result = backend.dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
                                       topk_weights=topk_weights, pad_multiple=pad_multiple, **options)
+            result.handle.backward_pending = backend.op_records_backward
         finally:
             backend.op_records_backward = backend.op_probs_need_grad = False
         ctx.handle = result.handle
@@ -99,6 +100,7 @@ class _Dispatch(torch.autograd.Function):
         with torch.no_grad():
             result = handle.backend.combine(grad_rows.contiguous(), handle,
                                             row_probs=grad_row_probs.contiguous() if want_probs else None)
+        handle.backward_pending = False  # the last op of this handle's (combine's backward ran first)
         grad_probs = result.probs if ctx.weights_are_probs else None
         grad_topk_weights = None if ctx.weights_are_probs else result.probs
         grads = _differentiable_once("dispatch", (grad_rows, grad_row_probs),

@@ -11,6 +11,7 @@
 """
 
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -136,12 +137,16 @@ def _backward_twice(ctx, backend, form: str, seed: int, topk: int) -> None:
                                    lambda e, x: (x.to(weight_dtype) @ local_weights[e - rank * local]).to(dtype))
     y = ep_plugin.combine(expert_out, out.handle)
     loss = (y.double() * grad_outputs[rank].to(device).double()).sum()
+    handle = weakref.ref(out.handle)
     del out, expert_out, y  # from here only the graph holds the Handle
+    # Ops of the backward are still to run with it (a caller that would replace the backend waits for them).
+    assert handle().backward_pending, f"{backend.name} {form}: a recorded dispatch's handle is not pending"
 
     leaves = {"hidden": hidden, "probs": probs, "weights": local_weights}
     passes = []
     for _ in range(2):
         loss.backward(retain_graph=True)
+        assert not handle().backward_pending, f"{backend.name} {form}: the handle is pending after the backward"
         passes.append({name: leaf.grad.cpu().double() for name, leaf in leaves.items()})
         for leaf in leaves.values():
             leaf.grad = None

@@ -593,14 +593,16 @@ def test_single_rank_plugin_path_and_traceable_metadata():
         replaced.startswith("BackendUnavailableError") and "'hybrid'" in replaced), replaced
 
 
-def _restore_error(dispatcher, num_tokens: int, generator) -> float:
+def _restore_error(dispatcher, num_tokens: int, generator, device: str = "cpu") -> float:
     """One top-2 call through the dispatcher: rows scaled by their probs and combined give the input back
-    (probs of a token sum to one); returns the largest error."""
+    (probs of a token sum to one: exact in bf16 too, on ``device="cuda"``); returns the largest error."""
     import torch
 
     hidden = torch.randn(num_tokens, HIDDEN, generator=generator)
+    if device != "cpu":
+        hidden = hidden.to(device, torch.bfloat16)
     top = torch.rand(num_tokens, NUM_EXPERTS, generator=generator).topk(2, dim=-1).indices
-    routing_map = torch.zeros(num_tokens, NUM_EXPERTS, dtype=torch.bool).scatter(-1, top, True)
+    routing_map = torch.zeros(num_tokens, NUM_EXPERTS, dtype=torch.bool).scatter(-1, top, True).to(device)
     probs = routing_map.float() / 2
     hidden_2d, token_probs = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
     rows, row_probs = dispatcher.token_dispatch(hidden_2d, token_probs)
@@ -609,23 +611,30 @@ def _restore_error(dispatcher, num_tokens: int, generator) -> float:
     return _max_error(dispatcher.combine_postprocess(combined), hidden)
 
 
-def _tokens_past_the_default(ctx) -> dict:
-    """Megatron's tokens per rank (sequence x micro-batch) are not in its config: the first call sizes the backend."""
+def _tokens_past_the_default(ctx, backend: str = "ep_reference") -> dict:
+    """Megatron's tokens per rank (sequence x micro-batch) are not in its config: the first call sizes the backend,
+    and a longer call grows it. A compiled ``backend`` runs on the GPU, in bf16."""
     import os
 
     import torch
 
     from ep_plugin.config import Config
+    from ep_plugin.integrations.megatron import manager as manager_module
     from ep_plugin.integrations.megatron.manager import clear_backend_cache
 
+    on_gpu = backend != "ep_reference"
+    device = ctx.device if on_gpu else "cpu"
+    if on_gpu:
+        torch.cuda.set_device(device)
     _init_megatron(ctx)
     try:
-        dispatcher = _make_layer(_make_config(2), torch.zeros(NUM_EXPERTS, FFN, HIDDEN),
-                                 torch.zeros(NUM_EXPERTS, HIDDEN, FFN))[0]
+        dispatcher, next_layer = (_make_layer(_make_config(2, backend, bf16=on_gpu),
+                                              torch.zeros(NUM_EXPERTS, FFN, HIDDEN),
+                                              torch.zeros(NUM_EXPERTS, HIDDEN, FFN))[0] for _ in range(2))
         generator = torch.Generator().manual_seed(ctx.rank)
 
-        def restore_error(num_tokens: int) -> float:
-            return _restore_error(dispatcher, num_tokens, generator)
+        def restore_error(num_tokens: int, layer=dispatcher) -> float:
+            return _restore_error(layer, num_tokens, generator, device)
 
         default = Config().max_tokens_per_rank
         outcome = {"default": default}
@@ -633,11 +642,48 @@ def _tokens_past_the_default(ctx) -> dict:
         outcome["first"] = restore_error(default + 64 if ctx.rank == 0 else 8)
         outcome["room"] = dispatcher._comm_manager.backend.config.max_tokens_per_rank
         outcome["then"] = restore_error(default + 64)  # rank 1 too, on the same backend
-        try:  # past it on rank 0 only: every rank refuses (none waits for a peer), with the fix
-            restore_error(default + 65 if ctx.rank == 0 else 8)
-            outcome["past"] = None
-        except ValueError as error:
-            outcome["past"] = str(error)
+        restore_error(8, next_layer)  # another MoE layer shares it
+        manager = dispatcher._comm_manager
+        first = manager.backend
+
+        def forward_kept(num_tokens: int):
+            hidden = torch.randn(num_tokens, HIDDEN, generator=generator)
+            hidden = hidden.to(device, torch.bfloat16 if on_gpu else torch.float32).requires_grad_()
+            top = torch.rand(num_tokens, NUM_EXPERTS, generator=generator).topk(2, dim=-1).indices
+            routing_map = torch.zeros(num_tokens, NUM_EXPERTS, dtype=torch.bool).scatter(-1, top, True).to(device)
+            hidden_2d, token_probs = dispatcher.dispatch_preprocess(hidden, routing_map, routing_map.float() / 2)
+            rows, _ = dispatcher.token_dispatch(hidden_2d, token_probs)
+            return hidden, dispatcher.token_combine(rows)  # each token's two copies summed: 2 x hidden
+
+        # A training micro-batch, its backward done: the manager still holds its handle (with the probs), but
+        # no op of it is left.
+        _, combined = forward_kept(8)
+        combined.sum().backward()
+        # Past it on rank 0 only (a longer sequence at evaluation): every rank refuses together, then builds a
+        # larger backend together, and the call runs. No op is left to run on the first: it is destroyed.
+        outcome["past"] = restore_error(default + 65 if ctx.rank == 0 else 8)
+        grown = manager.backend
+        outcome["grown"] = (grown is not first, grown.config.max_tokens_per_rank, first.destroyed)
+        # The next layer takes the grown backend (its own was destroyed), with no second build.
+        outcome["next_layer"] = (restore_error(default + 65 if ctx.rank == 0 else 8, next_layer),
+                                 next_layer._comm_manager.backend is grown)
+
+        # Micro-batches whose backward is still to come hold handles of the grown backend; a longer call then
+        # grows it again but keeps it, and their backward runs on it.
+        hidden, pending = forward_kept(default + 1 if ctx.rank == 0 else 8)
+        outcome["again"] = restore_error(default + 90 if ctx.rank == 1 else 8)
+        outcome["kept"] = (manager.backend.config.max_tokens_per_rank, grown.destroyed,
+                           [backend is grown for backend in manager_module._retired])
+        pending.sum().backward()  # on the kept backend, every rank: each token's gradient is 2
+        outcome["kept_backward"] = float((hidden.grad.float() - 2).abs().max())
+        # One rank's handle is enough to keep a backend for every rank (rank 1's graph here, never run).
+        second = manager.backend
+        held = forward_kept(8)
+        if ctx.rank == 0:  # rank 0 drops its graph (the manager keeps the last dispatch's probs, and so its graph)
+            held = manager.dispatched_probs = None
+        restore_error(default + 100 if ctx.rank == 0 else 8)
+        outcome["kept_for_a_peer"] = (second.destroyed, manager_module._retired[-1] is second)
+        del held
         outcome["after"] = restore_error(default + 64)  # the backend goes on
         # EP_PLUGIN_MAX_TOKENS_PER_RANK decides wherever it is set, the first call's size notwithstanding.
         clear_backend_cache()
@@ -649,35 +695,48 @@ def _tokens_past_the_default(ctx) -> dict:
             outcome["set"] = f"{type(error).__name__}: {error}"
         outcome["set_then"] = restore_error(50)  # within it: built for 100, and runs
         outcome["room_set"] = dispatcher._comm_manager.backend.config.max_tokens_per_rank
+        outcome["kept_destroyed_by_clear"] = grown.destroyed and second.destroyed and not manager_module._retired
+        try:  # past the size the user set: refused on every rank, no second build
+            restore_error(150 if ctx.rank == 1 else 8)
+            outcome["set_past"] = "ran"
+        except ValueError as error:
+            outcome["set_past"] = f"{type(error).__name__}: {error}"
+        outcome["set_past_room"] = dispatcher._comm_manager.backend.config.max_tokens_per_rank
         return outcome
     finally:
         _finish_megatron()
 
 
-def test_the_first_call_sizes_the_backend_for_megatrons_tokens_per_rank():
+@pytest.mark.parametrize("backend", ["ep_reference", pytest.param("ep_hybrid", marks=pytest.mark.gpu),
+                                     pytest.param("ep_elastic", marks=pytest.mark.gpu)])
+def test_the_first_call_sizes_the_backend_for_megatrons_tokens_per_rank(backend):
     """Recipes at sequence 4096 x micro-batch 4 have 16384 tokens per rank, past the default 8192: the backend
     is sized from the first call (the largest over the group), as HybridEP's buffer is, instead of refusing
-    the first forward. A later call past that size on one rank is refused on every rank (the reference
-    backend's exchange carries the refusal), with the fix; EP_PLUGIN_MAX_TOKENS_PER_RANK,
-    where set, decides, and a first call past it is refused on every rank."""
+    the first forward. A later call past that size on one rank (evaluation at a longer sequence) is refused on
+    every rank (the reference backend's exchange carries the refusal), and every rank builds a larger backend
+    and runs it; the old one is destroyed, or kept while a micro-batch's backward is still to run on it (that
+    backward then runs). EP_PLUGIN_MAX_TOKENS_PER_RANK, where set, decides: a call past it is refused on every
+    rank, the first or a later one."""
     from ep_plugin.testing.launcher import run_ranks
 
     # An EP_PLUGIN_MAX_TOKENS_PER_RANK of the caller's would decide instead (empty counts as unset).
-    results = run_ranks(_tokens_past_the_default, 2, timeout_s=300,
+    results = run_ranks(_tokens_past_the_default, 2, backend, timeout_s=300,
+                        device="cpu" if backend == "ep_reference" else "cuda",
                         env={"TORCHDYNAMO_DISABLE": "1", "EP_PLUGIN_MAX_TOKENS_PER_RANK": ""})
     for rank, outcome in enumerate(results):
         default = outcome["default"]
         assert outcome["room"] == default + 64, (rank, outcome["room"])
         assert outcome["first"] < 1e-5 and outcome["then"] < 1e-5, (rank, outcome)
-        past = outcome["past"]
-        assert past and "EP_PLUGIN_MAX_TOKENS_PER_RANK" in past and "the backend stays usable" in past, past
-        if rank == 0:
-            assert f"hidden has {default + 65} tokens, over max_tokens_per_rank={default + 64}" in past, past
-        else:
-            assert f"rank(s) [0] of the group passed more tokens than max_tokens_per_rank={default + 64}" in past
-        assert outcome["after"] < 1e-5, (rank, outcome)
+        # Before: "past" raised ValueError on every rank, and the job ended.
+        assert outcome["past"] < 1e-5 and outcome["grown"] == (True, default + 65, True), (rank, outcome)
+        assert outcome["next_layer"][0] < 1e-5 and outcome["next_layer"][1], (rank, outcome)
+        assert outcome["again"] < 1e-5 and outcome["kept"] == (default + 90, False, [True]), (rank, outcome)
+        assert outcome["kept_backward"] < 1e-5 and outcome["kept_for_a_peer"] == (False, True), (rank, outcome)
+        assert outcome["after"] < 1e-5 and outcome["kept_destroyed_by_clear"], (rank, outcome)
         assert f"EP_PLUGIN_MAX_TOKENS_PER_RANK=100 (rank 0: {default + 64})" in outcome["set"], (rank, outcome)
         assert outcome["room_set"] == 100 and outcome["set_then"] < 1e-5, (rank, outcome)
+        assert outcome["set_past"].startswith("TooManyTokensError: ") and outcome["set_past_room"] == 100, outcome
+        assert "EP_PLUGIN_MAX_TOKENS_PER_RANK" in outcome["set_past"], outcome
 
 
 def _a_setting_on_rank_1_only(ctx, variable: str, value: str) -> dict:

@@ -15,7 +15,10 @@ the tokens and are applied inside the experts; combine only sums.
 
 The backend instance (a communication buffer on GPU backends) is created on the first
 ``dispatch``, outside the compiled region, and shared by every layer with the same group,
-hidden size and expert count.
+hidden size and expert count. It holds the tokens per rank of that first call; a later call with more
+(evaluation at a longer sequence, variable-length batches) is refused on every rank together
+(``TooManyTokensError``), and every rank then builds a larger one and dispatches again (``grow``), as
+Megatron's HybridEP reallocates its buffer.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import weakref
 from dataclasses import fields
 from typing import Optional
 
@@ -31,6 +35,7 @@ import torch
 import ep_plugin
 from ep_plugin.backends.base import Backend
 from ep_plugin.config import Config, env_is_set, env_var_name
+from ep_plugin.errors import TooManyTokensError
 from ep_plugin.host_collectives import HostCollectives
 from ep_plugin.logs import warn_once
 
@@ -40,7 +45,15 @@ logger = logging.getLogger(__name__)
 
 # (backend name, process group, hidden size, experts, device) -> Backend instance.
 _backends: dict[tuple, Backend] = {}
-_cache_generation = 0  # how many times clear_backend_cache() ran: a manager's backend from before is destroyed
+# How many times a backend left the cache (clear_backend_cache, grow): a manager's backend from before may be
+# destroyed, and the manager takes the cache's.
+_cache_generation = 0
+# The handles of the managers' dispatches, by backend (id): while one lives with its backward to come (a
+# micro-batch in flight), ops will still run on its backend, so a backend grown past is destroyed only where no
+# rank holds such a handle.
+_handles: dict[int, weakref.WeakSet] = {}
+# Backends grown past while some rank still held a handle of theirs: destroyed by clear_backend_cache().
+_retired: list[Backend] = []
 
 
 def resolve_backend_class(backend_name: str, config):
@@ -122,7 +135,7 @@ def check_megatron_options(config, backend_class) -> None:
       EP_PLUGIN_NUM_SMS is set) out of range.
 
     Warned about: ``variable_seq_lengths`` without EP_PLUGIN_MAX_TOKENS_PER_RANK (the backend is sized from
-    the first call: ``tokens_per_rank``).
+    the first call, ``tokens_per_rank``, and built again for each longer one).
     """
     selected = selected_by(config)
     captured = compat.graph_capturing_the_dispatch(config)
@@ -178,7 +191,8 @@ def check_megatron_options(config, backend_class) -> None:
     if getattr(config, "variable_seq_lengths", False) and not env_is_set("max_tokens_per_rank"):
         warn_once(logger, "variable_seq_lengths",
                   "%s with variable_seq_lengths=True: the backend is sized from the first MoE call's tokens per "
-                  "rank, and a later micro-batch with more is refused (a ValueError on every rank). Set "
+                  "rank, and each later micro-batch with more builds it again on every rank (a collective build, "
+                  "and the old buffer stays while a backward is still to run on it). Set "
                   "EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank, to the most any "
                   "micro-batch can have: sequence length x micro-batch size, over TP with sequence parallelism "
                   "and over CP", selected)
@@ -214,7 +228,7 @@ def _config_of_what_parses() -> Config:
 def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int, device: torch.device, *,
                    experts_per_token: int, pad_multiple: Optional[int], config: Optional[Config] = None,
                    experts_take_arena: bool = True, num_tokens: Optional[int] = None,
-                   config_problem: Optional[str] = None) -> Backend:
+                   config_problem: Optional[str] = None, grow_past: Optional[Backend] = None) -> Backend:
     """One backend instance per (name, group, hidden size, experts, device, top-k, padding, SMs), shared by
     all layers (a collective call when it builds one). Its buffers hold the tokens per rank of the call that
     builds it (``num_tokens``, the largest over the group; ``tokens_per_rank``). A backend with a
@@ -222,18 +236,32 @@ def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int,
     put their output there (``experts_take_arena``: SequentialMLP; grouped-GEMM experts cannot, and an arena
     would be memory nothing uses). ``config``: the backend's (default: the EP_PLUGIN_* variables);
     ``config_problem``: why this rank's EP_PLUGIN_* variables did not parse (``config`` is then the defaults),
-    which the first exchange tells every rank (``agree_before_build``)."""
+    which the first exchange tells every rank (``agree_before_build``).
+
+    ``grow_past``: the cached backend that every rank's dispatch just refused for its token count
+    (TooManyTokensError, raised on every rank alike): it leaves the cache, and every rank builds one sized for
+    this call (``num_tokens``). Destroyed first where no rank holds a handle of it; otherwise kept until
+    ``clear_backend_cache()``, for the backward of the micro-batches that dispatched on it."""
+    global _cache_generation
     config = config if config is not None else Config.from_env()
     key = (backend_name, group, hidden_size, num_experts, str(device), experts_per_token, pad_multiple,
            config.num_sms, experts_take_arena)
+    if grow_past is not None and _backends.get(key) is grow_past:
+        del _backends[key]
+        _cache_generation += 1  # the other layers' managers take the new one
+    else:
+        grow_past = None
     if key not in _backends:
         backend_class = ep_plugin.get_backend(backend_name)
         # The words the ranks exchange before the build; the backend's own collectives share its gloo twin.
         words = HostCollectives(group, owner="ep_plugin megatron", timeout_s=config.timeout_s,
                                 label="megatron sizing and arena", device=device, on_host=config.gloo_host_words)
         default_tokens = config.max_tokens_per_rank
-        counts = agree_before_build(words, config, num_tokens, experts_take_arena=experts_take_arena,
-                                    config_problem=config_problem)
+        holds_handles = any(handle.backward_pending for handle in _handles.get(id(grow_past), ()))
+        counts, handles_held = agree_before_build(words, config, num_tokens, experts_take_arena=experts_take_arena,
+                                                  config_problem=config_problem, holds_handles=holds_handles)
+        if grow_past is not None:
+            _retire(grow_past, handles_held)
         config = tokens_per_rank(config, words, counts)
         options = {} if not experts_take_arena else arena.combine_input_options(
             backend_class, words, device, config=config, num_experts=num_experts,
@@ -242,11 +270,12 @@ def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int,
                                        config=config, **options)
         if config.max_tokens_per_rank != default_tokens:  # memory the user did not ask for by name
             buffer_bytes = getattr(getattr(_backends[key], "regions", None), "total_bytes", None)
-            warn_once(logger, ("sized", key), "ep_plugin: the %s backend was built for %d tokens per rank, the "
-                      "largest of its first call (past the default %d)%s; a later call with more is refused. "
-                      "EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank, sets it", backend_name,
-                      config.max_tokens_per_rank, default_tokens,
-                      f": {buffer_bytes / 2**30:.1f} GiB of buffer per rank" if buffer_bytes else "")
+            warn_once(logger, ("sized", key, config.max_tokens_per_rank), "ep_plugin: the %s backend was built for "
+                      "%d tokens per rank, the largest of %s (past the default %d)%s; a later call with more builds "
+                      "it again, larger. EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank, sizes it once",
+                      backend_name, config.max_tokens_per_rank,
+                      "a call the last one could not hold" if grow_past is not None else "its first call",
+                      default_tokens, f": {buffer_bytes / 2**30:.1f} GiB of buffer per rank" if buffer_bytes else "")
         if options.get("combine_input_rows"):
             arena.note_default_arena(_backends[key])
     return _backends[key]
@@ -262,12 +291,15 @@ SHARED_BEFORE_BUILD = {
 
 
 def agree_before_build(words: HostCollectives, config: Config, num_tokens: Optional[int], *,
-                       experts_take_arena: bool, config_problem: Optional[str] = None) -> list[Optional[int]]:
-    """The tokens per rank of every rank's first call, from the one timed exchange every rank runs before a
-    shared backend is built. ValueError on every rank alike, naming the ranks and their values, where a rank's
-    EP_PLUGIN_* variables did not parse (``config_problem``) or the ranks differ in ``SHARED_BEFORE_BUILD``:
-    a rank that refused alone would leave its peers waiting for it in the next exchange."""
-    mine = {"tokens": num_tokens, "problem": config_problem, "moe_grouped_gemm": not experts_take_arena}
+                       experts_take_arena: bool, config_problem: Optional[str] = None,
+                       holds_handles: bool = False) -> tuple[list[Optional[int]], bool]:
+    """(The tokens per rank of every rank's call that builds the backend, whether any rank ``holds_handles`` of
+    the backend it grows past), from the one timed exchange every rank runs before a shared backend is built.
+    ValueError on every rank alike, naming the ranks and their values, where a rank's EP_PLUGIN_* variables
+    did not parse (``config_problem``) or the ranks differ in ``SHARED_BEFORE_BUILD``: a rank that refused
+    alone would leave its peers waiting for it in the next exchange."""
+    mine = {"tokens": num_tokens, "problem": config_problem, "moe_grouped_gemm": not experts_take_arena,
+            "holds_handles": holds_handles}
     for knob in ("max_tokens_per_rank", "combine_input_rows"):
         mine[env_var_name(knob)] = getattr(config, knob) if env_is_set(knob) else None
     gathered = words.all_gather_object(mine, where="sizing (tokens per rank)")
@@ -286,7 +318,24 @@ def agree_before_build(words: HostCollectives, config: Config, num_tokens: Optio
     if differing:
         raise ValueError("ep_plugin megatron: no rank builds the backend, as the ranks differ in settings they "
                          "must share: " + "; ".join(differing))
-    return [facts["tokens"] for facts in gathered]
+    return [facts["tokens"] for facts in gathered], any(facts["holds_handles"] for facts in gathered)
+
+
+def _retire(backend: Backend, handles_held: bool) -> None:
+    """A backend grown past (``shared_backend``'s ``grow_past``), on every rank alike: destroyed now (a
+    collective, before the larger one takes its memory) where no rank holds a handle of it, else kept for
+    their ops until ``clear_backend_cache()``."""
+    _handles.pop(id(backend), None)
+    if not handles_held:
+        backend.destroy()
+        return
+    _retired.append(backend)
+    buffer_bytes = getattr(getattr(backend, "regions", None), "total_bytes", None)
+    warn_once(logger, ("retired", id(backend)), "ep_plugin: the %s backend for %d tokens per rank was grown past "
+              "while a micro-batch's backward was still to run on it: it stays%s until clear_backend_cache(). "
+              "EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank, sizes the backend once", backend.name,
+              backend.config.max_tokens_per_rank,
+              f" ({buffer_bytes / 2**30:.1f} GiB of buffer per rank)" if buffer_bytes else "")
 
 
 def tokens_per_rank(config: Config, words: HostCollectives, counts: list[Optional[int]]) -> Config:
@@ -297,9 +346,10 @@ def tokens_per_rank(config: Config, words: HostCollectives, counts: list[Optiona
     CP) are not in its TransformerConfig, and recipes commonly pass 8192 (the default) or more: the
     call that builds the backend shows them, as HybridEP sizes its buffer from its first call. Never below
     the default; a later call with more tokens (another sequence length at evaluation, variable-length
-    batches) is refused with the fix, on every rank (the op's first exchange carries the refusal). Where
-    EP_PLUGIN_MAX_TOKENS_PER_RANK is set it decides (on every rank alike: ``agree_before_build``), and a first
-    call past it is refused on every rank."""
+    batches) is refused on every rank (the op's first exchange carries the refusal), and the backend is built
+    again for it (``EPPluginManager.dispatch``). Where EP_PLUGIN_MAX_TOKENS_PER_RANK is set it decides (on
+    every rank alike: ``agree_before_build``), a first call past it is refused on every rank, and a later
+    one too, with no second build."""
     known = [count for count in counts if count is not None]
     largest = max(known, default=0)
     if largest <= config.max_tokens_per_rank:
@@ -331,8 +381,10 @@ def clear_backend_cache() -> None:
     """Destroy the shared backends (call before destroying the process groups they use). The cache is
     emptied even when a destroy raises (a timeout, say): the first error is raised after the others ran."""
     global _cache_generation
-    backends = list(_backends.values())
+    backends = list(_backends.values()) + _retired
     _backends.clear()
+    _retired.clear()
+    _handles.clear()
     _cache_generation += 1
     first_error = None
     for backend in backends:
@@ -423,9 +475,17 @@ class EPPluginManager:
                              f"over the {room} its shared backend was built for (the largest of the first call, or "
                              f"EP_PLUGIN_MAX_TOKENS_PER_RANK). Set EP_PLUGIN_MAX_TOKENS_PER_RANK to the most tokens "
                              f"per rank of any step (training and evaluation), equal on every rank")
-        routing, options = self._routing_for(backend, probs)
-        out = ep_plugin.dispatch(backend, hidden_states.contiguous(), pad_multiple=self.pad_multiple, **routing,
-                                 **options)
+        try:
+            out = self._dispatch_on(backend, hidden_states, probs)
+        except TooManyTokensError:
+            # Every rank refused this dispatch together, before any row moved (a longer sequence at evaluation,
+            # say): every rank builds a larger backend, together, and dispatches again. A size the user set
+            # stands.
+            if env_is_set("max_tokens_per_rank"):
+                raise
+            backend = self._backend_for(hidden_states, grow=True)
+            out = self._dispatch_on(backend, hidden_states, probs)
+        _handles.setdefault(id(backend), weakref.WeakSet()).add(out.handle)
         self.handle = out.handle
         self.dispatched_probs = out.probs
         # On the host, as DeepEP's dispatcher hands them to the experts: SequentialMLP and TEGroupedMLP call
@@ -437,6 +497,11 @@ class EPPluginManager:
         # The experts may put their output where combine reads it.
         arena.expect_expert_output(backend, out.handle.num_rows)
         return out.hidden
+
+    def _dispatch_on(self, backend: Backend, hidden_states: torch.Tensor, probs: torch.Tensor):
+        routing, options = self._routing_for(backend, probs)
+        return ep_plugin.dispatch(backend, hidden_states.contiguous(), pad_multiple=self.pad_multiple, **routing,
+                                  **options)
 
     def get_permuted_hidden_states_by_experts(self, hidden_states: torch.Tensor):
         """Rows are already grouped by local expert: returns (rows, their probs [R])."""
@@ -486,13 +551,15 @@ class EPPluginManager:
         tp = max(1, self.num_experts // self.config.num_moe_experts)
         return min(self.num_experts, self.config.moe_router_topk * tp)
 
-    def _backend_for(self, hidden_states: torch.Tensor) -> Backend:
+    def _backend_for(self, hidden_states: torch.Tensor, *, grow: bool = False) -> Backend:
+        """The shared backend for this call; ``grow``: every rank's dispatch on ``self.backend`` was just refused
+        for its token count (TooManyTokensError), and every rank builds a larger one (``shared_backend``)."""
         hidden_size = hidden_states.shape[-1]
         backend = self.backend
         # A model kept across clear_backend_cache() (a rebuild of the process groups, say) must not use the
-        # destroyed backend: it takes the new cache's.
-        if (backend is None or self._backend_generation != _cache_generation or backend.hidden_size != hidden_size
-                or backend.device != hidden_states.device):
+        # destroyed backend: it takes the new cache's. So does one whose backend another layer grew past.
+        if (grow or backend is None or self._backend_generation != _cache_generation
+                or backend.hidden_size != hidden_size or backend.device != hidden_states.device):
             device = hidden_states.device
             if device.type == "cuda" and device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
@@ -505,6 +572,6 @@ class EPPluginManager:
                                      config=config, config_problem=problem,
                                      # Only SequentialMLP's output goes to the arena (arena.run_experts).
                                      experts_take_arena=not getattr(self.config, "moe_grouped_gemm", False),
-                                     num_tokens=_tokens_of(hidden_states))
+                                     num_tokens=_tokens_of(hidden_states), grow_past=backend if grow else None)
             self.backend, self._backend_generation = backend, _cache_generation
         return backend
