@@ -607,7 +607,8 @@ def _restore_error(dispatcher, num_tokens: int, generator, device: str = "cpu") 
     hidden_2d, token_probs = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
     rows, row_probs = dispatcher.token_dispatch(hidden_2d, token_probs)
     rows, _, row_probs = dispatcher.dispatch_postprocess(rows, row_probs)
-    combined = dispatcher.token_combine(dispatcher.combine_preprocess(rows * row_probs.unsqueeze(-1)))
+    scaled = (rows * row_probs.unsqueeze(-1)).to(rows.dtype)  # the probs are fp32
+    combined = dispatcher.token_combine(dispatcher.combine_preprocess(scaled))
     return _max_error(dispatcher.combine_postprocess(combined), hidden)
 
 
