@@ -12,7 +12,9 @@ version itself. What differs:
   offer ``moe_utils.get_default_pg_collection()``);
 - 0.19 reads ``manager.over_budget`` (paged stash) and asserts TP x EP > 1 only for deepep and
   ncclep; 0.16 asserts it for every flex backend. The plugin path never asserts it, and its
-  manager always carries ``over_budget``, so neither needs a version test.
+  manager always carries ``over_budget``, so neither needs a version test;
+- 0.16's MoE layer of hybrid models under partial local CUDA graphs reads the flex dispatcher's
+  attributes by dotted names with a plain ``getattr`` (``partial_local_graph_problem``).
 """
 
 from __future__ import annotations
@@ -203,11 +205,7 @@ def graph_capturing_the_dispatch(config) -> Optional[str]:
         return "cuda_graph_impl='full_iteration'"
     if impl not in ("local", "transformer_engine"):
         return None
-    field = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
-    scopes = getattr(config, field, None) or []
-    if isinstance(scopes, str):  # before __post_init__ normalized it: "full" or "a,b"
-        scopes = [] if scopes == "full" else scopes.split(",")
-    names = [getattr(scope, "name", scope) for scope in (scopes if isinstance(scopes, (list, tuple)) else [scopes])]
+    field, names = _graph_scopes(config)
     if "full_iteration" in names:
         return f"cuda_graph_impl={impl!r} with {field}=['full_iteration']"
     if not names:
@@ -218,6 +216,40 @@ def graph_capturing_the_dispatch(config) -> Optional[str]:
     if impl == "local" and "attn" in names and not getattr(config, "is_hybrid_model", False):
         return f"cuda_graph_impl='local' with 'attn' in {field} (a GPT layer's local graph holds its whole forward)"
     return None
+
+
+def _graph_scopes(config) -> tuple[str, list[str]]:
+    """(The scope field's name: 0.16's ``cuda_graph_scope``, 0.19's ``cuda_graph_modules``; its scopes' names)."""
+    field = "cuda_graph_modules" if hasattr(config, "cuda_graph_modules") else "cuda_graph_scope"
+    scopes = getattr(config, field, None) or []
+    if isinstance(scopes, str):  # before __post_init__ normalized it: "full" or "a,b"
+        scopes = [] if scopes == "full" else scopes.split(",")
+    return field, [getattr(scope, "name", scope) for scope in (scopes if isinstance(scopes, (list, tuple))
+                                                               else [scopes])]
+
+
+def partial_local_graph_problem(config) -> Optional[str]:
+    """Why a hybrid (Mamba) model's MoE layers cannot run under partial local CUDA graphs on this Megatron-Core,
+    or None. 0.16's ``MoETransformerLayer._forward_mlp_router`` copies the flex dispatcher's graph attributes,
+    named ``"_comm_manager.token_probs"`` and the like, with a plain ``getattr``, which raises AttributeError at
+    the first step whatever the flex backend (HybridEP's too); 0.19 resolves the dotted names
+    (``_resolve_token_dispatcher_attr``)."""
+    if getattr(config, "cuda_graph_impl", "none") != "local" or not getattr(config, "is_hybrid_model", False):
+        return None
+    field, names = _graph_scopes(config)
+    if "moe_router" not in names:
+        return None
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer
+
+    if hasattr(MoETransformerLayer, "_resolve_token_dispatcher_attr"):
+        return None
+    version = ".".join(map(str, megatron_version()))
+    return (f"cuda_graph_impl='local' with 'moe_router' in {field} on a hybrid model: megatron-core {version}'s "
+            "MoETransformerLayer reads the flex dispatcher's attributes '_comm_manager.token_probs' and "
+            "'_comm_manager.routing_map' with a plain getattr, which raises AttributeError at the first step for "
+            "every flex backend, HybridEP's too (later megatron-core versions resolve the dotted names). Use "
+            "cuda_graph_impl='transformer_engine' with the same scopes, or leave 'moe_router' and "
+            "'moe_preprocess' out")
 
 
 def _argument(index: int, name: str) -> Callable[[tuple, dict], Any]:

@@ -126,7 +126,9 @@ def check_megatron_options(config, backend_class) -> None:
       bf16). An fp32 config is only warned about: a script may cast the model to bf16 itself, and
       otherwise the first dispatch refuses the fp32 tokens.
     - A CUDA graph that captures the dispatch (the whole layer, a whole iteration): blocking mode reads the
-      exact counts on the host, which a capture cannot, and non-blocking mode is refused above.
+      exact counts on the host, which a capture cannot, and non-blocking mode is refused above. And 0.16's
+      partial local graphs of a hybrid model's MoE layer, which fail at the first step for every flex
+      backend (``compat.partial_local_graph_problem``).
     - Top-k wider than the backend takes (elastic: 32 ids per token; Megatron hands it
       ``moe_router_topk`` per tensor-parallel copy of the experts), and a layer shape its kernels cannot take
       (``Backend.shape_problem``: the compiled backends' hidden size, or latent size, a multiple of 8 and at
@@ -142,6 +144,9 @@ def check_megatron_options(config, backend_class) -> None:
     if captured:
         raise ValueError(f"{selected}: {captured} captures the MoE layer's dispatch in a CUDA graph; "
                          f"{CAPTURE_PROBLEM}")
+    partial = compat.partial_local_graph_problem(config)
+    if partial:  # Megatron's own bug, at model build rather than as an AttributeError at the first step
+        raise ValueError(f"{selected}: {partial}")
     widest = getattr(backend_class, "MAX_TOPK", None)  # a limit of the backends that take top-k ids
     copies = getattr(config, "expert_tensor_parallel_size", None) or 1  # the flex dispatcher's TP copies
     if widest is not None and config.moe_router_topk * copies > widest:
