@@ -439,3 +439,46 @@ def test_check_errors_times_out_on_a_busy_device(backend_name):
         assert "check_errors" in result["error"] and "another library" in result["error"], (rank, result)
         assert result["seconds"] < 3.0, (rank, result)
         assert result["works"], (rank, result)
+
+
+# ---- a backend dropped without destroy() ---------------------------------------------------------
+
+def dropped_without_destroy(ctx, backend_name: str) -> dict:
+    """Rank 1 drops its backend after a round trip without destroy(), while rank 0 keeps its own: rank 1's
+    buffer must stay allocated (a peer may still read or write there), with a warning that says so."""
+    import gc
+    import logging
+
+    backend = make_backend(ctx, backend_name)
+    x, routing = routed_tokens(ctx, 71)
+    out = backend.dispatch(x, **routing)
+    backend.combine(out.hidden, out.handle)
+    torch.cuda.synchronize()
+    raw = backend.buffer.raw  # the extension's buffer object, kept here to look at it afterwards
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("ep_plugin.transport.symmetric").addHandler(handler)
+    if ctx.rank == 1:
+        del backend, out
+        gc.collect()
+    torch.distributed.barrier()
+    try:
+        raw.export_handle()  # refused once the buffer was destroyed or abandoned
+        state = "usable"
+    except RuntimeError as error:
+        state = f"RuntimeError: {error}"
+    # (Rank 0 cannot destroy its backend: destroy is a collective that rank 1 no longer joins.)
+    return {"state": state, "warnings": [record.getMessage() for record in records]}
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_backend_dropped_without_destroy_keeps_its_memory(backend_name):
+    """Before: the extension's destructor freed the buffer once this rank's own work was done, while a peer
+    could still pull rows from it or push into it (an illegal address in the peer's kernel, or another
+    allocation overwritten). Now the memory stays allocated until the process ends, and a warning says so."""
+    results = run_ranks(dropped_without_destroy, 2, backend_name, device="cuda", timeout_s=120)
+    dropped = results[1]
+    assert dropped["state"].startswith("RuntimeError: ") and "destroyed" in dropped["state"], dropped
+    assert len(dropped["warnings"]) == 1 and "garbage-collected without destroy()" in dropped["warnings"][0], dropped
+    assert results[0]["state"] == "usable" and results[0]["warnings"] == [], results[0]

@@ -18,7 +18,9 @@ gone in the report, so that a wait for it stops at once ("rank 3 exited") instea
 
 from __future__ import annotations
 
+import logging
 import time
+import weakref
 from typing import Optional
 
 import torch
@@ -29,6 +31,8 @@ from ..agreement import mismatch_message
 from ..errors import EPError, EPTimeoutError
 from ..host_collectives import HostCollectives
 from .liveness import WATCH, own_identity
+
+logger = logging.getLogger(__name__)
 
 
 class SymmetricBuffer:
@@ -72,6 +76,10 @@ class SymmetricBuffer:
         # No rank may write into a peer before that peer opened everything (its flags start zeroed).
         self._collectives.barrier(where="opening the peers' buffers (every rank opened them)")
         self._destroyed = False
+        # Dropped without destroy() (garbage collected while the process runs): a peer may still read or write
+        # this memory, so it is kept, not freed (``_kept_when_dropped``). At exit the process's end frees it.
+        self._dropped = weakref.finalize(self, _kept_when_dropped, self._buffer, backend, self.rank)
+        self._dropped.atexit = False
         self.peer_processes = {rank: identity for rank, (_, identity) in enumerate(gathered) if rank != self.rank}
         WATCH.watch(self, {rank: identity for rank, identity in self.peer_processes.items()
                            if identity.watchable_from(here)}, peer_watch_s)
@@ -179,6 +187,7 @@ class SymmetricBuffer:
         after a wait that succeeded (a tensor of the combine-input arena outlives the backend)."""
         if self._destroyed:
             return
+        self._dropped.detach()  # destroyed by name: what follows decides about the memory
         try:
             # Our writes into peers are complete (a failed backend is destroyed too: its report is not raised)
             self.synchronize("destroy", raise_report=False)
@@ -197,6 +206,18 @@ class SymmetricBuffer:
             self._buffer.abandon()
         else:
             self._buffer.destroy()
+
+
+def _kept_when_dropped(buffer, backend: str, rank: int) -> None:
+    """A ``SymmetricBuffer`` garbage-collected without ``destroy()``: its memory is never freed (``abandon``), since
+    only destroy's barrier knows that no peer still reads or writes there (a slower peer's op, or a peer
+    pulling rows from it), and freed memory would fault in the peer's kernel or be handed to another
+    allocation."""
+    buffer.abandon()
+    logger.warning("ep_plugin %s: rank %d's backend was garbage-collected without destroy(): its communication "
+                   "buffer (%.2f GiB) stays allocated until the process ends, as a peer may still use it. Call "
+                   "destroy() on every rank before letting a backend go (Megatron: clear_backend_cache())",
+                   backend, rank, buffer.total_bytes / 2**30)
 
 
 # bf16 has no typestr: it travels as int16 and is reinterpreted on the torch side.
