@@ -77,7 +77,8 @@ class _Dispatch(torch.autograd.Function):
         try:
             result = backend.dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
                                       topk_weights=topk_weights, pad_multiple=pad_multiple, **options)
-            result.handle.backward_pending = backend.op_records_backward
+            ctx.counted = backend.op_records_backward  # its backward runs combine with the handle
+            result.handle.backward_ops_left += int(ctx.counted)
         finally:
             backend.op_records_backward = backend.op_probs_need_grad = False
         ctx.handle = result.handle
@@ -100,7 +101,9 @@ class _Dispatch(torch.autograd.Function):
         with torch.no_grad():
             result = handle.backend.combine(grad_rows.contiguous(), handle,
                                             row_probs=grad_row_probs.contiguous() if want_probs else None)
-        handle.backward_pending = False  # the last op of this handle's (combine's backward ran first)
+        if ctx.counted:
+            handle.backward_ops_left -= 1
+            ctx.counted = False  # a second backward over a retained graph is not counted again
         grad_probs = result.probs if ctx.weights_are_probs else None
         grad_topk_weights = None if ctx.weights_are_probs else result.probs
         grads = _differentiable_once("dispatch", (grad_rows, grad_row_probs),
@@ -119,7 +122,10 @@ class _Combine(torch.autograd.Function):
         if bias is not None:
             options = {**options, "bias": bias}
         try:
-            return backend.combine(rows, handle, **options).hidden
+            combined = backend.combine(rows, handle, **options).hidden
+            ctx.counted = backend.op_records_backward  # its backward runs dispatch_again with the handle
+            handle.backward_ops_left += int(ctx.counted)
+            return combined
         finally:
             backend.op_records_backward = False
 
@@ -130,6 +136,9 @@ class _Combine(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             with torch.no_grad():
                 grad_rows = handle.backend.dispatch_again(grad_out.contiguous(), handle)
+        if ctx.counted:
+            handle.backward_ops_left -= 1
+            ctx.counted = False  # a second backward over a retained graph is not counted again
         (grad_rows,) = _differentiable_once("combine", (grad_out,), (grad_rows,))
         grad_bias = grad_out if ctx.needs_input_grad[1] else None  # out = sum of rows + bias
         return grad_rows, grad_bias, None, None, None

@@ -15,6 +15,9 @@ class BackendUnavailableError(EPError):
 
 class TooManyTokensError(ValueError):
     """Every rank refused a dispatch because some rank passed more tokens than the backend holds
-    (``Config.max_tokens_per_rank``), and for no other reason. Raised on every rank alike, before any row
-    moved: the backend stays usable, and a caller may build a larger one together and dispatch again
-    (the Megatron integration does)."""
+    (``Config.max_tokens_per_rank``), and no rank's input was refused for another reason (a rank over the
+    count is refused for that alone: its top-k ids are checked when it dispatches again). Raised on every
+    rank alike, before any row was delivered, by the backends that refuse in the op's first exchange (all
+    of them in blocking mode; a sync-free compiled backend refuses on that rank alone, with ValueError): the
+    backend stays usable, and a caller may build a larger one together and dispatch again (the Megatron
+    integration does)."""

@@ -57,9 +57,14 @@ class Handle:
     # A top-k dispatch's ids and their version then (``Tensor._version``): a combine that routes values back
     # reads them, so a change in place since (a reused buffer, say) is refused there, not summed wrongly.
     topk_ids: Optional[tuple[torch.Tensor, int]] = None
-    # ``ep_plugin.dispatch`` recorded a backward for this dispatch that has not run yet: its backend still has
-    # ops to run with this handle (a caller that would replace the backend waits for them).
-    backward_pending: bool = False
+    # Backward ops that autograd recorded with this handle (``ep_plugin.dispatch``'s and ``ep_plugin.combine``'s)
+    # and that have not run yet: while any is left, its backend will still run ops with it (a caller that would
+    # replace the backend waits for them). A second backward over a retained graph is not counted.
+    backward_ops_left: int = 0
+
+    @property
+    def backward_pending(self) -> bool:
+        return self.backward_ops_left > 0
 
     def expected_row_probs_shape(self) -> tuple[int, ...]:
         return self.row_probs_shape if self.row_probs_shape is not None else (self.num_rows,)

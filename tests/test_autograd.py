@@ -503,3 +503,35 @@ def test_a_bias_given_to_combine_gets_its_gradient():
         assert result["bias_grad_alone_is_upstream"], result
         assert result["backward_ops"] == (2, 0), result  # one for each step whose rows need a gradient
         assert "row_probs" in result["row_probs"] and "backend.combine" in result["row_probs"], result
+
+
+def backward_ops_left_of_a_handle(ctx) -> list:
+    """How many backward ops a handle still has, after each step of two layers: one whose tokens and probs
+    need grad, and one whose dispatch records none while its experts' weights need grad (a frozen trunk and
+    router, trainable experts): its combine's backward still runs on the handle."""
+    backend = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=4, device="cpu")
+    problem = make_problem(47, [5, 4], HIDDEN, 4, 2, dtype=torch.float64)
+    weight = torch.ones(HIDDEN, dtype=torch.float64, requires_grad=True)
+    seen = []
+    for trunk_needs_grad in (True, False):
+        hidden = problem.hidden[ctx.rank].clone().requires_grad_(trunk_needs_grad)
+        probs = problem.topk_weights[ctx.rank].clone().requires_grad_(trunk_needs_grad)
+        out = ep_plugin.dispatch(backend, hidden, topk_idx=problem.topk_idx[ctx.rank], topk_weights=probs)
+        seen.append(out.handle.backward_ops_left)
+        y = ep_plugin.combine(out.hidden * weight, out.handle)
+        seen.append(out.handle.backward_ops_left)
+        y.sum().backward()
+        seen.append(out.handle.backward_ops_left)
+    with torch.no_grad():  # an evaluation step records none
+        out = ep_plugin.dispatch(backend, problem.hidden[ctx.rank], topk_idx=problem.topk_idx[ctx.rank])
+        ep_plugin.combine(out.hidden * weight, out.handle)
+        seen.append(out.handle.backward_ops_left)
+    backend.destroy()
+    return seen
+
+
+def test_a_handle_counts_the_backward_ops_still_to_run_with_it():
+    """What a caller that would replace the backend asks (the Megatron manager when it grows it): before, only
+    the dispatch's own backward counted, so a combine-only backward ran on a destroyed backend."""
+    for rank, seen in enumerate(run_ranks(backward_ops_left_of_a_handle, 2, timeout_s=120)):
+        assert seen == [1, 2, 0, 0, 1, 0, 0], (rank, seen)

@@ -661,10 +661,12 @@ def _tokens_past_the_default(ctx, backend: str = "ep_reference") -> dict:
         _, combined = forward_kept(8)
         combined.sum().backward()
         # Past it on rank 0 only (a longer sequence at evaluation): every rank refuses together, then builds a
-        # larger backend together, and the call runs. No op is left to run on the first: it is destroyed.
+        # larger backend together (half again as large at least), and the call runs. No op is left to run on the
+        # first: it is destroyed.
         outcome["past"] = restore_error(default + 65 if ctx.rank == 0 else 8)
         grown = manager.backend
-        outcome["grown"] = (grown is not first, grown.config.max_tokens_per_rank, first.destroyed)
+        room = grown.config.max_tokens_per_rank
+        outcome["grown"] = (grown is not first, room, first.destroyed)
         # The next layer takes the grown backend (its own was destroyed), with no second build.
         outcome["next_layer"] = (restore_error(default + 65 if ctx.rank == 0 else 8, next_layer),
                                  next_layer._comm_manager.backend is grown)
@@ -672,7 +674,7 @@ def _tokens_past_the_default(ctx, backend: str = "ep_reference") -> dict:
         # Micro-batches whose backward is still to come hold handles of the grown backend; a longer call then
         # grows it again but keeps it, and their backward runs on it.
         hidden, pending = forward_kept(default + 1 if ctx.rank == 0 else 8)
-        outcome["again"] = restore_error(default + 90 if ctx.rank == 1 else 8)
+        outcome["again"] = restore_error(room + 1 if ctx.rank == 1 else 8)
         outcome["kept"] = (manager.backend.config.max_tokens_per_rank, grown.destroyed,
                            [backend is grown for backend in manager_module._retired])
         pending.sum().backward()  # on the kept backend, every rank: each token's gradient is 2
@@ -682,10 +684,23 @@ def _tokens_past_the_default(ctx, backend: str = "ep_reference") -> dict:
         held = forward_kept(8)
         if ctx.rank == 0:  # rank 0 drops its graph (the manager keeps the last dispatch's probs, and so its graph)
             held = manager.dispatched_probs = None
-        restore_error(default + 100 if ctx.rank == 0 else 8)
-        outcome["kept_for_a_peer"] = (second.destroyed, manager_module._retired[-1] is second)
+        restore_error(second.config.max_tokens_per_rank + 1 if ctx.rank == 0 else 8)
+        # The first kept one, its backward done, is freed by this later build; the second is kept for rank 1.
+        outcome["kept_for_a_peer"] = (second.destroyed, manager_module._retired == [second], grown.destroyed)
         del held
         outcome["after"] = restore_error(default + 64)  # the backend goes on
+        # A grow whose build is refused (a variable that does not parse on rank 1): the old backend is kept for
+        # clear_backend_cache(), and the next call builds anew.
+        before = manager.backend
+        os.environ["EP_PLUGIN_TIMEOUT_S"] = "soon" if ctx.rank == 1 else "30"
+        try:
+            restore_error(before.config.max_tokens_per_rank + 1 if ctx.rank == 0 else 8)
+            outcome["refused_grow"] = "ran"
+        except ValueError as error:
+            outcome["refused_grow"] = f"{type(error).__name__}: {error}"
+        del os.environ["EP_PLUGIN_TIMEOUT_S"]
+        outcome["kept_after_refused_grow"] = (before in manager_module._retired, before.destroyed)
+        outcome["after_refused_grow"] = restore_error(8)
         # EP_PLUGIN_MAX_TOKENS_PER_RANK decides wherever it is set, the first call's size notwithstanding.
         clear_backend_cache()
         os.environ["EP_PLUGIN_MAX_TOKENS_PER_RANK"] = "100"
@@ -696,7 +711,8 @@ def _tokens_past_the_default(ctx, backend: str = "ep_reference") -> dict:
             outcome["set"] = f"{type(error).__name__}: {error}"
         outcome["set_then"] = restore_error(50)  # within it: built for 100, and runs
         outcome["room_set"] = dispatcher._comm_manager.backend.config.max_tokens_per_rank
-        outcome["kept_destroyed_by_clear"] = grown.destroyed and second.destroyed and not manager_module._retired
+        outcome["kept_destroyed_by_clear"] = (grown.destroyed and second.destroyed and before.destroyed
+                                              and not manager_module._retired)
         try:  # past the size the user set: refused on every rank, no second build
             restore_error(150 if ctx.rank == 1 else 8)
             outcome["set_past"] = "ran"
@@ -729,11 +745,15 @@ def test_the_first_call_sizes_the_backend_for_megatrons_tokens_per_rank(backend)
         assert outcome["room"] == default + 64, (rank, outcome["room"])
         assert outcome["first"] < 1e-5 and outcome["then"] < 1e-5, (rank, outcome)
         # Before: "past" raised ValueError on every rank, and the job ended.
-        assert outcome["past"] < 1e-5 and outcome["grown"] == (True, default + 65, True), (rank, outcome)
+        grown_room = (default + 64) * 3 // 2  # half again the first's room, past the call's own default + 65
+        assert outcome["past"] < 1e-5 and outcome["grown"] == (True, grown_room, True), (rank, outcome)
         assert outcome["next_layer"][0] < 1e-5 and outcome["next_layer"][1], (rank, outcome)
-        assert outcome["again"] < 1e-5 and outcome["kept"] == (default + 90, False, [True]), (rank, outcome)
-        assert outcome["kept_backward"] < 1e-5 and outcome["kept_for_a_peer"] == (False, True), (rank, outcome)
+        assert outcome["again"] < 1e-5 and outcome["kept"] == (grown_room * 3 // 2, False, [True]), (rank, outcome)
+        assert outcome["kept_backward"] < 1e-5, (rank, outcome)
+        assert outcome["kept_for_a_peer"] == (False, True, True), (rank, outcome)
         assert outcome["after"] < 1e-5 and outcome["kept_destroyed_by_clear"], (rank, outcome)
+        assert "EP_PLUGIN_TIMEOUT_S='soon'" in outcome["refused_grow"], (rank, outcome)
+        assert outcome["kept_after_refused_grow"] == (True, False) and outcome["after_refused_grow"] < 1e-5, outcome
         assert f"EP_PLUGIN_MAX_TOKENS_PER_RANK=100 (rank 0: {default + 64})" in outcome["set"], (rank, outcome)
         assert outcome["room_set"] == 100 and outcome["set_then"] < 1e-5, (rank, outcome)
         assert outcome["set_past"].startswith("TooManyTokensError: ") and outcome["set_past_room"] == 100, outcome

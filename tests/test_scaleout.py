@@ -594,11 +594,12 @@ def test_ranks_that_disagree_across_the_rail_raise(case, words):
     assert all("ranks disagree" in message and words in message for message in messages), messages
 
 
-def two_backends_in_two_orders(ctx, kind: str, split: str) -> list:
+def two_backends_in_two_orders(ctx, kind: str, split: str, too_many: bool = False) -> list:
     """2 domains x 2: two backends on one group that differ in their experts (8 and 16; ``kind``
     "experts_blocking" or "experts_sync_free") or their mode (``kind`` "modes": blocking and sync-free).
-    Half the ranks (``split``: a domain, or a rail) use the first backend first, the others the second. Then
-    every rank uses the first (the same order again)."""
+    Half the ranks (``split``: a domain, or a rail) use the first backend first, the others the second
+    (``too_many``: rank 1 with more tokens than max_tokens_per_rank there). Then every rank uses the first
+    (the same order again)."""
     torch.set_num_threads(1)
     config = ep_plugin.Config.from_env().replace(timeout_s=20.0, max_tokens_per_rank=8,
                                                  blocking=kind != "experts_sync_free")
@@ -612,7 +613,10 @@ def two_backends_in_two_orders(ctx, kind: str, split: str) -> list:
     outcomes = []
     for backend in (first, second) if first_group else (second, first):
         try:
-            backend.dispatch(x, topk_idx=idx)
+            if too_many and ctx.rank == 1:
+                backend.dispatch(x.repeat(5, 1)[:9], topk_idx=idx.repeat(5, 1)[:9])
+            else:
+                backend.dispatch(x, topk_idx=idx)
             outcomes.append("no error")
         except Exception as error:  # noqa: BLE001 - the test compares what came
             outcomes.append(f"{type(error).__name__}: {error}")
@@ -621,14 +625,18 @@ def two_backends_in_two_orders(ctx, kind: str, split: str) -> list:
     return outcomes
 
 
-@pytest.mark.parametrize("kind, split", [("experts_blocking", "domain"), ("experts_sync_free", "domain"),
-                                         ("experts_blocking", "rail"), ("modes", "domain"), ("modes", "rail")])
-def test_ranks_that_use_two_backends_in_two_orders_all_raise(kind, split):
+@pytest.mark.parametrize("kind, split, too_many", [
+    ("experts_blocking", "domain", False), ("experts_sync_free", "domain", False), ("experts_blocking", "rail", False),
+    ("modes", "domain", False), ("modes", "rail", False),
+    # Each rail agrees within itself, and rank 1's rail refuses its token count: that rail's ranks raised
+    # TooManyTokensError alone (a Megatron manager would have grown its backend there, waiting for the others).
+    ("experts_blocking", "rail", True), ("experts_sync_free", "rail", True)])
+def test_ranks_that_use_two_backends_in_two_orders_all_raise(kind, split, too_many):
     """Before the backend's number was in the agreement words, split by domain the ranks decoded the other
     domain's rows with the other backend's experts (an IndexError on some ranks, rows without an error on
     the others); where the two backends' words differed in size (split by rail, or two modes) gloo aborted
     the processes."""
-    per_rank = run_ranks(two_backends_in_two_orders, 4, kind, split, timeout_s=120)
+    per_rank = run_ranks(two_backends_in_two_orders, 4, kind, split, too_many, timeout_s=120)
     for rank, outcomes in enumerate(per_rank):
         for outcome in outcomes[:2]:
             assert outcome.startswith("EPError") and "Ranks must use their backends in the same order" in outcome, \

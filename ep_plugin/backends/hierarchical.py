@@ -803,15 +803,17 @@ class HierarchicalBackend(Backend):
         received = self._at_domain_level(lambda: collectives.all_to_all(
             sent.reshape(-1), words, words, where=f"{where}: {phase}", read_on_host=True)).view(S, -1)
         theirs = received[:, width:].tolist()  # [flag, fingerprint, backend number] per peer
+        # First: ranks that ran this op on two backends (each rail on one of its own) raise EPError on every rank
+        # here, before any rail's refusal could make some of them raise TooManyTokensError alone.
+        for peer, (_, _, number) in enumerate(theirs):
+            if number != instance:
+                raise EPError(f"{self._other_backend_message(where, self._topology.domain_ranks()[peer], number)} "
+                              f"(seen in {self.domain_level})")
         # A domain holds a rank of every rail, so every rank of the group sees every rail's flag here: where
         # each rail either agreed or refused token counts alone, every rank raises TooManyTokensError.
         refused_error = TooManyTokensError if {flag for flag, _, _ in theirs} <= {0, 3} else ValueError
         if disagreement is not None:
             raise (refused_error if isinstance(disagreement, RefusedInput) else EPError)(str(disagreement))
-        for peer, (_, _, number) in enumerate(theirs):
-            if number != instance:
-                raise EPError(f"{self._other_backend_message(where, self._topology.domain_ranks()[peer], number)} "
-                              f"(seen in {self.domain_level})")
         # Named as the EP group knows them, like every other message (peer is an index in the domain).
         domain_ranks = self._topology.domain_ranks()
         refusing = [peer for peer, (flag, _, _) in enumerate(theirs) if flag in (2, 3)]

@@ -28,7 +28,7 @@ import logging
 import os
 import weakref
 from dataclasses import fields
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -52,7 +52,8 @@ _cache_generation = 0
 # micro-batch in flight), ops will still run on its backend, so a backend grown past is destroyed only where no
 # rank holds such a handle.
 _handles: dict[int, weakref.WeakSet] = {}
-# Backends grown past while some rank still held a handle of theirs: destroyed by clear_backend_cache().
+# Backends grown past while some rank still held a handle of theirs with its backward to come: destroyed at a
+# later build on their group where no rank holds one any more, or by clear_backend_cache().
 _retired: list[Backend] = []
 
 
@@ -244,9 +245,10 @@ def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int,
     which the first exchange tells every rank (``agree_before_build``).
 
     ``grow_past``: the cached backend that every rank's dispatch just refused for its token count
-    (TooManyTokensError, raised on every rank alike): it leaves the cache, and every rank builds one sized for
-    this call (``num_tokens``). Destroyed first where no rank holds a handle of it; otherwise kept until
-    ``clear_backend_cache()``, for the backward of the micro-batches that dispatched on it."""
+    (TooManyTokensError, raised on every rank alike): it leaves the cache, and every rank builds one for this
+    call's tokens (``num_tokens``), and at least half as many again as before (``tokens_per_rank``), so that
+    slowly rising lengths do not rebuild at every new longest one. It is destroyed first where no rank holds
+    a handle of it with its backward to come; otherwise it is kept for that backward (``_release``)."""
     global _cache_generation
     config = config if config is not None else Config.from_env()
     key = (backend_name, group, hidden_size, num_experts, str(device), experts_per_token, pad_multiple,
@@ -262,12 +264,19 @@ def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int,
         words = HostCollectives(group, owner="ep_plugin megatron", timeout_s=config.timeout_s,
                                 label="megatron sizing and arena", device=device, on_host=config.gloo_host_words)
         default_tokens = config.max_tokens_per_rank
-        holds_handles = any(handle.backward_pending for handle in _handles.get(id(grow_past), ()))
-        counts, handles_held = agree_before_build(words, config, num_tokens, experts_take_arena=experts_take_arena,
-                                                  config_problem=config_problem, holds_handles=holds_handles)
-        if grow_past is not None:
-            _retire(grow_past, handles_held)
-        config = tokens_per_rank(config, words, counts)
+        # The backends this build may free: this one's, and those kept before on the same group.
+        releasing = [backend for backend in _retired if backend.group is group] + [grow_past] * (grow_past is not None)
+        try:
+            counts, held = agree_before_build(words, config, num_tokens, experts_take_arena=experts_take_arena,
+                                              config_problem=config_problem,
+                                              holds_handles=[_backward_to_come(backend) for backend in releasing])
+        except BaseException:  # kept for clear_backend_cache(), which the job's end calls
+            if grow_past is not None:
+                _retired.append(grow_past)
+            raise
+        _release(releasing, held)
+        grown_from = grow_past.config.max_tokens_per_rank if grow_past is not None else 0
+        config = tokens_per_rank(config, words, counts, at_least=grown_from + grown_from // 2)
         options = {} if not experts_take_arena else arena.combine_input_options(
             backend_class, words, device, config=config, num_experts=num_experts,
             experts_per_token=experts_per_token, pad_multiple=pad_multiple, hidden_size=hidden_size)
@@ -297,14 +306,15 @@ SHARED_BEFORE_BUILD = {
 
 def agree_before_build(words: HostCollectives, config: Config, num_tokens: Optional[int], *,
                        experts_take_arena: bool, config_problem: Optional[str] = None,
-                       holds_handles: bool = False) -> tuple[list[Optional[int]], bool]:
+                       holds_handles: Sequence[bool] = ()) -> tuple[list[Optional[int]], list[bool]]:
     """(The tokens per rank of every rank's call that builds the backend, whether any rank ``holds_handles`` of
-    the backend it grows past), from the one timed exchange every rank runs before a shared backend is built.
+    each backend the build may free), from the one timed exchange every rank runs before a shared backend is
+    built.
     ValueError on every rank alike, naming the ranks and their values, where a rank's EP_PLUGIN_* variables
     did not parse (``config_problem``) or the ranks differ in ``SHARED_BEFORE_BUILD``: a rank that refused
     alone would leave its peers waiting for it in the next exchange."""
     mine = {"tokens": num_tokens, "problem": config_problem, "moe_grouped_gemm": not experts_take_arena,
-            "holds_handles": holds_handles}
+            "holds_handles": list(holds_handles)}
     for knob in ("max_tokens_per_rank", "combine_input_rows"):
         mine[env_var_name(knob)] = getattr(config, knob) if env_is_set(knob) else None
     gathered = words.all_gather_object(mine, where="sizing (tokens per rank)")
@@ -323,29 +333,47 @@ def agree_before_build(words: HostCollectives, config: Config, num_tokens: Optio
     if differing:
         raise ValueError("ep_plugin megatron: no rank builds the backend, as the ranks differ in settings they "
                          "must share: " + "; ".join(differing))
-    return [facts["tokens"] for facts in gathered], any(facts["holds_handles"] for facts in gathered)
+    held = [facts["holds_handles"] for facts in gathered]
+    if any(len(facts) != len(held[0]) for facts in held):  # ranks that kept other backends: free none of them
+        return [facts["tokens"] for facts in gathered], [True] * len(holds_handles)
+    return [facts["tokens"] for facts in gathered], [any(per_backend) for per_backend in zip(*held, strict=True)]
 
 
-def _retire(backend: Backend, handles_held: bool) -> None:
-    """A backend grown past (``shared_backend``'s ``grow_past``), on every rank alike: destroyed now (a
-    collective, before the larger one takes its memory) where no rank holds a handle of it, else kept for
-    their ops until ``clear_backend_cache()``."""
-    _handles.pop(id(backend), None)
-    if not handles_held:
-        backend.destroy()
-        return
-    _retired.append(backend)
+def _backward_to_come(backend: Backend) -> bool:
+    """Whether this rank holds a handle of ``backend`` whose backward is still to run (``Handle.backward_pending``)."""
+    return any(handle.backward_pending for handle in _handles.get(id(backend), ()))
+
+
+def _release(backends: list[Backend], held: list[bool]) -> None:
+    """Backends left behind by a grow (``shared_backend``), on every rank alike (``held`` is the group's): each
+    is destroyed (a collective, before a larger one takes its memory) where no rank holds a handle of it with
+    its backward to come, and kept otherwise, for those ops, until a later build or ``clear_backend_cache()``."""
+    for backend, in_use in zip(backends, held, strict=True):
+        if backend in _retired:
+            _retired.remove(backend)
+        if not in_use:
+            _handles.pop(id(backend), None)
+            backend.destroy()
+        else:
+            _retired.append(backend)
+            _warn_kept(backend)
+
+
+def _warn_kept(backend: Backend) -> None:
     buffer_bytes = getattr(getattr(backend, "regions", None), "total_bytes", None)
     warn_once(logger, ("retired", id(backend)), "ep_plugin: the %s backend for %d tokens per rank was grown past "
-              "while a micro-batch's backward was still to run on it: it stays%s until clear_backend_cache(). "
-              "EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank, sizes the backend once", backend.name,
+              "while a micro-batch's backward was still to run on it: it stays%s until a later build on its group "
+              "finds it unused, or clear_backend_cache(). EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank, "
+              "sizes the backend once", backend.name,
               backend.config.max_tokens_per_rank,
               f" ({buffer_bytes / 2**30:.1f} GiB of buffer per rank)" if buffer_bytes else "")
 
 
-def tokens_per_rank(config: Config, words: HostCollectives, counts: list[Optional[int]]) -> Config:
+def tokens_per_rank(config: Config, words: HostCollectives, counts: list[Optional[int]], *,
+                    at_least: int = 0) -> Config:
     """``config`` with room for the largest of the group's ranks' tokens (``counts``, from
-    ``agree_before_build``; None where a rank's caller did not say).
+    ``agree_before_build``; None where a rank's caller did not say), and for ``at_least`` where the largest is
+    past the size (a backend grown past, half again its size).
 
     Megatron's tokens per rank (sequence length x micro-batch, over TP with sequence parallelism and over
     CP) are not in its TransformerConfig, and recipes commonly pass 8192 (the default) or more: the
@@ -365,7 +393,7 @@ def tokens_per_rank(config: Config, words: HostCollectives, counts: list[Optiona
         raise ValueError(f"ep_plugin megatron: the first MoE call has more tokens per rank than "
                          f"EP_PLUGIN_MAX_TOKENS_PER_RANK={config.max_tokens_per_rank} ({over}); raise it to the most "
                          f"tokens per rank of any step, or unset it to size from the first call")
-    return config.replace(max_tokens_per_rank=largest)
+    return config.replace(max_tokens_per_rank=max(largest, at_least))
 
 
 def _tokens_of(hidden_states: torch.Tensor) -> int:
