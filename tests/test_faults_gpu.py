@@ -480,5 +480,5 @@ def test_a_backend_dropped_without_destroy_keeps_its_memory(backend_name):
     results = run_ranks(dropped_without_destroy, 2, backend_name, device="cuda", timeout_s=120)
     dropped = results[1]
     assert dropped["state"].startswith("RuntimeError: ") and "destroyed" in dropped["state"], dropped
-    assert len(dropped["warnings"]) == 1 and "garbage-collected without destroy()" in dropped["warnings"][0], dropped
+    assert len(dropped["warnings"]) == 1 and "let go without destroy()" in dropped["warnings"][0], dropped
     assert results[0]["state"] == "usable" and results[0]["warnings"] == [], results[0]

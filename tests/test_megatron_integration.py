@@ -428,7 +428,7 @@ def test_a_cuda_graph_over_the_dispatch_and_a_too_wide_top_k_fail_at_model_build
     # build there, and run from the version that resolves them.
     config = _config(moe_flex_dispatcher_backend="ep_reference", is_hybrid_model=True)
     config.cuda_graph_impl = "local"
-    config.cuda_graph_scope = [CudaGraphScope.moe_router, CudaGraphScope.moe_preprocess]
+    config.cuda_graph_scope = [CudaGraphScope.moe_preprocess]  # alone makes 0.16's graphs partial too
     if hasattr(config, "cuda_graph_modules"):
         config.cuda_graph_modules = config.cuda_graph_scope
     from megatron.core.transformer.transformer_layer import MoETransformerLayer
@@ -436,8 +436,8 @@ def test_a_cuda_graph_over_the_dispatch_and_a_too_wide_top_k_fail_at_model_build
     if hasattr(MoETransformerLayer, "_resolve_token_dispatcher_attr"):  # 0.19
         assert resolve_backend_class("reference", config) is ep_plugin.get_backend("reference")
     else:  # 0.16
-        with pytest.raises(ValueError, match="'moe_router' in cuda_graph_scope on a hybrid model: megatron-core "
-                                             r"0\.16.*plain getattr.*HybridEP's too.*transformer_engine"):
+        with pytest.raises(ValueError, match="'moe_router' or 'moe_preprocess' in cuda_graph_scope on a hybrid "
+                                             r"model: megatron-core 0\.16.*plain getattr.*HybridEP's too"):
             build(config)
 
     config = _config(moe_flex_dispatcher_backend="ep_elastic", num_moe_experts=64, moe_router_topk=8)

@@ -78,8 +78,11 @@ class SymmetricBuffer:
         self._destroyed = False
         # Dropped without destroy() (garbage collected while the process runs): a peer may still read or write
         # this memory, so it is kept, not freed (``_kept_when_dropped``). At exit the process's end frees it.
+        # Without peers (a group of one) the extension's destructor frees it as before.
         self._dropped = weakref.finalize(self, _kept_when_dropped, self._buffer, backend, self.rank)
         self._dropped.atexit = False
+        if self.num_ranks == 1:
+            self._dropped.detach()
         self.peer_processes = {rank: identity for rank, (_, identity) in enumerate(gathered) if rank != self.rank}
         WATCH.watch(self, {rank: identity for rank, identity in self.peer_processes.items()
                            if identity.watchable_from(here)}, peer_watch_s)
@@ -214,9 +217,10 @@ def _kept_when_dropped(buffer, backend: str, rank: int) -> None:
     pulling rows from it), and freed memory would fault in the peer's kernel or be handed to another
     allocation."""
     buffer.abandon()
-    logger.warning("ep_plugin %s: rank %d's backend was garbage-collected without destroy(): its communication "
-                   "buffer (%.2f GiB) stays allocated until the process ends, as a peer may still use it. Call "
-                   "destroy() on every rank before letting a backend go (Megatron: clear_backend_cache())",
+    logger.warning("ep_plugin %s: a backend of rank %d was let go without destroy() (garbage-collected, or left "
+                   "behind by a build that failed): its communication buffer (%.2f GiB) stays allocated until the "
+                   "process ends, as a peer may still use it. Call destroy() on every rank before letting a "
+                   "backend go (Megatron: clear_backend_cache())",
                    backend, rank, buffer.total_bytes / 2**30)
 
 

@@ -237,14 +237,15 @@ def partial_local_graph_problem(config) -> Optional[str]:
     if getattr(config, "cuda_graph_impl", "none") != "local" or not getattr(config, "is_hybrid_model", False):
         return None
     field, names = _graph_scopes(config)
-    if "moe_router" not in names:
+    if "moe_router" not in names and "moe_preprocess" not in names:  # (either makes the layer's graphs partial)
         return None
     from megatron.core.transformer.transformer_layer import MoETransformerLayer
 
     if hasattr(MoETransformerLayer, "_resolve_token_dispatcher_attr"):
         return None
     version = ".".join(map(str, megatron_version()))
-    return (f"cuda_graph_impl='local' with 'moe_router' in {field} on a hybrid model: megatron-core {version}'s "
+    return (f"cuda_graph_impl='local' with 'moe_router' or 'moe_preprocess' in {field} on a hybrid model: "
+            f"megatron-core {version}'s "
             "MoETransformerLayer reads the flex dispatcher's attributes '_comm_manager.token_probs' and "
             "'_comm_manager.routing_map' with a plain getattr, which raises AttributeError at the first step for "
             "every flex backend, HybridEP's too (later megatron-core versions resolve the dotted names). Use "

@@ -251,6 +251,7 @@ def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int,
     a handle of it with its backward to come; otherwise it is kept for that backward (``_release``)."""
     global _cache_generation
     config = config if config is not None else Config.from_env()
+    group = group if group is not None else torch.distributed.group.WORLD  # as the backend keeps it
     key = (backend_name, group, hidden_size, num_experts, str(device), experts_per_token, pad_multiple,
            config.num_sms, experts_take_arena)
     if grow_past is not None and _backends.get(key) is grow_past:
@@ -348,15 +349,22 @@ def _release(backends: list[Backend], held: list[bool]) -> None:
     """Backends left behind by a grow (``shared_backend``), on every rank alike (``held`` is the group's): each
     is destroyed (a collective, before a larger one takes its memory) where no rank holds a handle of it with
     its backward to come, and kept otherwise, for those ops, until a later build or ``clear_backend_cache()``."""
+    first_error = None
     for backend, in_use in zip(backends, held, strict=True):
         if backend in _retired:
             _retired.remove(backend)
-        if not in_use:
-            _handles.pop(id(backend), None)
-            backend.destroy()
-        else:
+        if in_use or first_error is not None:  # after a failed destroy: kept for clear_backend_cache()
             _retired.append(backend)
-            _warn_kept(backend)
+            if in_use:
+                _warn_kept(backend)
+            continue
+        _handles.pop(id(backend), None)
+        try:
+            backend.destroy()
+        except Exception as error:  # noqa: BLE001 - raised once the others are kept, not dropped
+            first_error = error
+    if first_error is not None:
+        raise first_error
 
 
 def _warn_kept(backend: Backend) -> None:
