@@ -724,9 +724,10 @@ def _tokens_past_the_default(ctx, backend: str = "ep_reference") -> dict:
         _finish_megatron()
 
 
-@pytest.mark.parametrize("backend", ["ep_reference", pytest.param("ep_hybrid", marks=pytest.mark.gpu),
-                                     pytest.param("ep_elastic", marks=pytest.mark.gpu)])
-def test_the_first_call_sizes_the_backend_for_megatrons_tokens_per_rank(backend):
+@pytest.mark.parametrize("backend, scaleup_size", [
+    ("ep_reference", ""), ("ep_reference", "1"),  # "1": two NVLink domains of one rank (the backend across them)
+    pytest.param("ep_hybrid", "", marks=pytest.mark.gpu), pytest.param("ep_elastic", "", marks=pytest.mark.gpu)])
+def test_the_first_call_sizes_the_backend_for_megatrons_tokens_per_rank(backend, scaleup_size):
     """Recipes at sequence 4096 x micro-batch 4 have 16384 tokens per rank, past the default 8192: the backend
     is sized from the first call (the largest over the group), as HybridEP's buffer is, instead of refusing
     the first forward. A later call past that size on one rank (evaluation at a longer sequence) is refused on
@@ -739,7 +740,8 @@ def test_the_first_call_sizes_the_backend_for_megatrons_tokens_per_rank(backend)
     # An EP_PLUGIN_MAX_TOKENS_PER_RANK of the caller's would decide instead (empty counts as unset).
     results = run_ranks(_tokens_past_the_default, 2, backend, timeout_s=300,
                         device="cpu" if backend == "ep_reference" else "cuda",
-                        env={"TORCHDYNAMO_DISABLE": "1", "EP_PLUGIN_MAX_TOKENS_PER_RANK": ""})
+                        env={"TORCHDYNAMO_DISABLE": "1", "EP_PLUGIN_MAX_TOKENS_PER_RANK": "",
+                             "EP_PLUGIN_SCALEUP_SIZE": scaleup_size})
     for rank, outcome in enumerate(results):
         default = outcome["default"]
         assert outcome["room"] == default + 64, (rank, outcome["room"])

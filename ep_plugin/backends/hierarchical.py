@@ -744,9 +744,11 @@ class HierarchicalBackend(Backend):
         refusing = [rail_ranks[peer] for peer, words in enumerate(theirs)
                     if words[1] in (_REFUSED_INPUT, _REFUSED_TOKENS)]
         if refusing:
-            return splits, refused_why(f"ep_plugin {self.name}: rank(s) {refusing} of the group refused their "
-                                        f"{where} input (their errors say why; seen on {self.scaleout.level}); "
-                                        f"every rank refuses it, and the backend stays usable")
+            seen = f"seen on {self.scaleout.level}"
+            why = (f"passed {self._too_many_tokens()} in {where} ({seen})" if refused_why is RefusedTokens
+                   else f"refused their {where} input (their errors say why; {seen})")
+            return splits, refused_why(f"ep_plugin {self.name}: rank(s) {refusing} of the group {why}; every rank "
+                                        f"refuses it, and the backend stays usable")
         for peer, words in enumerate(theirs):
             if words[1] != mine[1]:
                 return splits, (f"ep_plugin {self.name}: ranks disagree on {where} ({self.scaleout.level}): row bytes "
@@ -819,9 +821,10 @@ class HierarchicalBackend(Backend):
         refusing = [peer for peer, (flag, _, _) in enumerate(theirs) if flag in (2, 3)]
         if refusing:
             names = ", ".join(self._host.peer_name(domain_ranks[peer]) for peer in refusing)
+            why = (f"passed {self._too_many_tokens()}" if refused_error is TooManyTokensError
+                   else "refused its input (its error says why)")
             raise refused_error(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found a "
-                                f"rank that refused its input (its error says why); every rank refuses it, and the "
-                                f"backend stays usable")
+                                f"rank that {why}; every rank refuses it, and the backend stays usable")
         flagged = [peer for peer, (flag, _, _) in enumerate(theirs) if flag]
         if flagged:
             names = ", ".join(self._host.peer_name(domain_ranks[peer]) for peer in flagged)
