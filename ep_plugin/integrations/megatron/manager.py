@@ -286,10 +286,11 @@ def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int,
         if config.max_tokens_per_rank != default_tokens:  # memory the user did not ask for by name
             buffer_bytes = getattr(getattr(_backends[key], "regions", None), "total_bytes", None)
             warn_once(logger, ("sized", key, config.max_tokens_per_rank), "ep_plugin: the %s backend was built for "
-                      "%d tokens per rank, the largest of %s (past the default %d)%s; a later call with more builds "
-                      "it again, larger. EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank, sizes it once",
+                      "%d tokens per rank, %s (past the default %d)%s; a later call with more builds it again, "
+                      "larger. EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank, sizes it once",
                       backend_name, config.max_tokens_per_rank,
-                      "a call the last one could not hold" if grow_past is not None else "its first call",
+                      "for a call the last size could not hold (and half again that size at least)"
+                      if grow_past is not None else "the largest of its first call",
                       default_tokens, f": {buffer_bytes / 2**30:.1f} GiB of buffer per rank" if buffer_bytes else "")
         if options.get("combine_input_rows"):
             arena.note_default_arena(_backends[key])
@@ -519,9 +520,9 @@ class EPPluginManager:
         try:
             out = self._dispatch_on(backend, hidden_states, probs)
         except TooManyTokensError:
-            # Every rank refused this dispatch together, before any row moved (a longer sequence at evaluation,
-            # say): every rank builds a larger backend, together, and dispatches again. A size the user set
-            # stands.
+            # Every rank refused this dispatch together, before any row was delivered (a longer sequence at
+            # evaluation, say): every rank builds a larger backend, together, and dispatches again. A size the
+            # user set stands.
             if env_is_set("max_tokens_per_rank"):
                 raise
             backend = self._backend_for(hidden_states, grow=True)
