@@ -527,7 +527,10 @@ class EPPluginManager:
                 raise
             backend = self._backend_for(hidden_states, grow=True)
             out = self._dispatch_on(backend, hidden_states, probs)
-        _handles.setdefault(id(backend), weakref.WeakSet()).add(out.handle)
+        handles = _handles.get(id(backend))
+        if handles is None:  # (not setdefault: that would make a WeakSet on every dispatch)
+            handles = _handles[id(backend)] = weakref.WeakSet()
+        handles.add(out.handle)
         self.handle = out.handle
         self.dispatched_probs = out.probs
         # On the host, as DeepEP's dispatcher hands them to the experts: SequentialMLP and TEGroupedMLP call
