@@ -762,6 +762,71 @@ def test_the_first_call_sizes_the_backend_for_megatrons_tokens_per_rank(backend,
         assert "EP_PLUGIN_MAX_TOKENS_PER_RANK" in outcome["set_past"], outcome
 
 
+def _a_grow_whose_destroy_fails(ctx) -> dict:
+    """A grow that frees two backends (one kept earlier for a backward, now done; the one grown past) while the
+    first one's destroy raises (planted on every rank): the error reaches the call, and the second is kept for a
+    later build, which frees it."""
+    import torch
+
+    from ep_plugin.config import Config
+    from ep_plugin.integrations.megatron import manager as manager_module
+
+    _init_megatron(ctx)
+    try:
+        dispatcher = _make_layer(_make_config(2), torch.zeros(NUM_EXPERTS, FFN, HIDDEN),
+                                 torch.zeros(NUM_EXPERTS, HIDDEN, FFN))[0]
+        manager = dispatcher._comm_manager
+        generator = torch.Generator().manual_seed(ctx.rank)
+        default = Config().max_tokens_per_rank
+        _restore_error(dispatcher, 8, generator)
+        first = manager.backend
+        # A micro-batch with its backward to come holds the first backend through a grow: it is kept.
+        hidden = torch.randn(8, HIDDEN, generator=generator, requires_grad=True)
+        routing_map = torch.zeros(8, NUM_EXPERTS, dtype=torch.bool)
+        routing_map[:, :2] = True
+        hidden_2d, token_probs = dispatcher.dispatch_preprocess(hidden, routing_map, routing_map.float() / 2)
+        pending = dispatcher.token_combine(dispatcher.token_dispatch(hidden_2d, token_probs)[0])
+        _restore_error(dispatcher, default + 1 if ctx.rank == 0 else 8, generator)
+        second = manager.backend
+        outcome = {"first_kept": manager_module._retired == [first] and not first.destroyed}
+        pending.sum().backward()  # its backward done: the next build may free the first
+
+        def planted_failure():
+            raise RuntimeError("planted: destroy failed")
+
+        first.destroy = planted_failure
+        try:
+            _restore_error(dispatcher, second.config.max_tokens_per_rank + 1 if ctx.rank == 1 else 8, generator)
+            outcome["failed_grow"] = "ran"
+        except RuntimeError as error:
+            outcome["failed_grow"] = str(error)
+        # The first is dropped (its destroy ran, and failed); the second, not yet destroyed, is kept.
+        outcome["after_failure"] = (first in manager_module._retired, second in manager_module._retired,
+                                    second.destroyed)
+        # The next call builds anew (nothing is cached) and frees the second on the way.
+        outcome["next"] = _restore_error(dispatcher, 8, generator)
+        outcome["second_freed"] = (second.destroyed, manager_module._retired == [],
+                                   manager.backend is not second)
+        return outcome
+    finally:
+        _finish_megatron()
+
+
+def test_a_grow_whose_destroy_fails_keeps_the_backends_it_did_not_reach():
+    """A destroy that raises while a grow frees backends (a timeout, say) reaches the caller on every rank; the
+    backends after it in the list stay on the books (``_retired``) for a later build or clear_backend_cache(),
+    instead of being dropped with their buffers unreleased, and the layer goes on."""
+    from ep_plugin.testing.launcher import run_ranks
+
+    results = run_ranks(_a_grow_whose_destroy_fails, 2, timeout_s=300,
+                        env={"TORCHDYNAMO_DISABLE": "1", "EP_PLUGIN_MAX_TOKENS_PER_RANK": ""})
+    for rank, outcome in enumerate(results):
+        assert outcome["first_kept"], (rank, outcome)
+        assert outcome["failed_grow"] == "planted: destroy failed", (rank, outcome)
+        assert outcome["after_failure"] == (False, True, False), (rank, outcome)
+        assert outcome["next"] < 1e-5 and outcome["second_freed"] == (True, True, True), (rank, outcome)
+
+
 def _a_setting_on_rank_1_only(ctx, variable: str, value: str) -> dict:
     """The first call with ``variable`` set on rank 1 only, then (unset again) the same call."""
     import os
