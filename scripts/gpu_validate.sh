@@ -16,11 +16,13 @@
 #   scripts/gpu_validate.sh bench OUT                 the standard and decode presets on one GPU (8 ranks sharing it,
 #                                                     bulk and register copies), and the nvlink
 #                                                     preset (one rank per GPU) when there are 2+ GPUs
-#   scripts/gpu_validate.sh nvlink OUT                the 2-GPU kind (nvidia-h200-x2) in one call: the nvlink preset
-#                                                     (hybrid, elastic, reference and the all_to_all baseline) and
-#                                                     the in-place variants at 24 SMs, then in the time left the
-#                                                     2-rank GPU tests (one rank per GPU, NCCL; NCCL rails;
-#                                                     per-device streams)
+#   scripts/gpu_validate.sh nvlink_tests OUT          the 2-GPU kind (nvidia-h200-x2), first: the 2-rank GPU tests
+#                                                     (one rank per GPU, NCCL; NCCL rails; per-device streams and
+#                                                     current device; register copies over NVLink), then
+#                                                     test_faults_gpu (2 ranks, and 4 on two GPUs) in the time left
+#   scripts/gpu_validate.sh nvlink OUT                the 2-GPU kind, its figures: the nvlink preset (hybrid,
+#                                                     elastic, reference and the all_to_all baseline) and the
+#                                                     in-place variants at 24 SMs
 #   scripts/gpu_validate.sh sweep OUT                 the full sweep (8 ranks sharing GPU 0; SM counts and
 #                                                     shapes that do not fit are skipped with a message)
 #   scripts/gpu_validate.sh megatron OUT              the Megatron GPT-MoE loss comparison
@@ -38,7 +40,7 @@
 # Logs, JSON and plots end up in OUT/results.tgz (the device returns at most 8 files).
 set -uo pipefail
 RC=0  # the exit status: the first failure's (fail)
-STAGE=${1:?stage: tests, gpu1, gpu2, gpu3, gpu4, pending, bench, nvlink, sweep, megatron, nemo, scaleout or scaleout_bench}
+STAGE=${1:?stage: tests, gpu1, gpu2, gpu3, gpu4, pending, bench, nvlink_tests, nvlink, sweep, megatron, nemo, scaleout or scaleout_bench}
 OUT=${2:?output folder}
 shift 2
 cd "$(dirname "$0")/.."
@@ -72,7 +74,7 @@ python3 -c "from ep_plugin import _cuda; print(_cuda.describe()); raise SystemEx
   >> /tmp/build.log 2>&1 && [[ "$GPUS" -ge 1 ]] || stop "no usable CUDA device (torch sees $GPUS)"
 echo "build ok: ep_plugin._C imports; $GPUS GPU(s)"
 case "$STAGE" in  # the stages whose Megatron tests or scripts would skip (or fail late) without it
-  tests|gpu4|pending|nvlink|megatron|nemo)
+  tests|gpu4|pending|nvlink_tests|megatron|nemo)
     python3 -c "import megatron.core" 2>/dev/null || stop "no megatron-core here: carry .whl/ (a cp312 wheel)" ;;
 esac
 
@@ -148,19 +150,21 @@ case "$STAGE" in
   sweep)
     CUDA_VISIBLE_DEVICES=0 bench full --preset full --ranks 8
     ;;
-  nvlink)  # the figures first (they are what only this kind can give), the tests in the time left
+  nvlink)  # the figures only this kind can give (its tests: nvlink_tests, a call of their own)
     [[ "$GPUS" -ge 2 ]] || { echo "STOPPED: the nvlink stage needs 2 GPUs (the nvidia-h200-x2 kind), this machine has $GPUS"; exit 1; }
     nvidia-smi topo -m | head -4
     bench nvlink --preset nvlink --ranks 2
     bench nvlink_in_place --preset nvlink --ranks 2 --backends hybrid+in_place,elastic+in_place,all_to_all \
       --payloads bf16 --sms 24
-    if (( SECONDS < 500 )); then
-      pytest_run $((585 - SECONDS)) "$OUT/pytest_nvlink.log" 15 --durations=6 -m "gpu or megatron" tests \
-        -k "[2] or two_gpus or per_device or nccl_group"
-    else
-      echo "no time left in this call for the 2-rank tests ($SECONDS s used): run this stage's pytest line alone"
-      fail 1  # not run is not passed
-    fi
+    ;;
+  nvlink_tests)  # one rank per GPU (NCCL groups, gloo twins, peer access across GPUs), then mixed placements
+    [[ "$GPUS" -ge 2 ]] || { echo "STOPPED: the nvlink_tests stage needs 2 GPUs (the nvidia-h200-x2 kind), this machine has $GPUS"; exit 1; }
+    nvidia-smi topo -m | head -4
+    # 2-rank cases (one rank per GPU here), the register-copy paths over NVLink, and the tests that need two GPUs.
+    pytest_run $((400 - SECONDS)) "$OUT/pytest_nvlink.log" 15 --durations=6 -m "gpu or megatron" tests \
+      -k "[2] or two_gpus or per_device or nccl_group or register_copies"
+    # Faults with 2 ranks (one per GPU) and 4 (two per GPU): timeouts and refusals over NCCL, in the time left.
+    pytest_run $((585 - SECONDS)) "$OUT/pytest_nvlink_faults.log" 15 --durations=4 tests/test_faults_gpu.py
     ;;
   scaleout)
     timeout 60 python3 scripts/gloo_probe.py 2>&1 | tee "$OUT/gloo_probe.log"

@@ -250,14 +250,17 @@ def test_a_combine_input_taken_on_another_stream_waits_for_the_queued_ops(backen
 def _ops_from_gpu_0(ctx, backend_name: str) -> dict:
     """A job that passes ``device=`` without torch.cuda.set_device: every rank's current device is GPU 0.
     Each step's current device afterwards, and whether the round trip matches the same ops issued with
-    the backend's own GPU current."""
-    from test_faults_gpu import make_backend, routed_tokens
+    the backend's own GPU current. Hybrid also routes an expert output to its combine-input arena (whose
+    memory pool is made at that first use) and combines it in place."""
+    from test_faults_gpu import MAX_TOKENS, make_backend, routed_tokens
 
     torch.cuda.set_device(0)
     current = {}
-    backend = make_backend(ctx, backend_name)
+    options = {"combine_input_rows": MAX_TOKENS * 4} if backend_name == "hybrid" else {}
+    backend = make_backend(ctx, backend_name, **options)
     current["build"] = torch.cuda.current_device()
-    x, routing = routed_tokens(ctx, 809)
+    with torch.cuda.device(ctx.device):  # the tokens on the backend's GPU, as a job that passes device= has them
+        x, routing = routed_tokens(ctx, 809)
     out = backend.dispatch(x, **routing)
     current["dispatch"] = torch.cuda.current_device()
     back = backend.combine(out.hidden, out.handle).hidden
@@ -266,9 +269,21 @@ def _ops_from_gpu_0(ctx, backend_name: str) -> dict:
         again = backend.dispatch(x, **routing)
         want = backend.combine(again.hidden, again.handle).hidden
         torch.cuda.synchronize()
+    result = {"same": torch.equal(back, want)}
+    if backend_name == "hybrid":
+        out = backend.dispatch(x, **routing)
+        with backend.combine_input_arena() as usable:
+            rows = out.hidden * 1  # on the backend's GPU: in its arena where the pool took it
+        current["arena"] = torch.cuda.current_device()
+        in_place_before = backend.combine_counts.get("in_place", 0)
+        in_arena = backend.combine(rows, out.handle).hidden
+        result["arena"] = (usable, backend.arena.unusable_reason,
+                           backend.combine_counts.get("in_place", 0) - in_place_before,
+                           torch.allclose(in_arena.float(), back.float(), rtol=1e-2, atol=1e-2))
+        del rows
     backend.destroy()
     current["destroy"] = torch.cuda.current_device()
-    return {"current": current, "same": torch.equal(back, want)}
+    return {"current": current, **result}
 
 
 @pytest.mark.gpu
@@ -280,6 +295,9 @@ def test_ops_leave_the_callers_current_device_on_two_gpus(backend_name):
         pytest.skip("needs two visible GPUs (one rank each, the current device GPU 0 on both)")
     from ep_plugin.testing import run_ranks
 
+    steps = ["build", "dispatch", "combine"] + ["arena"] * (backend_name == "hybrid") + ["destroy"]
     for rank, result in enumerate(run_ranks(_ops_from_gpu_0, 2, backend_name, device="cuda", timeout_s=120)):
-        assert result == {"current": dict.fromkeys(["build", "dispatch", "combine", "destroy"], 0), "same": True}, \
-            (rank, result)
+        assert result["current"] == dict.fromkeys(steps, 0) and result["same"], (rank, result)
+        # The arena's pool belongs to the backend's GPU: made on the caller's (GPU 0), rank 1's outputs
+        # came from plain cudaMalloc, the arena was marked unusable and every combine went two-stage.
+        assert backend_name != "hybrid" or result["arena"] == (True, None, 1, True), (rank, result)

@@ -174,7 +174,8 @@ class CombineInputArena:
         allocator = torch.cuda.memory.CUDAPluggableAllocator(self._C.__file__, self._C.ARENA_ALLOC_SYMBOL,
                                                              self._C.ARENA_FREE_SYMBOL)
         raw = allocator.allocator() if hasattr(allocator, "allocator") else allocator._allocator
-        pool = torch.cuda.MemPool(raw)
+        with torch.cuda.device(self.device):  # a pool belongs to the device current at its making
+            pool = torch.cuda.MemPool(raw)
         with self._routed(pool):
             small = torch.empty(_SMALL_REQUEST_BYTES, dtype=torch.uint8, device=self.device)
             large = torch.empty(self._large_bytes, dtype=torch.uint8, device=self.device)
