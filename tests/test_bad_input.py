@@ -154,30 +154,88 @@ def test_handle_of_another_backend_is_rejected():
     run_ranks(check_foreign_handle, 2, timeout_s=60)
 
 
-def topk_ids_changed_after_dispatch(ctx) -> str:
-    """Every rank changes its ids in place between dispatch and a combine that routes values back by them."""
+def topk_ids_changed_after_dispatch(ctx, changing_rank) -> dict:
+    """``changing_rank`` (every rank: None) rewrites its top-k ids in place after the dispatch: before a combine
+    that routes values back, and between a forward and its backward. The reference (and the backend across
+    domains over it) routes them back by the layout its dispatch built; what comes back is what untouched ids
+    give."""
     backend = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=EXPERTS, device="cpu")
     problem = make_problem(0, [6] * ctx.world_size, HIDDEN, EXPERTS, TOPK)
-    idx, weights = problem.topk_idx[ctx.rank].clone(), problem.topk_weights[ctx.rank]
-    out = backend.dispatch(problem.hidden[ctx.rank], topk_idx=idx, topk_weights=weights)
-    idx[0] = idx[0].flip(0)  # a reused buffer, say: same experts, other slots
-    with pytest.raises(ValueError) as refused:
+    x, weights = problem.hidden[ctx.rank], problem.topk_weights[ctx.rank]
+    changes = changing_rank in (None, ctx.rank)
+
+    def change(ids: torch.Tensor) -> None:
+        if changes:
+            ids[0] = ids[0].flip(0)  # a reused buffer, say: same experts, other slots
+
+    idx = problem.topk_idx[ctx.rank].clone()
+    out = backend.dispatch(x, topk_idx=idx, topk_weights=weights)
+    want = backend.combine(out.hidden, out.handle, row_probs=out.probs * 3)
+    change(idx)
+    got = backend.combine(out.hidden, out.handle, row_probs=out.probs * 3)
+    outcome = {"combine": torch.equal(got.hidden, want.hidden) and torch.equal(got.probs, want.probs)}
+
+    def gradients(changed: bool) -> tuple:
+        ids = problem.topk_idx[ctx.rank].clone()
+        tokens, gates = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = ep_plugin.dispatch(backend, tokens, topk_idx=ids, topk_weights=gates)
+        combined = ep_plugin.combine(out.hidden * out.probs[:, None], out.handle)
+        if changed:
+            change(ids)
+        (combined * torch.arange(1.0, HIDDEN + 1)).sum().backward()
+        return tokens.grad, gates.grad
+
+    clean, changed = gradients(False), gradients(True)
+    outcome["backward"] = all(torch.equal(a, b) for a, b in zip(clean, changed, strict=True))
+    return outcome
+
+
+@pytest.mark.parametrize("scaleup_size", ["", "1"])  # "1": across two domains of one rank
+@pytest.mark.parametrize("changing_rank", [None, 1])
+def test_topk_ids_changed_in_place_after_the_dispatch_route_nothing_wrongly(changing_rank, scaleup_size):
+    """Before, the handle kept the ids on every backend and a combine with row_probs refused them when changed,
+    on that rank alone: inside a backward (the gradient of topk_weights) its peers then waited out the timeout.
+    The reference and the backend across domains route the values back by their layout, never by the ids."""
+    for rank, outcome in enumerate(run_ranks(topk_ids_changed_after_dispatch, 2, changing_rank, timeout_s=60,
+                                             env={"EP_PLUGIN_SCALEUP_SIZE": scaleup_size,
+                                                  "EP_PLUGIN_TIMEOUT_S": "10"})):
+        assert outcome == {"combine": True, "backward": True}, (rank, outcome)
+
+
+def compiled_topk_ids_changed(ctx, backend_name: str) -> dict:
+    """Every rank changes its ids in place between a dispatch and a combine with row_probs on a compiled
+    backend, whose combine gathers the values routed back by them: refused on every rank, before any launch."""
+    from test_faults_gpu import make_backend, routed_tokens
+
+    torch.cuda.set_device(ctx.device)
+    backend = make_backend(ctx, backend_name)
+    x, routing = routed_tokens(ctx, 811)
+    idx = routing["topk_idx"].clone()
+    out = backend.dispatch(x, topk_idx=idx, topk_weights=routing["topk_weights"])
+    idx[0] = idx[0].flip(0)
+    try:
         backend.combine(out.hidden, out.handle, row_probs=out.probs)
-    # Refused before any communication: the backend goes on, rows alone need no ids, fresh ids route back.
-    assert torch.allclose(backend.combine(out.hidden, out.handle).hidden, problem.hidden[ctx.rank] * TOPK)
-    out = backend.dispatch(problem.hidden[ctx.rank], topk_idx=idx, topk_weights=weights)
-    assert backend.combine(out.hidden, out.handle, row_probs=out.probs).probs is not None
-    with torch.inference_mode():  # serving: inference tensors keep no version, and nothing goes backward
-        served = backend.dispatch(problem.hidden[ctx.rank].clone(), topk_idx=idx.clone(), topk_weights=weights.clone())
-        assert backend.combine(served.hidden, served.handle, row_probs=served.probs).probs is not None
-    return str(refused.value)
+        refused = "ran"
+    except ValueError as error:
+        refused = str(error)
+    # The backend goes on: rows alone need no ids, and fresh ids route back.
+    back = backend.combine(out.hidden, out.handle).hidden
+    again = backend.dispatch(x, topk_idx=idx, topk_weights=routing["topk_weights"])
+    routed_back = backend.combine(again.hidden, again.handle, row_probs=again.probs).probs
+    torch.cuda.synchronize()
+    backend.destroy()
+    return {"refused": refused, "rows": back.shape == x.shape, "routed_back": routed_back is not None}
 
 
-def test_topk_ids_changed_in_place_before_the_combine_that_reads_them_are_refused():
-    """A combine with row_probs (the backward of topk_weights) routes the values back by the dispatch's ids, which
-    the handle keeps without a copy (DeepEP V2 copies them): a change in place since is refused, not misrouted."""
-    for message in run_ranks(topk_ids_changed_after_dispatch, 2, timeout_s=60):
-        assert "topk_idx of this handle's dispatch was changed in place" in message, message
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend_name", ["hybrid", "elastic"])
+def test_topk_ids_changed_in_place_before_a_compiled_combine_that_reads_them_are_refused(backend_name):
+    """The compiled backends keep the caller's ids in their layout (DeepEP V2 copies them into its handle): a
+    change in place since is refused, not misrouted."""
+    for rank, outcome in enumerate(run_ranks(compiled_topk_ids_changed, 2, backend_name, device="cuda",
+                                             timeout_s=120)):
+        assert "topk_idx of this handle's dispatch was changed in place" in outcome["refused"], (rank, outcome)
+        assert outcome["rows"] and outcome["routed_back"], (rank, outcome)
 
 
 def test_expert_alignment_is_deepeps_name_for_pad_multiple():

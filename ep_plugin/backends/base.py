@@ -105,6 +105,11 @@ class Backend(abc.ABC):
     # its backward routes them back, which ranks must agree on as well.
     op_probs_need_grad: bool = False
     destroyed: bool = False  # set by destroy(): every op refuses afterwards
+    # Whether a combine with row_probs reads the caller's top-k ids of its dispatch again (the compiled
+    # backends keep that tensor in their layout, not a copy): only then is a change in place since refused
+    # (``check_topk_ids_unchanged``, on that rank alone). The others route values back by the layout their
+    # dispatch built, which a later write to the ids cannot change.
+    combine_reads_topk_ids: bool = False
 
     def __new__(cls, group: Optional[dist.ProcessGroup] = None, *, topology: Optional[Topology] = None,
                 **kwargs: Any) -> "Backend":
@@ -223,7 +228,7 @@ class Backend(abc.ABC):
             pad_multiple=pad_multiple)
         out = self._dispatch(hidden, routing, weights, pad_multiple, **options)
         # Kept, not copied: see check_topk_ids_unchanged. (Inference tensors have no version, and no backward.)
-        if routing.form == TOPK and not routing.topk_idx.is_inference():
+        if self.combine_reads_topk_ids and routing.form == TOPK and not routing.topk_idx.is_inference():
             out.handle.topk_ids = (routing.topk_idx, routing.topk_idx._version)
         return out
 
@@ -261,10 +266,11 @@ class Backend(abc.ABC):
 
     @staticmethod
     def check_topk_ids_unchanged(handle: Handle) -> None:
-        """ValueError when the top-k ids of ``handle``'s dispatch were changed in place since: a combine with
-        ``row_probs`` routes the values back by them (DeepEP V2 copies them into its handle; keeping the
-        caller's tensor saves a copy per dispatch). A change torch does not see (a CUDA-graph replay writing
-        the tensor) goes unnoticed: the ids must stay as they were until the combine and its backward."""
+        """ValueError when the top-k ids of ``handle``'s dispatch were changed in place since, on a backend whose
+        combine with ``row_probs`` routes the values back by them (``combine_reads_topk_ids``; DeepEP V2 copies
+        them into its handle; keeping the caller's tensor saves a copy per dispatch). A change torch does not see
+        (a CUDA-graph replay writing the tensor) goes unnoticed: the ids must stay as they were until the combine
+        and its backward."""
         if handle.topk_ids is None:
             return
         ids, version = handle.topk_ids

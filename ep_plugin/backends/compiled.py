@@ -139,6 +139,8 @@ class CompiledBackend(Backend):
     needs_shared_memory = True
     # The layout kernel flags bad top-k ids and the count exchange tells every rank (_dispatch_counts).
     checks_ids_on_device = True
+    # A combine with row_probs gathers the values routed back by the caller's top-k ids (layout.topk_idx).
+    combine_reads_topk_ids = True
     # Per-SM copy rates (GB/s) of this backend's kernels, for num_sms = 0: measured on the H200 bed
     # (benchmarks/NOTES.md), far below DeepEP's rule (sizing.SM_READ/WRITE_GBYTES_PER_S), which
     # would size our grids several times too small.
