@@ -852,7 +852,13 @@ DOMAIN_CASES = (("blocking: combine vs dispatch", (0,), ("op: ", "'combine' on r
                 ("sync-free: combine vs dispatch", (0,), ("op: ", "'combine' on rank")),
                 ("sync-free: row_probs on one rank", (0,), ("probs: ", "True on rank")),
                 ("sync-free: barrier vs dispatch", (0,), ("op: ", "'barrier' on rank")),
-                ("sync-free: dtype, by rail", (0, 2), ("dtype: ", "torch.float64 on rank")))
+                ("sync-free: dtype, by rail", (0, 2), ("dtype: ", "torch.float64 on rank")),
+                # Each rail agrees on its rows' width; the domain stage compares them (before: the domain backend's
+                # own check, after the rail rows moved, and the backend was out of step).
+                ("blocking: probs dtype, by rail", (0, 2), ("rail rows of ", "bytes on rank", "probs' dtypes")),
+                ("sync-free: probs dtype, by rail", (0, 2), ("rail rows of ", "bytes on rank", "probs' dtypes")),
+                ("blocking: row_probs dtype, by rail", (0, 2), ("rail rows of ", "bytes on rank", "probs' dtypes")),
+                ("sync-free: row_probs dtype, by rail", (0, 2), ("rail rows of ", "bytes on rank", "probs' dtypes")))
 
 
 def _odd_op(backend, what: str, odd: bool, hidden, routing) -> None:
@@ -864,6 +870,9 @@ def _odd_op(backend, what: str, odd: bool, hidden, routing) -> None:
         backend.dispatch(hidden, **{**routing, "topk_weights": None} if odd else routing)
     elif what == "dtype":
         backend.dispatch(hidden.double() if odd else hidden, **routing)
+    elif what == "probs dtype":
+        weights = routing["topk_weights"]
+        backend.dispatch(hidden, **{**routing, "topk_weights": weights.double() if odd else weights})
     else:
         first = backend.dispatch(hidden, **routing)
         if what == "combine vs dispatch":
@@ -872,6 +881,8 @@ def _odd_op(backend, what: str, odd: bool, hidden, routing) -> None:
             backend.barrier() if odd else backend.combine(first.hidden, first.handle)
         elif what == "row_probs on one rank":  # combine's rail rows of two widths, unless agreed first
             backend.combine(first.hidden, first.handle, row_probs=first.probs if odd else None)
+        elif what == "row_probs dtype":
+            backend.combine(first.hidden, first.handle, row_probs=first.probs.double() if odd else first.probs)
         elif what == "dispatch_again vs combine":
             backend.dispatch_again(hidden, first.handle) if odd else backend.combine(first.hidden, first.handle)
         else:  # combine order: the odd rank combines its second dispatch, the others their first

@@ -457,7 +457,7 @@ class HierarchicalBackend(Backend):
                 mask = torch.zeros(num_received, G + 1, dtype=torch.bool, device=dev).scatter_(
                     1, torch.where(ids >= 0, ids, torch.full_like(ids, G)), True)[:, :G]
                 routing_in = {"topk_idx": ids, "topk_weights": received.get("probs")}
-        counts = self._segment_counts(mask, splits, where, fingerprint, disagreement)
+        counts = self._segment_counts(mask, splits, where, fingerprint, disagreement, packer.row_bytes)
         self._num_dispatches = number
         if flagged is not None:  # not before: a dispatch every rank refused must leave check_errors nothing
             previous = self._invalid_expert_ids
@@ -645,7 +645,7 @@ class HierarchicalBackend(Backend):
             return self._at_domain_level(lambda: forward(hidden_in))
 
     def _segment_counts(self, mask: torch.Tensor, splits: RailSplits, where: str, fingerprint: OpFingerprint,
-                        disagreement: Optional[str]) -> torch.Tensor:
+                        disagreement: Optional[str], row_bytes: int) -> torch.Tensor:
         """[S, D, L + 1]: per forwarding peer s and source domain d, the rows it delivers to this rank per
         local expert, and (last) its packets (tokens with any expert here): the reorder's block sizes.
 
@@ -660,7 +660,7 @@ class HierarchicalBackend(Backend):
         with self._between_exchanges(where):
             mine = self._local_segment_counts(mask, splits)
         if self.config.blocking:
-            received = self._domain_agreement(fingerprint, disagreement, where, counts=mine)
+            received = self._domain_agreement(fingerprint, disagreement, where, row_bytes, counts=mine)
         else:
             words = [D * (L + 1)] * S
             received = self._at_domain_level(lambda: self._domain_counts.all_to_all(
@@ -703,7 +703,7 @@ class HierarchicalBackend(Backend):
         its input, ``refused``); returns blocking mode's rail splits, None in sync-free mode."""
         splits, disagreement = self._rail_agreement(fingerprint, row_bytes, where, send_counts=send_counts,
                                                     expected=expected, refused=refused)
-        self._domain_agreement(fingerprint, disagreement, where)
+        self._domain_agreement(fingerprint, disagreement, where, row_bytes)
         return splits
 
     def _rail_agreement(self, fingerprint: OpFingerprint, row_bytes: int, where: str, *,
@@ -765,20 +765,23 @@ class HierarchicalBackend(Backend):
                 f"{ordinal(self._host.instance)} on this process group, rank {peer_rank} on the one built "
                 f"{ordinal(peer_number)}. Ranks must use their backends in the same order.")
 
-    def _domain_agreement(self, fingerprint: OpFingerprint, disagreement: Optional[str], where: str, *,
-                          counts: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def _domain_agreement(self, fingerprint: OpFingerprint, disagreement: Optional[str], where: str,
+                          row_bytes: int, *, counts: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The domain stage: every rank of the domain sends every peer whether its rail found ranks that
-        disagree (``disagreement``), its op fingerprint and the backend's number on its group. Raises EPError
-        on every rank of the domain when a rail flagged or two fingerprints or numbers differ.
+        disagree (``disagreement``), its op fingerprint, the backend's number on its group and the width of
+        its rail rows (``row_bytes``: the probs dtype is in it, not in the fingerprint; a rail only compares
+        its own ranks' widths, and ranks whose widths differ by local index would meet in the domain backend's
+        own check, after the rail rows moved). Raises EPError on every rank of the domain when a rail flagged
+        or two fingerprints, numbers or widths differ.
 
         Why that reaches every rank of every domain: a rail whose ranks disagree flags on all of them, and a
         rail has a rank in every domain; where every rail agrees, a rank's fingerprint depends on its local
         index alone, and every domain holds every local index, so if not all are equal every domain sees two.
 
-        Blocking mode: the three words follow blocking dispatch's segment counts ``counts`` [S, D * (L + 1)],
+        Blocking mode: the four words follow blocking dispatch's segment counts ``counts`` [S, D * (L + 1)],
         zero-padded to ``_domain_count_width`` (zeros for the other ops: an op that meets another, or another
         backend's op, then differs in the words, not in the sizes, which gloo would abort on); returns the
-        peers' counts (a host read). Sync-free mode: the three words, CPU tensors on a group that moves them
+        peers' counts (a host read). Sync-free mode: the four words, CPU tensors on a group that moves them
         (no wait for the GPU), after as many zeros where that group is the blocking mode's too; returns None.
         """
         S, code, instance = self.domain_size, fingerprint.pack(), self._host.instance
@@ -786,7 +789,7 @@ class HierarchicalBackend(Backend):
         # alone (RefusedTokens).
         flag = (0 if disagreement is None else 3 if isinstance(disagreement, RefusedTokens)
                 else 2 if isinstance(disagreement, RefusedInput) else 1)
-        status = torch.tensor([[flag, code, instance]] * S, dtype=torch.int64)
+        status = torch.tensor([[flag, code, instance, row_bytes]] * S, dtype=torch.int64)
         phase = "domain/segment counts" if counts is not None else "domain/agreement"
         width = self._domain_count_width
         if self.config.blocking:
@@ -801,41 +804,45 @@ class HierarchicalBackend(Backend):
             sent = torch.cat([torch.zeros(S, width, dtype=torch.int64), status], 1).to(collectives.word_device)
         else:  # the words on a group of their own (a gloo twin): only this mode's backends use it
             width, collectives, sent = 0, self._domain_words, status.to(self._domain_words.word_device)
-        words = [width + 3] * S
+        words = [width + status.shape[1]] * S
         received = self._at_domain_level(lambda: collectives.all_to_all(
             sent.reshape(-1), words, words, where=f"{where}: {phase}", read_on_host=True)).view(S, -1)
-        theirs = received[:, width:].tolist()  # [flag, fingerprint, backend number] per peer
+        theirs = received[:, width:].tolist()  # [flag, fingerprint, backend number, row bytes] per peer
         # First: ranks that ran this op on two backends (each rail on one of its own) raise EPError on every rank
         # here, before any rail's refusal could make some of them raise TooManyTokensError alone.
-        for peer, (_, _, number) in enumerate(theirs):
+        for peer, (_, _, number, _) in enumerate(theirs):
             if number != instance:
                 raise EPError(f"{self._other_backend_message(where, self._topology.domain_ranks()[peer], number)} "
                               f"(seen in {self.domain_level})")
         # A domain holds a rank of every rail, so every rank of the group sees every rail's flag here: where
         # each rail either agreed or refused token counts alone, every rank raises TooManyTokensError.
-        refused_error = TooManyTokensError if {flag for flag, _, _ in theirs} <= {0, 3} else ValueError
+        refused_error = TooManyTokensError if {flag for flag, *_ in theirs} <= {0, 3} else ValueError
         if disagreement is not None:
             raise (refused_error if isinstance(disagreement, RefusedInput) else EPError)(str(disagreement))
         # Named as the EP group knows them, like every other message (peer is an index in the domain).
         domain_ranks = self._topology.domain_ranks()
-        refusing = [peer for peer, (flag, _, _) in enumerate(theirs) if flag in (2, 3)]
+        refusing = [peer for peer, (flag, *_) in enumerate(theirs) if flag in (2, 3)]
         if refusing:
             names = ", ".join(self._host.peer_name(domain_ranks[peer]) for peer in refusing)
             why = (f"passed {self._too_many_tokens()}" if refused_error is TooManyTokensError
                    else "refused its input (its error says why)")
             raise refused_error(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found a "
                                 f"rank that {why}; every rank refuses it, and the backend stays usable")
-        flagged = [peer for peer, (flag, _, _) in enumerate(theirs) if flag]
+        flagged = [peer for peer, (flag, *_) in enumerate(theirs) if flag]
         if flagged:
             names = ", ".join(self._host.peer_name(domain_ranks[peer]) for peer in flagged)
             raise EPError(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found that "
                           f"ranks disagree on the op (their errors say how); every rank of this domain stops here. "
                           f"{WHAT_RANKS_SHARE}")
-        for peer, (_, word, _) in enumerate(theirs):
+        for peer, (_, word, _, width_of_peer) in enumerate(theirs):
+            peer_rank = self._topology.domain_ranks()[peer]
             if word != code:
-                peer_rank = self._topology.domain_ranks()[peer]
                 raise EPError(f"{mismatch_message(self.name, self.rank, peer_rank, code, word)} (seen in "
                               f"{self.domain_level} in {where})")
+            if width_of_peer != row_bytes:
+                raise EPError(f"ep_plugin {self.name}: ranks disagree on {where}: rail rows of {row_bytes} bytes on "
+                              f"rank {self.rank}, {width_of_peer} on rank {peer_rank} (the probs' dtypes differ, or "
+                              f"the payload's; seen in {self.domain_level}). {WHAT_RANKS_SHARE}")
         return received[:, :self.num_domains * (self.num_local_experts + 1)] if self.config.blocking else None
 
     def _at_domain_level(self, call: Callable):
