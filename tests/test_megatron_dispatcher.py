@@ -827,6 +827,64 @@ def test_a_grow_whose_destroy_fails_keeps_the_backends_it_did_not_reach():
         assert outcome["next"] < 1e-5 and outcome["second_freed"] == (True, True, True), (rank, outcome)
 
 
+def _a_kept_backend_freed_by_a_later_check(ctx) -> dict:
+    """A grow keeps the old backend for a micro-batch whose backward is to come (rank 1's graph, never run: a
+    handle held is enough); no build follows. The ranks' check every RETIRED_CHECK_INTERVAL-th dispatch keeps
+    it while rank 1 holds the graph, and frees it at the first check after rank 1 let go."""
+    import torch
+
+    from ep_plugin.config import Config
+    from ep_plugin.integrations.megatron import manager as manager_module
+
+    _init_megatron(ctx)
+    try:
+        dispatcher = _make_layer(_make_config(2), torch.zeros(NUM_EXPERTS, FFN, HIDDEN),
+                                 torch.zeros(NUM_EXPERTS, HIDDEN, FFN))[0]
+        manager = dispatcher._comm_manager
+        generator = torch.Generator().manual_seed(ctx.rank)
+        interval = manager_module.RETIRED_CHECK_INTERVAL
+
+        def step() -> float:
+            return _restore_error(dispatcher, 8, generator)
+
+        step()
+        first = manager.backend
+        hidden = torch.randn(8, HIDDEN, generator=generator, requires_grad=True)
+        routing_map = torch.zeros(8, NUM_EXPERTS, dtype=torch.bool)
+        routing_map[:, :2] = True
+        hidden_2d, token_probs = dispatcher.dispatch_preprocess(hidden, routing_map, routing_map.float() / 2)
+        held = dispatcher.token_combine(dispatcher.token_dispatch(hidden_2d, token_probs)[0])
+        if ctx.rank == 0:  # rank 0 lets go of its graph (the manager keeps the last dispatch's probs)
+            held = manager.dispatched_probs = None
+        _restore_error(dispatcher, Config().max_tokens_per_rank + 1 if ctx.rank == 0 else 8, generator)  # grows
+        outcome = {"kept": manager_module._retired == [first] and not first.destroyed}
+        errors = [step() for _ in range(interval)]  # the last one's check: rank 1 still holds its graph
+        outcome["while_held"] = (first.destroyed, manager_module._retired == [first])
+        del held
+        errors += [step() for _ in range(interval - 1)]
+        outcome["one_before"] = first.destroyed
+        errors.append(step())  # the next check: nobody holds it
+        outcome["freed"] = (first.destroyed, manager_module._retired == [])
+        outcome["errors"] = max(errors)
+        return outcome
+    finally:
+        _finish_megatron()
+
+
+def test_a_backend_kept_by_a_grow_is_freed_once_no_rank_holds_its_backward():
+    """Before, a backend kept for a pending backward was freed only by a later build or the job's end: under
+    pipeline parallelism (a micro-batch's backward nearly always to come) one grow kept the old buffer for
+    good."""
+    from ep_plugin.testing.launcher import run_ranks
+
+    results = run_ranks(_a_kept_backend_freed_by_a_later_check, 2, timeout_s=300,
+                        env={"TORCHDYNAMO_DISABLE": "1", "EP_PLUGIN_MAX_TOKENS_PER_RANK": ""})
+    for rank, outcome in enumerate(results):
+        assert outcome["kept"] and outcome["while_held"] == (False, True), (rank, outcome)
+        assert outcome["one_before"] is False and outcome["freed"] == (True, True), (rank, outcome)
+        assert outcome["errors"] < 1e-5, (rank, outcome)
+
+
 def _a_setting_on_rank_1_only(ctx, variable: str, value: str) -> dict:
     """The first call with ``variable`` set on rank 1 only, then (unset again) the same call."""
     import os

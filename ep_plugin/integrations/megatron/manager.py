@@ -53,8 +53,14 @@ _cache_generation = 0
 # rank holds such a handle.
 _handles: dict[int, weakref.WeakSet] = {}
 # Backends grown past while some rank still held a handle of theirs with its backward to come: destroyed at a
-# later build on their group where no rank holds one any more, or by clear_backend_cache().
+# later build on their group, or at a later check (``release_drained``), where no rank holds one any more, or by
+# clear_backend_cache().
 _retired: list[Backend] = []
+# Dispatches on a group between two checks of its kept backends (``release_drained``): a check is one exchange
+# of host words, so not every dispatch. Every rank of an EP group dispatches at every MoE layer, so every rank
+# counts the same.
+RETIRED_CHECK_INTERVAL = 32
+_dispatches_since_check: "weakref.WeakKeyDictionary[torch.distributed.ProcessGroup, int]" = weakref.WeakKeyDictionary()
 
 
 def resolve_backend_class(backend_name: str, config):
@@ -349,7 +355,8 @@ def _backward_to_come(backend: Backend) -> bool:
 def _release(backends: list[Backend], held: list[bool]) -> None:
     """Backends left behind by a grow (``shared_backend``), on every rank alike (``held`` is the group's): each
     is destroyed (a collective, before a larger one takes its memory) where no rank holds a handle of it with
-    its backward to come, and kept otherwise, for those ops, until a later build or ``clear_backend_cache()``."""
+    its backward to come, and kept otherwise, for those ops, until a later build or check (``release_drained``)
+    or ``clear_backend_cache()``."""
     first_error = None
     for backend, in_use in zip(backends, held, strict=True):
         if backend in _retired:
@@ -368,14 +375,35 @@ def _release(backends: list[Backend], held: list[bool]) -> None:
         raise first_error
 
 
+def release_drained(group) -> None:
+    """Every ``RETIRED_CHECK_INTERVAL``-th dispatch on ``group`` while it has kept backends (``_retired``): the
+    ranks tell each other whether they still hold a handle of each with its backward to come, and those that
+    no rank holds are destroyed (``_release``). Without it a job that never builds again (one grow under
+    pipeline parallelism, where a micro-batch's backward is nearly always to come) kept the old buffer to
+    its end. On every rank alike: ``_retired`` is agreed, and every rank counts the same dispatches."""
+    kept = [backend for backend in _retired if backend.group is group]
+    if not kept:
+        return
+    count = _dispatches_since_check.get(group, 0) + 1
+    _dispatches_since_check[group] = 0 if count >= RETIRED_CHECK_INTERVAL else count
+    if count < RETIRED_CHECK_INTERVAL:
+        return
+    config = kept[-1].config
+    words = HostCollectives(group, owner="ep_plugin megatron", timeout_s=config.timeout_s,
+                            label="megatron kept backends", device=kept[-1].device, on_host=config.gloo_host_words)
+    gathered = words.all_gather_object([_backward_to_come(backend) for backend in kept], where="kept backends")
+    if any(len(theirs) != len(kept) for theirs in gathered):  # ranks that kept other backends: free none
+        return
+    _release(kept, [any(per_backend) for per_backend in zip(*gathered, strict=True)])
+
+
 def _warn_kept(backend: Backend) -> None:
     buffer_bytes = getattr(getattr(backend, "regions", None), "total_bytes", None)
     warn_once(logger, ("retired", id(backend)), "ep_plugin: the %s backend for %d tokens per rank was grown past "
-              "while a micro-batch's backward was still to run on it: it stays%s until a later build on its group "
-              "finds it unused, or clear_backend_cache(). EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank, "
-              "sizes the backend once", backend.name,
-              backend.config.max_tokens_per_rank,
-              f" ({buffer_bytes / 2**30:.1f} GiB of buffer per rank)" if buffer_bytes else "")
+              "while a micro-batch's backward was still to run on it: it stays%s until the ranks find it unused "
+              "(they check every %d dispatches), or clear_backend_cache(). EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on "
+              "every rank, sizes the backend once", backend.name, backend.config.max_tokens_per_rank,
+              f" ({buffer_bytes / 2**30:.1f} GiB of buffer per rank)" if buffer_bytes else "", RETIRED_CHECK_INTERVAL)
 
 
 def tokens_per_rank(config: Config, words: HostCollectives, counts: list[Optional[int]], *,
@@ -501,6 +529,7 @@ class EPPluginManager:
             # Before the backend's own refusal, whose advice (EP_PLUGIN_BLOCKING=0) Megatron's build refuses.
             raise RuntimeError(f"{selected_by(self.config)}: Megatron is capturing this MoE layer's dispatch in a "
                                f"CUDA graph; {CAPTURE_PROBLEM}")
+        release_drained(self.group if self.group is not None else torch.distributed.group.WORLD)
         backend = self._backend_for(hidden_states)
         probs = self.token_probs
         if probs.dtype not in backend.capabilities.probs_dtypes:
