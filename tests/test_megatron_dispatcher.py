@@ -937,15 +937,20 @@ def test_a_setting_on_one_rank_only_is_refused_on_every_rank_at_the_build(variab
 def test_the_exchange_that_reports_an_unparsable_variable_keeps_the_ones_that_parse(monkeypatch):
     """The rank whose EP_PLUGIN_* variable does not parse still runs the build's first exchange, to tell its
     peers: with the job's timeout and host-word engine (EP_PLUGIN_GLOO_HOST_WORDS=0 keeps the words on NCCL),
-    as the peers run it, not the defaults (a gloo twin the peers never make)."""
-    from ep_plugin.config import Config
+    as the peers run it, not the defaults (a gloo twin the peers never make), and with Megatron's SM knob, so
+    that a refresh finds the backend the peers cached (before: another cache key, a build on this rank alone)."""
+    from ep_plugin.integrations.megatron import compat
     from ep_plugin.integrations.megatron.manager import _config_of_what_parses
 
+    megatron_config = _make_config(2)
+    setattr(megatron_config, compat.dispatcher_num_sms_field(megatron_config), 12)  # 0.16: default 16; 0.19: unset
     monkeypatch.setenv("EP_PLUGIN_NUM_SMS", "many")
     monkeypatch.setenv("EP_PLUGIN_TIMEOUT_S", "600")
     monkeypatch.setenv("EP_PLUGIN_GLOO_HOST_WORDS", "0")
-    config = _config_of_what_parses()
-    assert (config.timeout_s, config.gloo_host_words, config.num_sms) == (600.0, False, Config().num_sms), config
+    config = _config_of_what_parses(megatron_config)
+    assert (config.timeout_s, config.gloo_host_words, config.num_sms) == (600.0, False, 12), config
+    monkeypatch.setenv("EP_PLUGIN_NUM_SMS", "7")  # where it parses, it decides, as in backend_config
+    assert _config_of_what_parses(megatron_config).num_sms == 7
 
 
 # bf16 tokens, weights and expert GEMMs against float64 over the same rounded values: a few bf16 ulps

@@ -219,10 +219,12 @@ def backend_config(megatron_config) -> Config:
     return Config.from_env(num_sms=num_sms)
 
 
-def _config_of_what_parses() -> Config:
+def _config_of_what_parses(megatron_config) -> Config:
     """The EP_PLUGIN_* variables that parse, for the exchange that tells every rank of one that does not: it
-    must run with the job's timeout and engine for the host words (EP_PLUGIN_GLOO_HOST_WORDS), as the peers'."""
-    usable = {}
+    must run with the job's timeout and engine for the host words (EP_PLUGIN_GLOO_HOST_WORDS), as the peers',
+    and look up the cache under the peers' key (Megatron's SM knob, as ``backend_config`` takes it)."""
+    num_sms = compat.dispatcher_num_sms(megatron_config)
+    usable = {} if num_sms is None else {env_var_name("num_sms"): str(num_sms)}
     for knob in fields(Config):
         variable = env_var_name(knob.name)
         if env_is_set(knob.name):
@@ -291,7 +293,9 @@ def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int,
                                        config=config, **options)
         if config.max_tokens_per_rank != default_tokens:  # memory the user did not ask for by name
             buffer_bytes = getattr(getattr(_backends[key], "regions", None), "total_bytes", None)
-            warn_once(logger, ("sized", key, config.max_tokens_per_rank), "ep_plugin: the %s backend was built for "
+            # (keyed by the group's name: a key holding the group would keep it alive past destroy_model_parallel)
+            sized = ("sized", backend_name, _group_name(group), config.max_tokens_per_rank)
+            warn_once(logger, sized, "ep_plugin: the %s backend was built for "
                       "%d tokens per rank, %s (past the default %d)%s; a later call with more builds it again, "
                       "larger. EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank, sizes it once",
                       backend_name, config.max_tokens_per_rank,
@@ -345,6 +349,10 @@ def agree_before_build(words: HostCollectives, config: Config, num_tokens: Optio
     if any(len(facts) != len(held[0]) for facts in held):  # ranks that kept other backends: free none of them
         return [facts["tokens"] for facts in gathered], [True] * len(holds_handles)
     return [facts["tokens"] for facts in gathered], [any(per_backend) for per_backend in zip(*held, strict=True)]
+
+
+def _group_name(group) -> str:
+    return getattr(group, "group_name", None) or str(id(group))
 
 
 def _backward_to_come(backend: Backend) -> bool:
@@ -640,7 +648,7 @@ class EPPluginManager:
             try:
                 config, problem = backend_config(self.config), None
             except ValueError as error:  # refused on every rank, in the build's first exchange
-                config, problem = _config_of_what_parses(), str(error)
+                config, problem = _config_of_what_parses(self.config), str(error)
             backend = shared_backend(self.backend_name, self.group, hidden_size, self.num_experts, device,
                                      experts_per_token=self._experts_per_token(), pad_multiple=self.pad_multiple,
                                      config=config, config_problem=problem,
