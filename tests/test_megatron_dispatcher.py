@@ -377,8 +377,7 @@ def _rank_single(ctx) -> dict:
     try:
         results = {"layer": _layer_case(ctx, 2, "float32", seed=300)}
         # setup_metadata must trace without a graph break (dispatch_preprocess runs under torch.compile).
-        dispatcher = _make_layer(_make_config(2), torch.zeros(NUM_EXPERTS, FFN, HIDDEN),
-                                 torch.zeros(NUM_EXPERTS, HIDDEN, FFN))[0]
+        dispatcher = _top2_dispatcher()
         manager = dispatcher._comm_manager
 
         def preprocess(routing_map, probs):
@@ -762,6 +761,25 @@ def test_the_first_call_sizes_the_backend_for_megatrons_tokens_per_rank(backend,
         assert "EP_PLUGIN_MAX_TOKENS_PER_RANK" in outcome["set_past"], outcome
 
 
+def _top2_dispatcher():
+    """A top-2 flex dispatcher on ep_reference with zero expert weights (the tests drive its manager)."""
+    import torch
+
+    return _make_layer(_make_config(2), torch.zeros(NUM_EXPERTS, FFN, HIDDEN), torch.zeros(NUM_EXPERTS, HIDDEN, FFN))[0]
+
+
+def _micro_batch_with_backward_to_come(dispatcher, generator):
+    """A forward through the dispatcher (8 tokens, experts 0 and 1) whose backward has not run: its handle holds
+    the backend it ran on. Returns the combined output (the graph)."""
+    import torch
+
+    hidden = torch.randn(8, HIDDEN, generator=generator, requires_grad=True)
+    routing_map = torch.zeros(8, NUM_EXPERTS, dtype=torch.bool)
+    routing_map[:, :2] = True
+    hidden_2d, token_probs = dispatcher.dispatch_preprocess(hidden, routing_map, routing_map.float() / 2)
+    return dispatcher.token_combine(dispatcher.token_dispatch(hidden_2d, token_probs)[0])
+
+
 def _a_grow_whose_destroy_fails(ctx) -> dict:
     """A grow that frees two backends (one kept earlier for a backward, now done; the one grown past) while the
     first one's destroy raises (planted on every rank): the error reaches the call, and the second is kept for a
@@ -773,19 +791,14 @@ def _a_grow_whose_destroy_fails(ctx) -> dict:
 
     _init_megatron(ctx)
     try:
-        dispatcher = _make_layer(_make_config(2), torch.zeros(NUM_EXPERTS, FFN, HIDDEN),
-                                 torch.zeros(NUM_EXPERTS, HIDDEN, FFN))[0]
+        dispatcher = _top2_dispatcher()
         manager = dispatcher._comm_manager
         generator = torch.Generator().manual_seed(ctx.rank)
         default = Config().max_tokens_per_rank
         _restore_error(dispatcher, 8, generator)
         first = manager.backend
         # A micro-batch with its backward to come holds the first backend through a grow: it is kept.
-        hidden = torch.randn(8, HIDDEN, generator=generator, requires_grad=True)
-        routing_map = torch.zeros(8, NUM_EXPERTS, dtype=torch.bool)
-        routing_map[:, :2] = True
-        hidden_2d, token_probs = dispatcher.dispatch_preprocess(hidden, routing_map, routing_map.float() / 2)
-        pending = dispatcher.token_combine(dispatcher.token_dispatch(hidden_2d, token_probs)[0])
+        pending = _micro_batch_with_backward_to_come(dispatcher, generator)
         _restore_error(dispatcher, default + 1 if ctx.rank == 0 else 8, generator)
         second = manager.backend
         outcome = {"first_kept": manager_module._retired == [first] and not first.destroyed}
@@ -838,8 +851,7 @@ def _a_kept_backend_freed_by_a_later_check(ctx) -> dict:
 
     _init_megatron(ctx)
     try:
-        dispatcher = _make_layer(_make_config(2), torch.zeros(NUM_EXPERTS, FFN, HIDDEN),
-                                 torch.zeros(NUM_EXPERTS, HIDDEN, FFN))[0]
+        dispatcher = _top2_dispatcher()
         manager = dispatcher._comm_manager
         generator = torch.Generator().manual_seed(ctx.rank)
         interval = manager_module.RETIRED_CHECK_INTERVAL
@@ -849,11 +861,7 @@ def _a_kept_backend_freed_by_a_later_check(ctx) -> dict:
 
         step()
         first = manager.backend
-        hidden = torch.randn(8, HIDDEN, generator=generator, requires_grad=True)
-        routing_map = torch.zeros(8, NUM_EXPERTS, dtype=torch.bool)
-        routing_map[:, :2] = True
-        hidden_2d, token_probs = dispatcher.dispatch_preprocess(hidden, routing_map, routing_map.float() / 2)
-        held = dispatcher.token_combine(dispatcher.token_dispatch(hidden_2d, token_probs)[0])
+        held = _micro_batch_with_backward_to_come(dispatcher, generator)
         if ctx.rank == 0:  # rank 0 lets go of its graph (the manager keeps the last dispatch's probs)
             held = manager.dispatched_probs = None
         _restore_error(dispatcher, Config().max_tokens_per_rank + 1 if ctx.rank == 0 else 8, generator)  # grows
@@ -893,8 +901,7 @@ def _a_setting_on_rank_1_only(ctx, variable: str, value: str) -> dict:
 
     _init_megatron(ctx)
     try:
-        dispatcher = _make_layer(_make_config(2), torch.zeros(NUM_EXPERTS, FFN, HIDDEN),
-                                 torch.zeros(NUM_EXPERTS, HIDDEN, FFN))[0]
+        dispatcher = _top2_dispatcher()
         generator = torch.Generator().manual_seed(ctx.rank)
         if ctx.rank == 1:
             os.environ[variable] = value
