@@ -834,11 +834,12 @@ class HierarchicalBackend(Backend):
             raise EPError(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found that "
                           f"ranks disagree on the op (their errors say how); every rank of this domain stops here. "
                           f"{WHAT_RANKS_SHARE}")
-        for peer, (_, word, _, width_of_peer) in enumerate(theirs):
-            peer_rank = self._topology.domain_ranks()[peer]
+        for peer, (_, word, _, _) in enumerate(theirs):
             if word != code:
-                raise EPError(f"{mismatch_message(self.name, self.rank, peer_rank, code, word)} (seen in "
+                raise EPError(f"{mismatch_message(self.name, self.rank, domain_ranks[peer], code, word)} (seen in "
                               f"{self.domain_level} in {where})")
+        for peer, (_, _, _, width_of_peer) in enumerate(theirs):  # the same op everywhere: its rows' width
+            peer_rank = domain_ranks[peer]
             if width_of_peer != row_bytes:
                 raise EPError(f"ep_plugin {self.name}: ranks disagree on {where}: rail rows of {row_bytes} bytes on "
                               f"rank {self.rank}, {width_of_peer} on rank {peer_rank} (the probs' dtypes differ, or "
