@@ -54,8 +54,9 @@ class Handle:
     # for its per-row values (the gradient of the dispatched probs): [num_rows] by default.
     output_form: str = EXPERT_ROWS
     row_probs_shape: Optional[tuple[int, ...]] = None
-    # A top-k dispatch's ids and their version then (``Tensor._version``): a combine that routes values back
-    # reads them, so a change in place since (a reused buffer, say) is refused there, not summed wrongly.
+    # A top-k dispatch's ids and their version then (``Tensor._version``), on a backend whose combine routes values
+    # back by them (``Backend.combine_reads_topk_ids``): a change in place since (a reused buffer, say) is refused
+    # there, not summed wrongly.
     topk_ids: Optional[tuple[torch.Tensor, int]] = None
     # Backward ops that autograd recorded with this handle (``ep_plugin.dispatch``'s and ``ep_plugin.combine``'s)
     # and that have not run yet: while any is left, its backend will still run ops with it (a caller that would

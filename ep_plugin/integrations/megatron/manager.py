@@ -270,8 +270,7 @@ def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int,
     if key not in _backends:
         backend_class = ep_plugin.get_backend(backend_name)
         # The words the ranks exchange before the build; the backend's own collectives share its gloo twin.
-        words = HostCollectives(group, owner="ep_plugin megatron", timeout_s=config.timeout_s,
-                                label="megatron sizing and arena", device=device, on_host=config.gloo_host_words)
+        words = _manager_words(group, config, device, "megatron sizing and arena")
         default_tokens = config.max_tokens_per_rank
         # The backends this build may free: this one's, and those kept before on the same group.
         releasing = [backend for backend in _retired if backend.group is group] + [grow_past] * (grow_past is not None)
@@ -345,10 +344,23 @@ def agree_before_build(words: HostCollectives, config: Config, num_tokens: Optio
     if differing:
         raise ValueError("ep_plugin megatron: no rank builds the backend, as the ranks differ in settings they "
                          "must share: " + "; ".join(differing))
-    held = [facts["holds_handles"] for facts in gathered]
-    if any(len(facts) != len(held[0]) for facts in held):  # ranks that kept other backends: free none of them
-        return [facts["tokens"] for facts in gathered], [True] * len(holds_handles)
-    return [facts["tokens"] for facts in gathered], [any(per_backend) for per_backend in zip(*held, strict=True)]
+    held = _held_by_any_rank([facts["holds_handles"] for facts in gathered], len(holds_handles))
+    return [facts["tokens"] for facts in gathered], held
+
+
+def _manager_words(group, config: Config, device, label: str) -> HostCollectives:
+    """The host words the manager's ranks exchange on ``group`` (the backends' own collectives share its gloo
+    twin), with the job's timeout and host-word engine."""
+    return HostCollectives(group, owner="ep_plugin megatron", timeout_s=config.timeout_s, label=label, device=device,
+                           on_host=config.gloo_host_words)
+
+
+def _held_by_any_rank(per_rank: list[list[bool]], count: int) -> list[bool]:
+    """Per backend of ``count``, whether any rank holds a handle of it with its backward to come (each rank's
+    ``_backward_to_come`` list); all of them where ranks listed different backends (then none is freed)."""
+    if any(len(held) != count for held in per_rank):
+        return [True] * count
+    return [any(per_backend) for per_backend in zip(*per_rank, strict=True)]
 
 
 def _group_name(group) -> str:
@@ -397,12 +409,9 @@ def release_drained(group) -> None:
     if count < RETIRED_CHECK_INTERVAL:
         return
     config = kept[-1].config
-    words = HostCollectives(group, owner="ep_plugin megatron", timeout_s=config.timeout_s,
-                            label="megatron kept backends", device=kept[-1].device, on_host=config.gloo_host_words)
+    words = _manager_words(group, config, kept[-1].device, "megatron kept backends")
     gathered = words.all_gather_object([_backward_to_come(backend) for backend in kept], where="kept backends")
-    if any(len(theirs) != len(kept) for theirs in gathered):  # ranks that kept other backends: free none
-        return
-    _release(kept, [any(per_backend) for per_backend in zip(*gathered, strict=True)])
+    _release(kept, _held_by_any_rank(gathered, len(kept)))
 
 
 def _warn_kept(backend: Backend) -> None:
