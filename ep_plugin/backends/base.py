@@ -38,6 +38,9 @@ class Capabilities:
     # Backend-specific keyword options of dispatch / combine (validated by name before any launch).
     dispatch_options: tuple[str, ...] = ()
     combine_options: tuple[str, ...] = ()
+    # What a cached dispatch (``dispatch(hidden, handle=...)``) takes besides bf16 rows: its options, FP8 pairs.
+    cached_dispatch_options: tuple[str, ...] = ()
+    cached_fp8: bool = False
 
 
 def _default_device(device: Optional[torch.device | str]) -> torch.device:
@@ -208,6 +211,8 @@ class Backend(abc.ABC):
         topk_idx: Optional[torch.Tensor] = None,
         topk_weights: Optional[torch.Tensor] = None,
         pad_multiple: Optional[int] = None,
+        handle: Optional[Handle] = None,
+        expert_alignment: Optional[int] = None,
         **options,
     ) -> DispatchOutput:
         """Send each token to the ranks of its experts (no autograd; see ``ep_plugin.dispatch``).
@@ -217,10 +222,21 @@ class Backend(abc.ABC):
             routing_map / probs: [T, E] bool / [T, E] float32, or
             topk_idx / topk_weights: [T, k] int64 (-1 = none) / [T, k] float32.
             pad_multiple: pad each local expert's segment to a multiple of this (default config).
-            options: the backend's own dispatch options (``capabilities.dispatch_options``).
+            handle: a previous dispatch's handle: send ``hidden`` (same T) along its layout, no routing
+                arguments (cached dispatch: no layout, no count exchange; the rows of combine's backward).
+            expert_alignment: DeepEP's name for ``pad_multiple``.
+            options: the backend's own dispatch options (``capabilities.dispatch_options``; a cached
+                dispatch: ``capabilities.cached_dispatch_options``).
         Returns: DispatchOutput(hidden [R, H], probs [R] or None, tokens_per_expert [L] int64, handle, ...).
         """
         self.refuse_if_destroyed("dispatch")
+        pad_multiple = merge_alignment(pad_multiple, expert_alignment)
+        if handle is not None:
+            self.check_not_capturing("cached dispatch")
+            if any(v is not None for v in (routing_map, probs, topk_idx, topk_weights, pad_multiple)):
+                raise ValueError("a cached dispatch (handle=...) takes no routing arguments: the handle has them")
+            self.check_options("cached dispatch", options, self.capabilities.cached_dispatch_options)
+            return self._cached_dispatch(hidden, handle, **options)
         self.check_not_capturing("dispatch")
         self.check_options("dispatch", options, self.capabilities.dispatch_options)
         routing, weights, pad_multiple = self.check_dispatch_input(
@@ -472,6 +488,9 @@ class Backend(abc.ABC):
         if not isinstance(hidden, (tuple, list)):
             self.check_hidden("hidden", hidden, handle.num_tokens)
             return hidden
+        if self.capabilities.fp8_dispatch and not self.capabilities.cached_fp8:
+            raise TypeError(f"backend {self.name!r} takes FP8 rows in a routed dispatch only; a cached dispatch "
+                            "(handle=...) takes one bf16 tensor")
         data = self.check_fp8_hidden(hidden)
         if data.shape[0] != handle.num_tokens:
             raise ValueError(f"hidden has {data.shape[0]} rows; the handle expects {handle.num_tokens}")
@@ -520,3 +539,18 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def _combine(self, rows: torch.Tensor, handle: Handle, row_probs: Optional[torch.Tensor],
                  **options) -> CombineOutput: ...
+
+    def _cached_dispatch(self, hidden, handle: Handle, **form) -> DispatchOutput:
+        """``dispatch(hidden, handle=...)``, by default the backward of combine (``_dispatch_again``); a
+        backend with FP8 or form options of its own (``capabilities.cached_*``) overrides it."""
+        self.check_cached_input(hidden, handle)
+        return DispatchOutput(self._dispatch_again(hidden, handle), None, handle.tokens_per_expert, handle,
+                              num_valid_rows=self._valid_rows_of(handle), ready=self._ready())
+
+    def _valid_rows_of(self, handle: Handle) -> Optional[torch.Tensor]:
+        """The ``num_valid_rows`` of a cached dispatch along ``handle``: None where every row is valid."""
+        return None
+
+    def _ready(self) -> Optional[torch.cuda.Event]:
+        """An output's ``ready`` event: None on the CPU, where an op has finished when it returns."""
+        return streams.record_ready(self.device) if self.device.type == "cuda" else None

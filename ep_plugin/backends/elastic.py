@@ -131,6 +131,8 @@ class ElasticBackend(CompiledBackend):
         cuda_graphs=True,
         routing_forms=("topk",),
         dispatch_options=("expand", "zero_padding", "in_place"),
+        cached_dispatch_options=("expand", "zero_padding"),
+        cached_fp8=True,
         combine_options=("bias",),
     )
     phase_names = PHASE_NAMES

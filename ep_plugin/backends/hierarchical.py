@@ -85,7 +85,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from .. import streams
 from ..agreement import (
     OP_BARRIER,
     OP_COMBINE,
@@ -102,7 +101,7 @@ from ..host_collectives import HostCollectives, between_exchanges, moves_host_me
 from ..routing import ROUTING_MAP, TOPK, Routing, check_tensor, dropped_ids_error
 from ..topology import Topology
 from ..transport.scaleout import RailSplits, RowPacker, ScaleOut, flat_order_index
-from .base import Backend, merge_alignment
+from .base import Backend
 
 _TOPK_FIELD_MAX = 127  # OpFingerprint.topk has 7 bits
 # Sent in place of the rail row width by a rank whose dispatch input was refused (see _rail_agreement).
@@ -269,20 +268,11 @@ class HierarchicalBackend(Backend):
     # ---- public entry points ------------------------------------------------------------------
 
     def dispatch(self, hidden, *, routing_map=None, probs=None, topk_idx=None, topk_weights=None,
-                 pad_multiple: Optional[int] = None, handle: Optional[Handle] = None,
-                 expert_alignment: Optional[int] = None, **options) -> DispatchOutput:
-        """As the domain backend's dispatch (``Backend.dispatch``); ``handle=`` sends ``hidden`` along a
-        previous dispatch's layout (cached dispatch), ``expert_alignment`` is DeepEP's ``pad_multiple``."""
-        pad_multiple = merge_alignment(pad_multiple, expert_alignment)
-        if handle is not None:
-            self.refuse_if_destroyed("dispatch")
-            self.check_not_capturing("cached dispatch")
-            if any(v is not None for v in (routing_map, probs, topk_idx, topk_weights, pad_multiple)):
-                raise ValueError("a cached dispatch (handle=...) takes no routing arguments: the handle has them")
-            # As the domain backend's cached dispatch: only the form options it checks against the handle.
-            self.check_options("cached dispatch", options,
-                               ("expand", "zero_padding") if hasattr(self.domain, "check_cached_form") else ())
-            return self._cached_dispatch(hidden, handle, **options)
+                 pad_multiple: Optional[int] = None, handle: Optional[Handle] = None, **options) -> DispatchOutput:
+        """As the domain backend's dispatch (``Backend.dispatch``), with the k limits of a domain."""
+        if handle is not None:  # a cached dispatch: Backend.dispatch refuses routing arguments, checks options
+            return super().dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
+                                    topk_weights=topk_weights, pad_multiple=pad_multiple, handle=handle, **options)
         self.check_routing_form(routing_map, topk_idx)
         if topk_idx is not None:  # the k checks below read its shape
             check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2, device=self.device)
@@ -502,13 +492,8 @@ class HierarchicalBackend(Backend):
         if form:
             self.domain.check_cached_form(layout.domain_handle, **form)
 
-        def forward(received):
-            if getattr(self.domain, "_cached_dispatch", None) is not None:
-                return self.domain.dispatch(received, handle=layout.domain_handle, **form)
-            return DispatchOutput(self.domain.dispatch_again(received, layout.domain_handle), None,
-                                  layout.domain_handle.tokens_per_expert, layout.domain_handle)
-
-        out = self._send_along(data, hidden[1] if fp8 else None, handle, where, forward)
+        out = self._send_along(data, hidden[1] if fp8 else None, handle, where,
+                               lambda received: self.domain.dispatch(received, handle=layout.domain_handle, **form))
         rows = tuple(_to_flat(t, layout.dest) for t in out.hidden) if fp8 else _to_flat(out.hidden, layout.dest)
         return DispatchOutput(rows, None, handle.tokens_per_expert, handle, num_valid_rows=out.num_valid_rows,
                               ready=self._ready())
@@ -852,9 +837,6 @@ class HierarchicalBackend(Backend):
             return call()
         except EPError as exc:
             raise type(exc)(f"{getattr(self, 'domain_level', 'domain')}: {exc}") from None
-
-    def _ready(self) -> Optional[torch.cuda.Event]:
-        return streams.record_ready(self.device) if self.device.type == "cuda" else None
 
     # ---- byte model (for benchmarks) ------------------------------------------------------------
 

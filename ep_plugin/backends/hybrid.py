@@ -343,6 +343,9 @@ class HybridBackend(CompiledBackend):
                               num_valid_rows=None if self.config.blocking else total_rows,
                               tokens_per_expert_list=tokens_list, ready=streams.record_ready(self.device))
 
+    def _valid_rows_of(self, handle: Handle) -> Optional[torch.Tensor]:
+        return None if self.config.blocking else handle.layout.total_rows
+
     @op_range("dispatch_again")
     def _dispatch_again(self, hidden, handle: Handle) -> torch.Tensor:
         self.buffer.raise_if_failed()
