@@ -403,6 +403,49 @@ def test_hybrid_register_copies_and_long_rows_match_reference():
         assert all(r == results[0] for r in results)
 
 
+# ---- cached dispatch (handle=) ------------------------------------------------------------
+
+def cached_dispatch(ctx) -> list[str]:
+    """hybrid's cached dispatch (``dispatch(x2, handle=...)``; before, refused as an unknown option) gives the rows
+    of a routed dispatch of ``x2``, in both modes (non-blocking: the valid-row count too); an FP8 pair is refused
+    before any launch and the backend goes on. Both routing forms, and ``expert_alignment=``."""
+    hidden = 256
+    checked = []
+    for blocking, form in itertools.product((True, False), ("topk", "routing_map")):
+        _, hybrid = make_backends(ctx, hidden, blocking=blocking,
+                                  **({} if blocking else {"num_permuted_tokens": 4 * MAX_TOKENS}))
+        inputs = make_inputs(91, ctx.rank, ctx.world_size, 30 + 7 * ctx.rank, hidden, NUM_EXPERTS, 3, skewed=False,
+                             drop_some=True)
+        fresh = (inputs[0].float() * 3 + 1).to(torch.bfloat16)
+        out = hybrid.dispatch(inputs[0], **routing_kwargs(form, inputs), expert_alignment=8)
+        routed = hybrid.dispatch(fresh, **routing_kwargs(form, inputs, with_probs=False), pad_multiple=8)
+        cached = hybrid.dispatch(fresh, handle=out.handle)
+        name = f"blocking={blocking} {form}"
+        if blocking:
+            assert cached.num_valid_rows is None, name
+            valid = routed.hidden.shape[0]
+        else:  # rows past the valid count of a worst-case-sized output are unwritten
+            valid = int(routed.num_valid_rows)
+            assert int(cached.num_valid_rows) == valid, name
+        assert torch.equal(cached.hidden[:valid], routed.hidden[:valid]), name
+        assert cached.probs is None and torch.equal(cached.tokens_per_expert, routed.tokens_per_expert), name
+        scales = torch.ones(fresh.shape[0], hidden // 128, device=ctx.device)
+        with pytest.raises(TypeError, match="takes FP8 rows in a routed dispatch only"):
+            hybrid.dispatch((fresh.to(torch.float8_e4m3fn), scales), handle=out.handle)
+        again = hybrid.dispatch(fresh, handle=out.handle)  # still in step with the peers
+        assert torch.equal(again.hidden[:valid], cached.hidden[:valid]), name
+        torch.cuda.synchronize()
+        hybrid.check_errors()
+        hybrid.destroy()
+        checked.append(name)
+    return checked
+
+
+def test_hybrid_cached_dispatch_gives_the_rows_of_a_routed_dispatch():
+    for checked in run_ranks(cached_dispatch, 2, device="cuda", timeout_s=LAUNCH_TIMEOUT_S):
+        assert len(checked) == 4, checked
+
+
 # ---- lifetime regression ------------------------------------------------------------------
 
 def lifetime(ctx, iterations: int) -> int:

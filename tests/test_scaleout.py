@@ -384,6 +384,43 @@ def test_a_cached_dispatch_across_domains_refuses_what_its_domain_backend_would(
                           "none"], raised
 
 
+def cached_dispatch_on_one_domain_and_across(ctx) -> dict:
+    """The same code on one domain and across two: ``expert_alignment=`` is ``pad_multiple``, and a cached dispatch
+    (plain and through ``ep_plugin.dispatch``, whose backward is a combine) gives the rows of a routed dispatch of
+    the new tokens. Before, the flat reference refused both arguments (TypeError) that the layered one took."""
+    problem = make_problem(61, [3, 0, 4, 2], HIDDEN, NUM_EXPERTS, 3, integer_valued=True)
+    x, idx, w = problem.hidden[ctx.rank], problem.topk_idx[ctx.rank], problem.topk_weights[ctx.rank]
+    fresh = x * 3 + 1
+    upstream = torch.arange(HIDDEN, dtype=torch.float32)
+    results = {}
+    for name, topology in (("flat", None), ("2x2", Topology(4, 2, ctx.rank))):
+        backend = _reference(topology=topology)
+        out = backend.dispatch(x, topk_idx=idx, topk_weights=w, expert_alignment=4)
+        padded = backend.dispatch(x, topk_idx=idx, topk_weights=w, pad_multiple=4)
+        routed = backend.dispatch(fresh, topk_idx=idx, pad_multiple=4)
+        cached = backend.dispatch(fresh, handle=out.handle)
+        leaf = fresh.clone().requires_grad_(True)
+        through_autograd = ep_plugin.dispatch(backend, leaf, handle=out.handle)
+        (through_autograd.hidden * upstream).sum().backward()
+        want_grad = backend.combine(upstream.expand(out.hidden.shape[0], -1).contiguous(), out.handle).hidden
+        results[name] = dict(
+            alignment=torch.equal(out.hidden, padded.hidden) and torch.equal(out.probs, padded.probs),
+            rows=torch.equal(cached.hidden, routed.hidden) and cached.probs is None,
+            counts=torch.equal(cached.tokens_per_expert, routed.tokens_per_expert),
+            autograd=torch.equal(through_autograd.hidden.detach(), routed.hidden),
+            grad=torch.equal(leaf.grad, want_grad), hidden=cached.hidden)
+        backend.destroy()
+    return results
+
+
+def test_a_cached_dispatch_and_expert_alignment_work_alike_on_one_domain_and_across_domains():
+    for rank, results in enumerate(run_ranks(cached_dispatch_on_one_domain_and_across, 4, timeout_s=120)):
+        rows = {name: checks.pop("hidden") for name, checks in results.items()}
+        for name, checks in results.items():
+            assert all(checks.values()), (rank, name, checks)
+        assert torch.equal(rows["flat"], rows["2x2"]), rank  # the layered backend's rows are the flat one's
+
+
 def combine_input_across_domains(ctx) -> dict:
     """Code written for one domain's combine input, run across domains: combine_input says why it cannot be,
     the arena context routes nothing, and a round trip through it is the two-stage one."""
