@@ -11,6 +11,7 @@
 """
 
 import dataclasses
+import itertools
 import weakref
 
 import pytest
@@ -410,17 +411,16 @@ def test_grad_bit_is_off_under_no_grad_whatever_the_inputs_require():
 
 
 def grad_on_rank_0_only_in_a_cached_dispatch(ctx) -> list[str]:
-    """A cached dispatch (``handle=``) through ``ep_plugin.dispatch`` on 2 domains x 2 ranks (blocking and
-    sync-free), its input needing grad on rank 0 only: as a first dispatch, every rank gets EPError at the
-    forward (flat elastic's cached dispatch carries the bit too)."""
+    """A cached dispatch (``handle=``) through ``ep_plugin.dispatch`` on 4 flat ranks and on 2 domains x 2 ranks
+    (blocking and sync-free), its input needing grad on rank 0 only: as a first dispatch, every rank gets EPError
+    at the forward (elastic's and hybrid's cached dispatch carry the bit too)."""
     torch.set_num_threads(1)
     config = Config.from_env(timeout_s=30.0)
     problem = make_problem(43, [5, 3, 0, 4], HIDDEN, 8, 2, dtype=torch.float64)
     results = []
-    for blocking in (True, False):
+    for blocking, topology in itertools.product((True, False), (None, Topology(4, 2, ctx.rank))):
         backend = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=8, device="cpu",
-                                                     config=config.replace(blocking=blocking),
-                                                     topology=Topology(4, 2, ctx.rank))
+                                                     config=config.replace(blocking=blocking), topology=topology)
         first = ep_plugin.dispatch(backend, problem.hidden[ctx.rank], topk_idx=problem.topk_idx[ctx.rank])
         again = problem.hidden[ctx.rank].clone().requires_grad_(ctx.rank == 0)
         try:
@@ -431,11 +431,12 @@ def grad_on_rank_0_only_in_a_cached_dispatch(ctx) -> list[str]:
     return results
 
 
-def test_a_cached_dispatch_across_domains_carries_the_grad_bit():
-    """Before: the hierarchical backend left grad out of a cached dispatch's fingerprint, so rank 0 went on
-    to a backward (a combine) that the other ranks never run."""
+def test_a_cached_dispatch_carries_the_grad_bit():
+    """Before: the hierarchical backend, and the flat reference once it took a cached dispatch, left grad out of
+    a cached dispatch's fingerprint, so rank 0 went on to a backward (a combine) that the other ranks never run."""
     per_rank = run_ranks(grad_on_rank_0_only_in_a_cached_dispatch, 4, timeout_s=180)
     for rank, results in enumerate(per_rank):
+        assert len(results) == 4, (rank, results)
         for result in results:
             assert result.startswith("EPError: ") and ("grad: " in result or "found that ranks disagree" in result), \
                 (rank, result)

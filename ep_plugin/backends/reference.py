@@ -142,7 +142,9 @@ class ReferenceBackend(Backend):
     def _dispatch_again(self, hidden, handle: Handle) -> torch.Tensor:
         layout: ReferenceLayout = handle.layout
         where = f"dispatch_again along dispatch #{layout.dispatch_id}"
-        fingerprint = OpFingerprint(OP_DISPATCH_AGAIN, dtype=hidden.dtype, handle_id=layout.dispatch_id)
+        # grad: a cached dispatch through ep_plugin.dispatch may be recorded (a backward's dispatch_again never is)
+        fingerprint = OpFingerprint(OP_DISPATCH_AGAIN, dtype=hidden.dtype, handle_id=layout.dispatch_id,
+                                    grad=self.op_records_backward)
         self._open(fingerprint, where, layout.send_splits, None, expected=layout.recv_splits)
         with self._after_opening(where):
             return self._send_rows(hidden, handle, f"{where} (rows)")
