@@ -862,8 +862,8 @@ def _a_kept_backend_freed_by_a_later_check(ctx) -> dict:
         step()
         first = manager.backend
         held = _micro_batch_with_backward_to_come(dispatcher, generator)
-        if ctx.rank == 0:  # rank 0 lets go of its graph (the manager keeps the last dispatch's probs)
-            held = manager.dispatched_probs = None
+        if ctx.rank == 0:  # rank 0 lets go of its graph
+            held = None
         _restore_error(dispatcher, Config().max_tokens_per_rank + 1 if ctx.rank == 0 else 8, generator)  # grows
         outcome = {"kept": manager_module._retired == [first] and not first.destroyed}
         errors = [step() for _ in range(interval)]  # the last one's check: rank 1 still holds its graph
@@ -877,6 +877,40 @@ def _a_kept_backend_freed_by_a_later_check(ctx) -> dict:
         return outcome
     finally:
         _finish_megatron()
+
+
+def _a_dropped_forward_holds_no_backend(ctx) -> dict:
+    """A forward with grad on whose output is dropped without a backward (evaluation without torch.no_grad): its
+    handle no longer counts as a backward to come, so a grow frees the backend at once."""
+    import gc
+
+    import torch
+
+    from ep_plugin.integrations.megatron import manager as manager_module
+
+    _init_megatron(ctx)
+    try:
+        dispatcher = _top2_dispatcher()
+        generator = torch.Generator().manual_seed(ctx.rank)
+        output = _micro_batch_with_backward_to_come(dispatcher, generator)
+        backend = dispatcher._comm_manager.backend
+        outcome = {"while_held": manager_module._backward_to_come(backend)}
+        del output
+        gc.collect()
+        outcome["dropped"] = manager_module._backward_to_come(backend)
+        return outcome
+    finally:
+        _finish_megatron()
+
+
+def test_a_forward_whose_output_is_dropped_holds_no_backward():
+    """Before, the manager kept the last dispatch's probs past the combine, and with them the dispatch's graph:
+    the handle stayed pending, so a grow kept the old backend until the next check after the next dispatch."""
+    from ep_plugin.testing.launcher import run_ranks
+
+    for rank, outcome in enumerate(run_ranks(_a_dropped_forward_holds_no_backend, 2, timeout_s=300,
+                                             env={"TORCHDYNAMO_DISABLE": "1"})):
+        assert outcome == {"while_held": True, "dropped": False}, (rank, outcome)
 
 
 def test_a_backend_kept_by_a_grow_is_freed_once_no_rank_holds_its_backward():

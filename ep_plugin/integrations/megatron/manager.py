@@ -612,6 +612,9 @@ class EPPluginManager:
         if self.handle is None:
             raise RuntimeError("EPPluginManager.combine called without a preceding dispatch")
         handle, self.handle = self.handle, None  # autograd keeps the Handle for backward
+        # Megatron read the probs after the dispatch; kept past the combine they would keep the dispatch's graph,
+        # and its handle counted as pending, after a forward whose output was dropped (evaluation with grad on).
+        self.dispatched_probs = None
         arena.forget_expert_output()
         return ep_plugin.combine(hidden_states.contiguous(), handle)
 
