@@ -46,6 +46,8 @@ def _bad_calls(backend, problem, rank):
         (ValueError, "pad_multiple", dispatch(x, routing_map=rmap, probs=probs, pad_multiple=0)),
         (ValueError, r"pad_multiple must be an int in \[1, 65536\]",
          dispatch(x, routing_map=rmap, probs=probs, pad_multiple=2**31)),
+        (ValueError, r"pad_multiple must be an int .*, got True", dispatch(x, routing_map=rmap, probs=probs,
+                                                                           pad_multiple=True)),
         (ValueError, "not divisible", lambda: ep_plugin.get_backend("reference")(
             hidden_size=HIDDEN, num_experts=backend.num_ranks + 1, device="cpu")),
     ]
@@ -79,7 +81,7 @@ def test_bad_input_rejected_before_communication(blocking):
     """blocking=False too: the reference has no sync-free mode, so it checks everything anyway. Top-k id
     values are the next test's (every rank calls there)."""
     rejected = run_ranks(check_bad_inputs_leave_backend_usable, 2, blocking, timeout_s=120)
-    assert rejected[0] == 17 and rejected[1] == 0
+    assert rejected[0] == 18 and rejected[1] == 0
 
 
 def bad_ids_on_one_rank(ctx, blocking: bool) -> list[str]:

@@ -756,6 +756,57 @@ class CompactWithExpand(CompactBackend):
         return super()._dispatch(hidden, routing, probs, pad_multiple)
 
 
+class CompactWithZeroPadding(CompactBackend):
+    """CompactBackend whose cached dispatch takes elastic's ``zero_padding`` flag, with elastic's check of its value
+    (a bool); the compact form ignores it, as elastic's does."""
+
+    name = "compact_zero_padding_test"
+    capabilities = dataclasses.replace(CompactBackend.capabilities, cached_dispatch_options=("zero_padding",))
+
+    def check_dispatch_flags(self, *, zero_padding=False):
+        if not isinstance(zero_padding, bool):
+            raise TypeError(f"zero_padding must be a bool, got {zero_padding!r}")
+
+    @staticmethod
+    def check_cached_form(handle, *, zero_padding=False):
+        return None
+
+
+def cached_dispatch_flag_of_the_wrong_type(ctx) -> dict:
+    """2 domains x 2: a cached dispatch with ``zero_padding=1`` (not a bool) on rank 0 alone (which then calls again
+    with a bool, pairing with its peers' op, as README says), then on every rank."""
+    torch.set_num_threads(1)
+    problem = make_problem(9, [3, 4, 2, 5], HIDDEN, 8, 2, integer_valued=True)
+    hidden = problem.hidden[ctx.rank]
+    config = ep_plugin.Config.from_env().replace(timeout_s=20.0)
+    backend = CompactWithZeroPadding(hidden_size=HIDDEN, num_experts=8, device="cpu", config=config,
+                                     topology=Topology(4, 2, ctx.rank))
+    out = backend.dispatch(hidden, **_routing(problem, ctx.rank, "topk"))
+    outcomes = {}
+    for who, odd in (("rank 0", ctx.rank == 0), ("every rank", True)):
+        try:
+            backend.dispatch(hidden * 2, handle=out.handle, zero_padding=1 if odd else False)
+            outcomes[who] = "no error"
+        except Exception as error:  # noqa: BLE001 - the test compares what came
+            outcomes[who] = f"{type(error).__name__}: {error}"
+            if who == "rank 0":
+                outcomes["again"] = torch.equal(backend.dispatch(hidden * 2, handle=out.handle).hidden, out.hidden * 2)
+    outcomes["after"] = torch.equal(backend.dispatch(hidden * 2, handle=out.handle, zero_padding=True).hidden,
+                                    out.hidden * 2)
+    return outcomes
+
+
+def test_a_cached_dispatch_across_domains_checks_its_flags_before_the_rails():
+    """Before, a cached dispatch across domains checked the values of its domain backend's flags (elastic's
+    zero_padding, expand) only inside the domain backend's dispatch, after the rail rows had moved: the backend was
+    left out of step, and where one rank alone passed it, its domain peer timed out."""
+    for rank, outcomes in enumerate(run_ranks(cached_dispatch_flag_of_the_wrong_type, 4, timeout_s=120)):
+        wrong = "TypeError: zero_padding must be a bool, got 1"
+        assert outcomes["rank 0"] == (wrong if rank == 0 else "no error"), (rank, outcomes)
+        assert outcomes.get("again", True) is True, (rank, outcomes)
+        assert outcomes["every rank"] == wrong and outcomes["after"] is True, (rank, outcomes)
+
+
 def expand_on_some_ranks(ctx) -> dict:
     """2 domains x 2, blocking and sync-free: rank 0 alone, then domain 1 (ranks 2, 3), passes expand=True."""
     torch.set_num_threads(1)

@@ -236,6 +236,7 @@ class Backend(abc.ABC):
             if any(v is not None for v in (routing_map, probs, topk_idx, topk_weights, pad_multiple)):
                 raise ValueError("a cached dispatch (handle=...) takes no routing arguments: the handle has them")
             self.check_options("cached dispatch", options, self.capabilities.cached_dispatch_options)
+            self.check_dispatch_flags(**options)  # their values too, before anything moves
             return self._cached_dispatch(hidden, handle, **options)
         self.check_not_capturing("dispatch")
         self.check_options("dispatch", options, self.capabilities.dispatch_options)
@@ -408,7 +409,8 @@ class Backend(abc.ABC):
         if hidden.shape[0] > self.config.max_tokens_per_rank and not self.refuses_input_in_exchange:
             raise ValueError(self._over_budget(hidden.shape[0]))
         pad_multiple = self.config.pad_multiple if pad_multiple is None else pad_multiple
-        if not isinstance(pad_multiple, int) or not 1 <= pad_multiple <= MAX_PAD_MULTIPLE:
+        if not isinstance(pad_multiple, int) or isinstance(pad_multiple, bool) or \
+                not 1 <= pad_multiple <= MAX_PAD_MULTIPLE:  # (True is an int, and would pad to 1)
             raise ValueError(f"pad_multiple must be an int in [1, {MAX_PAD_MULTIPLE}], got {pad_multiple!r}")
         routing, weights = make_routing(
             hidden, self.num_experts, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
@@ -517,8 +519,9 @@ class Backend(abc.ABC):
         return form
 
     def check_dispatch_flags(self, **options) -> None:
-        """The values of this backend's own dispatch options (``check_options`` checks their names), before
-        any communication. None by default; the hierarchical backend asks its domain backend's first."""
+        """The values of this backend's own dispatch options (``check_options`` checks their names), a cached
+        dispatch's too, before any communication. None by default; the hierarchical backend asks its domain
+        backend's."""
         return None
 
     def check_handle(self, handle: Handle) -> None:

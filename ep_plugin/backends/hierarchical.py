@@ -360,11 +360,15 @@ class HierarchicalBackend(Backend):
         """hybrid: the overflow flag of the latest dispatch (see ``HybridBackend``)."""
         return getattr(self.domain, "over_budget", None)
 
+    def check_dispatch_flags(self, **options) -> None:
+        """The domain backend's option values (elastic's flags are bools), before any rail moves."""
+        self.domain.check_dispatch_flags(**options)
+
     # ---- Backend protocol ---------------------------------------------------------------------
 
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple, **options) -> DispatchOutput:
         self.check_usable()
-        self.domain.check_dispatch_flags(**options)  # their names were checked; values before the rail exchange
+        self.check_dispatch_flags(**options)  # their names were checked; values before the rail exchange
         number = self._num_dispatches + 1
         where = f"dispatch #{number}"
         refused = self._refused_input(routing)  # the agreement tells every rank
