@@ -927,6 +927,41 @@ def test_a_backend_kept_by_a_grow_is_freed_once_no_rank_holds_its_backward():
         assert outcome["errors"] < 1e-5, (rank, outcome)
 
 
+def _a_first_call_past_the_set_size(ctx) -> dict:
+    """EP_PLUGIN_MAX_TOKENS_PER_RANK=16 on every rank, and rank 1's first call has 40 tokens; then a call that fits."""
+    import torch
+
+    from ep_plugin.errors import TooManyTokensError
+
+    _init_megatron(ctx)
+    try:
+        dispatcher = _top2_dispatcher()
+        generator = torch.Generator().manual_seed(ctx.rank)
+        try:
+            _restore_error(dispatcher, 40 if ctx.rank == 1 else 8, generator)
+            outcome = {"first": "ran"}
+        except TooManyTokensError as error:
+            outcome = {"first": f"TooManyTokensError: {error}"}
+        outcome["fits"] = _restore_error(dispatcher, 16 if ctx.rank == 1 else 8, generator)
+        return outcome
+    finally:
+        _finish_megatron()
+
+
+def test_a_first_call_past_a_set_size_is_refused_on_every_rank_as_too_many_tokens():
+    """The size the user set stands, from the first call on: every rank raises TooManyTokensError (as a later call
+    past it does; before, the first call's refusal was a plain ValueError) naming the rank over it, and a call that
+    fits runs after it."""
+    from ep_plugin.testing.launcher import run_ranks
+
+    for rank, outcome in enumerate(run_ranks(_a_first_call_past_the_set_size, 2, timeout_s=300,
+                                             env={"TORCHDYNAMO_DISABLE": "1", "EP_PLUGIN_MAX_TOKENS_PER_RANK": "16"})):
+        assert outcome["first"].startswith("TooManyTokensError: ep_plugin megatron: the first MoE call has more "
+                                           "tokens per rank than EP_PLUGIN_MAX_TOKENS_PER_RANK=16"), (rank, outcome)
+        assert "rank 1: 40" in outcome["first"], (rank, outcome)
+        assert outcome["fits"] < 1e-5, (rank, outcome)
+
+
 def _a_setting_on_rank_1_only(ctx, variable: str, value: str) -> dict:
     """The first call with ``variable`` set on rank 1 only, then (unset again) the same call."""
     import os
