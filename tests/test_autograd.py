@@ -536,3 +536,30 @@ def test_a_handle_counts_the_backward_ops_still_to_run_with_it():
     the dispatch's own backward counted, so a combine-only backward ran on a destroyed backend."""
     for rank, seen in enumerate(run_ranks(backward_ops_left_of_a_handle, 2, timeout_s=120)):
         assert seen == [1, 2, 0, 0, 1, 0, 0], (rank, seen)
+
+
+def fp8_dispatch_with_weights_that_need_grad(ctx) -> dict:
+    backend = ep_plugin.get_backend("reference")(hidden_size=128, num_experts=4, device="cpu")
+    data, scales = torch.zeros(3, 128).to(torch.float8_e4m3fn), torch.ones(3, 1)
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    weights = torch.full((3, 2), 0.5, requires_grad=True)
+    outcome = {}
+    try:
+        ep_plugin.dispatch(backend, (data, scales), topk_idx=idx, topk_weights=weights)
+        outcome["recorded"] = "no error"
+    except TypeError as error:
+        outcome["recorded"] = str(error)
+    hidden = torch.ones(3, 128)  # the peers are still in step: a round trip goes on
+    out = ep_plugin.dispatch(backend, hidden, topk_idx=idx, topk_weights=weights)
+    outcome["after"] = torch.equal(ep_plugin.combine(out.hidden, out.handle), hidden * 2)
+    return outcome
+
+
+def test_an_fp8_dispatch_that_autograd_would_record_is_refused_before_it_runs():
+    """FP8 dispatch has no backward: with weights that need grad, hybrid's and elastic's forward ran, and the
+    backward would have run a combine on every rank and then failed in torch (a gradient for the (data, scales)
+    input; read from the code, not run). Now refused first, on the rank that passed it (here every rank), before
+    any backend check or communication; on CPU the reference stands in for the backend it never reaches."""
+    for rank, outcome in enumerate(run_ranks(fp8_dispatch_with_weights_that_need_grad, 2, timeout_s=120)):
+        assert "FP8 dispatch" in outcome["recorded"] and "no backward yet" in outcome["recorded"], (rank, outcome)
+        assert outcome["after"] is True, (rank, outcome)
