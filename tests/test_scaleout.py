@@ -422,29 +422,36 @@ def test_a_cached_dispatch_and_expert_alignment_work_alike_on_one_domain_and_acr
 
 
 def combine_input_across_domains(ctx) -> dict:
-    """Code written for one domain's combine input, run across domains: combine_input says why it cannot be,
-    the arena context routes nothing, and a round trip through it is the two-stage one."""
-    backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",
-                                                 topology=Topology(2, 1, ctx.rank))
-    x, idx = torch.arange(8.0).view(2, 4) + ctx.rank, torch.tensor([[0, 1], [2, 3]])
-    out = backend.dispatch(x, topk_idx=idx)
-    try:
-        backend.combine_input(out.handle)
-        refused = None
-    except ValueError as error:
-        refused = str(error)
-    with backend.combine_input_arena() as usable:
-        rows = out.hidden * 1.0  # the expert's output, allocated inside the context
-    back = backend.combine(rows, out.handle).hidden
-    return {"refused": refused, "usable": usable, "round_trip": torch.equal(back, x * 2)}
+    """Code written for hybrid's combine input, run on the reference flat and across domains: combine_input says
+    why it cannot be, the arena context routes nothing, and a round trip through it is the two-stage one."""
+    results = {}
+    for name, topology in (("flat", None), ("2x1", Topology(2, 1, ctx.rank))):
+        backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu", topology=topology)
+        x, idx = torch.arange(8.0).view(2, 4) + ctx.rank, torch.tensor([[0, 1], [2, 3]])
+        out = backend.dispatch(x, topk_idx=idx)
+        try:
+            backend.combine_input(out.handle)
+            refused = None
+        except ValueError as error:
+            refused = str(error)
+        with backend.combine_input_arena() as usable:
+            rows = out.hidden * 1.0  # the expert's output, allocated inside the context
+        back = backend.combine(rows, out.handle).hidden
+        results[name] = {"refused": refused, "usable": usable, "round_trip": torch.equal(back, x * 2)}
+    return results
 
 
-def test_combine_input_across_domains_is_refused_with_a_reason_and_the_arena_routes_nothing():
-    # Before: a HierarchicalBackend had neither method (AttributeError) and dropped combine_input_rows unsaid.
+def test_combine_input_on_a_backend_without_an_arena_is_refused_with_a_reason_and_the_arena_routes_nothing():
+    # Before: a HierarchicalBackend, and the flat reference until the 25th session, had neither method
+    # (AttributeError); the first also dropped combine_input_rows unsaid.
     for result in run_ranks(combine_input_across_domains, 2, timeout_s=120):
-        assert result["refused"].startswith("combine_input: across NVLink domains (2 domains of 1 ranks)"), result
-        assert "combine a tensor of your own" in result["refused"], result
-        assert (result["usable"], result["round_trip"]) == (False, True), result
+        assert result["2x1"]["refused"].startswith("combine_input: across NVLink domains (2 domains of 1 ranks)"), \
+            result
+        assert result["flat"]["refused"].startswith("combine_input: backend 'reference' has no combine-input arena"), \
+            result
+        for checks in result.values():
+            assert "combine a tensor of your own" in checks["refused"], result
+            assert (checks["usable"], checks["round_trip"]) == (False, True), result
 
 
 def failure_between_two_exchanges_across_domains(ctx, blocking: bool) -> dict:

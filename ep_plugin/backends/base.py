@@ -9,8 +9,9 @@ kernel before the checks pass, so a rejected call leaves the backend usable.
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -296,6 +297,24 @@ class Backend(abc.ABC):
                              "to any view of its storage counts), and a combine with row_probs (the backward of the "
                              "dispatch's topk_weights) routes the values back by it; keep it unchanged until then, "
                              "or dispatch a copy (topk_idx.clone())")
+
+    # Whether the backend can be built with a combine-input arena (``combine_input_rows``; hybrid): the Megatron
+    # integration gives such a backend its default arena.
+    has_combine_input_arena = False
+
+    def combine_input(self, handle: Handle) -> torch.Tensor:
+        """Buffer memory for the experts' output, which combine then reads in place (hybrid built with
+        ``combine_input_rows``). Refused (ValueError) by a backend without it, so that code written for hybrid
+        says why on any backend: combine a tensor of your own."""
+        self.refuse_if_destroyed("combine_input")
+        raise ValueError(f"combine_input: backend {self.name!r} has no combine-input arena (hybrid has one, built "
+                         "with combine_input_rows); combine a tensor of your own")
+
+    @contextlib.contextmanager
+    def combine_input_arena(self) -> Iterator[bool]:
+        """As hybrid's context, which yields whether allocations inside go to its arena: never on a backend
+        without one, so what is allocated inside is ordinary memory, and code written for hybrid runs unchanged."""
+        yield False
 
     def barrier(self) -> None:
         """Block until every rank of the group reaches this point. A rank that does not arrive within

@@ -369,6 +369,8 @@ class HybridBackend(CompiledBackend):
         self._C.hybrid.permute(self.buffer.raw, self.regions, permute, self.num_blocks, self._stream())
         return out
 
+    has_combine_input_arena = True
+
     @contextmanager
     def combine_input_arena(self) -> Iterator[bool]:
         """Inside, this thread's CUDA allocations come from the combine-input arena while it has room, so

@@ -135,7 +135,7 @@ def combine_input_options(backend_class, collectives: HostCollectives, device: t
     Nothing for a backend without an arena or when EP_PLUGIN_COMBINE_INPUT_ROWS is set (the backend
     reads it). Otherwise the ranks find out whether they all share one GPU (a timed exchange) and
     ``default_combine_input_rows`` decides; every input is equal on every rank, so is the size."""
-    if not hasattr(backend_class, "combine_input_arena") or env_is_set("combine_input_rows"):
+    if not getattr(backend_class, "has_combine_input_arena", False) or env_is_set("combine_input_rows"):
         return {}
     num_ranks = collectives.num_ranks
     rows = default_combine_input_rows(
