@@ -205,10 +205,11 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
         if problem:
             return f"--backends: {problem}"
         cls = ep_plugin.get_backend(base)
-        if plus and not ((variant == "in_place" and hasattr(cls, "combine_input"))
-                         or (variant == "arena" and hasattr(cls, "combine_input_arena"))):
-            return (f"--backends: {name}: the variants are '+in_place', for a backend with combine_input "
-                    "(hybrid, elastic), and '+arena', for one with combine_input_arena (hybrid)")
+        # (Every backend has combine_input and combine_input_arena, refusing or routing nothing without a buffer.)
+        if plus and not ((variant == "in_place" and hasattr(cls, "in_place_options"))
+                         or (variant == "arena" and cls.has_combine_input_arena)):
+            return (f"--backends: {name}: the variants are '+in_place', for a backend that combines its input "
+                    "in its buffer (hybrid, elastic), and '+arena', for one with a combine-input arena (hybrid)")
     allowed = {"payloads": {"bf16", "fp8"}, "routings": {"balanced", "skewed"}, "modes": {"blocking", "nonblocking"}}
     for key, choices in allowed.items():
         unknown = set(_words(getattr(args, key))) - choices
