@@ -174,11 +174,12 @@ def dispatch(
         Gradients flow to ``hidden`` and to ``probs``/``topk_weights``.
     """
     grad_enabled = torch.is_grad_enabled()
-    if isinstance(hidden, (tuple, list)) and _records(grad_enabled, _need_grad(hidden, probs, topk_weights)):
+    records = _records(grad_enabled, _need_grad(hidden, probs, topk_weights))
+    if records and isinstance(hidden, (tuple, list)):
         # Before any communication: the backward would fail on every rank after its combine had run.
         raise TypeError("ep_plugin.dispatch: an FP8 dispatch ((data, scales) hidden) has no backward yet, and the "
                         "probs or topk_weights need grad; dispatch them detached or under torch.no_grad")
-    if not _records(grad_enabled, _need_grad(hidden, probs, topk_weights)):
+    if not records:
         # Nothing to record (inference, torch.no_grad): the Function's bookkeeping (~5 µs) would buy nothing.
         return backend.dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
                                 topk_weights=topk_weights, pad_multiple=pad_multiple, **options)

@@ -172,6 +172,7 @@ class HybridBackend(CompiledBackend):
     )
     phase_names = PHASE_NAMES
     barrier_phase = PHASE_BARRIER
+    has_combine_input_arena = True  # built with combine_input_rows (see the module docstring)
 
     def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None,
                  combine_input_rows: Optional[int] = None) -> None:
@@ -368,8 +369,6 @@ class HybridBackend(CompiledBackend):
             overflow=at("overflow"), bulk_copy=self._bulk)
         self._C.hybrid.permute(self.buffer.raw, self.regions, permute, self.num_blocks, self._stream())
         return out
-
-    has_combine_input_arena = True
 
     @contextmanager
     def combine_input_arena(self) -> Iterator[bool]:

@@ -445,8 +445,8 @@ def tokens_per_rank(config: Config, words: HostCollectives, counts: list[Optiona
         over = ", ".join(f"{words.peer_name(rank)}: {count}" for rank, count in enumerate(counts)
                          if count is not None and count > config.max_tokens_per_rank)
         raise TooManyTokensError(f"ep_plugin megatron: the first MoE call has more tokens per rank than "
-                         f"EP_PLUGIN_MAX_TOKENS_PER_RANK={config.max_tokens_per_rank} ({over}); raise it to the most "
-                         f"tokens per rank of any step, or unset it to size from the first call")
+                                 f"EP_PLUGIN_MAX_TOKENS_PER_RANK={config.max_tokens_per_rank} ({over}); raise it to "
+                                 f"the most tokens per rank of any step, or unset it to size from the first call")
     return config.replace(max_tokens_per_rank=max(largest, at_least))
 
 
