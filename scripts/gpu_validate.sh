@@ -38,6 +38,8 @@
 # carried wheel in .whl/ (the GPU image has none): the stages that run Megatron stop without it (its
 # tests would skip, green). The exit status is the first failure's (pytest's, a bench run's, a script's).
 # Logs, JSON and plots end up in OUT/results.tgz (the device returns at most 8 files).
+# A call with a timeout_s below 600 passes it as CALL_S=N: pytest and the bench runs end inside it, with their
+# logs, instead of the device killing the call before any log comes back.
 set -uo pipefail
 RC=0  # the exit status: the first failure's (fail)
 STAGE=${1:?stage: tests, gpu1, gpu2, gpu3, gpu4, pending, bench, nvlink_tests, nvlink, sweep, megatron, nemo, scaleout or scaleout_bench}
@@ -45,6 +47,7 @@ OUT=${2:?output folder}
 shift 2
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+END=$(( ${CALL_S:-600} - 15 ))  # when this script's own timeouts end: before the device's, with time to pack OUT
 mkdir -p "$OUT"
 if ls .whl/megatron_core-*.whl >/dev/null 2>&1 && ! python3 -c "import megatron.core" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -93,7 +96,7 @@ pytest_run() {  # pytest_run SECONDS LOG TAIL ARGS...: pytest under a timeout (S
 
 bench() {  # bench NAME ARGS...: one benchmark run, its table into the log, JSON + plots under OUT/NAME
   local name=$1; shift
-  local seconds=$(( 585 - SECONDS < 300 ? 585 - SECONDS : 300 ))  # what is left of the call, at most 300 s
+  local seconds=$(( END - SECONDS < 300 ? END - SECONDS : 300 ))  # what is left of the call, at most 300 s
   if (( seconds < 60 )); then
     echo "== $name: not run, $SECONDS s of the call used"; fail 1; return
   fi
@@ -113,7 +116,7 @@ case "$STAGE" in
   tests)
     nvidia-smi topo -m | head -4
     python3 -m ep_plugin info | head -3
-    pytest_run 500 "$OUT/pytest.log" 25 --durations=6 "${@:-tests}"
+    pytest_run $((END - SECONDS < 500 ? END - SECONDS : 500)) "$OUT/pytest.log" 25 --durations=6 "${@:-tests}"
     ;;
   gpu1|gpu2|gpu3|gpu4)
     HEAVY=(tests/test_elastic.py tests/test_hybrid.py)  # the two longest GPU files, about half the GPU time
@@ -128,7 +131,7 @@ case "$STAGE" in
       gpu3) FILES=("${WAITING[@]}") ;;
       gpu4) FILES=("${MEGATRON[@]}") ;;
     esac
-    pytest_run $((585 - SECONDS)) "$OUT/pytest.log" 25 --durations=8 -m "gpu or megatron" "${FILES[@]}" "$@"
+    pytest_run $((END - SECONDS)) "$OUT/pytest.log" 25 --durations=8 -m "gpu or megatron" "${FILES[@]}" "$@"
     ;;
   pending)
     mapfile -t PENDING < <(grep -v '^#' scripts/pending_gpu_tests.txt | grep .)
@@ -164,7 +167,7 @@ case "$STAGE" in
     pytest_run $((400 - SECONDS)) "$OUT/pytest_nvlink.log" 15 --durations=6 -m "gpu or megatron" tests \
       -k "[2] or two_gpus or per_device or nccl_group or register_copies"
     # Faults with 2 ranks (one per GPU) and 4 (two per GPU): timeouts and refusals over NCCL, in the time left.
-    pytest_run $((585 - SECONDS)) "$OUT/pytest_nvlink_faults.log" 15 --durations=4 tests/test_faults_gpu.py
+    pytest_run $((END - SECONDS)) "$OUT/pytest_nvlink_faults.log" 15 --durations=4 tests/test_faults_gpu.py
     ;;
   scaleout)
     timeout 60 python3 scripts/gloo_probe.py 2>&1 | tee "$OUT/gloo_probe.log"
