@@ -580,6 +580,7 @@ def bad_input_then_good(ctx) -> int:
             (ValueError, lambda: elastic.dispatch(x, topk_idx=torch.cat([idx] * 5, 1), topk_weights=None)),
             (TypeError, lambda: elastic.dispatch(x, topk_idx=idx, expand="yes")),
             (TypeError, lambda: elastic.dispatch(x, topk_idx=idx, flavour=1)),
+            (TypeError, lambda: elastic.dispatch(x, topk_idx=idx.tolist(), topk_weights=w)),  # not AttributeError
         ]
         for error_type, call in bad_calls:
             with pytest.raises(error_type):
@@ -664,6 +665,37 @@ def dropped_ids_reported_after_a_clean_dispatch(ctx) -> int:
     torch.cuda.synchronize()
     elastic.destroy()
     return 1
+
+
+def padding_rows_get_zero_gradient(ctx) -> int:
+    """The backward of combine hands the expanded form's padding rows a zero gradient, also when the dispatch
+    left them unzeroed (zero_padding=False, DeepEP V2's default): a grouped GEMM runs over them, and its weight
+    gradient would take in whatever the backward's output memory held. Here that memory starts as NaN."""
+    hidden = 256
+    _, elastic = make_backends(ctx, hidden)
+    x, idx, w, _, _ = make_inputs(960, ctx.rank, ctx.world_size, tokens_of(ctx.rank, 0), hidden, NUM_EXPERTS, 4,
+                                  skewed=False, drop_some=True)
+    x.requires_grad_(True)
+    out = ep_plugin.dispatch(elastic, x, topk_idx=idx, topk_weights=w, expand=True, pad_multiple=16)
+    grads = []
+    out.hidden.register_hook(grads.append)
+    z = ep_plugin.combine(out.hidden * 2, out.handle)
+    elastic._empty = lambda *shape, dtype: torch.full(shape, float("nan"), dtype=dtype, device=ctx.device)
+    z.float().sum().backward()
+    grad = grads[0]
+    padded, real = out.tokens_per_expert.tolist(), out.handle.num_real_tokens_per_expert.tolist()
+    is_padding = torch.cat([torch.arange(p, device=ctx.device) >= r for p, r in zip(padded, real, strict=True)])
+    assert sum(padded) > sum(real), "no padding rows: the test checks nothing"
+    rows = grad[: is_padding.numel()]
+    assert torch.equal(rows[is_padding], torch.zeros_like(rows[is_padding])), "padding rows' gradient is not zero"
+    assert torch.equal(rows[~is_padding], torch.full_like(rows[~is_padding], 2)), "token rows' gradient"
+    torch.cuda.synchronize()
+    elastic.destroy()
+    return 1
+
+
+def test_padding_rows_get_zero_gradient():
+    assert run_ranks(padding_rows_get_zero_gradient, 2, device="cuda", timeout_s=LAUNCH_TIMEOUT_S) == [1, 1]
 
 
 def run_suite(ctx, hidden_sizes) -> dict:

@@ -208,15 +208,14 @@ class ElasticBackend(CompiledBackend):
         if handle is not None:  # the checks of Backend.dispatch that apply to it, then its own
             self.refuse_if_destroyed("dispatch")
             self.check_not_capturing("cached dispatch")
-            if any(v is not None for v in (routing_map, probs, topk_idx, topk_weights, pad_multiple)):
-                raise ValueError("a cached dispatch (handle=...) takes no routing arguments: the handle has them")
+            self.check_cached_routing(handle, pad_multiple, routing_map, probs, topk_idx, topk_weights)
             self.check_dispatch_flags(expand=expand, zero_padding=zero_padding)
             if in_place:
                 raise ValueError("in_place applies to a first dispatch; a cached dispatch returns new tensors")
             return self._cached_dispatch(hidden, handle, expand=expand, zero_padding=zero_padding)
         self.check_routing_form(routing_map, topk_idx)
         self.check_dispatch_flags(expand=expand, zero_padding=zero_padding, in_place=in_place)
-        if topk_idx is not None and topk_idx.dim() == 2 and topk_idx.shape[1] > self.max_topk:
+        if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2 and topk_idx.shape[1] > self.max_topk:
             raise ValueError(f"topk_idx has k={topk_idx.shape[1]} columns; this elastic backend was built with "
                              f"max_topk={self.max_topk}")
         return super().dispatch(hidden, probs=probs, topk_idx=topk_idx, topk_weights=topk_weights,
@@ -470,7 +469,9 @@ class ElasticBackend(CompiledBackend):
                               ready=streams.record_ready(self.device))
 
     def _dispatch_again(self, hidden, handle: Handle) -> torch.Tensor:
-        return self._cached_dispatch(hidden, handle).hidden
+        # A gradient: the padding rows' is 0 (combine never read them). Left unzeroed, a grouped GEMM run over
+        # them (tokens_per_expert counts them) would take whatever the output's memory held into its weights'.
+        return self._cached_dispatch(hidden, handle, zero_padding=handle.layout.expand).hidden
 
     def _buffer_rows(self, offset: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """[rows, width] of ``dtype`` over this rank's buffer at ``offset`` (fp8 as bytes, reinterpreted)."""
