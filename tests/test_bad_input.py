@@ -32,6 +32,7 @@ def _bad_calls(backend, problem, rank):
         (TypeError, "probs must have dtype", dispatch(x, routing_map=rmap, probs=probs.to(torch.bfloat16))),
         (TypeError, "routing_map must have dtype", dispatch(x, routing_map=rmap.int(), probs=probs)),
         (TypeError, "topk_idx must have dtype", dispatch(x, topk_idx=idx.int(), topk_weights=weights)),
+        (TypeError, "topk_idx must be a torch.Tensor", dispatch(x, topk_idx=idx.tolist(), topk_weights=weights)),
         (ValueError, "hidden must be a 2-D tensor", dispatch(x.unsqueeze(0), routing_map=rmap, probs=probs)),
         (ValueError, "hidden_size=8", dispatch(torch.zeros(len(x), HIDDEN + 1), routing_map=rmap, probs=probs)),
         (ValueError, "routing_map must have shape", dispatch(x, routing_map=rmap[:, :2].contiguous(),
@@ -81,7 +82,7 @@ def test_bad_input_rejected_before_communication(blocking):
     """blocking=False too: the reference has no sync-free mode, so it checks everything anyway. Top-k id
     values are the next test's (every rank calls there)."""
     rejected = run_ranks(check_bad_inputs_leave_backend_usable, 2, blocking, timeout_s=120)
-    assert rejected[0] == 18 and rejected[1] == 0
+    assert rejected[0] == 19 and rejected[1] == 0
 
 
 def bad_ids_on_one_rank(ctx, blocking: bool) -> list[str]:

@@ -399,6 +399,12 @@ def cached_dispatch_on_one_domain_and_across(ctx) -> dict:
         padded = backend.dispatch(x, topk_idx=idx, topk_weights=w, pad_multiple=4)
         routed = backend.dispatch(fresh, topk_idx=idx, pad_multiple=4)
         cached = backend.dispatch(fresh, handle=out.handle)
+        restated = backend.dispatch(fresh, handle=out.handle, expert_alignment=4)  # as DeepEP V2 code may pass it
+        try:
+            backend.dispatch(fresh, handle=out.handle, pad_multiple=8)
+            changed = "taken"
+        except ValueError as error:
+            changed = str(error)
         leaf = fresh.clone().requires_grad_(True)
         through_autograd = ep_plugin.dispatch(backend, leaf, handle=out.handle)
         (through_autograd.hidden * upstream).sum().backward()
@@ -407,6 +413,9 @@ def cached_dispatch_on_one_domain_and_across(ctx) -> dict:
             alignment=torch.equal(out.hidden, padded.hidden) and torch.equal(out.probs, padded.probs),
             rows=torch.equal(cached.hidden, routed.hidden) and cached.probs is None,
             counts=torch.equal(cached.tokens_per_expert, routed.tokens_per_expert),
+            restated=torch.equal(restated.hidden, routed.hidden),
+            changed=changed.startswith("a cached dispatch pads as its handle's dispatch did (pad_multiple / "
+                                       "expert_alignment 4); got 8"),
             autograd=torch.equal(through_autograd.hidden.detach(), routed.hidden),
             grad=torch.equal(leaf.grad, want_grad), hidden=cached.hidden)
         backend.destroy()

@@ -234,8 +234,7 @@ class Backend(abc.ABC):
         pad_multiple = merge_alignment(pad_multiple, expert_alignment)
         if handle is not None:
             self.check_not_capturing("cached dispatch")
-            if any(v is not None for v in (routing_map, probs, topk_idx, topk_weights, pad_multiple)):
-                raise ValueError("a cached dispatch (handle=...) takes no routing arguments: the handle has them")
+            self.check_cached_routing(handle, pad_multiple, routing_map, probs, topk_idx, topk_weights)
             self.check_options("cached dispatch", options, self.capabilities.cached_dispatch_options)
             self.check_dispatch_flags(**options)  # their values too, before anything moves
             return self._cached_dispatch(hidden, handle, **options)
@@ -249,6 +248,17 @@ class Backend(abc.ABC):
         if self.combine_reads_topk_ids and routing.form == TOPK and not routing.topk_idx.is_inference():
             out.handle.topk_ids = (routing.topk_idx, routing.topk_idx._version)
         return out
+
+    def check_cached_routing(self, handle: Handle, pad_multiple: Optional[int], *routing) -> None:
+        """A cached dispatch (``handle=``) takes no routing arguments: the handle has them. Its alignment may be
+        restated (DeepEP V2 code passes the same ``expert_alignment`` to both calls), but not changed."""
+        if any(v is not None for v in routing):
+            raise ValueError("a cached dispatch (handle=...) takes no routing arguments: the handle has them")
+        if pad_multiple is not None:
+            self.check_handle(handle)
+            if isinstance(pad_multiple, bool) or pad_multiple != handle.pad_multiple:
+                raise ValueError(f"a cached dispatch pads as its handle's dispatch did (pad_multiple / "
+                                 f"expert_alignment {handle.pad_multiple}); got {pad_multiple}")
 
     def dispatch_again(self, hidden: torch.Tensor, handle: Handle) -> torch.Tensor:
         """Dispatch new tokens along a cached layout (backward of combine). Returns [R, H]."""
