@@ -157,7 +157,7 @@ def mappable_domain_size(placements: list[dict]) -> int:
 
 def detect_topology(group: Optional[dist.ProcessGroup], device: torch.device, *,
                     config: Optional[Config] = None, scaleup_size: Optional[int] = None,
-                    purpose: str = "detecting the topology") -> Topology:
+                    purpose: str = "detecting the topology", refusal: Optional[Exception] = None) -> Topology:
     """Detect and validate this group's topology (a collective: call it on every rank, in the same order).
 
     Args:
@@ -166,8 +166,12 @@ def detect_topology(group: Optional[dist.ProcessGroup], device: torch.device, *,
         config: for ``scaleup_size`` and ``timeout_s`` (default ``Config.from_env()``).
         scaleup_size: overrides ``config.scaleup_size`` (0 = detect).
         purpose: what the caller is doing, for timeout messages ("building the reference backend").
+        refusal: why this rank will not go on (a backend's argument that is wrong here alone): it still joins
+            the exchange, which tells its peers, so that every rank raises at once instead of the others
+            waiting for it in their next collective until the timeout.
     Returns: the Topology, equal on every rank (up to ``rank``).
-    Raises: EPError on every rank when the ranks forced different sizes or a forced size does not fit;
+    Raises: ``refusal`` on its rank and ValueError naming it and its rank on the others;
+        EPError on every rank when the ranks forced different sizes or a forced size does not fit;
         EPTimeoutError naming the late rank when one does not arrive within ``timeout_s``.
     """
     config = config if config is not None else Config.from_env()
@@ -177,9 +181,15 @@ def detect_topology(group: Optional[dist.ProcessGroup], device: torch.device, *,
                            device=device, on_host=config.gloo_host_words)
     # Where the size came from, for the messages: an argument (a backend's topology=) or the config.
     source = "the topology= argument" if scaleup_size is not None else "EP_PLUGIN_SCALEUP_SIZE / config.scaleup_size"
-    mine = {"scaleup_size": int(forced), "source": source, **_placement_facts(torch.device(device))}
+    mine = {"scaleup_size": int(forced), "source": source, **_placement_facts(torch.device(device)),
+            "refused": None if refusal is None else f"{type(refusal).__name__}: {refusal}"}
     everyone = comm.all_gather_object(mine, where=f"{purpose} (topology)")
     world, rank = len(everyone), comm.rank
+    if refusal is not None:
+        raise refusal
+    refused = [f"{comm.peer_name(q)}: {facts['refused']}" for q, facts in enumerate(everyone) if facts["refused"]]
+    if refused:
+        raise ValueError(f"ep_plugin: {purpose} was refused on another rank, so no rank goes on: {'; '.join(refused)}")
 
     forced_sizes = [facts["scaleup_size"] for facts in everyone]
     if any(size != forced_sizes[0] for size in forced_sizes):
@@ -210,15 +220,19 @@ def detect_topology(group: Optional[dist.ProcessGroup], device: torch.device, *,
 
 
 def resolve_topology(topology: Optional[Topology], group: Optional[dist.ProcessGroup], device: torch.device,
-                     config: Config, *, purpose: str = "detecting the topology") -> Topology:
+                     config: Config, *, purpose: str = "detecting the topology",
+                     refusal: Optional[Exception] = None) -> Topology:
     """The topology a backend is built on: detected (``topology=None``), or the given one's domain size,
-    validated like a forced size (a collective either way: every rank must pass the same)."""
+    validated like a forced size (a collective either way: every rank must pass the same). A ``topology``
+    that is wrong here, like ``refusal``, is raised after the exchange, which tells every rank."""
     if topology is None:
-        return detect_topology(group, device, config=config, purpose=purpose)
-    if not isinstance(topology, Topology):
-        raise TypeError(f"topology must be an ep_plugin.topology.Topology, got {type(topology).__name__}")
+        return detect_topology(group, device, config=config, purpose=purpose, refusal=refusal)
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
-    if topology.world_size != world:
-        raise ValueError(f"topology is for {topology.world_size} ranks, the process group has {world}")
-    return detect_topology(group, device, config=config, scaleup_size=topology.domain_size, purpose=purpose)
+    if refusal is None and not isinstance(topology, Topology):
+        refusal = TypeError(f"topology must be an ep_plugin.topology.Topology, got {type(topology).__name__}")
+    elif refusal is None and topology.world_size != world:
+        refusal = ValueError(f"topology is for {topology.world_size} ranks, the process group has {world}")
+    scaleup_size = topology.domain_size if refusal is None else None
+    return detect_topology(group, device, config=config, scaleup_size=scaleup_size, purpose=purpose,
+                           refusal=refusal)

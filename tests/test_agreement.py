@@ -6,6 +6,7 @@ a test can check that *every* rank got the error and that no process died (``run
 raises if one does).
 """
 
+import os
 import time
 
 import pytest
@@ -47,6 +48,14 @@ def construction_scenarios(ctx) -> dict:
                                                            config=dict(max_tokens_per_rank=64 if odd else 128))),
     }
 
+    # Refused on one rank alone, before any exchange of its own: the topology's exchange tells the others.
+    outcomes["indivisible"] = _outcome(lambda: _reference(hidden_size=HIDDEN,
+                                                          num_experts=experts + 1 if odd else experts))
+    outcomes["bad_hidden"] = _outcome(lambda: _reference(hidden_size=0 if odd else HIDDEN, num_experts=experts))
+    outcomes["bad_knob"] = _outcome(lambda: _built_under_env(
+        {"EP_PLUGIN_TIMEOUT_S": str(TIMEOUT_S), **({"EP_PLUGIN_MAX_TOKENS_PER_RANK": "0"} if odd else {})},
+        lambda: ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=experts, device="cpu")))
+
     def agreed_build_still_works():
         backend = _reference(hidden_size=HIDDEN, num_experts=experts)
         out = backend.dispatch(torch.ones(4, HIDDEN), topk_idx=torch.tensor([[0], [1], [2], [3]]))
@@ -59,6 +68,37 @@ def construction_scenarios(ctx) -> dict:
     facts = {"hidden_size": HIDDEN, **({"num_sms": 8} if odd else {})}
     outcomes["fields"] = _outcome(lambda: check_construction(None, "reference", facts, timeout_s=TIMEOUT_S))
     return outcomes
+
+
+def _built_under_env(env: dict, build):
+    """``build()`` with ``env`` set in this process (the backend reads its knobs then), restored after."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return build()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.mark.parametrize("scenario, reason", [
+    ("indivisible", f"num_experts={2 * NUM_RANKS + 1} is not divisible by the {NUM_RANKS} ranks"),
+    ("bad_hidden", "hidden_size must be a positive int, got 0"),
+    ("bad_knob", "EP_PLUGIN_MAX_TOKENS_PER_RANK"),
+])
+def test_an_argument_refused_on_one_rank_raises_on_every_rank_at_once(construction_outcomes, scenario, reason):
+    """Before, the rank raised alone before the topology's exchange and its peers waited for it there until the
+    timeout, then named it a late peer."""
+    for rank, outcomes in enumerate(construction_outcomes):
+        kind, message, seconds = outcomes[scenario]
+        assert kind.endswith("ValueError") and reason in message, (rank, kind, message)
+        if rank != ODD:
+            assert message.startswith("ep_plugin: building the reference backend was refused on another rank, "
+                                      f"so no rank goes on: rank {ODD}: "), message
+        assert seconds < TIMEOUT_S / 2, (rank, seconds)
 
 
 def test_ranks_that_check_different_fields_raise_on_every_rank(construction_outcomes):

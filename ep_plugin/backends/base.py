@@ -119,13 +119,17 @@ class Backend(abc.ABC):
                 **kwargs: Any) -> "Backend":
         if getattr(cls, "_spans_domains", False):  # the hierarchical wrapper itself
             return super().__new__(cls)
-        # Arguments that are wrong on this rank alone are refused before the topology's collective.
-        _check_arguments(cls.name, cls.capabilities, group, kwargs.get("hidden_size"), kwargs.get("num_experts"),
-                         kwargs.get("device"))
-        config = kwargs.get("config")
-        config = config if config is not None else Config.from_env()
+        # Arguments that are wrong on this rank alone are raised after the topology's exchange, which tells
+        # the other ranks: they raise too, instead of waiting for this one in their next collective.
+        config, refusal = kwargs.get("config"), None
+        try:
+            _check_arguments(cls.name, cls.capabilities, group, kwargs.get("hidden_size"), kwargs.get("num_experts"),
+                             kwargs.get("device"))
+            config = config if config is not None else Config.from_env()
+        except (TypeError, ValueError) as error:
+            refusal, config = error, config if isinstance(config, Config) else Config()
         resolved = resolve_topology(topology, group, _default_device(kwargs.get("device")), config,
-                                    purpose=f"building the {cls.name} backend")
+                                    purpose=f"building the {cls.name} backend", refusal=refusal)
         if resolved.is_hierarchical and (resolved.forced or cls.needs_shared_memory):
             from .hierarchical import HierarchicalBackend
 
