@@ -577,6 +577,8 @@ def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -
                       asked=(options.backend is not None or options.scaleout is not None) and uses_gloo)
     if not host_words:
         verdict.notes.append("EP_PLUGIN_GLOO_HOST_WORDS is off: ep_plugin's host words stay on the NCCL groups")
+    # Whether turning the host words off takes ep_plugin off gloo (not where the job's process group is gloo).
+    off_helps = host_words and not (options.backend == "reference" or _no_gpu_reason(fabric) is not None)
     names = [name.strip() for name in environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name.strip()]
     if not names:
         address = fabric.host_address or "nothing (gloo then takes the loopback address)"
@@ -601,13 +603,45 @@ def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -
         verdict.problems.append(Problem(
             f"GLOO_SOCKET_IFNAME names {', '.join(missing)}, which this host does not have: every gloo group (the "
             f"host words of an NCCL group, Megatron's gloo groups) fails to form",
-            f"name this host's interface(s) ({', '.join(fabric.net_interfaces)}) or unset it"
-            + ("; or EP_PLUGIN_GLOO_HOST_WORDS=0 keeps ep_plugin's host words off gloo" if host_words else "")))
+            f"name this host's interface(s) ({', '.join(fabric.net_interfaces)}) or unset it" + _words_off(off_helps)))
         verdict.status = UNAVAILABLE
         verdict.passed = False
-    else:
+        return verdict
+    addresses = fabric.interface_addresses
+    if addresses is None:
         verdict.summary += ": present here"
+        verdict.notes.append("the interfaces' addresses could not be read here: not checked")
+        return verdict
+    bare = [name for name in names if not addresses.get(name)]
+    across_nodes = options.nodes > 1 or options.scaleout is not None
+    local = [name for name in names if addresses.get(name) and all(_loopback(a) for a in addresses[name])]
+    if bare:
+        verdict.problems.append(Problem(
+            f"GLOO_SOCKET_IFNAME names {', '.join(bare)}, which has no address: gloo refuses it (\"Unable to find "
+            f"address for\"), so every gloo group (the host words of an NCCL group, Megatron's gloo groups) fails "
+            f"to form", _addressed_fix(addresses, off_helps)))
+    elif across_nodes and local:
+        verdict.problems.append(Problem(
+            f"GLOO_SOCKET_IFNAME names {', '.join(local)}, whose only address is loopback: the other nodes cannot "
+            f"reach gloo there, so every gloo group across nodes fails to connect",
+            _addressed_fix(addresses, off_helps)))
+    else:
+        verdict.summary += ": present here (" + ", ".join(f"{name}: {addresses[name][0]}" for name in names) + ")"
+        return verdict
+    verdict.status = UNAVAILABLE
+    verdict.passed = False
     return verdict
+
+
+def _addressed_fix(addresses: dict[str, list[str]], off_helps: bool) -> str:
+    """The fix for a GLOO_SOCKET_IFNAME that gloo cannot use: the interfaces with a routable address here."""
+    usable = [name for name, found in addresses.items() if any(not _loopback(a) for a in found)]
+    return (f"name an interface with a routable address ({', '.join(usable) or 'none here'}) or unset it"
+            + _words_off(off_helps))
+
+
+def _words_off(off_helps: bool) -> str:
+    return "; or EP_PLUGIN_GLOO_HOST_WORDS=0 keeps ep_plugin's host words off gloo" if off_helps else ""
 
 
 def _loopback(address: str) -> bool:

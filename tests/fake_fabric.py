@@ -152,7 +152,13 @@ def p5en_efa(root: Path, *, rate: str = "200 Gb/sec (4X HDR)", plugin: bool = Tr
     return driver(gpus)
 
 
+def every_interface_addressed(names: list[str]) -> dict[str, list[str]]:
+    """The fake interfaces' addresses: loopback for lo, a routable one for the others."""
+    return {name: ["127.0.0.1"] if name == "lo" else [f"10.1.2.{3 + i}"] for i, name in enumerate(names)}
+
+
 def make_fabric(root: Path, report: DriverReport, environ: Optional[dict] = None, *, memlock=(-1, -1),
-                nccl: tuple = ("2.27.3", None), host_address: Optional[str] = "10.1.2.3"):
+                nccl: tuple = ("2.27.3", None), host_address: Optional[str] = "10.1.2.3",
+                addresses=every_interface_addressed):
     return probe_fabric(root=root, environ=environ or {}, driver=report, memlock=lambda: memlock,
-                        nccl_version=lambda: nccl, host_address=lambda: host_address)
+                        nccl_version=lambda: nccl, host_address=lambda: host_address, addresses=addresses)

@@ -16,6 +16,7 @@ from fake_fabric import (
     dgx_chains,
     dgx_cx7,
     driver,
+    every_interface_addressed,
     gpu,
     make_fabric,
     p5en_efa,
@@ -617,6 +618,32 @@ def test_a_host_name_on_loopback_fails_gloo_across_nodes(tmp_path):
     found, code = verdicts(make_fabric(tmp_path, report, named, host_address="127.0.1.1"), named, backend="hybrid",
                            nodes=2)
     assert (found["gloo"].status, code) == (OK, 0), found["gloo"]
+
+
+def test_a_gloo_interface_without_a_routable_address_fails_a_backend_job(tmp_path):
+    """gloo takes the named interface's address: one that has none (down, or a dummy) is refused when the group
+    forms ("Unable to find address for: ifb0"), and a loopback one cannot be reached from other nodes. The doctor
+    said "present here" to both."""
+    report = driver([gpu(0, "0000:00:05.0")])
+    for name in ("lo", "eth0", "ifb0"):
+        (tmp_path / "sys/class/net" / name).mkdir(parents=True, exist_ok=True)
+
+    def addresses(names):
+        return {name: [] if name == "ifb0" else every_interface_addressed([name])[name] for name in names}
+
+    bare = {"GLOO_SOCKET_IFNAME": "ifb0"}
+    found, code = verdicts(make_fabric(tmp_path, report, bare, addresses=addresses), bare, backend="hybrid")
+    assert (found["gloo"].status, code) == (UNAVAILABLE, 1), found["gloo"]
+    assert "ifb0, which has no address" in found["gloo"].problems[0].text and "(eth0)" in fixes(found["gloo"])
+    loop = {"GLOO_SOCKET_IFNAME": "lo"}
+    found, code = verdicts(make_fabric(tmp_path, report, loop, addresses=addresses), loop, backend="hybrid")
+    assert (found["gloo"].status, code) == (OK, 0) and "lo: 127.0.0.1" in found["gloo"].summary  # one node
+    found, code = verdicts(make_fabric(tmp_path, report, loop, addresses=addresses), loop, backend="hybrid", nodes=2)
+    assert (found["gloo"].status, code) == (UNAVAILABLE, 1), found["gloo"]
+    assert "only address is loopback" in found["gloo"].problems[0].text
+    unread = make_fabric(tmp_path, report, bare, addresses=lambda names: None)  # not asked here: a note, passes
+    found, code = verdicts(unread, bare, backend="hybrid")
+    assert (found["gloo"].status, code) == (OK, 0) and "could not be read" in " ".join(found["gloo"].notes)
 
 
 # ---- command line ------------------------------------------------------------------------------------

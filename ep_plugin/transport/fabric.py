@@ -216,6 +216,9 @@ class Fabric:
     warnings: list[str] = field(default_factory=list)
     net_interfaces: list[str] = field(default_factory=list)  # /sys/class/net: what GLOO_SOCKET_IFNAME may name
     host_address: Optional[str] = None  # what this host's name resolves to (gloo's address without GLOO_SOCKET_IFNAME)
+    # Each interface's IPv4/IPv6 addresses (None: not read here). gloo takes a GLOO_SOCKET_IFNAME interface's first
+    # address, and refuses one without ("Unable to find address for: <name>").
+    interface_addresses: Optional[dict[str, list[str]]] = None
 
     @property
     def usable_nics(self) -> list[RdmaDevice]:
@@ -438,6 +441,34 @@ def host_name_address() -> Optional[str]:
         return None
 
 
+def interface_addresses(names: list[str]) -> Optional[dict[str, list[str]]]:
+    """Each of ``names``'s IPv4 address (SIOCGIFADDR) and IPv6 addresses (/proc/net/if_inet6), as gloo finds them
+    with getifaddrs; None where this host offers neither way to ask (not Linux)."""
+    import fcntl
+    import socket
+    import struct
+
+    found: dict[str, list[str]] = {name: [] for name in names}
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            for name in names:
+                try:
+                    request = struct.pack("256s", name.encode()[:15])
+                    found[name].append(socket.inet_ntoa(fcntl.ioctl(probe.fileno(), 0x8915, request)[20:24]))
+                except OSError:  # no IPv4 address (or no such interface)
+                    pass
+        with open("/proc/net/if_inet6") as table:  # address, index, prefix, scope, flags, name
+            for line in table:
+                fields = line.split()
+                if len(fields) == 6 and fields[5] in found:
+                    found[fields[5]].append(socket.inet_ntop(socket.AF_INET6, bytes.fromhex(fields[0])))
+    except FileNotFoundError:  # no IPv6 on this host: the IPv4 addresses stand
+        pass
+    except OSError:
+        return None
+    return found
+
+
 def _memlock() -> tuple[int, int]:
     import resource
 
@@ -572,7 +603,8 @@ def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mappi
                  driver: Union[DriverReport, Callable[[], DriverReport], None] = None,
                  memlock: Optional[Callable[[], tuple[int, int]]] = None,
                  nccl_version: Optional[Callable[[], tuple[Optional[str], Optional[str]]]] = None,
-                 dmabuf_export: bool = True, host_address: Optional[Callable[[], Optional[str]]] = None) -> Fabric:
+                 dmabuf_export: bool = True, host_address: Optional[Callable[[], Optional[str]]] = None,
+                 addresses: Optional[Callable[[list[str]], Optional[dict[str, list[str]]]]] = None) -> Fabric:
     """Build the fabric model; never raises for a missing file, library or driver.
 
     Args:
@@ -583,6 +615,7 @@ def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mappi
         nccl_version: returns (version, error) (default: torch's NCCL).
         dmabuf_export: passed to ``probe_driver`` when ``driver`` is not given.
         host_address: returns what this host's name resolves to (default: ``host_name_address``).
+        addresses: returns the addresses of the interfaces it is given (default: ``interface_addresses``).
     """
     tree = _Tree(os.fspath(root))
     environ = os.environ if environ is None else environ
@@ -609,6 +642,7 @@ def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mappi
         shown = ", ".join(efa_nics[:3]) + (", ..." if len(efa_nics) > 3 else "")
         reasons.append(f"{len(efa_nics)} EFA device(s): {shown}")
     soft, hard = (memlock or _memlock)()
+    interfaces = tree.listdir("/sys/class/net")
     fabric = Fabric(
         root=tree.root, driver=report, gpus=gpus, pci_nvidia_gpus=_pci_nvidia_gpus(tree),
         nvidia_module_version=tree.read("/sys/module/nvidia/version"),
@@ -620,8 +654,9 @@ def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mappi
         memlock_soft_bytes=None if soft < 0 else soft, memlock_hard_bytes=None if hard < 0 else hard,
         peermem=[path for path in PEERMEM_PATHS if tree.exists(path)],
         nccl=_nccl_info(tree, environ, nccl_version or torch_nccl_version, config),
-        mps=_mps_info(tree, environ, warnings), warnings=warnings, net_interfaces=tree.listdir("/sys/class/net"),
-        host_address=(host_address or host_name_address)())
+        mps=_mps_info(tree, environ, warnings), warnings=warnings, net_interfaces=interfaces,
+        host_address=(host_address or host_name_address)(), interface_addresses=(addresses or interface_addresses)(
+            interfaces))
     return fabric
 
 
