@@ -263,13 +263,21 @@ def _check_co_residency(fabric: Fabric, options: Options, environ: Mapping[str, 
         verdict.problems.append(Problem(f"{sharing} ranks share a GPU with {device_sms} SMs: not one block each "
                                         f"can be resident", "run fewer ranks per GPU"))
         verdict.status = UNAVAILABLE
-    elif config.num_sms > limit:
-        verdict.problems.append(Problem(where.format(config.num_sms) + ": the spin-waiting kernels cannot all be "
-                                        "resident and would deadlock",
-                                        f"EP_PLUGIN_NUM_SMS={limit} (or 0 to autosize)"))
+        return
+    # Across domains (more than one node, or a forced domain smaller than the one found) the domain kernels
+    # run forward_sms blocks where it is set, and a build past the limit is refused on every rank.
+    forced, detected = config.scaleup_size, _detected_domain_size(fabric, options.ranks_per_gpu)
+    across_domains = options.nodes > 1 or 0 < forced < detected
+    knob, grid = (("EP_PLUGIN_FORWARD_SMS", config.forward_sms) if across_domains and config.forward_sms else
+                  ("EP_PLUGIN_NUM_SMS", config.num_sms))
+    if grid > limit:
+        verdict.problems.append(Problem(where.format(grid) + f" ({knob}): the spin-waiting kernels cannot all be "
+                                        "resident and would deadlock; a build is refused",
+                                        f"{knob}={limit}" + (" (or 0 to autosize)" if knob == "EP_PLUGIN_NUM_SMS" else
+                                                             " (or 0: EP_PLUGIN_NUM_SMS's)")))
         verdict.status = UNAVAILABLE
     else:
-        shown = "autosized" if config.num_sms == 0 else str(config.num_sms)
+        shown = "autosized" if grid == 0 else str(grid)
         verdict.notes.append(f"co-residency: {where.format(shown)}: fits (limit {limit} per rank)")
 
 

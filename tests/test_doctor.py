@@ -471,6 +471,17 @@ def test_co_residency_refuses_too_many_sms(tmp_path):
     found, code = verdicts(make_fabric(tmp_path, fabric.driver, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "10"}),
                            {}, backend="hybrid")
     assert code == 1 and "EP_PLUGIN_NUM_SMS=13" in fixes(found["nvlink"])
+    # Across domains (forced pairs on the GPU's 4 ranks) the domain kernels run EP_PLUGIN_FORWARD_SMS blocks:
+    # 4 x 40 is past 132 and the build is refused (the doctor checked num_sms only and said it fits).
+    forward = {"EP_PLUGIN_SCALEUP_SIZE": "2", "EP_PLUGIN_FORWARD_SMS": "40"}
+    found, code = verdicts(make_fabric(tmp_path, fabric.driver, forward), forward, backend="hybrid", ranks_per_gpu=4)
+    assert (found["nvlink"].status, code) == (UNAVAILABLE, 1), found["nvlink"]
+    assert "EP_PLUGIN_FORWARD_SMS=33" in fixes(found["nvlink"]) and "(EP_PLUGIN_FORWARD_SMS)" in found[
+        "nvlink"].problems[0].text
+    one_domain = {"EP_PLUGIN_FORWARD_SMS": "40"}  # one domain: forward_sms moves nothing
+    found, code = verdicts(make_fabric(tmp_path, fabric.driver, one_domain), one_domain, backend="hybrid",
+                           ranks_per_gpu=4)
+    assert code == 0, found["nvlink"]
 
 
 def test_sm_autosize_line_honours_max_sms_per_gpu(tmp_path, capsys):
