@@ -69,9 +69,7 @@ class Options:
     ranks_per_gpu: int = 1
     nodes: int = 1
     num_experts: int = 256
-    topk: int = 8
     hidden: int = 7168
-    element_bytes: int = 2
 
 
 def _extension_state() -> tuple[bool, str]:
@@ -704,8 +702,13 @@ def _worst(a: str, b: str) -> str:
 
 
 def sm_sizing(fabric: Fabric, options: Options, environ: Optional[Mapping[str, str]] = None) -> Optional[SmSizing]:
-    """What ``num_sms=0`` would pick on this machine for the workload in ``options``."""
+    """What ``num_sms=0`` would pick on this machine: the compiled backend's own call (``--backend``'s, else
+    hybrid's), with its per-SM copy rates and the shape it sizes for (top-``autosize_topk``, bf16 rows of
+    ``--hidden``), over the ranks of one NVLink domain (across domains each domain's backend sizes itself)."""
     if not fabric.gpus:
+        return None
+    backend = _autosizing_backend(options.backend)
+    if backend is None:
         return None
     gpu = fabric.gpus[0]
     per_node = len(fabric.gpus) * max(1, options.ranks_per_gpu)
@@ -714,15 +717,25 @@ def sm_sizing(fabric: Fabric, options: Options, environ: Optional[Mapping[str, s
     except (ValueError, TypeError):
         device_sms = gpu.info.sm_count
     try:
-        return autosize_sms(device_sms=device_sms, ranks_sharing_gpu=options.ranks_per_gpu,
-                            num_ranks=per_node * max(1, options.nodes), num_experts=options.num_experts,
-                            topk=options.topk, hidden_bytes=options.hidden * options.element_bytes,
-                            domain_size=per_node,
+        return autosize_sms(device_sms=device_sms, ranks_sharing_gpu=options.ranks_per_gpu, num_ranks=per_node,
+                            num_experts=max(1, options.num_experts // max(1, options.nodes)),
+                            topk=backend.autosize_topk, hidden_bytes=2 * options.hidden,
                             nvlink_gbytes_per_s=gpu.nvlink_gbytes_per_s if gpu.nvlink_measured else None,
                             scaleout_gbytes_per_s=gpu.scaleout_gbytes_per_s if gpu.scaleout_measured else None,
-                            mps_thread_percentage=fabric.mps.active_thread_percentage)
+                            mps_thread_percentage=fabric.mps.active_thread_percentage,
+                            sm_read_gbytes_per_s=backend.sm_read_gbytes_per_s,
+                            sm_write_gbytes_per_s=backend.sm_write_gbytes_per_s)
     except ValueError:
         return None
+
+
+def _autosizing_backend(name: Optional[str]):
+    """The compiled backend class whose SM autosize the doctor shows (hybrid unless another is named); None for
+    a backend that sizes no grid (reference, a third party's)."""
+    from .backends.elastic import ElasticBackend
+    from .backends.hybrid import HybridBackend
+
+    return {None: HybridBackend, "hybrid": HybridBackend, "elastic": ElasticBackend}.get(name)
 
 
 def assess(fabric: Fabric, options: Options, *, environ: Optional[Mapping[str, str]] = None,
@@ -841,10 +854,11 @@ def render(fabric: Fabric, verdicts: list[Verdict], sizing: Optional[SmSizing], 
         lines += ["", "RDMA devices: none in /sys/class/infiniband"]
     if sizing is not None:
         per_node = len(fabric.gpus) * max(1, options.ranks_per_gpu)
-        lines += ["", f"SM autosize (EP_PLUGIN_NUM_SMS=0) for {per_node * max(1, options.nodes)} ranks "
-                      f"({per_node} per NVLink domain), top-{options.topk} of {options.num_experts} experts, "
-                      f"hidden {options.hidden} x {options.element_bytes} B: {sizing.num_sms} SMs per rank "
-                      f"(links could use {sizing.demand:.1f}; co-residency limit {sizing.limit})"]
+        backend = _autosizing_backend(options.backend)
+        lines += ["", f"SM autosize (EP_PLUGIN_NUM_SMS=0) of {backend.name} for the {per_node} ranks of an NVLink "
+                      f"domain, {options.num_experts // max(1, options.nodes)} experts, hidden {options.hidden} "
+                      f"(sized, as the backend does, for top-{backend.autosize_topk} bf16 rows): {sizing.num_sms} "
+                      f"SMs per rank (links could use {sizing.demand:.1f}; co-residency limit {sizing.limit})"]
     lines += ["", "Verdicts"]
     for verdict in verdicts:
         tag = {OK: "ok", NOT_NEEDED: "n/a", UNCHECKED: "?", DEGRADED: "warn", UNAVAILABLE: "FAIL"}[verdict.status]
@@ -896,10 +910,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="nodes of the job: for the SM autosize line, and above 1 the gloo check of the host "
                              "name's address")
     parser.add_argument("--experts", type=positive_int, default=256, help="experts, for the SM autosize line")
-    parser.add_argument("--topk", type=positive_int, default=8, help="top-k, for the SM autosize line")
     parser.add_argument("--hidden", type=positive_int, default=7168, help="hidden size, for the SM autosize line")
-    parser.add_argument("--element-bytes", type=positive_int, default=2,
-                        help="bytes per element on the wire (bf16: 2)")
     return parser
 
 
@@ -909,8 +920,7 @@ def main(argv: Optional[list[str]] = None, *, fabric: Optional[Fabric] = None,
     args = build_parser().parse_args(argv)
     environ = os.environ if environ is None else environ
     options = Options(backend=args.backend, scaleout=args.scaleout, ranks_per_gpu=args.ranks_per_gpu,
-                      nodes=args.nodes, num_experts=args.experts, topk=args.topk, hidden=args.hidden,
-                      element_bytes=args.element_bytes)
+                      nodes=args.nodes, num_experts=args.experts, hidden=args.hidden)
     fabric = fabric if fabric is not None else probe_fabric(environ=environ)
     probe = nccl_probe.run_nccl_probe(len(fabric.gpus)) if args.nccl_probe else None
     verdicts = assess(fabric, options, environ=environ, probe=probe)

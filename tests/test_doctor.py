@@ -24,6 +24,7 @@ from fake_fabric import (
 )
 
 from ep_plugin import _cuda, doctor
+from ep_plugin.config import Config
 from ep_plugin.doctor import DEGRADED, NOT_NEEDED, OK, UNAVAILABLE, Options, assess, exit_code
 from ep_plugin.transport import nccl_probe
 from ep_plugin.transport.cuda_driver import DriverReport
@@ -491,6 +492,28 @@ def test_sm_autosize_line_honours_max_sms_per_gpu(tmp_path, capsys):
     assert (sizing["limit"], sizing["num_sms"]) == (8, 8)  # what the backend picks: 32 SMs // 4 ranks
 
 
+def test_sm_autosize_line_is_what_the_backend_picks(tmp_path, capsys):
+    """The line showed autosize_sms at the default per-SM copy rates and the asked top-k; the backends size with
+    their own measured rates for top-8 bf16 rows, so num_sms=0 picked another count than the doctor said."""
+    from ep_plugin.backends.elastic import ElasticBackend
+    from ep_plugin.backends.hybrid import HybridBackend
+    from ep_plugin.transport.fabric import gpu_link_bandwidths
+    from ep_plugin.transport.sizing import resolve_num_sms
+
+    fabric = make_fabric(tmp_path, dgx_cx7(tmp_path))
+    nvlink, scaleout = gpu_link_bandwidths(0, fabric)
+    picked = {}
+    for backend in (HybridBackend, ElasticBackend):  # the call _resolve_num_blocks makes, on 8 ranks of H=7168
+        want = resolve_num_sms(Config(num_sms=0), device_sms=132, ranks_sharing_gpu=1, num_ranks=8, num_experts=256,
+                               topk=backend.autosize_topk, hidden_bytes=2 * 7168, nvlink_gbytes_per_s=nvlink,
+                               scaleout_gbytes_per_s=scaleout, sm_read_gbytes_per_s=backend.sm_read_gbytes_per_s,
+                               sm_write_gbytes_per_s=backend.sm_write_gbytes_per_s, environ={})
+        doctor.main(["--json", "--backend", backend.name], fabric=fabric, environ={})
+        picked[backend.name] = json.loads(capsys.readouterr().out)["sm_autosize"]["num_sms"]
+        assert picked[backend.name] == want, (backend.name, picked, want)
+    assert picked["hybrid"] != picked["elastic"]  # the rates differ: a line for one backend would be wrong for one
+
+
 def test_older_architecture_is_flagged(tmp_path):
     found, _ = verdicts(make_fabric(tmp_path, driver([gpu(0, "0000:00:05.0", cc=(8, 0), nvlinks=0)])))
     built = _cuda.built_archs()
@@ -676,7 +699,8 @@ def test_text_output_has_tables_verdicts_and_fixes(tmp_path, capsys):
     assert doctor.main(["--ranks-per-gpu", "2"], fabric=fabric, environ={}) == 0
     text = capsys.readouterr().out
     for expected in ("Machine", "GPUs", "RDMA devices (/sys/class/infiniband)", "ConnectX-7", "400 Gb/sec (4X NDR)",
-                     "SM autosize (EP_PLUGIN_NUM_SMS=0) for 16 ranks", "Verdicts", "[warn] scale-out",
+                     "SM autosize (EP_PLUGIN_NUM_SMS=0) of hybrid for the 16 ranks of an NVLink domain", "Verdicts",
+                     "[warn] scale-out",
                      "fix:     modprobe nvidia_peermem", "Warnings", "mlx5_3 have no ACTIVE port"):
         assert expected in text, expected
     nic_row = next(line for line in text.splitlines() if line.strip().startswith("mlx5_3"))
