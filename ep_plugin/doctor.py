@@ -228,18 +228,27 @@ def _driver_too_old(runtime_version: Optional[int], driver_version: Optional[int
 
 
 def _check_scaleup_size(fabric: Fabric, options: Options, environ: Mapping[str, str], verdict: Verdict) -> None:
-    """A forced domain size must divide the detected one, or building a backend raises EPError."""
+    problem = _scaleup_size_problem(fabric, options, environ)
+    if problem is not None:
+        verdict.problems.append(problem)
+        verdict.status = UNAVAILABLE
+
+
+def _scaleup_size_problem(fabric: Fabric, options: Options, environ: Mapping[str, str]) -> Optional[Problem]:
+    """A forced domain size must divide the detected one, or building any backend on GPU ranks raises EPError
+    (the topology every build settles first)."""
     try:
         forced = _config(environ).scaleup_size
     except (ValueError, TypeError):
-        return  # the knobs' verdict (config_verdict) reports the bad variable
+        return None  # the knobs' verdict (config_verdict) reports the bad variable
+    if not fabric.gpus:
+        return None
     detected = _detected_domain_size(fabric, options.ranks_per_gpu)
-    if forced and detected % forced:
-        verdict.problems.append(Problem(
-            f"EP_PLUGIN_SCALEUP_SIZE={forced} does not divide the NVLink domain of {detected} rank(s) found here "
-            f"({options.ranks_per_gpu} rank(s) per GPU, --ranks-per-gpu): building a backend raises EPError",
-            f"unset EP_PLUGIN_SCALEUP_SIZE (0 = detect) or set a divisor of {detected}"))
-        verdict.status = UNAVAILABLE
+    if not forced or detected % forced == 0:
+        return None
+    return Problem(f"EP_PLUGIN_SCALEUP_SIZE={forced} does not divide the NVLink domain of {detected} rank(s) found "
+                   f"here ({options.ranks_per_gpu} rank(s) per GPU, --ranks-per-gpu): building a backend raises "
+                   f"EPError", f"unset EP_PLUGIN_SCALEUP_SIZE (0 = detect) or set a divisor of {detected}")
 
 
 def _check_co_residency(fabric: Fabric, options: Options, environ: Mapping[str, str], verdict: Verdict) -> None:
@@ -678,8 +687,10 @@ def config_verdict(options: Options, environ: Mapping[str, str]) -> Verdict:
     return verdict
 
 
-def backend_verdict(options: Options, registered: list[str], nvlink: Verdict) -> Optional[Verdict]:
-    """The verdict for ``--backend``: reference always works; kernel backends follow the NVLink verdict."""
+def backend_verdict(options: Options, registered: list[str], nvlink: Verdict,
+                    scaleup_problem: Optional[Problem] = None) -> Optional[Verdict]:
+    """The verdict for ``--backend``: reference works unless a forced domain size fails its build on the GPUs
+    (``scaleup_problem``); kernel backends follow the NVLink verdict, which has that problem too."""
     if options.backend is None or options.backend in KERNEL_BACKENDS:
         return None
     if options.backend not in registered:
@@ -687,6 +698,9 @@ def backend_verdict(options: Options, registered: list[str], nvlink: Verdict) ->
                        f"not registered (known: {', '.join(registered)})",
                        [Problem(f"no backend named {options.backend!r}", f"use one of {', '.join(registered)}")],
                        asked=True, passed=False)
+    if options.backend == "reference" and scaleup_problem is not None:
+        return Verdict("backend", "backend 'reference'", UNAVAILABLE, "its build on these GPUs raises",
+                       [scaleup_problem], asked=True, passed=False)
     if options.backend == "reference":
         return Verdict("backend", "backend 'reference'", OK, "torch.distributed all-to-all: works on CPU (gloo) "
                        "and GPU (NCCL)", asked=True)
@@ -753,7 +767,7 @@ def assess(fabric: Fabric, options: Options, *, environ: Optional[Mapping[str, s
     nvlink = nvlink_verdict(fabric, options, environ, extension, registered, runtime_version)
     verdicts = [nvlink, scaleout_verdict(fabric, options, environ, probe), mps_verdict(fabric, options),
                 gloo_verdict(fabric, options, environ), config_verdict(options, environ)]
-    extra = backend_verdict(options, registered, nvlink)
+    extra = backend_verdict(options, registered, nvlink, _scaleup_size_problem(fabric, options, environ))
     if extra is not None:
         verdicts.insert(0, extra)
     return verdicts

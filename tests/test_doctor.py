@@ -395,6 +395,12 @@ def test_forced_domain_size_must_divide_the_detected_one(tmp_path):
     found, code = verdicts(fabric, {"EP_PLUGIN_SCALEUP_SIZE": "3"}, backend="hybrid")
     assert (found["nvlink"].status, code) == (UNAVAILABLE, 1)
     assert "unset EP_PLUGIN_SCALEUP_SIZE (0 = detect) or set a divisor of 8" in fixes(found["nvlink"])
+    # reference builds on the same topology: its build on these GPUs raises too (it said "works" and exit 0)
+    found, code = verdicts(fabric, {"EP_PLUGIN_SCALEUP_SIZE": "3"}, backend="reference")
+    assert (found["backend"].status, code) == (UNAVAILABLE, 1), found["backend"]
+    assert "set a divisor of 8" in fixes(found["backend"])
+    found, code = verdicts(fabric, {"EP_PLUGIN_SCALEUP_SIZE": "4"}, backend="reference")
+    assert (found["backend"].status, code) == (OK, 0), found["backend"]
     found, code = verdicts(fabric, {"EP_PLUGIN_SCALEUP_SIZE": "4"}, backend="hybrid")
     assert (found["nvlink"].status, code) == (OK, 0)
 
