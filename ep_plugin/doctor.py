@@ -301,6 +301,8 @@ def scaleout_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str
             verdict.problems.append(Problem(
                 f"--scaleout {options.scaleout} asks for RDMA between nodes; CPU ranks cross nodes over gloo "
                 f"(TCP sockets) only", "--scaleout socket for CPU ranks (or run on GPUs with RDMA NICs)"))
+        if probe is not None and not probe.ran:  # said in the text too, not only in --json
+            verdict.notes.append(f"NCCL probe skipped: {probe.reason}")
         return verdict
     mode, summary = _static_scaleout(fabric, environ, verdict)
     if fabric.gpus:

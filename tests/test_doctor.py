@@ -356,6 +356,9 @@ def test_nccl_probe_log_overrides_the_static_guess(tmp_path):
     found, _ = verdicts(fabric, probe=skipped)
     assert found["scaleout"].mode == nccl_probe.GDR_DMABUF
     assert any("NCCL probe skipped: needs 2 GPUs" in note for note in found["scaleout"].notes)
+    # Without a GPU too: the skip was in --json only.
+    found, _ = verdicts(make_fabric(tmp_path, DriverReport(loaded=False, error="no CUDA driver")), probe=skipped)
+    assert any("NCCL probe skipped: needs 2 GPUs" in note for note in found["scaleout"].notes), found["scaleout"]
 
 
 def test_no_nccl_in_torch(tmp_path):
