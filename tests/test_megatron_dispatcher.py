@@ -301,6 +301,35 @@ def _finish_megatron() -> None:
     parallel_state.destroy_model_parallel()
 
 
+def _recompute_case(ctx, seed: int) -> dict:
+    """The MoE layer recomputed in backward (Megatron's moe_layer_recompute: a forward without grad, then the
+    same forward again inside backward, whose dispatch and combine are new ops on the same manager): output and
+    gradients equal a plain step's, for torch's reentrant checkpoint (what Megatron's CheckpointFunction does;
+    Megatron's own needs CUDA's RNG state) and its non-reentrant one. Returns each mode's largest error."""
+    import torch.utils.checkpoint as checkpoint
+
+    hidden_all, routing_all, probs_all, grad_all, fc1, fc2 = _global_inputs(ctx.world_size, 2, seed)
+    dispatcher, experts, _, _ = _make_layer(_make_config(2), fc1, fc2)
+
+    def step(mode: str) -> list:
+        hidden = hidden_all[ctx.rank].clone().requires_grad_()
+        probs = probs_all[ctx.rank].clone().requires_grad_()
+        experts.zero_grad()
+
+        def layer(h, p):
+            return _moe_forward(dispatcher, experts, h, routing_all[ctx.rank], p)[0]
+
+        out = layer(hidden, probs) if mode == "plain" else checkpoint.checkpoint(
+            layer, hidden, probs, use_reentrant=mode == "reentrant")
+        (out * grad_all[ctx.rank]).sum().backward()
+        weight_grads = [param.grad.clone() for param in experts.parameters()]
+        return [out.detach(), hidden.grad, probs.grad, *weight_grads]
+
+    plain = step("plain")
+    return {mode: max(_max_error(a, b) for a, b in zip(step(mode), plain, strict=True))
+            for mode in ("reentrant", "non_reentrant")}
+
+
 def _rank_all_cases(ctx) -> dict:
     _init_megatron(ctx)
     try:
@@ -311,6 +340,7 @@ def _rank_all_cases(ctx) -> dict:
             results[f"restore_top{topk}"] = _restore_identity_case(ctx, topk, seed=200 + topk)
         for index, (name, quantization) in enumerate(QUANTIZATION_CASES):
             results[name] = _layer_case(ctx, 2, "float32", seed=500 + index, quantization=quantization)
+        results["recompute"] = _recompute_case(ctx, seed=600)
     finally:
         _finish_megatron()
     # Expert tensor parallelism: the dispatcher expands the routing map over TP ranks
@@ -542,6 +572,13 @@ def test_flex_dispatcher_matches_dense_layer(num_ranks):
             assert result["rows_match_counts"], label
             for key in ("restore", "grad_hidden", "grad_probs"):
                 assert result[key] < 1e-5, f"{label}: {key} off by {result[key]:.3g}"
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_a_recomputed_moe_layer_matches_the_plain_one(num_ranks):
+    for rank, per_rank in enumerate(_all_cases_on(num_ranks)):
+        for mode, error in per_rank["recompute"].items():
+            assert error < 1e-6, f"rank {rank}/{num_ranks} {mode} recompute off by {error:.3g}"
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
