@@ -158,6 +158,27 @@ class Config:
                 raise ConfigValueError(f"{error} (from {env_var_name(error.field)})", error.field) from None
             raise
 
+    @classmethod
+    def of_what_parses(cls, environ: Optional[dict] = None, underneath: Optional[dict] = None) -> "Config":
+        """The ``EP_PLUGIN_*`` variables that parse, each tried alone (a refused one stays at its default, or at
+        ``underneath``'s value for it): for the exchange that tells a rank's peers why it refused to build,
+        which must still run with the job's timeout and host-word engine (EP_PLUGIN_GLOO_HOST_WORDS), as
+        theirs does."""
+        environ = os.environ if environ is None else environ
+        usable = dict(underneath or {})
+        for knob in fields(cls):
+            variable = env_var_name(knob.name)
+            if env_is_set(knob.name, environ):
+                try:
+                    cls.from_env({variable: environ[variable]})
+                except ValueError:
+                    continue
+                usable[variable] = environ[variable]
+        try:
+            return cls.from_env(usable)
+        except ValueError:  # fields that parse alone and clash together: the defaults, then
+            return cls()
+
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
 

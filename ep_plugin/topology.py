@@ -181,7 +181,12 @@ def detect_topology(group: Optional[dist.ProcessGroup], device: torch.device, *,
                            device=device, on_host=config.gloo_host_words)
     # Where the size came from, for the messages: an argument (a backend's topology=) or the config.
     source = "the topology= argument" if scaleup_size is not None else "EP_PLUGIN_SCALEUP_SIZE / config.scaleup_size"
-    mine = {"scaleup_size": int(forced), "source": source, **_placement_facts(torch.device(device)),
+    try:
+        placement = _placement_facts(torch.device(device))
+    except Exception as error:  # noqa: BLE001 - a GPU this process cannot see, say: told to the peers, raised below
+        refusal = refusal or error
+        placement = _placement_facts(torch.device("cpu"))
+    mine = {"scaleup_size": int(forced), "source": source, **placement,
             "refused": None if refusal is None else f"{type(refusal).__name__}: {refusal}"}
     everyone = comm.all_gather_object(mine, where=f"{purpose} (topology)")
     world, rank = len(everyone), comm.rank

@@ -52,6 +52,11 @@ def construction_scenarios(ctx) -> dict:
     outcomes["indivisible"] = _outcome(lambda: _reference(hidden_size=HIDDEN,
                                                           num_experts=experts + 1 if odd else experts))
     outcomes["bad_hidden"] = _outcome(lambda: _reference(hidden_size=0 if odd else HIDDEN, num_experts=experts))
+    outcomes["bad_kwarg"] = _outcome(lambda: _reference(hidden_size=HIDDEN, num_experts=experts,
+                                                        **({"flavour": 1} if odd else {})))
+    outcomes["bad_device"] = _outcome(lambda: ep_plugin.get_backend("reference")(
+        hidden_size=HIDDEN, num_experts=experts, device="cuda:99" if odd else "cpu",
+        config=Config.from_env(timeout_s=TIMEOUT_S)))
     outcomes["bad_knob"] = _outcome(lambda: _built_under_env(
         {"EP_PLUGIN_TIMEOUT_S": str(TIMEOUT_S), **({"EP_PLUGIN_MAX_TOKENS_PER_RANK": "0"} if odd else {})},
         lambda: ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=experts, device="cpu")))
@@ -88,17 +93,48 @@ def _built_under_env(env: dict, build):
     ("indivisible", f"num_experts={2 * NUM_RANKS + 1} is not divisible by the {NUM_RANKS} ranks"),
     ("bad_hidden", "hidden_size must be a positive int, got 0"),
     ("bad_knob", "EP_PLUGIN_MAX_TOKENS_PER_RANK"),
+    ("bad_kwarg", "flavour"),
+    ("bad_device", "AssertionError"),  # torch's "not compiled with CUDA enabled", or "Invalid device id" (GPU 99)
 ])
 def test_an_argument_refused_on_one_rank_raises_on_every_rank_at_once(construction_outcomes, scenario, reason):
     """Before, the rank raised alone before the topology's exchange and its peers waited for it there until the
     timeout, then named it a late peer."""
     for rank, outcomes in enumerate(construction_outcomes):
         kind, message, seconds = outcomes[scenario]
-        assert kind.endswith("ValueError") and reason in message, (rank, kind, message)
+        assert reason in f"{kind}: {message}", (rank, kind, message)
+        assert kind == "ValueError" if rank != ODD else kind != "EPTimeoutError", (rank, kind, message)
         if rank != ODD:
             assert message.startswith("ep_plugin: building the reference backend was refused on another rank, "
                                       f"so no rank goes on: rank {ODD}: "), message
         assert seconds < TIMEOUT_S / 2, (rank, seconds)
+
+
+@pytest.mark.parametrize("backend, arguments, error", [
+    ("reference", {"flavour": 1}, TypeError),
+    ("elastic", {"max_topk": 40}, ValueError),
+    ("elastic", {"max_topk": True}, ValueError),
+    ("elastic", {"in_place_dispatch": "yes"}, TypeError),
+    ("hybrid", {"combine_input_rows": -1}, ValueError),
+    ("hybrid", {"combine_input_rows": 1.5}, TypeError),
+])
+def test_a_backends_own_arguments_are_checked_before_any_exchange(backend, arguments, error):
+    """``Backend.__new__`` asks ``check_build_arguments`` before the topology's exchange, which carries the
+    refusal: checked in a subclass's ``__init__`` (after that exchange), one rank's raised alone and its peers
+    waited in the construction check until the timeout."""
+    cls = ep_plugin.get_backend(backend)
+    with pytest.raises(error):
+        cls.check_build_arguments(None, hidden_size=HIDDEN, num_experts=4, **arguments)
+    cls.check_build_arguments(None, hidden_size=HIDDEN, num_experts=4)  # the defaults pass
+
+
+def test_the_config_a_refusing_rank_exchanges_with_keeps_the_knobs_that_parse():
+    """The rank whose EP_PLUGIN_* variable is refused still runs the topology's exchange with the job's timeout
+    and host-word engine: with the defaults it made a gloo twin its peers (EP_PLUGIN_GLOO_HOST_WORDS=0) never
+    make, and both sides waited out the timeout."""
+    config = Config.of_what_parses({"EP_PLUGIN_MAX_TOKENS_PER_RANK": "0", "EP_PLUGIN_TIMEOUT_S": "7",
+                                    "EP_PLUGIN_GLOO_HOST_WORDS": "0"})
+    assert (config.timeout_s, config.gloo_host_words, config.max_tokens_per_rank) == (7.0, False,
+                                                                                    Config().max_tokens_per_rank)
 
 
 def test_ranks_that_check_different_fields_raise_on_every_rank(construction_outcomes):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -121,15 +122,19 @@ class Backend(abc.ABC):
             return super().__new__(cls)
         # Arguments that are wrong on this rank alone are raised after the topology's exchange, which tells
         # the other ranks: they raise too, instead of waiting for this one in their next collective.
-        config, refusal = kwargs.get("config"), None
+        config, refusal, device = kwargs.get("config"), None, torch.device("cpu")
         try:
             _check_arguments(cls.name, cls.capabilities, group, kwargs.get("hidden_size"), kwargs.get("num_experts"),
                              kwargs.get("device"))
+            device = _default_device(kwargs.get("device"))
+            cls.check_build_arguments(group, topology=topology, **kwargs)
             config = config if config is not None else Config.from_env()
-        except (TypeError, ValueError) as error:
-            refusal, config = error, config if isinstance(config, Config) else Config()
-        resolved = resolve_topology(topology, group, _default_device(kwargs.get("device")), config,
-                                    purpose=f"building the {cls.name} backend", refusal=refusal)
+        except Exception as error:  # noqa: BLE001 - raised after the exchange, on this rank as it was
+            if not dist.is_initialized():  # no exchange to tell anyone
+                raise
+            refusal, config = error, config if isinstance(config, Config) else Config.of_what_parses()
+        resolved = resolve_topology(topology, group, device, config, purpose=f"building the {cls.name} backend",
+                                    refusal=refusal)
         if resolved.is_hierarchical and (resolved.forced or cls.needs_shared_memory):
             from .hierarchical import HierarchicalBackend
 
@@ -137,6 +142,13 @@ class Backend(abc.ABC):
         instance = super().__new__(cls)
         instance._topology = resolved
         return instance
+
+    @classmethod
+    def check_build_arguments(cls, group: Optional[dist.ProcessGroup] = None, **kwargs: Any) -> None:
+        """Refuse constructor arguments that are wrong on this rank alone, before any exchange (``__new__``
+        carries the refusal in the topology's): ones ``__init__`` does not take; a subclass checks its own
+        values too (``super().check_build_arguments(group, **kwargs)`` first)."""
+        inspect.signature(cls.__init__).bind(None, group, **kwargs)
 
     def __init__(
         self,

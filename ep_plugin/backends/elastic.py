@@ -142,18 +142,25 @@ class ElasticBackend(CompiledBackend):
     sm_read_gbytes_per_s = 16.0
     sm_write_gbytes_per_s = 13.5
 
+    @classmethod
+    def check_build_arguments(cls, group=None, *, max_topk: Optional[int] = None, in_place_dispatch: bool = False,
+                              **kwargs) -> None:
+        super().check_build_arguments(group, max_topk=max_topk, in_place_dispatch=in_place_dispatch, **kwargs)
+        if max_topk is not None and (isinstance(max_topk, bool) or not isinstance(max_topk, int)
+                                     or not 1 <= max_topk <= cls.MAX_TOPK):
+            raise ValueError(f"max_topk must be an int in [1, {cls.MAX_TOPK}], got {max_topk!r}")
+        if not isinstance(in_place_dispatch, bool):
+            raise TypeError(f"in_place_dispatch must be a bool, got {in_place_dispatch!r}")
+
     def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None,
                  max_topk: Optional[int] = None, in_place_dispatch: bool = False) -> None:
         """Args as every backend, plus ``max_topk``: the widest top-k any dispatch will use (default and
         maximum 32; smaller saves buffer memory), and ``in_place_dispatch``: room in the buffer for
         ``dispatch(..., in_place=True)`` (R * max_tokens_per_rank rows of 2H bytes more). Both equal on
         every rank, like ``max_tokens_per_rank``."""
-        # Set before the base constructor: the construction check there includes them.
+        # Set before the base constructor: the construction check there includes them (their values were
+        # checked in __new__: check_build_arguments).
         self.max_topk = self.MAX_TOPK if max_topk is None else max_topk
-        if not isinstance(self.max_topk, int) or not 1 <= self.max_topk <= self.MAX_TOPK:
-            raise ValueError(f"max_topk must be an int in [1, {self.MAX_TOPK}], got {max_topk!r}")
-        if not isinstance(in_place_dispatch, bool):
-            raise TypeError(f"in_place_dispatch must be a bool, got {in_place_dispatch!r}")
         self.in_place_dispatch = in_place_dispatch
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
                          topology=topology)

@@ -174,18 +174,24 @@ class HybridBackend(CompiledBackend):
     barrier_phase = PHASE_BARRIER
     has_combine_input_arena = True  # built with combine_input_rows (see the module docstring)
 
+    @classmethod
+    def check_build_arguments(cls, group=None, *, combine_input_rows: Optional[int] = None, **kwargs) -> None:
+        super().check_build_arguments(group, combine_input_rows=combine_input_rows, **kwargs)
+        if combine_input_rows is None:
+            return
+        if isinstance(combine_input_rows, bool) or not isinstance(combine_input_rows, int):
+            raise TypeError(f"combine_input_rows must be an int, got {combine_input_rows!r}")
+        if combine_input_rows < 0:
+            raise ValueError(f"combine_input_rows must be >= 0, got {combine_input_rows}")
+
     def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None,
                  combine_input_rows: Optional[int] = None) -> None:
         """Args as every backend, plus ``combine_input_rows``: room in the buffer's combine-input arena for
         a combine input of that many rows (0 = no arena, no in-place combine; None = the config's
         ``combine_input_rows``, whose env override is EP_PLUGIN_COMBINE_INPUT_ROWS; see the module
         docstring). Equal on every rank."""
-        if combine_input_rows is None:
+        if combine_input_rows is None:  # an explicit one was checked in __new__ (check_build_arguments)
             combine_input_rows = (config if config is not None else Config.from_env()).combine_input_rows
-        if isinstance(combine_input_rows, bool) or not isinstance(combine_input_rows, int):
-            raise TypeError(f"combine_input_rows must be an int, got {combine_input_rows!r}")
-        if combine_input_rows < 0:
-            raise ValueError(f"combine_input_rows must be >= 0, got {combine_input_rows}")
         self.combine_input_rows = combine_input_rows  # before the base constructor: its check includes it
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
                          topology=topology)

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import weakref
-from dataclasses import fields
 from typing import Optional, Sequence
 
 import torch
@@ -220,23 +218,12 @@ def backend_config(megatron_config) -> Config:
 
 
 def _config_of_what_parses(megatron_config) -> Config:
-    """The EP_PLUGIN_* variables that parse, for the exchange that tells every rank of one that does not: it
-    must run with the job's timeout and engine for the host words (EP_PLUGIN_GLOO_HOST_WORDS), as the peers',
-    and look up the cache under the peers' key (Megatron's SM knob, as ``backend_config`` takes it)."""
+    """The EP_PLUGIN_* variables that parse (``Config.of_what_parses``), for the exchange that tells every rank
+    of one that does not; Megatron's SM knob as ``backend_config`` takes it, so that the cache is looked up
+    under the peers' key."""
     num_sms = compat.dispatcher_num_sms(megatron_config)
-    usable = {} if num_sms is None else {env_var_name("num_sms"): str(num_sms)}
-    for knob in fields(Config):
-        variable = env_var_name(knob.name)
-        if env_is_set(knob.name):
-            try:
-                Config.from_env({variable: os.environ[variable]})
-            except ValueError:
-                continue
-            usable[variable] = os.environ[variable]
-    try:
-        return Config.from_env(usable)
-    except ValueError:  # fields that parse alone and clash together: the defaults, then
-        return Config()
+    megatrons = {} if num_sms is None else {env_var_name("num_sms"): str(num_sms)}
+    return Config.of_what_parses(underneath=megatrons)
 
 
 def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int, device: torch.device, *,
