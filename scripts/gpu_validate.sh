@@ -47,7 +47,7 @@ OUT=${2:?output folder}
 shift 2
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-END=$(( ${CALL_S:-600} - 15 ))  # when this script's own timeouts end: before the device's, with time to pack OUT
+END=$(( ${CALL_S:-600} - 25 ))  # when this script's own timeouts end: before the device's (20 s for a SIGKILL)
 mkdir -p "$OUT"
 if ls .whl/megatron_core-*.whl >/dev/null 2>&1 && ! python3 -c "import megatron.core" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -136,7 +136,7 @@ case "$STAGE" in
   pending)
     mapfile -t PENDING < <(grep -v '^#' scripts/pending_gpu_tests.txt | grep .)
     if (( ${#PENDING[@]} )); then
-      pytest_run $((380 - SECONDS)) "$OUT/pytest_pending.log" 20 --durations=6 -m "gpu or megatron" "${PENDING[@]}"
+      pytest_run $((END - 205 - SECONDS)) "$OUT/pytest_pending.log" 20 --durations=6 -m "gpu or megatron" "${PENDING[@]}"
     fi
     CUDA_VISIBLE_DEVICES=0 bench forms --preset standard --ranks 8 --backends hybrid,hybrid+in_place,hybrid+arena,elastic,elastic+in_place \
       --modes blocking,nonblocking --payloads bf16,fp8 --warmup 2 --iters 3 --graph  # bench() sets its --timeout
@@ -164,28 +164,28 @@ case "$STAGE" in
     [[ "$GPUS" -ge 2 ]] || { echo "STOPPED: the nvlink_tests stage needs 2 GPUs (the nvidia-h200-x2 kind), this machine has $GPUS"; exit 1; }
     nvidia-smi topo -m | head -4
     # 2-rank cases (one rank per GPU here), the register-copy paths over NVLink, and the tests that need two GPUs.
-    pytest_run $((400 - SECONDS)) "$OUT/pytest_nvlink.log" 15 --durations=6 -m "gpu or megatron" tests \
+    pytest_run $((END - 185 - SECONDS)) "$OUT/pytest_nvlink.log" 15 --durations=6 -m "gpu or megatron" tests \
       -k "[2] or two_gpus or per_device or nccl_group or register_copies"
     # Faults with 2 ranks (one per GPU) and 4 (two per GPU): timeouts and refusals over NCCL, in the time left.
     pytest_run $((END - SECONDS)) "$OUT/pytest_nvlink_faults.log" 15 --durations=4 tests/test_faults_gpu.py
     ;;
   scaleout)
     timeout 60 python3 scripts/gloo_probe.py 2>&1 | tee "$OUT/gloo_probe.log"
-    pytest_run 480 "$OUT/pytest_scaleout.log" 25 --durations=6 tests/test_scaleout_gpu.py
+    pytest_run $((END - SECONDS)) "$OUT/pytest_scaleout.log" 25 --durations=6 tests/test_scaleout_gpu.py
     ;;
   scaleout_bench)
     CUDA_VISIBLE_DEVICES=0 bench scaleout --preset standard --ranks 8 --backends hybrid,elastic --payloads bf16 \
       --scaleup-size 8,4 --iters 5
     ;;
   megatron)
-    timeout -k 20 300 examples/megatron/run_comparison.sh /tmp/megatron 50 4 ep_hybrid > "$OUT/megatron.log" 2>&1
+    timeout -k 20 $((END - SECONDS < 300 ? END - SECONDS : 300)) examples/megatron/run_comparison.sh /tmp/megatron 50 4 ep_hybrid > "$OUT/megatron.log" 2>&1
     rc=$?
     echo "megatron rc=$rc"; tail -5 "$OUT/megatron.log"
     fail "$rc"
     cp /tmp/megatron/loss.png /tmp/megatron/compare.txt "$OUT/" 2>/dev/null
     ;;
   nemo)
-    timeout -k 20 480 examples/nemo/run_bridge_comparison.sh /tmp/nemo "${STEPS:-50}" 4 ep_hybrid > "$OUT/nemo.log" 2>&1
+    timeout -k 20 $((END - SECONDS < 480 ? END - SECONDS : 480)) examples/nemo/run_bridge_comparison.sh /tmp/nemo "${STEPS:-50}" 4 ep_hybrid > "$OUT/nemo.log" 2>&1
     rc=$?
     echo "nemo rc=$rc"
     fail "$rc"
