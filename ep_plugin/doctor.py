@@ -727,14 +727,14 @@ def sm_sizing(fabric: Fabric, options: Options, environ: Optional[Mapping[str, s
     if backend is None:
         return None
     gpu = fabric.gpus[0]
-    per_node = len(fabric.gpus) * max(1, options.ranks_per_gpu)
     try:  # the backends size from EP_PLUGIN_MAX_SMS_PER_GPU where it is set
         device_sms = _config(os.environ if environ is None else environ).max_sms_per_gpu or gpu.info.sm_count
     except (ValueError, TypeError):
         device_sms = gpu.info.sm_count
+    ranks, experts = _autosized_domain(fabric, options, environ)
     try:
-        return autosize_sms(device_sms=device_sms, ranks_sharing_gpu=options.ranks_per_gpu, num_ranks=per_node,
-                            num_experts=max(1, options.num_experts // max(1, options.nodes)),
+        return autosize_sms(device_sms=device_sms, ranks_sharing_gpu=options.ranks_per_gpu, num_ranks=ranks,
+                            num_experts=experts,
                             topk=backend.autosize_topk, hidden_bytes=2 * options.hidden,
                             nvlink_gbytes_per_s=gpu.nvlink_gbytes_per_s if gpu.nvlink_measured else None,
                             scaleout_gbytes_per_s=gpu.scaleout_gbytes_per_s if gpu.scaleout_measured else None,
@@ -743,6 +743,18 @@ def sm_sizing(fabric: Fabric, options: Options, environ: Optional[Mapping[str, s
                             sm_write_gbytes_per_s=backend.sm_write_gbytes_per_s)
     except ValueError:
         return None
+
+
+def _autosized_domain(fabric: Fabric, options: Options, environ: Optional[Mapping[str, str]]) -> tuple[int, int]:
+    """(ranks, experts) of the NVLink domain a backend autosizes for: a node's ranks, or a forced domain size
+    that divides them (EP_PLUGIN_SCALEUP_SIZE), with the experts of that many ranks."""
+    per_node = len(fabric.gpus) * max(1, options.ranks_per_gpu)
+    try:
+        forced = _config(os.environ if environ is None else environ).scaleup_size
+    except (ValueError, TypeError):
+        forced = 0
+    ranks = forced if forced and per_node % forced == 0 else per_node
+    return ranks, max(1, options.num_experts * ranks // (per_node * max(1, options.nodes)))
 
 
 def _autosizing_backend(name: Optional[str]):
@@ -815,7 +827,8 @@ def gpu_headline(fabric: Fabric) -> str:
     return _no_gpu_reason(fabric).text  # type: ignore[union-attr]
 
 
-def render(fabric: Fabric, verdicts: list[Verdict], sizing: Optional[SmSizing], options: Options) -> str:
+def render(fabric: Fabric, verdicts: list[Verdict], sizing: Optional[SmSizing], options: Options,
+           environ: Optional[Mapping[str, str]] = None) -> str:
     lines = ["ep_plugin doctor: what will work on this machine", "", "Machine"]
     facts = [
         ["GPUs", gpu_headline(fabric)],
@@ -868,11 +881,11 @@ def render(fabric: Fabric, verdicts: list[Verdict], sizing: Optional[SmSizing], 
         lines += _table(["device", "vendor", "model", "port", "state", "rate", "link layer", "NUMA", "PCI"], rows)
     else:
         lines += ["", "RDMA devices: none in /sys/class/infiniband"]
-    if sizing is not None:
-        per_node = len(fabric.gpus) * max(1, options.ranks_per_gpu)
-        backend = _autosizing_backend(options.backend)
-        lines += ["", f"SM autosize (EP_PLUGIN_NUM_SMS=0) of {backend.name} for the {per_node} ranks of an NVLink "
-                      f"domain, {options.num_experts // max(1, options.nodes)} experts, hidden {options.hidden} "
+    backend = _autosizing_backend(options.backend)
+    if sizing is not None and backend is not None:
+        ranks, experts = _autosized_domain(fabric, options, environ)
+        lines += ["", f"SM autosize (EP_PLUGIN_NUM_SMS=0) of {backend.name} for the {ranks} ranks of an NVLink "
+                      f"domain, {experts} experts, hidden {options.hidden} "
                       f"(sized, as the backend does, for top-{backend.autosize_topk} bf16 rows): {sizing.num_sms} "
                       f"SMs per rank (links could use {sizing.demand:.1f}; co-residency limit {sizing.limit})"]
     lines += ["", "Verdicts"]
@@ -950,5 +963,5 @@ def main(argv: Optional[list[str]] = None, *, fabric: Optional[Fabric] = None,
         }
         print(json.dumps(payload, indent=2, default=str))
     else:
-        print(render(fabric, verdicts, sizing, options))
+        print(render(fabric, verdicts, sizing, options, environ))
     return code

@@ -521,6 +521,16 @@ def test_sm_autosize_line_is_what_the_backend_picks(tmp_path, capsys):
         picked[backend.name] = json.loads(capsys.readouterr().out)["sm_autosize"]["num_sms"]
         assert picked[backend.name] == want, (backend.name, picked, want)
     assert picked["hybrid"] != picked["elastic"]  # the rates differ: a line for one backend would be wrong for one
+    # Forced domains of 4: each domain's backend sizes for its 4 ranks and their 128 experts.
+    forced = {"EP_PLUGIN_SCALEUP_SIZE": "4"}
+    want = resolve_num_sms(Config(num_sms=0), device_sms=132, ranks_sharing_gpu=1, num_ranks=4, num_experts=128,
+                           topk=HybridBackend.autosize_topk, hidden_bytes=2 * 7168, nvlink_gbytes_per_s=nvlink,
+                           scaleout_gbytes_per_s=scaleout, sm_read_gbytes_per_s=HybridBackend.sm_read_gbytes_per_s,
+                           sm_write_gbytes_per_s=HybridBackend.sm_write_gbytes_per_s, environ={})
+    doctor.main(["--json"], fabric=fabric, environ=forced)
+    assert json.loads(capsys.readouterr().out)["sm_autosize"]["num_sms"] == want
+    doctor.main([], fabric=fabric, environ=forced)
+    assert "of hybrid for the 4 ranks of an NVLink domain, 128 experts" in capsys.readouterr().out
 
 
 def test_older_architecture_is_flagged(tmp_path):

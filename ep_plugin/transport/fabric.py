@@ -2,7 +2,8 @@
 
 Built from sysfs, ``/dev``, ``/proc``, the environment and the CUDA driver (``cuda_driver``),
 never from tools that may be missing (``ibstat``, ``nvidia-smi``). Every source is injectable
-(``probe_fabric(root=..., environ=..., driver=..., memlock=..., nccl_version=...)``) so tests run
+(``probe_fabric(root=..., environ=..., driver=..., memlock=..., nccl_version=..., host_address=...,
+addresses=...)``) so tests run
 on fake trees; nothing here raises on a missing file or driver: it says what it could not read.
 
 NIC-to-GPU affinity (the rule behind per-GPU scale-out bandwidth):
@@ -443,10 +444,18 @@ def host_name_address() -> Optional[str]:
 
 def interface_addresses(names: list[str]) -> Optional[dict[str, list[str]]]:
     """Each of ``names``'s IPv4 address (SIOCGIFADDR) and IPv6 addresses (/proc/net/if_inet6), as gloo finds them
-    with getifaddrs; None where this host offers neither way to ask (not Linux)."""
-    import fcntl
+    with getifaddrs; None where this host offers no way to ask (no fcntl, or no /proc/net: not Linux). The
+    names come from ``/sys/class/net`` under ``probe_fabric``'s root; the addresses are this host's (a fake tree
+    passes ``addresses=``)."""
     import socket
     import struct
+
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX host
+        return None
+    if not os.path.isdir("/proc/net"):
+        return None
 
     found: dict[str, list[str]] = {name: [] for name in names}
     try:
