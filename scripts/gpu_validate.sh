@@ -87,6 +87,9 @@ fail() {  # fail RC: keep the first nonzero status as the stage's exit status
 
 pytest_run() {  # pytest_run SECONDS LOG TAIL ARGS...: pytest under a timeout (SIGKILL 20 s after its SIGTERM)
   local seconds=$1 log=$2 lines=$3; shift 3
+  if (( seconds < 30 )); then  # `timeout 0` would mean none, and a negative one is an error
+    echo "pytest: not run, $SECONDS s of the call used" | tee "$log"; fail 1; return
+  fi
   timeout -k 20 "$seconds" python3 -m pytest -q -p no:cacheprovider --require-gpu "$@" 2>&1 | tee "$log" \
     | tail -"$lines"
   local rc=${PIPESTATUS[0]}
