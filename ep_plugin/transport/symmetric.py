@@ -63,16 +63,31 @@ class SymmetricBuffer:
         self.timeout_s = float(timeout_s)
         self._C = _cuda.extension()
         index = device.index if device.index is not None else torch.cuda.current_device()
-        self._buffer = self._C.SymmetricBuffer(index, self.rank, self.num_ranks, int(region_bytes), int(count_words),
-                                               float(timeout_s))
+        # An allocation that fails here (out of memory on this rank alone, as a grow mid-training can meet) is
+        # told to the peers in the handle exchange below: every rank raises at once, none waits for this one.
+        try:
+            self._buffer = self._C.SymmetricBuffer(index, self.rank, self.num_ranks, int(region_bytes),
+                                                   int(count_words), float(timeout_s))
+            handle, failure = self._buffer.export_handle(), None
+        except RuntimeError as error:
+            self._buffer, handle, failure = None, None, error
         self._region_tensors: dict[tuple, torch.Tensor] = {}  # see region_tensor
         here = own_identity()
-        # Timed (a rank that failed alone, out of memory above, say, is named instead of waited for).
+        # Timed (a rank that failed alone, one that never builds this backend, say, is named instead of waited for).
         self._collectives = HostCollectives(group, owner=f"ep_plugin {backend}", timeout_s=timeout_s, label="buffer",
                                             device=torch.device("cuda", index), on_host=on_host)
-        gathered = self._collectives.all_gather_object((self._buffer.export_handle(), here),
-                                                       where="opening the peers' buffers")
-        self._buffer.open_peers([handle for handle, _ in gathered])
+        gathered = self._collectives.all_gather_object(
+            (handle, here, None if failure is None else f"{type(failure).__name__}: {failure}"),
+            where="opening the peers' buffers")
+        failed = [f"{self._collectives.peer_name(rank)}: {why}" for rank, (_, _, why) in enumerate(gathered) if why]
+        if failed:
+            self._buffer = None  # no peer opened it: the extension frees it now
+            if failure is not None:
+                raise failure
+            raise EPError(f"ep_plugin {backend}: no rank opens the peers' buffers, as another rank could not make "
+                          f"its own ({'; '.join(failed)}). Free memory on its GPU or lower max_tokens_per_rank, "
+                          f"then build again on every rank.")
+        self._buffer.open_peers([handle for handle, _, _ in gathered])
         # No rank may write into a peer before that peer opened everything (its flags start zeroed).
         self._collectives.barrier(where="opening the peers' buffers (every rank opened them)")
         self._destroyed = False
@@ -83,7 +98,7 @@ class SymmetricBuffer:
         self._dropped.atexit = False
         if self.num_ranks == 1:
             self._dropped.detach()
-        self.peer_processes = {rank: identity for rank, (_, identity) in enumerate(gathered) if rank != self.rank}
+        self.peer_processes = {rank: identity for rank, (_, identity, _) in enumerate(gathered) if rank != self.rank}
         WATCH.watch(self, {rank: identity for rank, identity in self.peer_processes.items()
                            if identity.watchable_from(here)}, peer_watch_s)
 
