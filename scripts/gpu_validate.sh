@@ -85,6 +85,11 @@ fail() {  # fail RC: keep the first nonzero status as the stage's exit status
   (( RC )) || RC=$1
 }
 
+enough_left() {  # enough_left SECONDS: whether the call has that much left (else says so): `timeout 0` is none
+  (( END - SECONDS >= $1 )) && return 0
+  echo "not run: $SECONDS s of the call used"; return 1
+}
+
 pytest_run() {  # pytest_run SECONDS LOG TAIL ARGS...: pytest under a timeout (SIGKILL 20 s after its SIGTERM)
   local seconds=$1 log=$2 lines=$3; shift 3
   if (( seconds < 30 )); then  # `timeout 0` would mean none, and a negative one is an error
@@ -181,14 +186,16 @@ case "$STAGE" in
       --scaleup-size 8,4 --iters 5
     ;;
   megatron)
-    timeout -k 20 $((END - SECONDS < 300 ? END - SECONDS : 300)) examples/megatron/run_comparison.sh /tmp/megatron 50 4 ep_hybrid > "$OUT/megatron.log" 2>&1
+    enough_left 60 && timeout -k 20 $((END - SECONDS < 300 ? END - SECONDS : 300)) \
+      examples/megatron/run_comparison.sh /tmp/megatron 50 4 ep_hybrid > "$OUT/megatron.log" 2>&1
     rc=$?
     echo "megatron rc=$rc"; tail -5 "$OUT/megatron.log"
     fail "$rc"
     cp /tmp/megatron/loss.png /tmp/megatron/compare.txt "$OUT/" 2>/dev/null
     ;;
   nemo)
-    timeout -k 20 $((END - SECONDS < 480 ? END - SECONDS : 480)) examples/nemo/run_bridge_comparison.sh /tmp/nemo "${STEPS:-50}" 4 ep_hybrid > "$OUT/nemo.log" 2>&1
+    enough_left 60 && timeout -k 20 $((END - SECONDS < 480 ? END - SECONDS : 480)) \
+      examples/nemo/run_bridge_comparison.sh /tmp/nemo "${STEPS:-50}" 4 ep_hybrid > "$OUT/nemo.log" 2>&1
     rc=$?
     echo "nemo rc=$rc"
     fail "$rc"

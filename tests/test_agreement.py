@@ -127,6 +127,33 @@ def test_a_backends_own_arguments_are_checked_before_any_exchange(backend, argum
     cls.check_build_arguments(None, hidden_size=HIDDEN, num_experts=4)  # the defaults pass
 
 
+class _WithoutTopology(ep_plugin.get_backend("reference")):
+    """A backend subclass (a third party's, say) whose constructor takes no ``topology``."""
+
+    def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None):
+        super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device)
+
+
+class _WithoutGroup(ep_plugin.get_backend("reference")):
+    """One whose constructor takes no group (it always runs on the world)."""
+
+    def __init__(self, *, hidden_size, num_experts, config=None, device=None, topology=None):
+        super().__init__(None, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
+                         topology=topology)
+
+
+def build_subclasses(ctx) -> list:
+    config = Config.from_env(timeout_s=TIMEOUT_S)
+    return [type(cls(hidden_size=HIDDEN, num_experts=4, config=config, device="cpu")).__name__
+            for cls in (_WithoutTopology, _WithoutGroup)]
+
+
+def test_subclasses_whose_constructors_take_fewer_arguments_still_build():
+    """check_build_arguments binds what the caller passed: it once bound topology=None and the group too, and a
+    subclass without them was refused on every rank."""
+    assert run_ranks(build_subclasses, 2, timeout_s=120) == [["_WithoutTopology", "_WithoutGroup"]] * 2
+
+
 def test_the_config_a_refusing_rank_exchanges_with_keeps_the_knobs_that_parse():
     """The rank whose EP_PLUGIN_* variable is refused still runs the topology's exchange with the job's timeout
     and host-word engine: with the defaults it made a gloo twin its peers (EP_PLUGIN_GLOO_HOST_WORDS=0) never

@@ -122,12 +122,15 @@ class Backend(abc.ABC):
             return super().__new__(cls)
         # Arguments that are wrong on this rank alone are raised after the topology's exchange, which tells
         # the other ranks: they raise too, instead of waiting for this one in their next collective.
-        config, refusal, device = kwargs.get("config"), None, torch.device("cpu")
+        config, refusal = kwargs.get("config"), None
+        try:  # the device first: the exchange runs on it, also where another argument is refused
+            device = _default_device(kwargs.get("device"))
+        except Exception:  # noqa: BLE001 - refused below (_check_arguments), after the exchange
+            device = torch.device("cpu")
         try:
             _check_arguments(cls.name, cls.capabilities, group, kwargs.get("hidden_size"), kwargs.get("num_experts"),
                              kwargs.get("device"))
-            device = _default_device(kwargs.get("device"))
-            cls.check_build_arguments(group, topology=topology, **kwargs)
+            cls.check_build_arguments(group, **({"topology": topology} if topology is not None else {}), **kwargs)
             config = config if config is not None else Config.from_env()
         except Exception as error:  # noqa: BLE001 - raised after the exchange, on this rank as it was
             if not dist.is_initialized():  # no exchange to tell anyone
@@ -148,7 +151,7 @@ class Backend(abc.ABC):
         """Refuse constructor arguments that are wrong on this rank alone, before any exchange (``__new__``
         carries the refusal in the topology's): ones ``__init__`` does not take; a subclass checks its own
         values too (``super().check_build_arguments(group, **kwargs)`` first)."""
-        inspect.signature(cls.__init__).bind(None, group, **kwargs)
+        inspect.signature(cls.__init__).bind(None, *(() if group is None else (group,)), **kwargs)
 
     def __init__(
         self,
