@@ -82,6 +82,7 @@ class SymmetricBuffer:
         failed = [f"{self._collectives.peer_name(rank)}: {why}" for rank, (_, _, why) in enumerate(gathered) if why]
         if failed:
             self._buffer = None  # no peer opened it: the extension frees it now
+            self._collectives.release()
             if failure is not None:
                 raise failure
             raise EPError(f"ep_plugin {backend}: no rank opens the peers' buffers, as another rank could not make "
