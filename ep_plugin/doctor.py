@@ -746,14 +746,16 @@ def sm_sizing(fabric: Fabric, options: Options, environ: Optional[Mapping[str, s
 
 
 def _autosized_domain(fabric: Fabric, options: Options, environ: Optional[Mapping[str, str]]) -> tuple[int, int]:
-    """(ranks, experts) of the NVLink domain a backend autosizes for: a node's ranks, or a forced domain size
-    that divides them (EP_PLUGIN_SCALEUP_SIZE), with the experts of that many ranks."""
+    """(ranks, experts) of the NVLink domain a backend autosizes for: the domain found here (the ranks whose
+    GPUs map each other's memory), or a forced size that divides it (EP_PLUGIN_SCALEUP_SIZE; one that does not
+    fails the build, which the NVLink verdict says), with the experts of that many ranks."""
     per_node = len(fabric.gpus) * max(1, options.ranks_per_gpu)
+    detected = _detected_domain_size(fabric, options.ranks_per_gpu)
     try:
         forced = _config(os.environ if environ is None else environ).scaleup_size
     except (ValueError, TypeError):
         forced = 0
-    ranks = forced if forced and per_node % forced == 0 else per_node
+    ranks = forced if forced and detected % forced == 0 else detected
     return ranks, max(1, options.num_experts * ranks // (per_node * max(1, options.nodes)))
 
 

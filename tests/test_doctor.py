@@ -531,6 +531,11 @@ def test_sm_autosize_line_is_what_the_backend_picks(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["sm_autosize"]["num_sms"] == want
     doctor.main([], fabric=fabric, environ=forced)
     assert "of hybrid for the 4 ranks of an NVLink domain, 128 experts" in capsys.readouterr().out
+    # Two groups of 4 GPUs that map only each other: the domain found is 4, forced or not.
+    split = fabric.driver
+    split.peer_access = [[(i < 4) == (j < 4) for j in range(8)] for i in range(8)]
+    doctor.main(["--json"], fabric=make_fabric(tmp_path, split), environ={})
+    assert json.loads(capsys.readouterr().out)["sm_autosize"]["num_sms"] == want
 
 
 def test_older_architecture_is_flagged(tmp_path):
