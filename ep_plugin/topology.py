@@ -157,7 +157,7 @@ def mappable_domain_size(placements: list[dict]) -> int:
 
 def detect_topology(group: Optional[dist.ProcessGroup], device: torch.device, *,
                     config: Optional[Config] = None, scaleup_size: Optional[int] = None,
-                    purpose: str = "detecting the topology", refusal: Optional[Exception] = None) -> Topology:
+                    purpose: str = "detecting the topology", refusal: Optional[str] = None) -> Topology:
     """Detect and validate this group's topology (a collective: call it on every rank, in the same order).
 
     Args:
@@ -166,11 +166,13 @@ def detect_topology(group: Optional[dist.ProcessGroup], device: torch.device, *,
         config: for ``scaleup_size`` and ``timeout_s`` (default ``Config.from_env()``).
         scaleup_size: overrides ``config.scaleup_size`` (0 = detect).
         purpose: what the caller is doing, for timeout messages ("building the reference backend").
-        refusal: why this rank will not go on (a backend's argument that is wrong here alone): it still joins
-            the exchange, which tells its peers, so that every rank raises at once instead of the others
-            waiting for it in their next collective until the timeout.
+        refusal: why this rank will not go on, in words (a backend's argument that is wrong here alone): it
+            still joins the exchange, which tells its peers, so that every rank raises at once instead of the
+            others waiting for it in their next collective until the timeout. The caller raises its own error
+            after this returns (a flat placeholder topology, then).
     Returns: the Topology, equal on every rank (up to ``rank``).
-    Raises: ``refusal`` on its rank and ValueError naming it and its rank on the others;
+    Raises: ValueError naming the rank and its refusal where another rank refused; this rank's own error where
+        its device cannot be placed (a GPU this process cannot see);
         EPError on every rank when the ranks forced different sizes or a forced size does not fit;
         EPTimeoutError naming the late rank when one does not arrive within ``timeout_s``.
     """
@@ -181,17 +183,22 @@ def detect_topology(group: Optional[dist.ProcessGroup], device: torch.device, *,
                            device=device, on_host=config.gloo_host_words)
     # Where the size came from, for the messages: an argument (a backend's topology=) or the config.
     source = "the topology= argument" if scaleup_size is not None else "EP_PLUGIN_SCALEUP_SIZE / config.scaleup_size"
+    unplaced = None
     try:
         placement = _placement_facts(torch.device(device))
     except Exception as error:  # noqa: BLE001 - a GPU this process cannot see, say: told to the peers, raised below
-        refusal = refusal or error
-        placement = _placement_facts(torch.device("cpu"))
-    mine = {"scaleup_size": int(forced), "source": source, **placement,
-            "refused": None if refusal is None else f"{type(refusal).__name__}: {refusal}"}
+        unplaced, placement = error, _placement_facts(torch.device("cpu"))
+    said = refusal or (None if unplaced is None else f"{type(unplaced).__name__}: {unplaced}")
+    mine = {"scaleup_size": int(forced), "source": source, **placement, "refused": said}
     everyone = comm.all_gather_object(mine, where=f"{purpose} (topology)")
     world, rank = len(everyone), comm.rank
-    if refusal is not None:
-        raise refusal
+    if unplaced is not None and refusal is None:
+        try:
+            raise unplaced
+        finally:  # the traceback holds this frame: holding the error too would keep both to a full collection
+            unplaced = None
+    if said is not None:  # the caller raises why
+        return Topology.flat(world, rank)
     refused = [f"{comm.peer_name(q)}: {facts['refused']}" for q, facts in enumerate(everyone) if facts["refused"]]
     if refused:
         raise ValueError(f"ep_plugin: {purpose} was refused on another rank, so no rank goes on: {'; '.join(refused)}")
@@ -226,18 +233,26 @@ def detect_topology(group: Optional[dist.ProcessGroup], device: torch.device, *,
 
 def resolve_topology(topology: Optional[Topology], group: Optional[dist.ProcessGroup], device: torch.device,
                      config: Config, *, purpose: str = "detecting the topology",
-                     refusal: Optional[Exception] = None) -> Topology:
+                     refusal: Optional[str] = None) -> Topology:
     """The topology a backend is built on: detected (``topology=None``), or the given one's domain size,
     validated like a forced size (a collective either way: every rank must pass the same). A ``topology``
-    that is wrong here, like ``refusal``, is raised after the exchange, which tells every rank."""
+    that is wrong here is raised after the exchange, which tells every rank; ``refusal`` as in
+    ``detect_topology`` (the caller raises it)."""
     if topology is None:
         return detect_topology(group, device, config=config, purpose=purpose, refusal=refusal)
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
-    if refusal is None and not isinstance(topology, Topology):
-        refusal = TypeError(f"topology must be an ep_plugin.topology.Topology, got {type(topology).__name__}")
-    elif refusal is None and topology.world_size != world:
-        refusal = ValueError(f"topology is for {topology.world_size} ranks, the process group has {world}")
-    scaleup_size = topology.domain_size if refusal is None else None
-    return detect_topology(group, device, config=config, scaleup_size=scaleup_size, purpose=purpose,
-                           refusal=refusal)
+    wrong = None
+    if not isinstance(topology, Topology):
+        wrong = TypeError(f"topology must be an ep_plugin.topology.Topology, got {type(topology).__name__}")
+    elif topology.world_size != world:
+        wrong = ValueError(f"topology is for {topology.world_size} ranks, the process group has {world}")
+    said = refusal or (None if wrong is None else f"{type(wrong).__name__}: {wrong}")
+    resolved = detect_topology(group, device, config=config, scaleup_size=None if said else topology.domain_size,
+                               purpose=purpose, refusal=said)
+    if wrong is not None and refusal is None:
+        try:
+            raise wrong
+        finally:  # as in detect_topology: no cycle through this frame
+            wrong = None
+    return resolved

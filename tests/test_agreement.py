@@ -154,6 +154,37 @@ def test_subclasses_whose_constructors_take_fewer_arguments_still_build():
     assert run_ranks(build_subclasses, 2, timeout_s=120) == [["_WithoutTopology", "_WithoutGroup"]] * 2
 
 
+def refused_build_leaves_nothing_alive(ctx) -> list:
+    """Live HostCollectives (each may hold a gloo twin) before and after a build that rank 1 refuses, with the
+    cycle collector off. A refusal raised from a frame that still held it formed a cycle through its traceback:
+    the frames, and the topology exchange's collectives with them, stayed alive to a full collection, and a
+    build retried at once met a twin its peers had let go."""
+    import gc
+
+    def live() -> int:
+        return sum(isinstance(obj, HostCollectives) for obj in gc.get_objects())
+
+    config = Config.from_env(timeout_s=TIMEOUT_S)
+    gc.collect()
+    gc.disable()
+    try:
+        before = live()
+        for bad in ({"flavour": 1}, {"topology": "2x1"}):  # refused in __new__, and in resolve_topology
+            try:
+                ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=4, config=config, device="cpu",
+                                                   **(bad if ctx.rank == 1 else {}))
+            except (TypeError, ValueError):
+                pass
+        return [before, live()]
+    finally:
+        gc.enable()
+
+
+def test_a_refused_build_keeps_no_collectives_alive():
+    for rank, (before, after) in enumerate(run_ranks(refused_build_leaves_nothing_alive, 2, timeout_s=120)):
+        assert after == before, (rank, before, after)
+
+
 def test_the_config_a_refusing_rank_exchanges_with_keeps_the_knobs_that_parse():
     """The rank whose EP_PLUGIN_* variable is refused still runs the topology's exchange with the job's timeout
     and host-word engine: with the defaults it made a gloo twin its peers (EP_PLUGIN_GLOO_HOST_WORDS=0) never

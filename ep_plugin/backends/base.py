@@ -137,7 +137,12 @@ class Backend(abc.ABC):
                 raise
             refusal, config = error, config if isinstance(config, Config) else Config.of_what_parses()
         resolved = resolve_topology(topology, group, device, config, purpose=f"building the {cls.name} backend",
-                                    refusal=refusal)
+                                    refusal=None if refusal is None else f"{type(refusal).__name__}: {refusal}")
+        if refusal is not None:
+            try:
+                raise refusal
+            finally:  # the traceback holds this frame: holding the error too would keep both to a full collection
+                refusal = None
         if resolved.is_hierarchical and (resolved.forced or cls.needs_shared_memory):
             from .hierarchical import HierarchicalBackend
 

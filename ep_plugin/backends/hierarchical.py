@@ -227,15 +227,16 @@ class HierarchicalBackend(Backend):
             if failure is None:
                 raise
             outcomes = None
-        if outcomes is None:
-            raise failure
-        failed = {rank: o for rank, o in enumerate(outcomes) if o is not None}
-        if not failed:
+        failed = {} if outcomes is None else {rank: o for rank, o in enumerate(outcomes) if o is not None}
+        if outcomes is not None and not failed:
             return domain
         if domain is not None:
             domain.destroy()
         if failure is not None:
-            raise failure
+            try:
+                raise failure
+            finally:  # the traceback holds this frame (and self): no cycle keeping them to a full collection
+                failure = domain = None
         first, (kind, message) = next(iter(failed.items()))
         error = ValueError if all(k == "ValueError" for k, _ in failed.values()) else EPError
         raise error(f"ep_plugin {self.name}: the domain backend could not be built on rank(s) {sorted(failed)} "

@@ -84,7 +84,10 @@ class SymmetricBuffer:
             self._buffer = None  # no peer opened it: the extension frees it now
             self._collectives.release()
             if failure is not None:
-                raise failure
+                try:
+                    raise failure
+                finally:  # the traceback holds this frame (and self): no cycle keeping them to a full collection
+                    failure = None
             raise EPError(f"ep_plugin {backend}: no rank opens the peers' buffers, as another rank could not make "
                           f"its own ({'; '.join(failed)}). Free memory on its GPU or lower max_tokens_per_rank, "
                           f"then build again on every rank.")
