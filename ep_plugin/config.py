@@ -183,6 +183,11 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
+def is_int(value: Any) -> bool:
+    """A Python int, not a bool (True is an int, and would pass a range check as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def env_var_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 

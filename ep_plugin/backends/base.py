@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .. import streams
 from ..agreement import check_construction
-from ..config import MAX_PAD_MULTIPLE, Config
+from ..config import MAX_PAD_MULTIPLE, Config, is_int
 from ..errors import BackendUnavailableError
 from ..handle import CombineOutput, DispatchOutput, Handle
 from ..host_collectives import HostCollectives
@@ -280,7 +280,7 @@ class Backend(abc.ABC):
             raise ValueError("a cached dispatch (handle=...) takes no routing arguments: the handle has them")
         if pad_multiple is not None:
             self.check_handle(handle)
-            if isinstance(pad_multiple, bool) or pad_multiple != handle.pad_multiple:
+            if not is_int(pad_multiple) or pad_multiple != handle.pad_multiple:
                 raise ValueError(f"a cached dispatch pads as its handle's dispatch did (pad_multiple / "
                                  f"expert_alignment {handle.pad_multiple}); got {pad_multiple}")
 
@@ -462,8 +462,7 @@ class Backend(abc.ABC):
         if hidden.shape[0] > self.config.max_tokens_per_rank and not self.refuses_input_in_exchange:
             raise ValueError(self._over_budget(hidden.shape[0]))
         pad_multiple = self.config.pad_multiple if pad_multiple is None else pad_multiple
-        if not isinstance(pad_multiple, int) or isinstance(pad_multiple, bool) or \
-                not 1 <= pad_multiple <= MAX_PAD_MULTIPLE:  # (True is an int, and would pad to 1)
+        if not (is_int(pad_multiple) and 1 <= pad_multiple <= MAX_PAD_MULTIPLE):
             raise ValueError(f"pad_multiple must be an int in [1, {MAX_PAD_MULTIPLE}], got {pad_multiple!r}")
         routing, weights = make_routing(
             hidden, self.num_experts, routing_map=routing_map, probs=probs, topk_idx=topk_idx,

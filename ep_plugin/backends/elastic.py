@@ -76,6 +76,7 @@ import torch
 
 from .. import streams
 from ..agreement import OP_COMBINE, OP_COMBINE_IN_PLACE, OP_DISPATCH, OP_DISPATCH_AGAIN, fingerprint_code
+from ..config import is_int
 from ..handle import COMPACT, EXPERT_ROWS, CombineOutput, DispatchOutput, Handle
 from ..routing import ROUTING_MAP, TOPK, Routing, check_tensor, route_counts
 from .base import Capabilities, merge_alignment
@@ -146,8 +147,7 @@ class ElasticBackend(CompiledBackend):
     def check_build_arguments(cls, group=None, *, max_topk: Optional[int] = None, in_place_dispatch: bool = False,
                               **kwargs) -> None:
         super().check_build_arguments(group, max_topk=max_topk, in_place_dispatch=in_place_dispatch, **kwargs)
-        if max_topk is not None and (isinstance(max_topk, bool) or not isinstance(max_topk, int)
-                                     or not 1 <= max_topk <= cls.MAX_TOPK):
+        if max_topk is not None and not (is_int(max_topk) and 1 <= max_topk <= cls.MAX_TOPK):
             raise ValueError(f"max_topk must be an int in [1, {cls.MAX_TOPK}], got {max_topk!r}")
         if not isinstance(in_place_dispatch, bool):
             raise TypeError(f"in_place_dispatch must be a bool, got {in_place_dispatch!r}")

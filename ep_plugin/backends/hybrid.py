@@ -108,7 +108,7 @@ import torch
 
 from .. import streams
 from ..agreement import OP_COMBINE, OP_DISPATCH, OP_DISPATCH_AGAIN, fingerprint_code
-from ..config import Config
+from ..config import Config, is_int
 from ..handle import CombineOutput, DispatchOutput, Handle
 from ..routing import ROUTING_MAP, Routing, route_counts
 from ..transport.arena import CombineInputArena, arena_bytes
@@ -179,7 +179,7 @@ class HybridBackend(CompiledBackend):
         super().check_build_arguments(group, combine_input_rows=combine_input_rows, **kwargs)
         if combine_input_rows is None:
             return
-        if isinstance(combine_input_rows, bool) or not isinstance(combine_input_rows, int):
+        if not is_int(combine_input_rows):
             raise TypeError(f"combine_input_rows must be an int, got {combine_input_rows!r}")
         if combine_input_rows < 0:
             raise ValueError(f"combine_input_rows must be >= 0, got {combine_input_rows}")
