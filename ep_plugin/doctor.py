@@ -124,6 +124,16 @@ def _detected_domain_size(fabric: Fabric, ranks_per_gpu: int) -> int:
     return mappable_domain_size(placements)
 
 
+def _domain_sizes(fabric: Fabric, options: Options, environ: Optional[Mapping[str, str]]) -> tuple[int, int]:
+    """(forced, detected): EP_PLUGIN_SCALEUP_SIZE (0 where unset, or where a knob does not parse: the knobs'
+    verdict reports that) and the domain size ``detect_topology`` finds here."""
+    try:
+        forced = _config(os.environ if environ is None else environ).scaleup_size
+    except (ValueError, TypeError):
+        forced = 0
+    return forced, _detected_domain_size(fabric, options.ranks_per_gpu)
+
+
 def _no_gpu_reason(fabric: Fabric) -> Optional[Problem]:
     if fabric.gpus:
         return None
@@ -237,13 +247,9 @@ def _check_scaleup_size(fabric: Fabric, options: Options, environ: Mapping[str, 
 def _scaleup_size_problem(fabric: Fabric, options: Options, environ: Mapping[str, str]) -> Optional[Problem]:
     """A forced domain size must divide the detected one, or building any backend on GPU ranks raises EPError
     (the topology every build settles first)."""
-    try:
-        forced = _config(environ).scaleup_size
-    except (ValueError, TypeError):
-        return None  # the knobs' verdict (config_verdict) reports the bad variable
     if not fabric.gpus:
         return None
-    detected = _detected_domain_size(fabric, options.ranks_per_gpu)
+    forced, detected = _domain_sizes(fabric, options, environ)
     if not forced or detected % forced == 0:
         return None
     return Problem(f"EP_PLUGIN_SCALEUP_SIZE={forced} does not divide the NVLink domain of {detected} rank(s) found "
@@ -273,7 +279,7 @@ def _check_co_residency(fabric: Fabric, options: Options, environ: Mapping[str, 
         return
     # Across domains (more than one node, or a forced domain smaller than the one found) the domain kernels
     # run forward_sms blocks where it is set, and a build past the limit is refused on every rank.
-    forced, detected = config.scaleup_size, _detected_domain_size(fabric, options.ranks_per_gpu)
+    forced, detected = _domain_sizes(fabric, options, environ)
     across_domains = options.nodes > 1 or 0 < forced < detected
     knob, grid = (("EP_PLUGIN_FORWARD_SMS", config.forward_sms) if across_domains and config.forward_sms else
                   ("EP_PLUGIN_NUM_SMS", config.num_sms))
@@ -750,11 +756,7 @@ def _autosized_domain(fabric: Fabric, options: Options, environ: Optional[Mappin
     GPUs map each other's memory), or a forced size that divides it (EP_PLUGIN_SCALEUP_SIZE; one that does not
     fails the build, which the NVLink verdict says), with the experts of that many ranks."""
     per_node = len(fabric.gpus) * max(1, options.ranks_per_gpu)
-    detected = _detected_domain_size(fabric, options.ranks_per_gpu)
-    try:
-        forced = _config(os.environ if environ is None else environ).scaleup_size
-    except (ValueError, TypeError):
-        forced = 0
+    forced, detected = _domain_sizes(fabric, options, environ)
     ranks = forced if forced and detected % forced == 0 else detected
     return ranks, max(1, options.num_experts * ranks // (per_node * max(1, options.nodes)))
 
