@@ -99,40 +99,67 @@ class _ExtensionOutOfMemory:
                            "(out of memory; injected on this rank)")
 
 
-def rank_failing_in_setup(ctx, backend_name: str) -> dict:
-    """The last rank's buffer cannot be allocated, after the build's exchanges (settings, grid) agreed, and it
-    stays alive a while; the others go on to open the peers' buffers. The failure travels in that exchange:
-    they raise EPError naming the rank and its error at once, not EPTimeoutError after their timeout (as
-    before), nor after the process group's own (30 min on gloo) with the engine's raw error. (Settings that
+class _BufferWithoutIpc:
+    """A real buffer whose CUDA IPC handle cannot be exported (as in a container that forbids IPC)."""
+
+    def __init__(self, real) -> None:
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def export_handle(self):
+        raise RuntimeError("ep_plugin: cudaIpcGetMemHandle failed: cudaErrorMapBufferObjectFailed (injected)")
+
+
+class _ExtensionWithoutIpc(_ExtensionOutOfMemory):
+    def SymmetricBuffer(self, *args, **kwargs):  # noqa: N802 - the extension's class name
+        return _BufferWithoutIpc(self._real.SymmetricBuffer(*args, **kwargs))
+
+
+# What the last rank meets -> (the stand-in extension, its error, the advice every rank's message carries)
+SETUP_FAILURES = {
+    "out_of_memory": (_ExtensionOutOfMemory, "cudaErrorMemoryAllocation", "free memory on its GPU"),
+    "no_ipc": (_ExtensionWithoutIpc, "cudaErrorMapBufferObjectFailed", "could not be shared through CUDA IPC"),
+}
+
+
+def rank_failing_in_setup(ctx, backend_name: str, failure: str) -> dict:
+    """The last rank's buffer cannot be allocated (or shared), after the build's exchanges (settings, grid)
+    agreed, and it stays alive a while; the others go on to open the peers' buffers. The failure travels in that
+    exchange: they raise EPError naming the rank and its error at once, not EPTimeoutError after their timeout
+    (as before), nor after the process group's own (30 min on gloo) with the engine's raw error. (Settings that
     differ on one rank are refused on every rank: test_faults_gpu's grid tests, test_agreement.)"""
     last = ctx.rank == ctx.world_size - 1
     if last:
         from ep_plugin import _cuda
 
         real = _cuda.extension()
-        _cuda.extension = lambda: _ExtensionOutOfMemory(real)
+        _cuda.extension = lambda: SETUP_FAILURES[failure][0](real)
     start = time.monotonic()
     try:
         make_backend(ctx, backend_name, timeout_s=30.0)  # a wait for rank 3 would stand out
         result = {"error": None}
     except Exception as error:  # noqa: BLE001 - the test compares the type and text
-        result = {"error": f"{type(error).__name__}: {error}"}
+        result = {"error": f"{type(error).__name__}: {error}", "notes": " ".join(getattr(error, "__notes__", []))}
     result["seconds"] = time.monotonic() - start
     if last:
         time.sleep(8.0)  # alive, but never reaching the buffer's exchange
     return result
 
 
-@pytest.mark.parametrize("backend_name", BACKENDS)
-def test_a_rank_failing_alone_while_the_backend_is_built_is_named(backend_name):
+@pytest.mark.parametrize("backend_name, failure", [(name, "out_of_memory") for name in BACKENDS]
+                         + [("hybrid", "no_ipc")])
+def test_a_rank_failing_alone_while_the_backend_is_built_is_named(backend_name, failure):
     # Before (fifth of December) the last rank's own EP_PLUGIN_MAX_SMS_PER_GPU failed it alone; since the grid
     # check is an exchange, every rank refuses that together, so an allocation failure stands in.
-    results = run_ranks(rank_failing_in_setup, 4, backend_name, device="cuda", timeout_s=120)
-    assert "cudaErrorMemoryAllocation" in results[-1]["error"], results[-1]
+    results = run_ranks(rank_failing_in_setup, 4, backend_name, failure, device="cuda", timeout_s=120)
+    _, error, advice = SETUP_FAILURES[failure]
+    assert error in results[-1]["error"] and advice in results[-1]["notes"], results[-1]
     for rank, result in enumerate(results[:-1]):
         assert result["error"] is not None and result["error"].startswith("EPError: "), (rank, result)
         assert "could not make its own (rank 3: RuntimeError: " in result["error"], (rank, result)
-        assert "cudaErrorMemoryAllocation" in result["error"], (rank, result)
+        assert error in result["error"] and advice in result["error"], (rank, result)
         # Before rank 3's sleep ends (its exit would end a wait too), far under the timeout: nobody waited.
         assert result["seconds"] < 8.0, (rank, result)
 

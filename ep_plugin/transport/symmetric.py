@@ -65,32 +65,49 @@ class SymmetricBuffer:
         index = device.index if device.index is not None else torch.cuda.current_device()
         # An allocation that fails here (out of memory on this rank alone, as a grow mid-training can meet) is
         # told to the peers in the handle exchange below: every rank raises at once, none waits for this one.
+        handle, failure, remedy = None, None, None
         try:
             self._buffer = self._C.SymmetricBuffer(index, self.rank, self.num_ranks, int(region_bytes),
                                                    int(count_words), float(timeout_s))
-            handle, failure = self._buffer.export_handle(), None
         except RuntimeError as error:
-            self._buffer, handle, failure = None, None, error
+            self._buffer, failure = None, error
+            remedy = "free memory on its GPU or lower max_tokens_per_rank"
+        else:
+            try:
+                handle = self._buffer.export_handle()
+            except RuntimeError as error:  # CUDA IPC refused here (a sandbox, say): memory is not the problem
+                self._buffer, failure = None, error
+                remedy = "its buffer could not be shared through CUDA IPC, which every rank of a domain needs"
         self._region_tensors: dict[tuple, torch.Tensor] = {}  # see region_tensor
         here = own_identity()
-        # Timed (a rank that failed alone, one that never builds this backend, say, is named instead of waited for).
-        self._collectives = HostCollectives(group, owner=f"ep_plugin {backend}", timeout_s=timeout_s, label="buffer",
-                                            device=torch.device("cuda", index), on_host=on_host)
-        gathered = self._collectives.all_gather_object(
-            (handle, here, None if failure is None else f"{type(failure).__name__}: {failure}"),
-            where="opening the peers' buffers")
+        said = None if failure is None else f"{type(failure).__name__}: {failure} ({remedy})"
+        try:
+            # Timed (a rank that failed alone, one that never builds this backend, say, is named instead of
+            # waited for).
+            self._collectives = HostCollectives(group, owner=f"ep_plugin {backend}", timeout_s=timeout_s,
+                                                label="buffer", device=torch.device("cuda", index), on_host=on_host)
+            gathered = self._collectives.all_gather_object((handle, here, said), where="opening the peers' buffers")
+        except Exception as error:  # noqa: BLE001 - re-raised; this rank's own failure first, if it has one
+            if failure is None:
+                raise
+            failure.add_note(f"ep_plugin {backend}: telling the peers about it failed too ({type(error).__name__}: "
+                             f"{error}), so they may wait for this rank until their timeout")
+            try:
+                raise failure from None
+            finally:  # as below: no cycle through this frame
+                failure = None
         failed = [f"{self._collectives.peer_name(rank)}: {why}" for rank, (_, _, why) in enumerate(gathered) if why]
         if failed:
             self._buffer = None  # no peer opened it: the extension frees it now
             self._collectives.release()
             if failure is not None:
+                failure.add_note(f"ep_plugin {backend}: {remedy}; every rank of the group was told and raises too")
                 try:
                     raise failure
                 finally:  # the traceback holds this frame (and self): no cycle keeping them to a full collection
                     failure = None
             raise EPError(f"ep_plugin {backend}: no rank opens the peers' buffers, as another rank could not make "
-                          f"its own ({'; '.join(failed)}). Free memory on its GPU or lower max_tokens_per_rank, "
-                          f"then build again on every rank.")
+                          f"its own ({'; '.join(failed)}). Build again on every rank once that is mended.")
         self._buffer.open_peers([handle for handle, _, _ in gathered])
         # No rank may write into a peer before that peer opened everything (its flags start zeroed).
         self._collectives.barrier(where="opening the peers' buffers (every rank opened them)")
