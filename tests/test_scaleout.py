@@ -259,10 +259,13 @@ class _ReferenceOutOfMemoryOnRank0(ReferenceBackend):
     """``reference`` whose build fails on rank 0 alone, before its domain's agreement check (a CUDA
     allocation that ran out of memory there, say)."""
 
+    built: list = []  # this process's domain backends that did build
+
     def __init__(self, *args, **kwargs):
         if dist.get_rank() == 0:
             raise MemoryError("out of memory (injected on rank 0)")
         super().__init__(*args, **kwargs)
+        _ReferenceOutOfMemoryOnRank0.built.append(self)
 
 
 def build_with_one_rank_out_of_memory(ctx) -> tuple:
@@ -276,20 +279,23 @@ def build_with_one_rank_out_of_memory(ctx) -> tuple:
     except Exception as error:  # noqa: BLE001 - the test compares the type and text
         outcome = type(error).__name__, str(error)
     time.sleep(max(0.0, 12.0 - (time.monotonic() - start)))
-    return outcome
+    return (*outcome, [domain.destroyed for domain in _ReferenceOutOfMemoryOnRank0.built])
 
 
 def test_a_rank_whose_domain_build_failed_alone_raises_its_own_error():
     """Before: its domain peer held it up past the group's wait, and every rank raised a timeout there; the
     MemoryError itself reached no one."""
     results = run_ranks(build_with_one_rank_out_of_memory, 4, timeout_s=120)
-    assert results[0] == ("MemoryError", "out of memory (injected on rank 0)"), results[0]
+    assert results[0] == ("MemoryError", "out of memory (injected on rank 0)", []), results[0]
+    # Domain 1 built its backend, then timed out waiting for domain 0: it destroyed what it built (before, a
+    # compiled domain backend's buffer stayed allocated to the process's exit).
+    assert results[2][2] == results[3][2] == [True], results
     # The trail leads there: rank 1 waited for rank 0 in its domain's check, ranks 2 and 3 for rank 1.
-    kind, message = results[1]
+    kind, message, _ = results[1]
     assert kind == "EPTimeoutError" and "agreement check" in message, (kind, message)
     assert "rank 0 did not come because it waits elsewhere itself, in building the domain backends" in message, message
     for rank in (2, 3):
-        kind, message = results[rank]
+        kind, message, _ = results[rank]
         assert kind == "EPTimeoutError" and "in building the domain backends" in message, (rank, kind, message)
         assert "rank 1 did not come because it waits elsewhere itself, in building the reference backend " \
                "(agreement check)" in message, (rank, message)

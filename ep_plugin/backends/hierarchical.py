@@ -225,6 +225,9 @@ class HierarchicalBackend(Backend):
             # raises its own error (below, as it came), not the wait it caused (the others' messages lead
             # back to it).
             if failure is None:
+                if domain is not None:  # built here, but no rank goes on: free its buffer, not keep it to exit
+                    with contextlib.suppress(Exception):  # (the wait's report is what this rank raises)
+                        domain.destroy()
                 raise
             outcomes = None
         failed = {} if outcomes is None else {rank: o for rank, o in enumerate(outcomes) if o is not None}
@@ -254,8 +257,9 @@ class HierarchicalBackend(Backend):
             return domain
         try:
             check(max(gpus.count(gpu) for gpu in gpus))
-        except ValueError:
-            domain.destroy()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the check's error is what this rank raises
+                domain.destroy()
             raise
         return domain
 
