@@ -149,6 +149,7 @@ def hybrid_suite(ctx) -> list[str]:
             assert free.hidden.shape[0] >= ref.hidden.shape[0], f"{name}: sync-free capacity"
             valid = int(free.num_valid_rows.item())
             assert valid == ref.hidden.shape[0], f"{name}: sync-free valid rows {valid} vs {ref.hidden.shape[0]}"
+            assert int(free.handle.layout.overflow) == 0, f"{name}: overflow flag on a flat backend's place"
             assert torch.equal(free.hidden[:valid], ref.hidden), f"{name}: sync-free rows"
             assert torch.equal(free.probs[:valid], ref.probs), f"{name}: sync-free probs"
             assert torch.equal(free.tokens_per_expert, ref.tokens_per_expert), f"{name}: sync-free counts"

@@ -136,6 +136,9 @@ class HierarchicalLayout:
     splits: RailSplits  # rows sent to / received from each rail peer
     slot_domain: Optional[torch.Tensor]  # top-k: [T, k] domain of each slot's expert (D = none)
     dest: torch.Tensor  # [num_rows] int64: flat row of each domain-level row
+    # hybrid's flag, as on a flat backend: [1] int32, 1 when rows fell past the non-blocking budget (None
+    # where the domain backend has none)
+    overflow: Optional[torch.Tensor] = None
 
 
 class HierarchicalBackend(Backend):
@@ -472,7 +475,8 @@ class HierarchicalBackend(Backend):
 
             layout = HierarchicalLayout(dispatch_id=number, domain_handle=inner, to_domain=to_domain,
                                         send_tokens=send_tokens, send_slot=send_slot, splits=splits,
-                                        slot_domain=slot_domain, dest=dest)
+                                        slot_domain=slot_domain, dest=dest,
+                                        overflow=getattr(inner.layout, "overflow", None))
             handle = Handle(
                 backend=self, num_tokens=T, hidden_size=self.hidden_size, hidden_dtype=inner.hidden_dtype,
                 probs_shape=routing.probs_shape if probs is not None else None, num_experts=E, num_local_experts=L,
