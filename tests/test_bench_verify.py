@@ -119,17 +119,20 @@ def test_compact_rows_count_for_the_local_experts_their_ids_name(payload):
     for rank in range(NUM_RANKS):
         out = _compact_output(sources, rank)
         rows = verify.as_bf16_rows(out.hidden)
-        sums, counts, probs = verify.received_per_expert(out, rows)
+        sums, counts, probs, weighted = verify.received_per_expert(out, rows)
         want_sums, want_counts, want_probs = torch.zeros(LOCAL, dtype=torch.float64), [0] * LOCAL, [0.0] * LOCAL
+        want_weighted = [0.0] * LOCAL
         for row in range(rows.shape[0]):
             for slot, expert in enumerate(out.topk_idx[row].tolist()):
                 if expert >= 0:
                     want_sums[expert] += rows[row].double().sum()
                     want_counts[expert] += 1
                     want_probs[expert] += float(out.probs[row, slot])
+                    want_weighted[expert] += float(out.probs[row, slot]) * float(rows[row].double().sum())
         assert counts.tolist() == want_counts, (rank, counts)
         torch.testing.assert_close(sums, want_sums, rtol=1e-12, atol=1e-9)
         torch.testing.assert_close(probs, torch.tensor(want_probs, dtype=torch.float64), rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(weighted, torch.tensor(want_weighted, dtype=torch.float64), rtol=1e-6, atol=1e-9)
         assert _dispatch_problem(sources, rank, out) is None
     # By hand, rank 0 (experts 0 and 1): source 0's tokens 0, 1, 4 and source 1's token 2 chose expert 0;
     # source 0's 0, 3 and source 1's 0, 2, 4 expert 1, in 7 rows (source 0's tokens 0, 1, 3, 4; source 1's 0, 2, 4).
@@ -155,8 +158,14 @@ def test_a_compact_row_with_another_rows_values_expert_or_probs_is_caught(payloa
     probs = out.probs.clone()
     assert out.topk_idx[0].tolist() == [0, 1] and probs[0, 0] != probs[0, 1]
     probs[0] = probs[0].flip(0)
+    # Two tokens' probs for one expert swapped (rows 1 and 3, source 0's tokens 1 and 4, expert 0 in slots 0 and
+    # 1): the probs' sum for the expert stays, each prob times its row's sum does not.
+    assert out.topk_idx[1].tolist() == [0, -1] and out.topk_idx[3].tolist() == [-1, 0]
+    other_tokens = out.probs.clone()
+    other_tokens[1, 0], other_tokens[3, 1] = out.probs[3, 1], out.probs[1, 0]
     for wrong, words in ((swapped_values, "the wrong rows"), (swapped_ids, "the wrong rows"),
-                         (out._replace(probs=probs), "the wrong probs")):
+                         (out._replace(probs=probs), "the wrong probs"),
+                         (out._replace(probs=other_tokens), "probs on the wrong rows")):
         problem = _dispatch_problem(sources, 0, wrong)
         assert problem and words in problem, problem
 
@@ -176,16 +185,51 @@ def test_rows_past_num_valid_rows_are_not_counted(payload):
     assert _dispatch_problem(sources, 0, nonblocking) is None
 
 
-def test_copies_per_token_counts_destination_ranks_in_the_compact_form():
-    """The round trip sums a token's rows: one per expert in the expert-row form, one per destination rank in the
-    compact form (there the expert side has summed a rank's experts into the token's one row)."""
+def test_copies_per_token_adds_the_factors_of_a_tokens_rows():
+    """The round trip sums a token's rows, each scaled by its copy's factor: one row per expert (the expert's
+    factor) in the expert-row form, one per destination rank (the rank's factor) in the compact form (there the
+    expert side has summed a rank's experts into the token's one row)."""
+    assert verify.copy_factors(6).tolist() == [1, 2, 4, 8, 1, 2]
     _, routing = _sources("bf16")[0]
-    chosen = verify.chosen_experts(routing, NUM_EXPERTS)  # experts 0+1, 0+2, 3+2, 1, 2+0
-    assert verify.copies_per_token(chosen, LOCAL, COMPACT).tolist() == [1, 2, 1, 1, 2]
-    assert verify.copies_per_token(chosen, LOCAL, "expert_rows").tolist() == [2, 2, 2, 1, 2]
+    chosen = verify.chosen_experts(routing, NUM_EXPERTS)  # experts 0+1, 0+2, 3+2, 1, 2+0; ranks 0, 0+1, 1, 0, 1+0
+    assert verify.copies_per_token(chosen, LOCAL, COMPACT).tolist() == [1, 3, 2, 1, 3]
+    assert verify.copies_per_token(chosen, LOCAL, "expert_rows").tolist() == [3, 5, 12, 2, 5]
     tokens = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
-    per_rank = tokens * torch.tensor([1, 2, 1, 1, 2], dtype=torch.bfloat16).unsqueeze(1)  # the compact round trip
+    per_rank = tokens * torch.tensor([1, 3, 2, 1, 3], dtype=torch.bfloat16).unsqueeze(1)  # the compact round trip
     assert verify.round_trip_problem(tokens, verify.copies_per_token(chosen, LOCAL, COMPACT), per_rank) is None
+
+
+@pytest.mark.parametrize("read", [[0, 0], [1, 1], [0, 2]])
+def test_a_combine_that_reads_the_wrong_copy_of_a_token_is_caught(read):
+    """A token sent to experts 0 and 1 comes back as 1x + 2x its values. A combine that read one copy twice, or a
+    row of another expert (2: a copy of another token's, here the same values) gives 2x, 4x or 5x: caught. With the
+    copies alike (before the factors) each of these gave 2x, the right sum."""
+    tokens = torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    chosen = torch.zeros(64, NUM_EXPERTS, dtype=torch.bool)
+    chosen[:, :2] = True
+    copies = verify.copies_per_token(chosen, LOCAL, "expert_rows")
+    factors = verify.copy_factors(NUM_EXPERTS)
+    combined = tokens * float(sum(factors[expert] for expert in read))
+    problem = verify.round_trip_problem(tokens, copies, combined)
+    assert problem and "wrong at" in problem and "x 3, its copies' factors" in problem, problem
+    assert verify.round_trip_problem(tokens, copies, tokens * 3) is None
+
+
+def test_the_checked_fp8_tokens_differ_from_the_timed_ones_in_every_nonzero_byte():
+    """The check's fp8 tokens are the timed ones negated through their data (float8 has no negation): before, the
+    scales were negated and the data kept, so a dispatch that never wrote the rows' data, only their scales, passed
+    on the timed loop's data left in the memory the allocator hands out again."""
+    from ep_plugin.bench.runner import _negated
+
+    shape = Shape(tokens=16, hidden=HIDDEN, topk=2, experts=NUM_EXPERTS, payload="fp8", routing="balanced")
+    data, scales = make_hidden(shape, 1, torch.device("cpu"), torch.bfloat16)
+    checked_data, checked_scales = _negated((data, scales))
+    assert torch.equal(checked_scales, scales)
+    timed_bytes, checked_bytes = data.view(torch.uint8), checked_data.view(torch.uint8)
+    nonzero = timed_bytes & 0x7F != 0
+    assert nonzero.float().mean() > 0.9 and (timed_bytes != checked_bytes)[nonzero].all()
+    torch.testing.assert_close(verify.as_bf16_rows((checked_data, checked_scales)),
+                               -verify.as_bf16_rows((data, scales)), rtol=0, atol=0)
 
 
 def _check_reference_expert_rows(ctx) -> tuple:
@@ -208,6 +252,7 @@ def _check_reference_expert_rows(ctx) -> tuple:
     cut = out._replace(hidden=out.hidden[:kept], probs=out.probs[:kept],
                        num_valid_rows=torch.tensor([out.hidden.shape[0]]))
     got = verify.received_per_expert(cut, cut.hidden)
+    verify.scale_copies(out, out.hidden, ctx.rank)
     combined = backend.combine(out.hidden, out.handle).hidden
     copies = verify.copies_per_token(chosen, out.handle.num_local_experts, out.handle.output_form)
     return (whole, real, got[1].tolist(), verify.dispatch_problem(ctx.rank, every, got),
@@ -267,7 +312,7 @@ def test_a_sum_scaled_within_the_per_value_tolerance_is_caught_on_average(scale)
     tokens = torch.randn(64, HIDDEN, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     combined = (tokens.float() * 7 * scale).to(torch.bfloat16)
     problem = verify.round_trip_problem(tokens, torch.full((64,), 7), combined)
-    assert problem and "off the tokens x their copies on average" in problem, problem
+    assert problem and "off the tokens x their copies' factors on average" in problem, problem
 
 
 def test_a_nan_is_never_right():

@@ -200,9 +200,9 @@ class _Calls:
         own checks (a rank that skipped one would pair its next collective with the peers' previous one);
         where a rank's dispatch raised, every rank learns it in the gather and none combines.
 
-        The checked tokens are the timed ones negated: the same routing, other values, so an op that skipped a
-        write (a row, a token's sum) cannot pass on what the timed loop left in memory the allocator hands out
-        again."""
+        The checked tokens are the timed ones negated (fp8: its data, the scales kept): the same routing, other
+        values, so an op that skipped a write (a row, a token's sum) cannot pass on what the timed loop left in
+        memory the allocator hands out again."""
         problem = None
         fresh = _negated(self.hidden)
         try:  # before the dispatch: what this rank sends each expert
@@ -223,6 +223,7 @@ class _Calls:
                 fp8 = isinstance(out.hidden, tuple)
                 rows = verify.as_bf16_rows(out.hidden, out=self._separate_rows() if fp8 else None)
                 got = verify.received_per_expert(out, rows)
+                verify.scale_copies(out, rows, rank)  # the round trip below then tells a token's copies apart
             except Exception as exc:  # noqa: BLE001
                 problem = f"checking the values (the received rows): {type(exc).__name__}: {exc}"
         words: list = [None] * world_size  # each rank's (whether it dispatched, its sent checksums or None)
@@ -261,10 +262,12 @@ class _Calls:
 
 
 def _negated(hidden):
-    """-hidden; fp8 (data, scales) by its scales (float8 has no negation): dequantized, the same values negated."""
+    """-hidden; fp8 (data, scales) with its data's sign bits flipped (float8 has no negation) and the same scales:
+    dequantized, the same values negated. Negating the scales instead kept the data bytes of the timed loop, so
+    a dispatch that never wrote the data, only the scales, passed."""
     if isinstance(hidden, tuple):
         data, scales = hidden
-        return data, -scales
+        return (data.view(torch.uint8) ^ 0x80).view(torch.float8_e4m3fn), scales
     return -hidden
 
 

@@ -10,17 +10,21 @@ neither of which needs another backend or the peers' tokens:
   (a segment of the expert-row form, the rows whose local ids name it in the compact form): a row that went
   to the wrong expert, or the wrong row, changes the sum; a lost or doubled one changes the count too. The
   probs (top-k weights) the tokens carried there are summed on both sides the same way: they travel as they
-  are, so a prob of another token or expert changes that sum.
-- **Round trip.** Combining the received rows unchanged (dequantized for fp8) sums each token's copies: the
-  result must be the token times the number of rows it went out as (one per expert in the expert-row form,
-  one per destination rank in the compact form).
+  are, so a prob of another token or expert changes that sum; and so is each prob times its row's sum, which a
+  prob handed to another token of the same expert changes.
+- **Round trip.** Each received row (dequantized for fp8) is scaled by its copy's factor, a power of two
+  (``COPY_FACTORS``) picked by its expert in the expert-row form, by the receiving rank in the compact form, and
+  combined: the result must be the token times the sum of the factors of the rows it went out as. Unscaled,
+  every copy of a token would be alike, and a combine that read one copy k times, or another expert's row of
+  the token, would pass. Scaling by a power of two is exact.
 
-Tolerances. Round trip: a token's copies are one bf16 value (fp8: both sides dequantize the same data and scales
-alike), so their sum is exact in fp32; only its rounding to bf16 errs, within 2**-8 relative, once per stage that
-hands on a partial: three at most (hybrid in a hierarchical domain: the expert rank's packet, the domain's partial,
-the source). The errors of a sum of copies all scale one value, so a correct value is off by less than 3 * 2**-8;
-ROUND_TRIP_RTOL = 2**-6 leaves a rounding of margin (2**-7 does not: 7 copies of 1.65625 as 1 + (1 + 5) over two
-domains round three ties down, 2.07 * 2**-8). No absolute term: there is no cancellation, a zero stays zero.
+Tolerances. Round trip: a token's copies are one bf16 value times powers of two (fp8: both sides dequantize the
+same data and scales alike), so their sum is exact in fp32; only its rounding to bf16 errs, within 2**-8
+relative, once per stage that hands on a partial: three at most (hybrid in a hierarchical domain: the expert
+rank's packet, the domain's partial, the source). The errors of a sum of copies all scale one value, of one
+sign, so a correct value is off by less than 3 * 2**-8; ROUND_TRIP_RTOL = 2**-6 leaves a rounding of margin
+(2**-7 does not: 7 copies of 1.65625 as 1 + (1 + 5) over two domains round three ties down, 2.07 * 2**-8). No
+absolute term: there is no cancellation, a zero stays zero.
 Rounding to nearest errs either way, so over the random tokens the mean signed error (weighted by magnitude)
 shrinks like 1/sqrt(values), while a sum scaled wrong moves it by the whole error: it must stay within
 ROUND_TRIP_BIAS or 4 * ROUND_TRIP_RTOL / sqrt(values), the larger (a sum x 0.99 passes each value, not this).
@@ -42,6 +46,8 @@ from .workload import FP8_BLOCK
 ROUND_TRIP_RTOL = 2 ** -6  # 4 bf16 roundings: a correct sum rounds 3 times at most (module docstring)
 ROUND_TRIP_BIAS = 2 ** -10  # the mean signed error is held this close to 0 at least (a quarter of one rounding)
 CHECKSUM_RTOL = 1e-9
+# The round trip's factor of a copy: by its expert (expert-row form) or receiving rank (compact form), index % 4.
+COPY_FACTORS = (1.0, 2.0, 4.0, 8.0)
 DEQUANT_CHUNK_ROWS = 4096  # fp8 rows dequantized this many at a time (a float copy of all would double memory)
 
 
@@ -85,11 +91,37 @@ def dense_probs(routing: dict, num_experts: int) -> Optional[torch.Tensor]:
     return dense
 
 
+def copy_factors(count: int, device=None) -> torch.Tensor:
+    """[count] fp32: the round trip's factor of the copy with each index (an expert, or a receiving rank)."""
+    return torch.tensor(COPY_FACTORS, device=device)[torch.arange(count, device=device) % len(COPY_FACTORS)]
+
+
 def copies_per_token(chosen: torch.Tensor, num_local_experts: int, output_form: str) -> torch.Tensor:
-    """[T] how many rows each token went out as: one per expert, or one per destination rank (compact)."""
+    """[T] fp32: what a token's combined copies add up to, in tokens: the factors (``copy_factors``) of the rows
+    it went out as, one per expert, or one per destination rank (compact)."""
     if output_form == COMPACT:
-        return chosen.view(chosen.shape[0], -1, num_local_experts).any(2).sum(1)
-    return chosen.sum(1)
+        ranks = chosen.view(chosen.shape[0], -1, num_local_experts).any(2)
+        return (ranks.float() * copy_factors(ranks.shape[1], chosen.device)).sum(1)
+    return (chosen.float() * copy_factors(chosen.shape[1], chosen.device)).sum(1)
+
+
+def scale_copies(out, rows: torch.Tensor, rank: int) -> None:
+    """Multiply, in place, each row that ``out`` (a dispatch on ``rank``) received by its copy's factor: its
+    expert's in the expert-row form, ``rank``'s in the compact form. ``rows``: the output's rows in bf16
+    (``as_bf16_rows``), the ones the combine is then given. Rows past ``num_valid_rows`` are left alone."""
+    valid = rows.shape[0]
+    if out.num_valid_rows is not None:
+        valid = min(valid, int(out.num_valid_rows.item()))
+    if out.handle.output_form == COMPACT:
+        rows[:valid] *= COPY_FACTORS[rank % len(COPY_FACTORS)]
+        return
+    local = out.handle.num_local_experts
+    start = 0
+    for e, segment in enumerate(out.handle.tokens_per_expert.to(torch.int64).tolist()):
+        end = min(start + segment, valid)
+        if end > start:
+            rows[start:end] *= COPY_FACTORS[(rank * local + e) % len(COPY_FACTORS)]
+        start += segment
 
 
 def row_sums(rows: torch.Tensor) -> torch.Tensor:
@@ -99,10 +131,10 @@ def row_sums(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat(sums) if sums else rows.new_zeros(0, dtype=torch.float64)
 
 
-def received_per_expert(out, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """([L] fp64 sum of row sums, [L] int64 row count, [L] fp64 sum of the probs or None without probs) on the
-    host: what this rank received for each local expert. ``rows``: the dispatch output's rows in bf16
-    (``as_bf16_rows``)."""
+def received_per_expert(out, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """([L] fp64 sum of row sums, [L] int64 row count, [L] fp64 sum of the probs, [L] fp64 sum of each prob times
+    its row's sum; the last two None without probs) on the host: what this rank received for each local expert.
+    ``rows``: the dispatch output's rows in bf16 (``as_bf16_rows``)."""
     num_local_experts = out.handle.num_local_experts
     valid = rows.shape[0]
     if out.num_valid_rows is not None:
@@ -112,46 +144,59 @@ def received_per_expert(out, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     if out.handle.output_form == COMPACT:
         names = out.topk_idx[:valid].unsqueeze(2) == torch.arange(num_local_experts, device=rows.device)
         here = names.any(1)  # [rows, L]: the row carries a token for that expert
-        probs_here = (probs.unsqueeze(2) * names).sum((0, 1)).cpu() if probs is not None else None
-        return (sums.unsqueeze(1) * here).sum(0).cpu(), here.sum(0).cpu(), probs_here
+        if probs is None:
+            return (sums.unsqueeze(1) * here).sum(0).cpu(), here.sum(0).cpu(), None, None
+        probs_here = probs.unsqueeze(2) * names  # [rows, k, L]: each slot's prob, under the expert it names
+        return ((sums.unsqueeze(1) * here).sum(0).cpu(), here.sum(0).cpu(), probs_here.sum((0, 1)).cpu(),
+                (probs_here * sums.view(-1, 1, 1)).sum((0, 1)).cpu())
     # Expert-row form: segment e starts at the padded lengths before it; its real rows come first.
     padded = out.handle.tokens_per_expert.to(torch.int64).tolist()
     real = out.handle.num_real_tokens_per_expert.to(torch.int64).tolist()
-    per_expert, counts, probs_per_expert, start = [], [], [], 0
+    per_expert, counts, probs_per_expert, weighted, start = [], [], [], [], 0
+    zero = sums.new_zeros(())
     for segment, rows_here in zip(padded, real, strict=True):
         end = min(start + rows_here, valid)
-        per_expert.append(sums[start:end].sum() if end > start else sums.new_zeros(()))
+        per_expert.append(sums[start:end].sum() if end > start else zero)
         counts.append(max(end - start, 0))
         if probs is not None:
-            probs_per_expert.append(probs[start:end].sum() if end > start else probs.new_zeros(()))
+            probs_per_expert.append(probs[start:end].sum() if end > start else zero)
+            weighted.append((probs[start:end] * sums[start:end]).sum() if end > start else zero)
         start += segment
-    return (torch.stack(per_expert).cpu(), torch.tensor(counts),
-            torch.stack(probs_per_expert).cpu() if probs is not None else None)
+    if probs is None:
+        return torch.stack(per_expert).cpu(), torch.tensor(counts), None, None
+    return (torch.stack(per_expert).cpu(), torch.tensor(counts), torch.stack(probs_per_expert).cpu(),
+            torch.stack(weighted).cpu())
 
 
 def sent_checksums(tokens: torch.Tensor, chosen: torch.Tensor,
                    probs: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], ...]:
     """What this rank sends each expert, on the host: ([E] fp64 sum of the row sums of the tokens routed there,
-    [E] their count, [E] the sum of the row sums' magnitudes, for the tolerance, [E] fp64 sum of their probs
-    or None). ``tokens``: bf16 [T, H]; ``probs``: ``dense_probs`` or None."""
+    [E] their count, [E] the sum of the row sums' magnitudes, for the tolerance; [E] fp64 sum of their probs,
+    [E] of each prob times its token's row sum and [E] of those products' magnitudes, or three None without
+    probs). ``tokens``: bf16 [T, H]; ``probs``: ``dense_probs`` or None."""
     token_sums = row_sums(tokens).unsqueeze(1)
-    probs_sent = (probs.double() * chosen).sum(0).cpu() if probs is not None else None
-    return ((token_sums * chosen).sum(0).cpu(), chosen.sum(0).cpu(), (token_sums.abs() * chosen).sum(0).cpu(),
-            probs_sent)
+    sent = ((token_sums * chosen).sum(0).cpu(), chosen.sum(0).cpu(), (token_sums.abs() * chosen).sum(0).cpu())
+    if probs is None:
+        return (*sent, None, None, None)
+    routed = probs.double() * chosen
+    return (*sent, routed.sum(0).cpu(), (routed * token_sums).sum(0).cpu(),
+            (routed.abs() * token_sums.abs()).sum(0).cpu())
 
 
 def dispatch_problem(rank: int, every_sent: list, got: tuple[torch.Tensor, torch.Tensor]) -> Optional[str]:
     """What this rank's dispatch output got wrong, or None: ``got`` (``received_per_expert``) against the
     sum over every source of its ``sent_checksums`` for this rank's experts."""
-    got_sums, got_counts, got_probs = got
+    got_sums, got_counts, got_probs, got_weighted = got
     local = got_sums.shape[0]
     num_experts = every_sent[0][0].shape[0]
     mine = slice(rank * local, (rank + 1) * local)
-    want_sums = sum(sums[mine] for sums, _, _, _ in every_sent)
-    want_counts = sum(counts[mine] for _, counts, _, _ in every_sent)
-    scale = sum(magnitudes[mine] for _, _, magnitudes, _ in every_sent)
-    sent_probs = [probs for _, _, _, probs in every_sent]
-    want_probs = sum(p[mine] for p in sent_probs) if all(p is not None for p in sent_probs) else None
+
+    def summed(field: int) -> Optional[torch.Tensor]:  # over every source, for this rank's experts
+        parts = [sent[field] for sent in every_sent]
+        return sum(part[mine] for part in parts) if all(part is not None for part in parts) else None
+
+    want_sums, want_counts, scale = summed(0), summed(1), summed(2)
+    want_probs, want_weighted, weighted_scale = summed(3), summed(4), summed(5)
     if (want_probs is None) != (got_probs is None):
         return (f"dispatch returned {'no ' if got_probs is None else ''}probs, and the sources sent "
                 f"{'none' if want_probs is None else 'some'}")
@@ -169,13 +214,19 @@ def dispatch_problem(rank: int, every_sent: list, got: tuple[torch.Tensor, torch
                 CHECKSUM_RTOL * float(want_probs[e]) + 1e-6:
             return (f"dispatch gave local expert {e} (expert {expert} of {num_experts}) the wrong probs: they add up "
                     f"to {float(got_probs[e]):.9g}, the routed tokens' to {float(want_probs[e]):.9g}")
+        if want_probs is not None and not abs(float(got_weighted[e]) - float(want_weighted[e])) <= \
+                CHECKSUM_RTOL * float(weighted_scale[e]) + 1e-6:
+            return (f"dispatch gave local expert {e} (expert {expert} of {num_experts}) probs on the wrong rows: each "
+                    f"prob times its row's sum adds up to {float(got_weighted[e]):.9g}, the routed tokens' to "
+                    f"{float(want_weighted[e]):.9g}")
     return None
 
 
 def round_trip_problem(tokens: torch.Tensor, copies: torch.Tensor, combined: torch.Tensor) -> Optional[str]:
-    """Whether combining the dispatched rows unchanged gave each token times its copies, or what it gave: each
-    value within ROUND_TRIP_RTOL, and their mean signed error near 0 (module docstring). A chunk of tokens at a
-    time: float copies of every token would cost ranks sharing a GPU gigabytes."""
+    """Whether combining the dispatched rows, each scaled by its copy's factor (``scale_copies``), gave each token
+    times ``copies`` (``copies_per_token``), or what it gave: each value within ROUND_TRIP_RTOL, and their mean
+    signed error near 0 (module docstring). A chunk of tokens at a time: float copies of every token would cost
+    ranks sharing a GPU gigabytes."""
     copies = copies.to(tokens.device)
     wrong_values, first = 0, None
     signed_error, magnitude, nonzero = 0.0, 0.0, 0  # over every value: the mean signed error's parts
@@ -195,12 +246,12 @@ def round_trip_problem(tokens: torch.Tensor, copies: torch.Tensor, combined: tor
     if wrong_values:
         token, column, got, want = first
         return (f"combine of the dispatched rows is wrong at {wrong_values} of {combined.numel()} values (first: "
-                f"token {token}, column {column}: {got:.4g}, expected {want:.4g} = the token x {int(copies[token])} "
-                f"copies)")
+                f"token {token}, column {column}: {got:.4g}, expected {want:.4g} = the token x "
+                f"{float(copies[token]):g}, its copies' factors)")
     if not nonzero:
         return None
     bias, limit = signed_error / magnitude, max(ROUND_TRIP_BIAS, 4 * ROUND_TRIP_RTOL / math.sqrt(nonzero))
     if abs(bias) > limit:
-        return (f"combine of the dispatched rows is wrong: its values are {bias:+.3%} off the tokens x their copies "
-                f"on average over {nonzero} values (rounding alone stays within {limit:.3%} there)")
+        return (f"combine of the dispatched rows is wrong: its values are {bias:+.3%} off the tokens x their copies' "
+                f"factors on average over {nonzero} values (rounding alone stays within {limit:.3%} there)")
     return None
