@@ -97,7 +97,7 @@ setup(
     ext_modules=ext_modules,
     cmdclass={"build_ext": NvccBuildExt},
     install_requires=["torch>=2.1", "numpy", "tqdm"],
-    extras_require={"test": ["pytest", "pytest-timeout", "matplotlib"], "plots": ["matplotlib"],
+    extras_require={"test": ["pytest", "matplotlib"], "plots": ["matplotlib"],
                     "megatron": ["megatron-core>=0.16.1"]},
     entry_points={"console_scripts": ["ep-plugin=ep_plugin.__main__:run"]},
 )

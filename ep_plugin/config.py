@@ -82,7 +82,7 @@ class Config:
     # kScaleoutUpdateInterval (tokens before a scale-out warp publishes its tail) is the same knob for an
     # engine with in-kernel puts: 6 -> 16 cut time by 22% on EFA. Equal on every rank (it shapes the wire).
     scaleout_chunk_tokens: int = field(default=0, metadata={
-        "help": "tokens per scale-out (rail) collective; 0 = one collective per op"})
+        "help": "tokens (rows) per rail peer in one scale-out collective; 0 = one collective per op"})
     # SMs of a rank given to forwarding between the rail and the NVLink domain (0 = same as num_sms). The
     # forwarding runs inside the domain backend's kernels today, so this caps num_sms of that backend.
     forward_sms: int = field(default=0, metadata={
