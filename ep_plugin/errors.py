@@ -21,3 +21,11 @@ class TooManyTokensError(ValueError):
     of them in blocking mode; a sync-free compiled backend refuses on that rank alone, with ValueError): the
     backend stays usable, and a caller may build a larger one together and dispatch again (the Megatron
     integration does)."""
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` (Python 3.11+: shown under the message); on 3.10 the note joins the message."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:
+        error.args = (f"{error}\n{note}",)

@@ -99,7 +99,7 @@ class _ExtensionOutOfMemory:
                            "(out of memory; injected on this rank)")
 
 
-class _BufferWithoutIpc:
+class _BufferWithoutIpcExport:
     """A real buffer whose CUDA IPC handle cannot be exported (as in a container that forbids IPC)."""
 
     def __init__(self, real) -> None:
@@ -109,18 +109,39 @@ class _BufferWithoutIpc:
         return getattr(self._real, name)
 
     def export_handle(self):
-        raise RuntimeError("ep_plugin: cudaIpcGetMemHandle failed: cudaErrorMapBufferObjectFailed (injected)")
+        raise RuntimeError("ep_plugin: cudaIpcGetMemHandle failed: cudaErrorInvalidValue (injected)")
 
 
-class _ExtensionWithoutIpc(_ExtensionOutOfMemory):
+class _BufferWithoutIpcOpen(_BufferWithoutIpcExport):
+    """A real buffer that cannot open its peers' IPC handles (processes in separate IPC namespaces)."""
+
+    def export_handle(self):
+        return self._real.export_handle()
+
+    def open_peers(self, handles):
+        raise RuntimeError("ep_plugin: cudaIpcOpenMemHandle failed: cudaErrorMapBufferObjectFailed (injected)")
+
+
+class _ExtensionWithoutIpcExport(_ExtensionOutOfMemory):
+    buffer = _BufferWithoutIpcExport
+
     def SymmetricBuffer(self, *args, **kwargs):  # noqa: N802 - the extension's class name
-        return _BufferWithoutIpc(self._real.SymmetricBuffer(*args, **kwargs))
+        return self.buffer(self._real.SymmetricBuffer(*args, **kwargs))
 
 
-# What the last rank meets -> (the stand-in extension, its error, the advice every rank's message carries)
+class _ExtensionWithoutIpcOpen(_ExtensionWithoutIpcExport):
+    buffer = _BufferWithoutIpcOpen
+
+
+# What the last rank meets -> (the stand-in extension, its error, what its peers are told, the advice every
+# rank's message carries)
+MADE_NONE = "could not make or share its own buffer, so no rank opens the peers' buffers (rank 3: RuntimeError: "
 SETUP_FAILURES = {
-    "out_of_memory": (_ExtensionOutOfMemory, "cudaErrorMemoryAllocation", "free memory on its GPU"),
-    "no_ipc": (_ExtensionWithoutIpc, "cudaErrorMapBufferObjectFailed", "could not be shared through CUDA IPC"),
+    "out_of_memory": (_ExtensionOutOfMemory, "cudaErrorMemoryAllocation", MADE_NONE, "free memory on its GPU"),
+    "no_ipc_export": (_ExtensionWithoutIpcExport, "cudaIpcGetMemHandle", MADE_NONE, "allow CUDA IPC"),
+    "no_ipc_open": (_ExtensionWithoutIpcOpen, "cudaIpcOpenMemHandle",
+                    "could not open its peers' buffers through CUDA IPC, so no rank uses them (rank 3: RuntimeError: ",
+                    "allow CUDA IPC"),
 }
 
 
@@ -144,21 +165,22 @@ def rank_failing_in_setup(ctx, backend_name: str, failure: str) -> dict:
         result = {"error": f"{type(error).__name__}: {error}", "notes": " ".join(getattr(error, "__notes__", []))}
     result["seconds"] = time.monotonic() - start
     if last:
-        time.sleep(8.0)  # alive, but never reaching the buffer's exchange
+        time.sleep(8.0)  # alive a while: its exit would end a waiting peer too
     return result
 
 
 @pytest.mark.parametrize("backend_name, failure", [(name, "out_of_memory") for name in BACKENDS]
-                         + [("hybrid", "no_ipc")])
+                         + [("hybrid", "no_ipc_export"), ("hybrid", "no_ipc_open")])
 def test_a_rank_failing_alone_while_the_backend_is_built_is_named(backend_name, failure):
     # Before (fifth of December) the last rank's own EP_PLUGIN_MAX_SMS_PER_GPU failed it alone; since the grid
-    # check is an exchange, every rank refuses that together, so an allocation failure stands in.
+    # check is an exchange, every rank refuses that together, so an allocation failure stands in. Before the
+    # 27th session a rank that could not open its peers' buffers raised alone, the others waiting for it.
     results = run_ranks(rank_failing_in_setup, 4, backend_name, failure, device="cuda", timeout_s=120)
-    _, error, advice = SETUP_FAILURES[failure]
+    _, error, told, advice = SETUP_FAILURES[failure]
     assert error in results[-1]["error"] and advice in results[-1]["notes"], results[-1]
     for rank, result in enumerate(results[:-1]):
         assert result["error"] is not None and result["error"].startswith("EPError: "), (rank, result)
-        assert "could not make its own (rank 3: RuntimeError: " in result["error"], (rank, result)
+        assert told in result["error"], (rank, result)
         assert error in result["error"] and advice in result["error"], (rank, result)
         # Before rank 3's sleep ends (its exit would end a wait too), far under the timeout: nobody waited.
         assert result["seconds"] < 8.0, (rank, result)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .. import _cuda, streams
 from ..agreement import mismatch_message
-from ..errors import EPError, EPTimeoutError
+from ..errors import EPError, EPTimeoutError, add_note
 from ..host_collectives import HostCollectives
 from .liveness import WATCH, own_identity
 
@@ -63,21 +63,20 @@ class SymmetricBuffer:
         self.timeout_s = float(timeout_s)
         self._C = _cuda.extension()
         index = device.index if device.index is not None else torch.cuda.current_device()
-        # An allocation that fails here (out of memory on this rank alone, as a grow mid-training can meet) is
-        # told to the peers in the handle exchange below: every rank raises at once, none waits for this one.
+        # An allocation that fails here (out of memory on this rank alone, as a grow mid-training can meet), or a
+        # CUDA IPC step, is told to the peers in the exchanges below: every rank raises at once, none waits for
+        # this one until its timeout.
         handle, failure, remedy = None, None, None
         try:
             self._buffer = self._C.SymmetricBuffer(index, self.rank, self.num_ranks, int(region_bytes),
                                                    int(count_words), float(timeout_s))
         except RuntimeError as error:
-            self._buffer, failure = None, error
-            remedy = "free memory on its GPU or lower max_tokens_per_rank"
+            self._buffer, failure, remedy = None, error, "free memory on its GPU or lower max_tokens_per_rank"
         else:
             try:
                 handle = self._buffer.export_handle()
-            except RuntimeError as error:  # CUDA IPC refused here (a sandbox, say): memory is not the problem
-                self._buffer, failure = None, error
-                remedy = "its buffer could not be shared through CUDA IPC, which every rank of a domain needs"
+            except RuntimeError as error:  # CUDA IPC refused here (a container, say): memory is not the problem
+                self._buffer, failure, remedy = None, error, _ALLOW_IPC
         self._region_tensors: dict[tuple, torch.Tensor] = {}  # see region_tensor
         here = own_identity()
         said = None if failure is None else f"{type(failure).__name__}: {failure} ({remedy})"
@@ -90,27 +89,30 @@ class SymmetricBuffer:
         except Exception as error:  # noqa: BLE001 - re-raised; this rank's own failure first, if it has one
             if failure is None:
                 raise
-            failure.add_note(f"ep_plugin {backend}: telling the peers about it failed too ({type(error).__name__}: "
-                             f"{error}), so they may wait for this rank until their timeout")
+            add_note(failure, f"ep_plugin {backend}: telling the peers about it failed too ({type(error).__name__}: "
+                              f"{error}), so they may wait for this rank until their timeout")
             try:
                 raise failure from None
             finally:  # as below: no cycle through this frame
                 failure = None
-        failed = [f"{self._collectives.peer_name(rank)}: {why}" for rank, (_, _, why) in enumerate(gathered) if why]
-        if failed:
-            self._buffer = None  # no peer opened it: the extension frees it now
-            self._collectives.release()
-            if failure is not None:
-                failure.add_note(f"ep_plugin {backend}: {remedy}; every rank of the group was told and raises too")
-                try:
-                    raise failure
-                finally:  # the traceback holds this frame (and self): no cycle keeping them to a full collection
-                    failure = None
-            raise EPError(f"ep_plugin {backend}: no rank opens the peers' buffers, as another rank could not make "
-                          f"its own ({'; '.join(failed)}). Build again on every rank once that is mended.")
-        self._buffer.open_peers([handle for handle, _, _ in gathered])
-        # No rank may write into a peer before that peer opened everything (its flags start zeroed).
-        self._collectives.barrier(where="opening the peers' buffers (every rank opened them)")
+        try:
+            self._refuse_together([why for _, _, why in gathered], failure, remedy,
+                                  "could not make or share its own buffer, so no rank opens the peers' buffers")
+        finally:  # raised, the traceback holds this frame: holding the error too would make a cycle
+            failure = None
+        try:
+            self._buffer.open_peers([handle for handle, _, _ in gathered])
+        except RuntimeError as error:  # cudaIpcOpenMemHandle refused (a container without a shared IPC namespace)
+            failure = error
+        # No rank may write into a peer before that peer opened everything (its flags start zeroed): this gather
+        # waits for every rank, and tells each whether the others could open theirs.
+        said = None if failure is None else f"{type(failure).__name__}: {failure} ({_ALLOW_IPC})"
+        opened = self._collectives.all_gather_object(said, where="opening the peers' buffers (every rank opened them)")
+        try:
+            self._refuse_together(opened, failure, _ALLOW_IPC,
+                                  "could not open its peers' buffers through CUDA IPC, so no rank uses them")
+        finally:  # as above
+            failure = None
         self._destroyed = False
         # Dropped without destroy() (garbage collected while the process runs): a peer may still read or write
         # this memory, so it is kept, not freed (``_kept_when_dropped``). At exit the process's end frees it.
@@ -122,6 +124,25 @@ class SymmetricBuffer:
         self.peer_processes = {rank: identity for rank, (_, identity, _) in enumerate(gathered) if rank != self.rank}
         WATCH.watch(self, {rank: identity for rank, identity in self.peer_processes.items()
                            if identity.watchable_from(here)}, peer_watch_s)
+
+    def _refuse_together(self, outcomes: list, failure: Optional[Exception], remedy: str, what: str) -> None:
+        """After an exchange of each rank's failure in words (None: it went well), raise on every rank where any
+        rank failed, with its buffer freed: this rank's own ``failure`` (its ``remedy`` as a note), the others
+        EPError naming the failed ranks and saying that ``what``. The caller lets go of ``failure`` in a
+        ``finally``: the traceback holds its frame too."""
+        failed = [f"{self._collectives.peer_name(rank)}: {why}" for rank, why in enumerate(outcomes) if why]
+        if not failed:
+            return
+        self._buffer = None  # nothing ran on it: the extension closes what it opened and frees it now
+        self._collectives.release()
+        if failure is not None:
+            add_note(failure, f"ep_plugin {self.backend}: {remedy}; every rank of the group was told and raises too")
+            try:
+                raise failure
+            finally:  # the traceback holds this frame: no cycle keeping it (and self) to a full collection
+                failure = None
+        raise EPError(f"ep_plugin {self.backend}: another rank {what} ({'; '.join(failed)}). Build again on every "
+                      f"rank once that is mended.")
 
     def mark_peer_exited(self, rank: int) -> None:
         """``liveness.WATCH`` found the process of ``rank`` gone: device waits for it stop."""
@@ -259,6 +280,10 @@ def _kept_when_dropped(buffer, backend: str, rank: int) -> None:
                    "backend go (Megatron: clear_backend_cache())",
                    backend, rank, buffer.total_bytes / 2**30)
 
+
+# What helps a rank that CUDA IPC failed (exporting its buffer's handle, or opening a peer's).
+_ALLOW_IPC = ("allow CUDA IPC between the ranks' processes (containers: one IPC namespace, docker's --ipc=host), "
+              "which every rank of an NVLink domain needs")
 
 # bf16 has no typestr: it travels as int16 and is reinterpreted on the torch side.
 _TYPESTRS = {torch.bfloat16: "<i2", torch.float32: "<f4", torch.int32: "<i4", torch.int64: "<i8", torch.uint8: "|u1"}
