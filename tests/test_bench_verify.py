@@ -215,21 +215,22 @@ def test_a_combine_that_reads_the_wrong_copy_of_a_token_is_caught(read):
     assert verify.round_trip_problem(tokens, copies, tokens * 3) is None
 
 
-def test_the_checked_fp8_tokens_differ_from_the_timed_ones_in_every_nonzero_byte():
-    """The check's fp8 tokens are the timed ones negated through their data (float8 has no negation): before, the
-    scales were negated and the data kept, so a dispatch that never wrote the rows' data, only their scales, passed
-    on the timed loop's data left in the memory the allocator hands out again."""
+def test_the_checked_fp8_tokens_differ_from_the_timed_ones_in_data_and_scales():
+    """The check's fp8 tokens are the timed ones with the data's sign bits flipped (float8 has no negation) and the
+    scales doubled: before, the scales were negated and the data kept, so a dispatch that never wrote the rows'
+    data, only their scales, passed on the timed loop's data left in the memory the allocator hands out again;
+    keeping the scales instead would let one pass that skipped them."""
     from ep_plugin.bench.runner import _negated
 
     shape = Shape(tokens=16, hidden=HIDDEN, topk=2, experts=NUM_EXPERTS, payload="fp8", routing="balanced")
     data, scales = make_hidden(shape, 1, torch.device("cpu"), torch.bfloat16)
     checked_data, checked_scales = _negated((data, scales))
-    assert torch.equal(checked_scales, scales)
+    assert (checked_scales != scales).all()
     timed_bytes, checked_bytes = data.view(torch.uint8), checked_data.view(torch.uint8)
     nonzero = timed_bytes & 0x7F != 0
     assert nonzero.float().mean() > 0.9 and (timed_bytes != checked_bytes)[nonzero].all()
     torch.testing.assert_close(verify.as_bf16_rows((checked_data, checked_scales)),
-                               -verify.as_bf16_rows((data, scales)), rtol=0, atol=0)
+                               -2 * verify.as_bf16_rows((data, scales)), rtol=0, atol=0)
 
 
 def _check_reference_expert_rows(ctx) -> tuple:

@@ -200,9 +200,9 @@ class _Calls:
         own checks (a rank that skipped one would pair its next collective with the peers' previous one);
         where a rank's dispatch raised, every rank learns it in the gather and none combines.
 
-        The checked tokens are the timed ones negated (fp8: its data, the scales kept): the same routing, other
-        values, so an op that skipped a write (a row, a token's sum) cannot pass on what the timed loop left in
-        memory the allocator hands out again."""
+        The checked tokens are the timed ones negated (fp8: data sign bits flipped, scales doubled): the same
+        routing, other values, so an op that skipped a write (a row, its scales, a token's sum) cannot pass on
+        what the timed loop left in memory the allocator hands out again."""
         problem = None
         fresh = _negated(self.hidden)
         try:  # before the dispatch: what this rank sends each expert
@@ -262,12 +262,12 @@ class _Calls:
 
 
 def _negated(hidden):
-    """-hidden; fp8 (data, scales) with its data's sign bits flipped (float8 has no negation) and the same scales:
-    dequantized, the same values negated. Negating the scales instead kept the data bytes of the timed loop, so
-    a dispatch that never wrote the data, only the scales, passed."""
+    """-hidden; fp8 (data, scales) as its data's sign bits flipped (float8 has no negation) and its scales doubled
+    (exact): dequantized, the values times -2. Both parts differ from the timed loop's, so a dispatch that skipped
+    writing either cannot pass on what that loop left (negating the scales alone kept the data bytes)."""
     if isinstance(hidden, tuple):
         data, scales = hidden
-        return (data.view(torch.uint8) ^ 0x80).view(torch.float8_e4m3fn), scales
+        return (data.view(torch.uint8) ^ 0x80).view(torch.float8_e4m3fn), scales * 2
     return -hidden
 
 
