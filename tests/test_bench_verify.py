@@ -199,6 +199,19 @@ def test_copies_per_token_adds_the_factors_of_a_tokens_rows():
     assert verify.round_trip_problem(tokens, verify.copies_per_token(chosen, LOCAL, COMPACT), per_rank) is None
 
 
+def test_compact_rows_are_scaled_by_the_receiving_ranks_factor_up_to_num_valid_rows():
+    """In the compact form every row a rank received is one copy per (token, that rank): rank 1's valid rows are
+    doubled, rank 0's kept; rows past num_valid_rows (what an earlier dispatch left) are not touched."""
+    sources = _sources("bf16")
+    for rank, factor in ((0, 1.0), (1, 2.0)):
+        out = _compact_output(sources, rank, unwritten_rows=3)
+        valid = int(out.num_valid_rows)
+        before = out.hidden.clone()
+        verify.scale_copies(out, out.hidden, rank)
+        assert torch.equal(out.hidden[:valid], before[:valid] * factor), rank
+        assert torch.equal(out.hidden[valid:], before[valid:]), rank
+
+
 @pytest.mark.parametrize("read", [[0, 0], [1, 1], [0, 2]])
 def test_a_combine_that_reads_the_wrong_copy_of_a_token_is_caught(read):
     """A token sent to experts 0 and 1 comes back as 1x + 2x its values. A combine that read one copy twice, or a
