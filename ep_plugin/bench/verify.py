@@ -46,7 +46,7 @@ from .workload import FP8_BLOCK
 ROUND_TRIP_RTOL = 2 ** -6  # 4 bf16 roundings: a correct sum rounds 3 times at most (module docstring)
 ROUND_TRIP_BIAS = 2 ** -10  # the mean signed error is held this close to 0 at least (a quarter of one rounding)
 CHECKSUM_RTOL = 1e-9
-# The round trip's factor of a copy: by its expert (expert-row form) or receiving rank (compact form), index % 4.
+# The round trip's factors of the copies (``copy_factor``): powers of two, so scaling a bf16 row is exact.
 COPY_FACTORS = (1.0, 2.0, 4.0, 8.0)
 DEQUANT_CHUNK_ROWS = 4096  # fp8 rows dequantized this many at a time (a float copy of all would double memory)
 
@@ -91,9 +91,22 @@ def dense_probs(routing: dict, num_experts: int) -> Optional[torch.Tensor]:
     return dense
 
 
+def copy_factor(index: int) -> float:
+    """The round trip's factor of a copy by its index: its expert (expert-row form) or receiving rank (compact)."""
+    return COPY_FACTORS[index % len(COPY_FACTORS)]
+
+
 def copy_factors(count: int, device=None) -> torch.Tensor:
-    """[count] fp32: the round trip's factor of the copy with each index (an expert, or a receiving rank)."""
-    return torch.tensor(COPY_FACTORS, device=device)[torch.arange(count, device=device) % len(COPY_FACTORS)]
+    """[count] fp32: ``copy_factor`` of the indices 0 .. count - 1."""
+    return torch.tensor([copy_factor(index) for index in range(count)], device=device)
+
+
+def valid_rows(out, rows: torch.Tensor) -> int:
+    """How many of ``rows`` (a dispatch output's) hold data: a non-blocking output's rows past
+    ``num_valid_rows`` were not written by this dispatch."""
+    if out.num_valid_rows is None:
+        return rows.shape[0]
+    return min(rows.shape[0], int(out.num_valid_rows.item()))
 
 
 def copies_per_token(chosen: torch.Tensor, num_local_experts: int, output_form: str) -> torch.Tensor:
@@ -109,18 +122,16 @@ def scale_copies(out, rows: torch.Tensor, rank: int) -> None:
     """Multiply, in place, each row that ``out`` (a dispatch on ``rank``) received by its copy's factor: its
     expert's in the expert-row form, ``rank``'s in the compact form. ``rows``: the output's rows in bf16
     (``as_bf16_rows``), the ones the combine is then given. Rows past ``num_valid_rows`` are left alone."""
-    valid = rows.shape[0]
-    if out.num_valid_rows is not None:
-        valid = min(valid, int(out.num_valid_rows.item()))
+    valid = valid_rows(out, rows)
     if out.handle.output_form == COMPACT:
-        rows[:valid] *= COPY_FACTORS[rank % len(COPY_FACTORS)]
+        rows[:valid] *= copy_factor(rank)
         return
     local = out.handle.num_local_experts
     start = 0
     for e, segment in enumerate(out.handle.tokens_per_expert.to(torch.int64).tolist()):
         end = min(start + segment, valid)
         if end > start:
-            rows[start:end] *= COPY_FACTORS[(rank * local + e) % len(COPY_FACTORS)]
+            rows[start:end] *= copy_factor(rank * local + e)
         start += segment
 
 
@@ -136,9 +147,7 @@ def received_per_expert(out, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
     its row's sum; the last two None without probs) on the host: what this rank received for each local expert.
     ``rows``: the dispatch output's rows in bf16 (``as_bf16_rows``)."""
     num_local_experts = out.handle.num_local_experts
-    valid = rows.shape[0]
-    if out.num_valid_rows is not None:
-        valid = min(valid, int(out.num_valid_rows.item()))
+    valid = valid_rows(out, rows)
     sums = row_sums(rows[:valid])
     probs = out.probs[:valid].double() if out.probs is not None else None
     if out.handle.output_form == COMPACT:

@@ -79,7 +79,7 @@ class SymmetricBuffer:
                 self._buffer, failure, remedy = None, error, _ALLOW_IPC
         self._region_tensors: dict[tuple, torch.Tensor] = {}  # see region_tensor
         here = own_identity()
-        said = None if failure is None else f"{type(failure).__name__}: {failure} ({remedy})"
+        said = _in_words(failure, remedy)
         try:
             # Timed (a rank that failed alone, one that never builds this backend, say, is named instead of
             # waited for).
@@ -106,8 +106,8 @@ class SymmetricBuffer:
             failure = error
         # No rank may write into a peer before that peer opened everything (its flags start zeroed): this gather
         # waits for every rank, and tells each whether the others could open theirs.
-        said = None if failure is None else f"{type(failure).__name__}: {failure} ({_ALLOW_IPC})"
-        opened = self._collectives.all_gather_object(said, where="opening the peers' buffers (every rank opened them)")
+        opened = self._collectives.all_gather_object(_in_words(failure, _ALLOW_IPC),
+                                                     where="opening the peers' buffers (every rank opened them)")
         try:
             self._refuse_together(opened, failure, _ALLOW_IPC,
                                   "could not open its peers' buffers through CUDA IPC, so no rank uses them")
@@ -284,6 +284,11 @@ def _kept_when_dropped(buffer, backend: str, rank: int) -> None:
 # What helps a rank that CUDA IPC failed (exporting its buffer's handle, or opening a peer's).
 _ALLOW_IPC = ("allow CUDA IPC between the ranks' processes (containers: one IPC namespace, docker's --ipc=host), "
               "which every rank of an NVLink domain needs")
+
+def _in_words(failure: Optional[Exception], remedy: Optional[str]) -> Optional[str]:
+    """What a rank tells its peers in an exchange of outcomes: None when its step went well."""
+    return None if failure is None else f"{type(failure).__name__}: {failure} ({remedy})"
+
 
 # bf16 has no typestr: it travels as int16 and is reinterpreted on the torch side.
 _TYPESTRS = {torch.bfloat16: "<i2", torch.float32: "<f4", torch.int32: "<i4", torch.int64: "<i8", torch.uint8: "|u1"}
