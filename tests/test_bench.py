@@ -901,3 +901,10 @@ def test_a_sweep_whose_ranks_crash_on_their_way_out_keeps_every_case(tmp_path, c
     assert "killed by SIGSEGV" in report["environment"]["teardown"] and "incomplete" not in report["environment"]
     output = capfd.readouterr()
     assert "every case ran, but" in output.err and " step " in output.out
+
+
+def test_a_figure_too_small_for_its_decimals_is_not_printed_as_zero():
+    """The CPU bench's tiny shapes printed 0.00 GB/s: read as a kernel that moved nothing."""
+    rows = [{"backend": "reference", "median_us": 812.0, "algo_gbps": 0.0031, "ceiling_ratio": 0.0}]
+    cells = format_table(rows).splitlines()[1].split()
+    assert "0.0031" in cells and "0.00" in cells  # the small figure kept; a true zero still 0.00

@@ -14,7 +14,8 @@ so a rank's bytes to itself count), and two ratios measured in the same run:
              in hybrid's format (each token once per remote rank: the least any backend moves),
              at --link-gbps (478 GB/s per direction on two H200s with NV18).
   ref/ours   the reference backend's time / ours (when ranks share a GPU the reference runs over
-             gloo through host memory: reported, but no target there).
+             gloo through host memory: reported, but no target there). The reference runs blocking
+             and bf16 only, so an fp8 or non-blocking row's ratio is against that bf16 blocking time.
   a2a/ours   with "all_to_all" in --backends (the nvlink preset has it): the time of
              torch.distributed.all_to_all_single moving the compact rows (each token once to every
              rank holding one of its experts; combine: as many bf16 rows back) / ours. The engine

@@ -166,6 +166,8 @@ def _cell(value, digits: int) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     if isinstance(value, float):
+        if value and abs(value) < 0.5 * 10 ** -digits:  # would print as 0.00 (CPU GB/s of tiny shapes)
+            return f"{value:.2g}"
         return f"{value:.{digits}f}"
     return str(value)
 
