@@ -7,7 +7,7 @@
 
 The model config is a Bridge ``GPTModelProvider`` set up as a Bridge MoE recipe sets
 ``cfg.model`` (dispatcher "alltoall", shared-expert overlap off by default), then, for a
-plugin name, the line a NeMo user adds (README, "Megatron-Core and NeMo"):
+plugin name, the line a NeMo user adds (docs/megatron.md):
 
     apply_ep_plugin_backend(cfg.model, "ep_hybrid")
 
