@@ -444,3 +444,56 @@ def test_hybrid_combine_in_place_is_the_one_pass_sum(num_ranks):
     assert results[0] == {"blocking": 3 * 8 + 8, "over_budget": 1, "graph": 6, "autograd": 1, "arena": 8,
                           "arena outliving its backend": 1}, results[0]
     assert all(r == results[0] for r in results)
+
+
+def first_used_in_inference_mode(ctx, name: str) -> dict:
+    """Built and first used under torch.inference_mode() (a Megatron evaluation or generation pass that comes
+    first builds the backend there), then used outside it: the buffer's row views (combine_input, elastic's
+    in-place rows) are written by the expert, and a sync-free backend's error flags are reset by check_errors()."""
+    torch.manual_seed(ctx.rank)
+    num_experts, tokens = 8, 64
+    config = Config.from_env().replace(max_tokens_per_rank=MAX_TOKENS)
+    options = {"combine_input_rows": 4 * MAX_TOKENS} if name == "hybrid" else {"in_place_dispatch": True}
+    x = torch.randn(tokens, HIDDEN, device=ctx.device).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(num_experts, device=ctx.device)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, device=ctx.device)
+
+    def round_trip(backend) -> torch.Tensor:
+        in_place = {"in_place": True} if name == "elastic" else {}
+        out = backend.dispatch(x, topk_idx=idx, topk_weights=weights, **in_place)
+        rows = backend.combine_input(out.handle)
+        rows.copy_(out.hidden)  # the expert (identity) writes its output into the backend's buffer
+        return backend.combine(rows, out.handle).hidden
+
+    def make(**changes):
+        return ep_plugin.get_backend(name)(hidden_size=HIDDEN, num_experts=num_experts, device=ctx.device,
+                                           config=config.replace(**changes), **options)
+
+    with torch.inference_mode():
+        backend, sync_free = make(), make(blocking=False)
+        round_trip(backend)
+    got = round_trip(backend)
+    # Each token comes back once per row it was sent as: per expert (hybrid), per destination rank (elastic).
+    per_rank = num_experts // ctx.world_size
+    copies = 2 if name == "hybrid" else torch.tensor([len(set((row // per_rank).tolist())) for row in idx])
+    expected = x.float() * (copies if name == "hybrid" else copies.to(ctx.device)[:, None])
+    bad = idx.clone()
+    bad[0, 0] = num_experts + 3  # out of range: sync-free kernels drop it, check_errors() reports it
+    sync_free.dispatch(x, topk_idx=bad, topk_weights=weights)
+    try:
+        sync_free.check_errors()
+        reported = "nothing"
+    except ValueError:
+        reported = "ValueError"
+    backend.destroy()
+    sync_free.destroy()
+    return {"round trip exact": torch.equal(got.float(), expected), "dropped ids": reported}
+
+
+@pytest.mark.parametrize("name", ["hybrid", "elastic"])
+def test_a_backend_first_used_in_inference_mode_works_outside_it(name):
+    """The buffer's row tensor was kept from its first use: made under inference mode, it was an inference
+    tensor, and the expert's write into combine_input outside that mode raised; so did check_errors()'s reset
+    of a sync-free backend's flags made there."""
+    results = run_ranks(first_used_in_inference_mode, 2, name, device="cuda", timeout_s=LAUNCH_TIMEOUT_S)
+    assert all(r == {"round trip exact": True, "dropped ids": "ValueError"} for r in results), results

@@ -120,6 +120,40 @@ def test_hierarchical_reference_equals_flat_at_every_layout():
     assert all(len(checked) == len(results[0]) > 0 for checked in results), results
 
 
+def first_used_in_inference_mode(ctx) -> list[str]:
+    """2 x 2 domains, built and first used under torch.inference_mode() (a Megatron evaluation or generation
+    pass that comes first builds the backend there), then a training step outside it, against flat."""
+    torch.set_num_threads(1)
+    flat = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=16, device="cpu")
+    problem = make_problem(7, [9, 0, 13, 11], HIDDEN, 16, 4, skewed=True, integer_valued=True, drop_some=True)
+    checked = []
+    for staged in (False, True):
+        with torch.inference_mode():
+            backend = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=16, device="cpu",
+                                                         topology=Topology(4, 2, ctx.rank))
+            backend.scaleout.stage_on_host = staged  # CPU rows on the path of CUDA rows over a gloo rail
+            _step_without_grad(backend, problem, ctx.rank)
+        want, got = _step(flat, problem, ctx.rank, "topk", 4), _step(backend, problem, ctx.rank, "topk", 4)
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-6)
+        checked.append(f"staged={staged}")
+        backend.destroy()
+    return checked
+
+
+def _step_without_grad(backend, problem, rank: int) -> None:
+    out = ep_plugin.dispatch(backend, problem.hidden[rank], pad_multiple=4, **_routing(problem, rank, "topk"))
+    ep_plugin.combine(out.hidden, out.handle)
+
+
+def test_a_backend_first_used_in_inference_mode_trains_outside_it():
+    """The rail's kept host buffers were made on the first op, inference tensors under inference mode: every
+    later op outside it failed writing into them ("Inplace update to inference tensor"), and the backend was
+    out of step for good."""
+    results = run_ranks(first_used_in_inference_mode, 4, timeout_s=120)
+    assert all(checked == ["staged=False", "staged=True"] for checked in results), results
+
+
 def domains_in_an_ep_subgroup(ctx) -> bool:
     """World 4 as two EP groups of 2 (Megatron's EP group is a subgroup of the world); each builds the
     reference forced into 2 domains of 1 and dispatches as the flat one does."""

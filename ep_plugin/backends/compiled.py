@@ -198,8 +198,9 @@ class CompiledBackend(Backend):
         # them, ORed on the device by the layout kernel ([1] int32, see _layout): ids out of range were
         # dropped, not indexed, and check_errors() reports them. One word, so that a later clean dispatch
         # cannot hide an earlier one's (as the last dispatch's flags alone did).
-        self._flags_since_checked = (None if self.config.blocking else
-                                     torch.zeros(1, dtype=torch.int32, device=self.device))
+        with torch.inference_mode(False):  # built under inference mode, check_errors() still resets it outside
+            self._flags_since_checked = (None if self.config.blocking else
+                                         torch.zeros(1, dtype=torch.int32, device=self.device))
         self.buffer: Optional[SymmetricBuffer] = None
         self._handshakes: dict = {}  # phase -> the handshake-only ExchangeArgs (see _exchange)
         self._scratch_plans: dict = {}  # op shape -> ScratchPlan (see _scratch)

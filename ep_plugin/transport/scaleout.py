@@ -337,7 +337,10 @@ class ScaleOut:
         kept = self._host_buffers.get(role)
         if kept is None or kept.numel() < size:
             grown = max(size, 0 if kept is None else kept.numel() * 5 // 4)
-            kept = torch.empty(grown, dtype=torch.uint8, pin_memory=self.pin_host_buffers)
+            # Kept for later ops: made under torch.inference_mode() it would be an inference tensor, which no
+            # op outside that mode may write into.
+            with torch.inference_mode(False):
+                kept = torch.empty(grown, dtype=torch.uint8, pin_memory=self.pin_host_buffers)
             self._host_buffers[role] = kept
         return kept[:size].view(num_rows, row_bytes)
 
