@@ -290,8 +290,9 @@ def test_a_rank_that_exits_0_without_a_result_is_named_at_once():
     the rank as one that "did not finish"."""
     start = time.monotonic()
     with pytest.raises(EPError, match=r"rank\(s\) \[1\] exited with code 0 without reporting a result"):
-        run_ranks(exit_0_on_rank_one, 2, timeout_s=60)
-    assert time.monotonic() - start < 15
+        run_ranks(exit_0_on_rank_one, 2, timeout_s=120)
+    # Well before the timeout, with room for slow starts on a loaded machine (22 s seen with 15 s allowed).
+    assert time.monotonic() - start < 60
 
 
 def test_ranks_that_exited_0_before_their_results_were_read_are_not_reported(monkeypatch):
