@@ -378,6 +378,42 @@ def test_forced_domains_after_the_world_was_destroyed_and_started_again(tmp_path
         assert sums == [[4 * (rank + 1) * k for k in (2, 2, 1)], [4 * (rank + 11) * k for k in (2, 2, 1)]], sums
 
 
+def refusal_and_disagreement_in_one_dispatch(ctx, variant: str) -> dict:
+    """Rank 0 refuses its input (an id out of range, or too many tokens) while rank 1 disagrees on the op (an
+    fp64 payload, or fp64 weights: another rail row width), flat and across domains; then a valid dispatch."""
+    torch.set_num_threads(1)
+    config = ep_plugin.Config.from_env().replace(max_tokens_per_rank=4)
+    raised = {}
+    for name, domain_size in (("flat", None), ("2x2", 2), ("4x1", 1)):
+        backend = ep_plugin.get_backend("reference")(
+            hidden_size=4, num_experts=8, device="cpu", config=config,
+            topology=None if domain_size is None else Topology(4, domain_size, ctx.rank))
+        tokens = 5 if ctx.rank == 0 and variant == "tokens" else 3
+        x = torch.ones(tokens, 4, dtype=torch.float64 if ctx.rank == 1 and variant != "weights" else torch.float32)
+        idx = torch.tensor([[0, 5], [1, 2], [7, -1], [3, 4], [6, 0]])[:tokens].clone()
+        weights = torch.full((tokens, 2), 0.5, dtype=torch.float64 if ctx.rank == 1 and variant == "weights"
+                             else torch.float32)
+        if ctx.rank == 0 and variant != "tokens":
+            idx[0, 0] = 99
+        try:
+            backend.dispatch(x, topk_idx=idx, topk_weights=weights)
+            raised[name] = "nothing"
+        except (ValueError, EPError) as error:
+            raised[name] = type(error).__name__
+        backend.dispatch(torch.ones(3, 4), topk_idx=idx[:3].clamp(0, 7))  # the backend stays usable
+        backend.destroy()
+    return raised
+
+
+@pytest.mark.parametrize("variant", ["ids", "tokens", "weights"])
+def test_ranks_that_disagree_while_another_refuses_raise_eperror_everywhere_as_flat(variant):
+    """Across domains the ranks whose rail saw the refusal raised ValueError and the others EPError (a
+    domain stage that raised its own rail's refusal before looking at the other rails' disagreement), and
+    over one rail a row width difference was not compared once a rank refused."""
+    results = run_ranks(refusal_and_disagreement_in_one_dispatch, 4, variant, timeout_s=120)
+    assert all(raised == {"flat": "EPError", "2x2": "EPError", "4x1": "EPError"} for raised in results), results
+
+
 def bad_topk_across_domains(ctx) -> list:
     """Rank 0 passes top-k ids that are no tensor, then every rank dispatches validly."""
     backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",

@@ -104,7 +104,7 @@ from ..transport.scaleout import RailSplits, RowPacker, ScaleOut, flat_order_ind
 from .base import Backend
 
 _TOPK_FIELD_MAX = 127  # OpFingerprint.topk has 7 bits
-# Sent in place of the rail row width by a rank whose dispatch input was refused (see _rail_agreement).
+# The rail agreement's refusal word of a rank whose dispatch input was refused (see _rail_agreement; 0: none).
 _REFUSED_INPUT = -1
 _REFUSED_TOKENS = -2  # ... by one whose only reason was its token count (more than max_tokens_per_rank)
 # Local experts the domain stage's count words have room for, on every backend (the compiled ones allow 256);
@@ -708,8 +708,9 @@ class HierarchicalBackend(Backend):
                         send_counts: Optional[list[int]] = None, expected: Optional[list[int]] = None,
                         refused: Optional[RefusedInput] = None) -> tuple[Optional[RailSplits], Optional[str]]:
         """The rail stage: every rank of the rail sends every peer the op fingerprint, the width of its
-        rail rows (``_REFUSED_INPUT`` instead when this rank refused its input: ``refused`` says why) and the
-        backend's number on its group (ranks that use two backends in two orders differ there first);
+        rail rows, the backend's number on its group (ranks that use two backends in two orders differ there
+        first) and whether it refused its input (``_REFUSED_INPUT`` / ``_REFUSED_TOKENS``, else 0: ``refused``
+        says why). Disagreements come before refusals, as in the flat reference's opening exchange;
         blocking mode in its count exchange (``send_counts``; ``expected``: the counts the handle expects
         from the peers), sync-free mode on the host in the same row layout with zero counts (so the two modes'
         backends send rows of one size).
@@ -718,8 +719,9 @@ class HierarchicalBackend(Backend):
         ``RefusedInput`` when a rank refused its input); every rank of the rail sees the same words, so every
         one of them finds the disagreement. No payload has moved.
         """
-        refused_code = _REFUSED_TOKENS if isinstance(refused, RefusedTokens) else _REFUSED_INPUT
-        mine = (fingerprint.pack(), refused_code if refused is not None else row_bytes, self._host.instance)
+        refused_code = (0 if refused is None else _REFUSED_TOKENS if isinstance(refused, RefusedTokens)
+                        else _REFUSED_INPUT)
+        mine = (fingerprint.pack(), row_bytes, self._host.instance, refused_code)
         if self.config.blocking:
             splits, theirs = self.scaleout.exchange_counts(send_counts, mine, where=f"{where}: rail/counts")
         else:  # in the row blocking mode sends (count, words, counts): one size for both modes' backends
@@ -735,22 +737,21 @@ class HierarchicalBackend(Backend):
             if words[0] != mine[0]:
                 return splits, (f"{mismatch_message(self.name, self.rank, rail_ranks[peer], mine[0], words[0])} "
                                 f"(seen on {self.scaleout.level} in {where})")
+        for peer, words in enumerate(theirs):
+            if words[1] != mine[1]:
+                return splits, (f"ep_plugin {self.name}: ranks disagree on {where} ({self.scaleout.level}): row bytes "
+                                f"{mine[1]} on rank {self.rank}, {words[1]} on rank {rail_ranks[peer]}")
         # Tokens alone only where no rank of the rail refused for another reason (the same on every rank).
-        refused_why = RefusedInput if _REFUSED_INPUT in [mine[1]] + [words[1] for words in theirs] else RefusedTokens
+        refused_why = RefusedInput if _REFUSED_INPUT in [mine[3]] + [words[3] for words in theirs] else RefusedTokens
         if refused is not None:
             return splits, refused_why(refused)
-        refusing = [rail_ranks[peer] for peer, words in enumerate(theirs)
-                    if words[1] in (_REFUSED_INPUT, _REFUSED_TOKENS)]
+        refusing = [rail_ranks[peer] for peer, words in enumerate(theirs) if words[3]]
         if refusing:
             seen = f"seen on {self.scaleout.level}"
             why = (f"passed {self._too_many_tokens()} in {where} ({seen})" if refused_why is RefusedTokens
                    else f"refused their {where} input (their errors say why; {seen})")
             return splits, refused_why(f"ep_plugin {self.name}: rank(s) {refusing} of the group {why}; every rank "
                                         f"refuses it, and the backend stays usable")
-        for peer, words in enumerate(theirs):
-            if words[1] != mine[1]:
-                return splits, (f"ep_plugin {self.name}: ranks disagree on {where} ({self.scaleout.level}): row bytes "
-                                f"{mine[1]} on rank {self.rank}, {words[1]} on rank {rail_ranks[peer]}")
         if expected is not None and splits is not None and splits.recv != expected:
             return splits, (f"ep_plugin {self.name}: {self.scaleout.level}: in {where} the rail peers announce "
                             f"{splits.recv} rows, the handle expects {expected}; the ranks' handles come from "
@@ -812,21 +813,13 @@ class HierarchicalBackend(Backend):
             if number != instance:
                 raise EPError(f"{self._other_backend_message(where, self._topology.domain_ranks()[peer], number)} "
                               f"(seen in {self.domain_level})")
-        # A domain holds a rank of every rail, so every rank of the group sees every rail's flag here: where
-        # each rail either agreed or refused token counts alone, every rank raises TooManyTokensError.
-        refused_error = TooManyTokensError if {flag for flag, *_ in theirs} <= {0, 3} else ValueError
-        if disagreement is not None:
-            raise (refused_error if isinstance(disagreement, RefusedInput) else EPError)(str(disagreement))
+        # Disagreements before refusals, as flat: a domain holds a rank of every rail, so every rank of the group
+        # sees a rail that found ranks disagreeing, whatever another rail refused.
+        if disagreement is not None and not isinstance(disagreement, RefusedInput):
+            raise EPError(str(disagreement))
         # Named as the EP group knows them, like every other message (peer is an index in the domain).
         domain_ranks = self._topology.domain_ranks()
-        refusing = [peer for peer, (flag, *_) in enumerate(theirs) if flag in (2, 3)]
-        if refusing:
-            names = ", ".join(self._host.peer_name(domain_ranks[peer]) for peer in refusing)
-            why = (f"passed {self._too_many_tokens()}" if refused_error is TooManyTokensError
-                   else "refused its input (its error says why)")
-            raise refused_error(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found a "
-                                f"rank that {why}; every rank refuses it, and the backend stays usable")
-        flagged = [peer for peer, (flag, *_) in enumerate(theirs) if flag]
+        flagged = [peer for peer, (flag, *_) in enumerate(theirs) if flag == 1]
         if flagged:
             names = ", ".join(self._host.peer_name(domain_ranks[peer]) for peer in flagged)
             raise EPError(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found that "
@@ -842,6 +835,18 @@ class HierarchicalBackend(Backend):
                 raise EPError(f"ep_plugin {self.name}: ranks disagree on {where}: rail rows of {row_bytes} bytes on "
                               f"rank {self.rank}, {width_of_peer} on rank {peer_rank} (the probs' dtypes differ, or "
                               f"the payload's; seen in {self.domain_level}). {WHAT_RANKS_SHARE}")
+        # Every rank agrees on the op; every rank sees every rail's refusal here. Where each rail either agreed
+        # or refused token counts alone, every rank raises TooManyTokensError.
+        refused_error = TooManyTokensError if {flag for flag, *_ in theirs} <= {0, 3} else ValueError
+        if disagreement is not None:
+            raise refused_error(str(disagreement))
+        refusing = [peer for peer, (flag, *_) in enumerate(theirs) if flag in (2, 3)]
+        if refusing:
+            names = ", ".join(self._host.peer_name(domain_ranks[peer]) for peer in refusing)
+            why = (f"passed {self._too_many_tokens()}" if refused_error is TooManyTokensError
+                   else "refused its input (its error says why)")
+            raise refused_error(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found a "
+                                f"rank that {why}; every rank refuses it, and the backend stays usable")
         return received[:, :self.num_domains * (self.num_local_experts + 1)] if self.config.blocking else None
 
     def _at_domain_level(self, call: Callable):
