@@ -53,8 +53,10 @@ handle, raise ``EPError`` on every rank before the domain backend is called; the
 (every rank left the same collectives). Top-k ids out of range or repeated on one rank raise
 ``ValueError`` on every rank the same way: the rank that checked them says so in its agreement words
 (not in sync-free mode on a backend that has one: no host read there, the domain backend drops them).
+Where ranks disagree and a rank refused in one op, every rank raises ``EPError``, as flat.
 Every op opens with two exchanges of a fixed size per peer, whatever the op: the rail stage (the op
-fingerprint and the width of its rail rows; in blocking mode inside the count exchange) and the domain
+fingerprint, the width of its rail rows, the backend's number on its group and whether the rank refused its
+input; in blocking mode inside the count exchange) and the domain
 stage (whether this rank's rail found a disagreement, and the fingerprint; in blocking mode behind the
 dispatch's segment counts, zeros for other ops). So ranks that disagree always meet in an exchange of
 one size, never in two different collectives or one of two sizes (gloo aborts the process on those). A

@@ -176,8 +176,8 @@ class SymmetricBuffer:
             # The tensor keeps the extension's buffer object alive (not this wrapper, which holds the
             # tensor: that cycle would run through torch's storage, where the collector cannot see).
             memory = _DeviceMemory(address, (rows, *row_shape), _TYPESTRS[dtype], owner=self._buffer)
-            # Kept across ops: made under torch.inference_mode() it would be an inference tensor, whose views
-            # (combine_input's, in-place dispatch rows) no op outside that mode could write into.
+            # Kept across ops: made under torch.inference_mode() it would be an inference tensor, and so would
+            # every later view of it (combine_input's, in-place dispatch rows), outside that mode too.
             with torch.inference_mode(False):
                 whole = torch.as_tensor(memory, device=self.device)
                 whole = whole.view(dtype) if dtype == torch.bfloat16 else whole
