@@ -288,6 +288,7 @@ def _kept_when_dropped(buffer, backend: str, rank: int) -> None:
 _ALLOW_IPC = ("allow CUDA IPC between the ranks' processes (containers: one IPC namespace, docker's --ipc=host), "
               "which every rank of an NVLink domain needs")
 
+
 def _in_words(failure: Optional[Exception], remedy: Optional[str]) -> Optional[str]:
     """What a rank tells its peers in an exchange of outcomes: None when its step went well."""
     return None if failure is None else f"{type(failure).__name__}: {failure} ({remedy})"
