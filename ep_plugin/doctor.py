@@ -8,16 +8,19 @@ problem with its fix on one line:
 - scale-out (NCCL): GPUDirect RDMA via DMA-BUF / via nvidia-peermem / staged through host
   memory / TCP sockets / unavailable, and why;
 - MPS, for ranks that share a GPU;
-- gloo, which carries the host words of an NCCL group (and Megatron's own gloo groups).
+- gloo, which carries the host words of an NCCL group (and Megatron's own gloo groups);
+- the EP_PLUGIN_* knobs, and the installed megatron-core against the versions the integration takes.
 
-``--backend NAME`` and ``--scaleout [gdr|rdma|socket]`` name the paths the job needs: the exit
-code is 1 when one of them cannot work, else 0. ``--json`` prints the same as one JSON object.
-``--nccl-probe`` lets a 2-rank NCCL init decide the scale-out mode from its own log.
+``--backend NAME``, ``--scaleout [gdr|rdma|socket]`` and ``--nodes N`` (N > 1: at least sockets) name
+the paths the job needs: the exit code is 1 when one of them cannot work, else 0. ``--json`` prints
+the same as one JSON object. ``--nccl-probe`` lets a 2-rank NCCL init decide the scale-out mode from
+its own log.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -39,6 +42,8 @@ GIB = 1 << 30
 # on its channels and peers, so this is a floor with room, not a computed size: the common defaults
 # (64 KiB, 8 MiB) have made NCCL init fail. Unlimited is always fine.
 MEMLOCK_NEEDED_BYTES = GIB
+# Ranks one NVLink domain's compiled kernels serve (the extension's MAX_RANKS, csrc/include/ep/limits.h).
+MAX_DOMAIN_RANKS = getattr(_cuda._module, "MAX_RANKS", 32)
 
 
 @dataclass
@@ -181,6 +186,10 @@ def nvlink_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str],
     if too_old is not None:
         problems.append(too_old)
         verdict.status = UNAVAILABLE
+    torch_problem = _torch_cannot_use_gpus(fabric)
+    if torch_problem is not None:
+        problems.append(torch_problem)
+        verdict.status = UNAVAILABLE
     gpus = fabric.gpus
     groups = _peer_groups(fabric)
     if len(gpus) == 1:
@@ -237,11 +246,49 @@ def _driver_too_old(runtime_version: Optional[int], driver_version: Optional[int
                    f"--no-build-isolation -e .)")
 
 
+def _torch_cannot_use_gpus(fabric: Fabric) -> Optional[Problem]:
+    """The extension reaches the GPUs without torch, but the backends take their device, streams and tensors from
+    torch: a CPU build of torch, or one built with a CUDA major version newer than the driver's, sees no GPU."""
+    driver = fabric.driver.driver_version
+    if fabric.torch_cuda is None:
+        return Problem("this torch is a CPU build (torch.version.cuda is None): the backends take their device and "
+                       "tensors from torch, which sees no GPU", "install a CUDA build of torch (its CUDA major "
+                       f"version at most the driver's, {fabric.driver.driver_version_text})")
+    try:
+        major = int(fabric.torch_cuda.split(".")[0])
+    except ValueError:
+        return None
+    if driver is None or major <= driver // 1000:
+        return None
+    return Problem(f"torch was built with CUDA {fabric.torch_cuda}; this driver supports CUDA "
+                   f"{fabric.driver.driver_version_text}: torch sees no GPU",
+                   f"update the NVIDIA driver, or install a torch built for CUDA {driver // 1000}.x")
+
+
 def _check_scaleup_size(fabric: Fabric, options: Options, environ: Mapping[str, str], verdict: Verdict) -> None:
     problem = _scaleup_size_problem(fabric, options, environ)
     if problem is not None:
         verdict.problems.append(problem)
         verdict.status = UNAVAILABLE
+    problem = _domain_too_large_problem(fabric, options, environ)
+    if problem is not None:
+        verdict.problems.append(problem)
+        verdict.status = UNAVAILABLE
+
+
+def _domain_too_large_problem(fabric: Fabric, options: Options, environ: Mapping[str, str]) -> Optional[Problem]:
+    """The compiled backends serve at most ``MAX_RANKS`` ranks per NVLink domain (a build past it raises)."""
+    if not fabric.gpus:
+        return None
+    ranks, _ = _autosized_domain(fabric, options, environ)
+    if ranks <= MAX_DOMAIN_RANKS:
+        return None
+    _, detected = _domain_sizes(fabric, options, environ)
+    divisors = [size for size in range(MAX_DOMAIN_RANKS, 0, -1) if detected % size == 0]
+    return Problem(f"an NVLink domain of {ranks} ranks ({options.ranks_per_gpu} rank(s) per GPU): the hybrid / "
+                   f"elastic kernels serve at most {MAX_DOMAIN_RANKS} ranks per domain, so a build raises",
+                   f"fewer ranks per GPU, or EP_PLUGIN_SCALEUP_SIZE={divisors[0]} (domains of that many ranks, "
+                   f"joined over NCCL)")
 
 
 def _scaleup_size_problem(fabric: Fabric, options: Options, environ: Mapping[str, str]) -> Optional[Problem]:
@@ -263,7 +310,15 @@ def _check_co_residency(fabric: Fabric, options: Options, environ: Mapping[str, 
     except (ValueError, TypeError):
         verdict.notes.append("co-residency not checked: an EP_PLUGIN_* value is refused (the knobs' verdict)")
         return
-    device_sms = config.max_sms_per_gpu or min(gpu.info.sm_count for gpu in fabric.gpus)
+    real_sms = min(gpu.info.sm_count for gpu in fabric.gpus)
+    device_sms = config.max_sms_per_gpu or real_sms
+    if config.max_sms_per_gpu and real_sms > 0 and config.max_sms_per_gpu > real_sms:
+        verdict.problems.append(Problem(f"EP_PLUGIN_MAX_SMS_PER_GPU={config.max_sms_per_gpu} is more than the "
+                                        f"{real_sms} SMs this GPU has: the backends size their grids for SMs that "
+                                        f"are not there, and spin-waiting kernels that cannot all be resident "
+                                        f"can deadlock", f"EP_PLUGIN_MAX_SMS_PER_GPU={real_sms} or less (or unset it)"))
+        verdict.status = _worst(verdict.status, DEGRADED)
+        device_sms = real_sms  # a grid set below is judged against the SMs that are there
     if device_sms <= 0:
         verdict.notes.append("co-residency not checked: the driver did not report the SM count")
         return
@@ -280,7 +335,8 @@ def _check_co_residency(fabric: Fabric, options: Options, environ: Mapping[str, 
     # Across domains (more than one node, or a forced domain smaller than the one found) the domain kernels
     # run forward_sms blocks where it is set, and a build past the limit is refused on every rank.
     forced, detected = _domain_sizes(fabric, options, environ)
-    across_domains = options.nodes > 1 or 0 < forced < detected
+    node_ranks = len(fabric.gpus) * sharing  # a node whose GPUs do not all map each other's memory splits too
+    across_domains = options.nodes > 1 or 0 < forced < detected or detected < node_ranks
     knob, grid = (("EP_PLUGIN_FORWARD_SMS", config.forward_sms) if across_domains and config.forward_sms else
                   ("EP_PLUGIN_NUM_SMS", config.num_sms))
     if grid > limit:
@@ -296,13 +352,15 @@ def _check_co_residency(fabric: Fabric, options: Options, environ: Mapping[str, 
 
 def scaleout_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str],
                      probe: Optional[nccl_probe.NcclProbeResult] = None) -> Verdict:
-    verdict = Verdict("scaleout", "scale-out (NCCL across nodes)", OK, "", asked=options.scaleout is not None)
+    # More than one node crosses nodes whatever --scaleout says: at least some path must work.
+    least = options.scaleout or ("socket" if options.nodes > 1 else None)
+    verdict = Verdict("scaleout", "scale-out (NCCL across nodes)", OK, "", asked=least is not None)
     if options.backend in (None, "reference") and _no_gpu_reason(fabric) is not None:
         # A job of CPU ranks (no GPU here, so no other backend): reference crosses nodes over gloo, TCP sockets.
         verdict.mode, verdict.title = nccl_probe.SOCKET, "scale-out (gloo across nodes)"
         verdict.summary = f"{nccl_probe.SOCKET}: no GPU, so CPU ranks; the reference backend uses gloo (TCP)"
         verdict.status = DEGRADED
-        verdict.passed = nccl_probe.RANK[nccl_probe.SOCKET] >= nccl_probe.REQUIREMENTS.get(options.scaleout or "", 0)
+        verdict.passed = nccl_probe.RANK[nccl_probe.SOCKET] >= nccl_probe.REQUIREMENTS.get(least or "", 0)
         if not verdict.passed:
             verdict.problems.append(Problem(
                 f"--scaleout {options.scaleout} asks for RDMA between nodes; CPU ranks cross nodes over gloo "
@@ -335,8 +393,18 @@ def scaleout_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str
     verdict.status = OK if rank >= 3 else (DEGRADED if rank >= 1 else UNAVAILABLE)
     if verdict.status == OK and any(p for p in verdict.problems):
         verdict.status = DEGRADED
-    required = nccl_probe.REQUIREMENTS.get(options.scaleout or "", 0)
+    required = nccl_probe.REQUIREMENTS.get(least or "", 0)
     verdict.passed = rank >= required and rank > 0
+    if probe is not None and probe.ran and not probe.succeeded:
+        # The probe's ranks could not run NCCL over the network transport: neither can a job's across nodes,
+        # whatever the log lines before the failure said about the path.
+        warned = probe.facts.warnings[-1] if probe.facts is not None and probe.facts.warnings else None
+        verdict.problems.append(Problem(
+            f"the NCCL probe failed ({probe.reason})" + (f"; NCCL's last warning: {warned}" if warned else ""),
+            "fix what NCCL's warning names (memlock for 'Cannot allocate memory', the NICs' state), then run "
+            "doctor --nccl-probe again; NCCL_DEBUG=INFO shows the whole log"))
+        verdict.status, verdict.passed = UNAVAILABLE, False
+        verdict.summary = f"unavailable: the NCCL probe failed (its log had said {mode})"
     return verdict
 
 
@@ -358,6 +426,10 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
     if fabric.nccl.version is None:
         problems.append(Problem(f"no NCCL: {fabric.nccl.version_error}", "install a CUDA build of torch"))
         return nccl_probe.UNAVAILABLE, "torch has no NCCL"
+    missing_net = _named_net_missing(fabric, environ)
+    if missing_net is not None:
+        problems.append(missing_net)
+        return nccl_probe.UNAVAILABLE, f"NCCL_NET={environ['NCCL_NET']} names a network NCCL cannot start here"
     forced = _socket_forced_by_env(fabric, environ)
     if forced is not None:
         name = forced.split("=")[0]
@@ -489,6 +561,35 @@ def _socket_forced_by_env(fabric: Fabric, environ: Mapping[str, str]) -> Optiona
     return None
 
 
+def _named_net_missing(fabric: Fabric, environ: Mapping[str, str]) -> Optional[Problem]:
+    """NCCL_NET picks one network by name; NCCL skips a network that has no device or whose plugin did not load,
+    and when the named one is skipped its init fails ("network ... not found"): it does not fall back to
+    sockets."""
+    net = environ.get("NCCL_NET", "").strip()
+    if not net or net.lower() == "socket":
+        return None
+    if net.lower() == "ib":
+        ib_disable = environ.get("NCCL_IB_DISABLE", "").strip()
+        why = None
+        # A net plugin may name its network IB too (and NCCL_IB_DISABLE does not turn plugins off).
+        if not fabric.nccl.plugin_may_load and ib_disable.lstrip("-").isdigit() and int(ib_disable) != 0:
+            why = f"NCCL_IB_DISABLE={ib_disable} turns it off"
+        elif not fabric.usable_nics:
+            why = "no RDMA NIC with an ACTIVE port"
+        elif not fabric.uverbs:
+            why = "no /dev/infiniband/uverbs*"
+        if why is None:
+            return None
+        return Problem(f"NCCL_NET={net} names NCCL's IB network, which cannot start here ({why}): NCCL init fails "
+                       f"('network {net} not found'), it does not fall back to sockets",
+                       _unset(fabric, "NCCL_NET") + " (NCCL then picks what works), or make the NICs usable")
+    if fabric.nccl.plugin_may_load:
+        return None  # a plugin's network: whether it has devices is the plugin's to say (the probe runs it)
+    return Problem(f"NCCL_NET={net} names a network no NCCL net plugin here provides (none found or "
+                   f"NCCL_NET_PLUGIN=none): NCCL init fails ('network {net} not found')",
+                   _unset(fabric, "NCCL_NET") + ", or install the plugin that provides it")
+
+
 def _dmabuf_usable(fabric: Fabric, environ: Mapping[str, str], gpu) -> tuple[bool, str]:
     if environ.get("NCCL_DMABUF_ENABLE") == "0":
         return False, "NCCL_DMABUF_ENABLE=0"
@@ -588,18 +689,19 @@ def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -
     """gloo carries the host words of an NCCL group (``EP_PLUGIN_GLOO_HOST_WORDS``) and Megatron's own
     gloo groups. A ``GLOO_SOCKET_IFNAME`` that names an interface this host lacks, or across nodes a host
     name that resolves to loopback (gloo's address when that variable is unset), makes every gloo group
-    fail to connect, so building a backend over NCCL fails. Asked with ``--backend`` or ``--scaleout``
-    unless ``EP_PLUGIN_GLOO_HOST_WORDS`` is off."""
+    fail to connect, so building a backend over NCCL fails. Asked with ``--backend`` or ``--scaleout``, also
+    with ``EP_PLUGIN_GLOO_HOST_WORDS`` off: Megatron makes gloo groups of its own unless told not to
+    (``create_gloo_process_groups``, on by default)."""
     try:
         host_words = _config(environ).gloo_host_words
     except (ValueError, TypeError):
         host_words = True  # the knobs' verdict (config_verdict) reports the bad variable
-    # The job uses gloo where the host words go over it, and always on CPU ranks (their process group).
-    uses_gloo = host_words or options.backend == "reference" or _no_gpu_reason(fabric) is not None
     verdict = Verdict("gloo", "gloo (the host words of NCCL groups)", OK, "",
-                      asked=(options.backend is not None or options.scaleout is not None) and uses_gloo)
+                      asked=options.backend is not None or options.scaleout is not None)
     if not host_words:
-        verdict.notes.append("EP_PLUGIN_GLOO_HOST_WORDS is off: ep_plugin's host words stay on the NCCL groups")
+        verdict.notes.append("EP_PLUGIN_GLOO_HOST_WORDS is off: ep_plugin's host words stay on the NCCL groups; "
+                             "Megatron's own gloo groups (create_gloo_process_groups, on by default) still need "
+                             "gloo")
     # Whether turning the host words off takes ep_plugin off gloo (not where the job's process group is gloo).
     off_helps = host_words and not (options.backend == "reference" or _no_gpu_reason(fabric) is not None)
     names = [name.strip() for name in environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name.strip()]
@@ -664,7 +766,8 @@ def _addressed_fix(addresses: dict[str, list[str]], off_helps: bool) -> str:
 
 
 def _words_off(off_helps: bool) -> str:
-    return "; or EP_PLUGIN_GLOO_HOST_WORDS=0 keeps ep_plugin's host words off gloo" if off_helps else ""
+    return ("; EP_PLUGIN_GLOO_HOST_WORDS=0 keeps only ep_plugin's host words off gloo (a Megatron job also needs "
+            "create_gloo_process_groups=False, then doctor's gloo verdict no longer matters)") if off_helps else ""
 
 
 def _loopback(address: str) -> bool:
@@ -709,11 +812,77 @@ def backend_verdict(options: Options, registered: list[str], nvlink: Verdict,
     if options.backend == "reference" and scaleup_problem is not None:
         return Verdict("backend", "backend 'reference'", UNAVAILABLE, "its build on these GPUs raises",
                        [scaleup_problem], asked=True, passed=False)
+    missing = _no_distributed() if options.backend == "reference" else None
+    if missing is not None:
+        return Verdict("backend", "backend 'reference'", UNAVAILABLE, "torch.distributed is missing",
+                       [Problem(missing, "install a torch build with distributed support (the PyPI wheels have it)")],
+                       asked=True, passed=False)
     if options.backend == "reference":
         return Verdict("backend", "backend 'reference'", OK, "torch.distributed all-to-all: works on CPU (gloo) "
                        "and GPU (NCCL)", asked=True)
     return Verdict("backend", f"backend {options.backend!r}", UNCHECKED,
                    "registered (third-party: what it needs is not checked here)", asked=True)
+
+
+def _no_distributed() -> Optional[str]:
+    """Why this torch cannot run the reference backend's collectives (every backend's too), or None."""
+    try:
+        import torch.distributed as dist
+    except Exception as exc:  # noqa: BLE001 - a broken torch is a fact to report
+        return f"torch.distributed does not import ({type(exc).__name__}: {exc})"
+    if not dist.is_available():
+        return "this torch was built without torch.distributed (USE_DISTRIBUTED=0): no process group can be made"
+    if not dist.is_gloo_available():
+        return "this torch has no gloo: CPU ranks (and ep_plugin's host words) have no process group"
+    return None
+
+
+def megatron_verdict() -> Verdict:
+    """The installed megatron-core against the versions the Megatron integration supports. Never asked (a job
+    may not use Megatron): shown so that a version the plugin refuses is seen before the job."""
+    from .integrations.megatron.compat import MIN_VERSION, PIP_PACKAGE, TESTED_UP_TO
+
+    verdict = Verdict("megatron", "Megatron-Core (moe_flex_dispatcher_backend)", OK, "")
+    package_info = _megatron_package_info()
+    if package_info is None:
+        verdict.status = NOT_NEEDED
+        verdict.summary = "not installed; only needed for the Megatron integration"
+        return verdict
+    text = str(getattr(package_info, "__version__", "?"))
+    try:
+        found = (int(package_info.MAJOR), int(package_info.MINOR), int(package_info.PATCH))
+    except (AttributeError, TypeError, ValueError):
+        verdict.status, verdict.summary = UNCHECKED, f"{PIP_PACKAGE} {text}: its version could not be read"
+        return verdict
+    least = ".".join(map(str, MIN_VERSION))
+    verdict.summary = f"{PIP_PACKAGE} {text}"
+    if found < MIN_VERSION:
+        verdict.status = UNAVAILABLE
+        verdict.problems.append(Problem(f"{PIP_PACKAGE} {text} is older than {least}: the integration refuses it",
+                                        f"pip install '{PIP_PACKAGE}>={least}'"))
+    elif found[:2] > TESTED_UP_TO:
+        verdict.status = DEGRADED
+        verdict.problems.append(Problem(
+            f"{PIP_PACKAGE} {text} is newer than the {'.'.join(map(str, TESTED_UP_TO))}.x the integration was "
+            f"written against: the flex dispatcher's contract may have changed", "run the Megatron tests "
+            f"(tests/test_megatron_*.py), or pin {PIP_PACKAGE}<{TESTED_UP_TO[0]}.{TESTED_UP_TO[1] + 1}"))
+    return verdict
+
+
+def _megatron_package_info() -> Optional[Any]:
+    """megatron/core/package_info.py, read without importing megatron.core (whose import pulls in much of
+    Megatron and warns about Transformer Engine and Apex); None when there is none."""
+    try:
+        spec = importlib.util.find_spec("megatron.core")  # imports the bare ``megatron`` package only
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        path = os.path.join(list(spec.submodule_search_locations)[0], "package_info.py")
+        loaded = importlib.util.spec_from_file_location("_ep_plugin_megatron_package_info", path)
+        module = importlib.util.module_from_spec(loaded)
+        loaded.loader.exec_module(module)
+        return module
+    except Exception:  # noqa: BLE001 - absent, or no package_info: not a Megatron this doctor can read
+        return None
 
 
 _ORDER = {OK: 0, NOT_NEEDED: 0, UNCHECKED: 0, DEGRADED: 1, UNAVAILABLE: 2}
@@ -784,7 +953,7 @@ def assess(fabric: Fabric, options: Options, *, environ: Optional[Mapping[str, s
         runtime_version = _cuda.runtime_version()
     nvlink = nvlink_verdict(fabric, options, environ, extension, registered, runtime_version)
     verdicts = [nvlink, scaleout_verdict(fabric, options, environ, probe), mps_verdict(fabric, options),
-                gloo_verdict(fabric, options, environ), config_verdict(options, environ)]
+                gloo_verdict(fabric, options, environ), config_verdict(options, environ), megatron_verdict()]
     extra = backend_verdict(options, registered, nvlink, _scaleup_size_problem(fabric, options, environ))
     if extra is not None:
         verdicts.insert(0, extra)
@@ -940,8 +1109,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks-per-gpu", type=positive_int, default=1,
                         help="ranks that will share each GPU (default 1)")
     parser.add_argument("--nodes", type=positive_int, default=1,
-                        help="nodes of the job: for the SM autosize line, and above 1 the gloo check of the host "
-                             "name's address")
+                        help="nodes of the job: for the SM autosize line; above 1 the job needs a scale-out path "
+                             "(at least sockets) and gloo reachable at the host name's address")
     parser.add_argument("--experts", type=positive_int, default=256, help="experts, for the SM autosize line")
     parser.add_argument("--hidden", type=positive_int, default=7168, help="hidden size, for the SM autosize line")
     return parser

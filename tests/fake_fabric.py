@@ -159,6 +159,7 @@ def every_interface_addressed(names: list[str]) -> dict[str, list[str]]:
 
 def make_fabric(root: Path, report: DriverReport, environ: Optional[dict] = None, *, memlock=(-1, -1),
                 nccl: tuple = ("2.27.3", None), host_address: Optional[str] = "10.1.2.3",
-                addresses=every_interface_addressed):
+                addresses=every_interface_addressed, torch_cuda: Optional[str] = "13.0"):
     return probe_fabric(root=root, environ=environ or {}, driver=report, memlock=lambda: memlock,
-                        nccl_version=lambda: nccl, host_address=lambda: host_address, addresses=addresses)
+                        nccl_version=lambda: nccl, host_address=lambda: host_address, addresses=addresses,
+                        torch_cuda=lambda: torch_cuda)

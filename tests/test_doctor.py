@@ -104,7 +104,7 @@ def test_nccls_config_files_count_as_the_environment_under_it(tmp_path):
     the first file wins over the second. A cluster's /etc/nccl.conf forcing sockets was invisible before."""
     report = dgx_cx7(tmp_path)
     write(tmp_path / "etc" / "nccl.conf", "# site defaults\nNCCL_IB_DISABLE=1\nNCCL_DEBUG=WARN\n"
-                                          "NCCL_SOCKET_IFNAME = eth0\nCUDA_VISIBLE_DEVICES=3\nNCCL_NET=IB")
+                                          "NCCL_SOCKET_IFNAME = eth0\nCUDA_VISIBLE_DEVICES=3")
     found, code = scaleout(tmp_path, report)
     assert (found["scaleout"].mode, code) == (nccl_probe.SOCKET, 1)
     assert "unset NCCL_IB_DISABLE and remove it from /etc/nccl.conf" in fixes(found["scaleout"])
@@ -361,6 +361,62 @@ def test_nccl_probe_log_overrides_the_static_guess(tmp_path):
     assert any("NCCL probe skipped: needs 2 GPUs" in note for note in found["scaleout"].notes), found["scaleout"]
 
 
+def test_a_failed_nccl_probe_fails_the_scaleout_verdict(tmp_path):
+    """The probe's NCCL init failed (ibv_reg_mr out of memory, say): doctor took the log lines before the failure
+    as the path, or fell back to the static guess, and said ok."""
+    fabric = make_fabric(tmp_path, dgx_cx7(tmp_path))
+    facts = nccl_probe.parse_nccl_log([
+        "h:1:1 NCCL INFO NCCL version 2.27.3+cuda12.9", "h:1:1 NCCL INFO Using network IB",
+        "h:1:1 NCCL INFO Channel 00/0 : 0[0] -> 1[1] [send] via NET/IB/0/GDRDMA",
+        "h:1:1 NCCL WARN NET/IB : ibv_reg_mr failed: Cannot allocate memory"])
+    mode, why = nccl_probe.scaleout_mode_from_log(facts)
+    assert mode == nccl_probe.GDR_UNSPECIFIED or nccl_probe.RANK[mode] == 3
+    for probe in (NcclProbeResult(ran=True, reason="the NCCL run failed: unhandled system error", succeeded=False,
+                                  facts=facts, mode=mode, why=why),
+                  NcclProbeResult(ran=True, reason="the NCCL run failed: remote process exited", succeeded=False,
+                                  facts=nccl_probe.parse_nccl_log([]), mode=None, why="no network connection")):
+        for scaleout in ("gdr", "socket", None):
+            found, code = verdicts(fabric, probe=probe, scaleout=scaleout)
+            verdict = found["scaleout"]
+            assert (verdict.status, verdict.passed) == (UNAVAILABLE, False), (probe.reason, verdict)
+            assert code == (0 if scaleout is None else 1)
+            assert "the NCCL probe failed" in verdict.problems[-1].text
+    assert "Cannot allocate memory" in verdict.problems[-1].text or probe.facts.warnings == []
+    ran = NcclProbeResult(ran=True, reason="ran", facts=facts, mode=mode, why=why)  # succeeded by default
+    found, code = verdicts(fabric, probe=ran, scaleout="gdr")
+    assert (found["scaleout"].status, code) == (OK, 0)
+
+
+def test_nccl_net_naming_a_network_that_cannot_start_is_unavailable(tmp_path):
+    """NCCL_NET picks one network by name and NCCL fails ("network IB not found") when it is skipped: it does
+    not fall back to sockets, which doctor said (exit 0 for --scaleout socket)."""
+    one = driver([gpu(0, "0000:00:05.0")])
+    for environ in ({"NCCL_NET": "IB"}, {"NCCL_NET": "ib"}, {"NCCL_NET": "AWS Libfabric"}):
+        found, code = verdicts(make_fabric(tmp_path / "one", one, environ), environ, scaleout="socket")
+        assert (found["scaleout"].mode, code) == (nccl_probe.UNAVAILABLE, 1), (environ, found["scaleout"])
+        assert "unset NCCL_NET" in fixes(found["scaleout"])
+    report = dgx_cx7(tmp_path)
+    environ = {"NCCL_NET": "IB", "NCCL_IB_DISABLE": "1"}
+    found, code = scaleout(tmp_path, report, environ)
+    assert (found["scaleout"].mode, code) == (nccl_probe.UNAVAILABLE, 1)
+    assert "NCCL_IB_DISABLE=1 turns it off" in found["scaleout"].problems[0].text
+    found, code = scaleout(tmp_path, report, {"NCCL_NET": "IB"})  # usable NICs: IB starts
+    assert (found["scaleout"].mode, code) == (nccl_probe.GDR_DMABUF, 0)
+    found, code = scaleout(tmp_path, report, {"NCCL_NET": "Socket"})
+    assert found["scaleout"].mode == nccl_probe.SOCKET
+
+
+def test_more_than_one_node_asks_for_some_scaleout_path(tmp_path):
+    """--nodes 2 crosses nodes: a machine with no scale-out path at all (no NCCL) exited 0."""
+    fabric = make_fabric(tmp_path, dgx_cx7(tmp_path), nccl=(None, "torch 2.13.0+cpu is a CPU build (no NCCL)"))
+    found, code = verdicts(fabric, backend="hybrid", nodes=2)
+    assert (found["scaleout"].asked, found["scaleout"].passed, code) == (True, False, 1)
+    assert verdicts(fabric, backend="hybrid")[1] == 0  # one node: scale-out is shown, not asked
+    one = make_fabric(tmp_path / "one", driver([gpu(0, "0000:00:05.0")]))
+    found, code = verdicts(one, backend="hybrid", nodes=2)
+    assert (found["scaleout"].mode, code) == (nccl_probe.SOCKET, 0)  # sockets are a path
+
+
 def test_no_nccl_in_torch(tmp_path):
     fabric = make_fabric(tmp_path, dgx_cx7(tmp_path), nccl=(None, "torch 2.13.0+cpu is a CPU build (no NCCL)"))
     found, code = verdicts(fabric, scaleout="socket")
@@ -464,9 +520,44 @@ def test_a_driver_older_than_the_extensions_cuda_is_unavailable(tmp_path):
     assert "built with CUDA 13.0; this driver supports CUDA 12.4" in found["nvlink"].problems[0].text
     assert "R580" in fixes(found["nvlink"]) and "CUDA 12.x nvcc" in fixes(found["nvlink"])
     # Within one major version the driver runs a newer minor's kernels (minor-version compatibility).
+    fabric = make_fabric(tmp_path, report, torch_cuda="12.8")  # a torch this driver runs (the next test)
     for runtime in (12080, 12040, 11080):
         found, code = verdicts(fabric, backend="hybrid", runtime_version=runtime)
         assert (found["nvlink"].status, code) == (OK, 0), (runtime, found["nvlink"])
+
+
+def test_a_torch_that_cannot_use_the_gpus_fails_the_kernel_backends(tmp_path):
+    """The extension sees the GPUs without torch, but the backends take their device from torch: a CPU torch,
+    or one built for a CUDA major version the driver lacks, failed at the build while doctor said ok."""
+    report = dgx_cx7(tmp_path)
+    for torch_cuda, expected in ((None, "this torch is a CPU build"),
+                                 ("13.0", "torch was built with CUDA 13.0; this driver supports CUDA 12.8")):
+        report.driver_version = 13000 if torch_cuda is None else 12080
+        found, code = verdicts(make_fabric(tmp_path, report, torch_cuda=torch_cuda), backend="hybrid",
+                               runtime_version=12080)
+        assert (found["nvlink"].status, code) == (UNAVAILABLE, 1), found["nvlink"]
+        assert expected in found["nvlink"].problems[0].text
+    report.driver_version = 13000
+    for torch_cuda in ("13.0", "12.8"):  # a driver runs any torch of its major version or older
+        found, code = verdicts(make_fabric(tmp_path, report, torch_cuda=torch_cuda), backend="hybrid")
+        assert (found["nvlink"].status, code) == (OK, 0), found["nvlink"]
+    # reference runs on CPU ranks with any torch.
+    _, code = verdicts(make_fabric(tmp_path, report, torch_cuda=None), backend="reference")
+    assert code == 0
+
+
+def test_an_nvlink_domain_past_the_kernels_rank_limit_fails(tmp_path):
+    """The kernels serve at most MAX_RANKS (32) ranks per domain; 8 GPUs x 8 ranks made one of 64, which the
+    build refuses, and doctor said ok."""
+    fabric = make_fabric(tmp_path, dgx_cx7(tmp_path))
+    found, code = verdicts(fabric, backend="hybrid", ranks_per_gpu=8)
+    assert (found["nvlink"].status, code) == (UNAVAILABLE, 1), found["nvlink"]
+    assert "64 ranks" in found["nvlink"].problems[0].text and "EP_PLUGIN_SCALEUP_SIZE=32" in fixes(found["nvlink"])
+    assert doctor.MAX_DOMAIN_RANKS == (_cuda._module.MAX_RANKS if _cuda._module is not None else 32)
+    for environ, ranks_per_gpu in (({}, 4), ({"EP_PLUGIN_SCALEUP_SIZE": "16"}, 8)):  # 32 ranks, or forced 16s
+        found, code = verdicts(make_fabric(tmp_path, fabric.driver, environ), environ, backend="hybrid",
+                               ranks_per_gpu=ranks_per_gpu)
+        assert code == 0, (environ, found["nvlink"])
 
 
 def test_co_residency_refuses_too_many_sms(tmp_path):
@@ -488,10 +579,33 @@ def test_co_residency_refuses_too_many_sms(tmp_path):
     assert (found["nvlink"].status, code) == (UNAVAILABLE, 1), found["nvlink"]
     assert "EP_PLUGIN_FORWARD_SMS=33" in fixes(found["nvlink"]) and "(EP_PLUGIN_FORWARD_SMS)" in found[
         "nvlink"].problems[0].text
+    # GPUs in two peer groups split one node into domains as well: forward_sms counts there too (it was
+    # ignored, so 2 x 100 "fit" and a good EP_PLUGIN_FORWARD_SMS=32 under EP_PLUGIN_NUM_SMS=100 failed).
+    split = dgx_cx7(tmp_path / "split")
+    split.peer_access = [[(i < 4) == (j < 4) for j in range(8)] for i in range(8)]
+    for environ, expected in (({"EP_PLUGIN_FORWARD_SMS": "100"}, 1),
+                              ({"EP_PLUGIN_NUM_SMS": "100", "EP_PLUGIN_FORWARD_SMS": "32"}, 0)):
+        found, code = verdicts(make_fabric(tmp_path / "split", split, environ), environ, backend="hybrid",
+                               ranks_per_gpu=2)
+        assert code == expected, (environ, found["nvlink"])
     one_domain = {"EP_PLUGIN_FORWARD_SMS": "40"}  # one domain: forward_sms moves nothing
     found, code = verdicts(make_fabric(tmp_path, fabric.driver, one_domain), one_domain, backend="hybrid",
                            ranks_per_gpu=4)
     assert code == 0, found["nvlink"]
+
+
+def test_max_sms_per_gpu_past_the_gpus_sms_is_a_problem(tmp_path):
+    """EP_PLUGIN_MAX_SMS_PER_GPU above the GPU's SMs made doctor judge co-residency for SMs that are not there:
+    2 x 132 "fit" on a 132-SM GPU."""
+    fabric = make_fabric(tmp_path, driver([gpu(0, "0000:00:05.0", nvlinks=0)]))
+    environ = {"EP_PLUGIN_MAX_SMS_PER_GPU": "264", "EP_PLUGIN_NUM_SMS": "132"}
+    found, code = verdicts(fabric, environ, backend="hybrid", ranks_per_gpu=2)
+    assert (found["nvlink"].status, code) == (UNAVAILABLE, 1), found["nvlink"]
+    assert "EP_PLUGIN_MAX_SMS_PER_GPU=132 or less" in fixes(found["nvlink"])
+    assert "EP_PLUGIN_NUM_SMS=66" in fixes(found["nvlink"])
+    environ = {"EP_PLUGIN_MAX_SMS_PER_GPU": "264"}  # autosized: a warning, not a failure
+    found, code = verdicts(fabric, environ, backend="hybrid", ranks_per_gpu=2)
+    assert (found["nvlink"].status, code) == (DEGRADED, 0), found["nvlink"]
 
 
 def test_sm_autosize_line_honours_max_sms_per_gpu(tmp_path, capsys):
@@ -606,9 +720,15 @@ def test_a_gloo_interface_this_host_lacks_fails_a_backend_job(tmp_path):
     assert "EP_PLUGIN_GLOO_HOST_WORDS=0" in fixes(found["gloo"])
     _, code = verdicts(make_fabric(tmp_path, report, typo), typo)  # no backend named: shown, not asked
     assert code == 0
-    off = {**typo, "EP_PLUGIN_GLOO_HOST_WORDS": "0"}  # our words stay on NCCL: not asked, still shown
+    # Our words stay on NCCL, but Megatron makes gloo groups of its own by default (create_gloo_process_groups):
+    # still asked (the fix said the knob was enough and doctor passed; the Megatron job failed).
+    off = {**typo, "EP_PLUGIN_GLOO_HOST_WORDS": "0"}
     found, code = verdicts(make_fabric(tmp_path, report, off), off, backend="hybrid")
-    assert code == 0 and found["gloo"].problems and "EP_PLUGIN_GLOO_HOST_WORDS=0" not in fixes(found["gloo"])
+    assert (found["gloo"].status, code) == (UNAVAILABLE, 1), found["gloo"]
+    assert "EP_PLUGIN_GLOO_HOST_WORDS=0" not in fixes(found["gloo"])
+    assert any("create_gloo_process_groups" in note for note in found["gloo"].notes)
+    found, _ = verdicts(make_fabric(tmp_path, report, typo), typo, backend="hybrid")
+    assert "create_gloo_process_groups=False" in fixes(found["gloo"])
     present = {"GLOO_SOCKET_IFNAME": "ib0"}
     found, code = verdicts(make_fabric(tmp_path, report, present), present, backend="hybrid")
     assert (found["gloo"].status, code) == (OK, 0) and "present here" in found["gloo"].summary
@@ -704,6 +824,36 @@ def test_a_gloo_interface_without_a_routable_address_fails_a_backend_job(tmp_pat
     assert (found["gloo"].status, code) == (OK, 0) and "could not be read" in " ".join(found["gloo"].notes)
 
 
+def test_megatron_core_is_checked_against_the_versions_the_integration_takes(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from ep_plugin.integrations.megatron import compat
+
+    fabric = make_fabric(tmp_path, driver([gpu(0, "0000:00:05.0")]))
+    found, _ = verdicts(fabric)
+    installed = ".".join(map(str, compat.megatron_version()))  # the real megatron-core of this environment
+    assert (found["megatron"].status, found["megatron"].summary) == (OK, f"megatron-core {installed}")
+    for version, status in (((0, 15, 2), UNAVAILABLE), ((0, 20, 0), DEGRADED), (compat.MIN_VERSION, OK)):
+        info = SimpleNamespace(MAJOR=version[0], MINOR=version[1], PATCH=version[2],
+                               __version__=".".join(map(str, version)))
+        monkeypatch.setattr(doctor, "_megatron_package_info", lambda info=info: info)
+        found, code = verdicts(fabric, backend="hybrid")
+        assert (found["megatron"].status, code) == (status, 0), found["megatron"]  # shown, never asked
+    monkeypatch.setattr(doctor, "_megatron_package_info", lambda: None)
+    assert verdicts(fabric)[0]["megatron"].status == NOT_NEEDED
+
+
+def test_reference_needs_torch_distributed(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    fabric = make_fabric(tmp_path, DriverReport(loaded=False, error="no CUDA driver"))
+    assert verdicts(fabric, backend="reference")[1] == 0
+    monkeypatch.setattr(dist, "is_available", lambda: False)
+    found, code = verdicts(fabric, backend="reference")
+    assert (found["backend"].status, code) == (UNAVAILABLE, 1) and "USE_DISTRIBUTED=0" in found[
+        "backend"].problems[0].text
+
+
 # ---- command line ------------------------------------------------------------------------------------
 
 def test_json_output_parses_and_carries_the_exit_code(tmp_path, capsys):
@@ -716,6 +866,21 @@ def test_json_output_parses_and_carries_the_exit_code(tmp_path, capsys):
     assert payload["fabric"]["gpus"][0]["scaleout_gbytes_per_s"] == 50.0
     assert payload["fabric"]["rdma_devices"][0]["hca_type"] == "MT4129"
     assert payload["sm_autosize"]["num_sms"] >= 4
+
+
+def test_json_output_is_strict_json_with_a_non_number_mps_percentage(tmp_path, capsys):
+    """CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=nan printed a bare NaN, which strict JSON parsers refuse."""
+    for value in ("nan", "inf"):
+        environ = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": value}
+        fabric = make_fabric(tmp_path, driver([gpu(0, "0000:00:05.0")]), environ)
+        doctor.main(["--json", "--ranks-per-gpu", "2"], fabric=fabric, environ=environ)
+
+        def refuse(constant):
+            raise ValueError(f"not JSON: {constant}")
+
+        payload = json.loads(capsys.readouterr().out, parse_constant=refuse)
+        mps = next(v for v in payload["verdicts"] if v["path"] == "mps")
+        assert "is not a number" in mps["problems"][0]["text"], mps
 
 
 def test_text_output_has_tables_verdicts_and_fixes(tmp_path, capsys):

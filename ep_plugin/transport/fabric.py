@@ -3,7 +3,7 @@
 Built from sysfs, ``/dev``, ``/proc``, the environment and the CUDA driver (``cuda_driver``),
 never from tools that may be missing (``ibstat``, ``nvidia-smi``). Every source is injectable
 (``probe_fabric(root=..., environ=..., driver=..., memlock=..., nccl_version=..., host_address=...,
-addresses=...)``) so tests run
+addresses=..., torch_cuda=...)``) so tests run
 on fake trees; nothing here raises on a missing file or driver: it says what it could not read.
 
 NIC-to-GPU affinity (the rule behind per-GPU scale-out bandwidth):
@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import glob
 import logging
+import math
 import os
 import re
 from collections import Counter
@@ -220,6 +221,9 @@ class Fabric:
     # Each interface's IPv4/IPv6 addresses (None: not read here). gloo takes a GLOO_SOCKET_IFNAME interface's first
     # address, and refuses one without ("Unable to find address for: <name>").
     interface_addresses: Optional[dict[str, list[str]]] = None
+    # The CUDA version this process's torch was built with (torch.version.cuda); None: a CPU build, or no torch.
+    # The backends reach the GPU through torch, so a CPU torch runs no compiled backend.
+    torch_cuda: Optional[str] = None
 
     @property
     def usable_nics(self) -> list[RdmaDevice]:
@@ -484,6 +488,15 @@ def _memlock() -> tuple[int, int]:
     return resource.getrlimit(resource.RLIMIT_MEMLOCK)
 
 
+def torch_cuda_version() -> Optional[str]:
+    """The CUDA version torch was built with ("13.0"), or None for a CPU build (or no torch at all)."""
+    try:
+        import torch
+    except Exception:  # noqa: BLE001 - no usable torch is a fact to report, not a crash
+        return None
+    return torch.version.cuda
+
+
 def torch_nccl_version() -> tuple[Optional[str], Optional[str]]:
     """NCCL's version as torch was built with it: (version, None) or (None, why not)."""
     try:
@@ -582,6 +595,8 @@ def _mps_info(tree: _Tree, environ: Mapping[str, str], warnings: list[str]) -> M
             percentage = float(percentage_text)
         except ValueError:
             warnings.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percentage_text!r} is not a number")
+        if percentage is not None and not math.isfinite(percentage):  # "nan", "inf": no share (and no JSON)
+            percentage = None
     control = os.path.join(pipe_directory, "control")
     return MpsInfo(pipe_directory=pipe_directory, control_pipe=tree.exists(control),
                    pid=pid, pid_alive=None if pid is None else tree.exists(f"/proc/{pid}"),
@@ -613,7 +628,8 @@ def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mappi
                  memlock: Optional[Callable[[], tuple[int, int]]] = None,
                  nccl_version: Optional[Callable[[], tuple[Optional[str], Optional[str]]]] = None,
                  dmabuf_export: bool = True, host_address: Optional[Callable[[], Optional[str]]] = None,
-                 addresses: Optional[Callable[[list[str]], Optional[dict[str, list[str]]]]] = None) -> Fabric:
+                 addresses: Optional[Callable[[list[str]], Optional[dict[str, list[str]]]]] = None,
+                 torch_cuda: Optional[Callable[[], Optional[str]]] = None) -> Fabric:
     """Build the fabric model; never raises for a missing file, library or driver.
 
     Args:
@@ -625,6 +641,7 @@ def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mappi
         dmabuf_export: passed to ``probe_driver`` when ``driver`` is not given.
         host_address: returns what this host's name resolves to (default: ``host_name_address``).
         addresses: returns the addresses of the interfaces it is given (default: ``interface_addresses``).
+        torch_cuda: returns torch's CUDA version, None for a CPU build (default: ``torch_cuda_version``).
     """
     tree = _Tree(os.fspath(root))
     environ = os.environ if environ is None else environ
@@ -665,7 +682,7 @@ def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mappi
         nccl=_nccl_info(tree, environ, nccl_version or torch_nccl_version, config),
         mps=_mps_info(tree, environ, warnings), warnings=warnings, net_interfaces=interfaces,
         host_address=(host_address or host_name_address)(), interface_addresses=(addresses or interface_addresses)(
-            interfaces))
+            interfaces), torch_cuda=(torch_cuda or torch_cuda_version)())
     return fabric
 
 

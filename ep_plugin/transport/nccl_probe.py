@@ -113,6 +113,8 @@ def scaleout_mode_from_log(facts: NcclLogFacts) -> tuple[Optional[str], str]:
 class NcclProbeResult:
     ran: bool
     reason: str  # why it did not run, or how it ended
+    # False when the ranks' NCCL init or all-reduce failed: a job's NCCL across nodes fails the same way here.
+    succeeded: bool = True
     facts: Optional[NcclLogFacts] = None
     mode: Optional[str] = None
     why: str = ""
@@ -146,16 +148,17 @@ def run_nccl_probe(num_gpus: int, *, timeout_s: float = 120.0) -> NcclProbeResul
         env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,ENV",
                "NCCL_DEBUG_FILE": os.path.join(directory, "nccl.%h.%p.log"),
                "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
-        reason = "two ranks initialised NCCL and ran one all-reduce"
+        reason, succeeded = "two ranks initialised NCCL and ran one all-reduce", True
         try:
             run_ranks(_probe_rank, 2, device="cuda", timeout_s=timeout_s, env=env)
         except Exception as exc:  # noqa: BLE001 - a failed init is itself the finding
             reason = f"the NCCL run failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
+            succeeded = False
         lines: list[str] = []
         for name in sorted(os.listdir(directory)):
             with open(os.path.join(directory, name), errors="replace") as handle:
                 lines.extend(handle.readlines())
     facts = parse_nccl_log(lines)
     mode, why = scaleout_mode_from_log(facts)
-    return NcclProbeResult(ran=True, reason=reason, facts=facts, mode=mode, why=why,
+    return NcclProbeResult(ran=True, reason=reason, succeeded=succeeded, facts=facts, mode=mode, why=why,
                            log_tail=[line.rstrip() for line in lines if "NET" in line or "WARN" in line][-20:])
