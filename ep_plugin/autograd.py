@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from .backends.base import Backend
-from .handle import DispatchOutput, Handle
+from .handle import EXPERT_ROWS, DispatchOutput, Handle
 
 
 class _RaiseIfDifferentiated(torch.autograd.Function):
@@ -144,6 +144,19 @@ class _Combine(torch.autograd.Function):
         return grad_rows, grad_bias, None, None, None
 
 
+def _zero_padding_for_backward(backend: Backend, options: dict) -> dict:
+    """``options`` with ``zero_padding=True`` for a recorded dispatch into expert rows on a backend that pads
+    with whatever the memory held unless asked (elastic): a grouped GEMM over the padded segments takes the
+    padding rows into its weight gradient, where a stale NaN times the zero gradient is NaN."""
+    handle = options.get("handle")
+    allowed = backend.capabilities.cached_dispatch_options if handle is not None else \
+        backend.capabilities.dispatch_options
+    expanded = options.get("expand") or (handle is not None and handle.output_form == EXPERT_ROWS)
+    if expanded and "zero_padding" in allowed and not options.get("zero_padding"):
+        return {**options, "zero_padding": True}
+    return options
+
+
 def dispatch(
     backend: Backend,
     hidden: torch.Tensor,
@@ -163,8 +176,8 @@ def dispatch(
         routing_map: [T, E] bool with ``probs`` [T, E] float32 — Megatron's router output; or
         topk_idx: [T, k] int64 (-1 = none) with ``topk_weights`` [T, k] float32.
         pad_multiple: pad each local expert's rows to a multiple of this (zeros; ``elastic`` zeroes its
-            expanded form's padding only with ``zero_padding=True``, and its compact form pads only
-            ``tokens_per_expert``).
+            expanded form's padding only with ``zero_padding=True``, which a dispatch autograd records
+            always sets, and its compact form pads only ``tokens_per_expert``).
         options: the backend's own dispatch options (``backend.capabilities.dispatch_options``; for
             ``elastic``: ``expand``, ``zero_padding``, ``in_place``).
     Returns:
@@ -183,6 +196,7 @@ def dispatch(
         # Nothing to record (inference, torch.no_grad): the Function's bookkeeping (~5 µs) would buy nothing.
         return backend.dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
                                 topk_weights=topk_weights, pad_multiple=pad_multiple, **options)
+    options = _zero_padding_for_backward(backend, options)
     outputs = _Dispatch.apply(hidden, probs, topk_weights, backend, routing_map, topk_idx, pad_multiple, options,
                               grad_enabled)
     return DispatchOutput(*outputs)

@@ -698,6 +698,70 @@ def test_padding_rows_get_zero_gradient():
     assert run_ranks(padding_rows_get_zero_gradient, 2, device="cuda", timeout_s=LAUNCH_TIMEOUT_S) == [1, 1]
 
 
+def padding_counts_and_destroy(ctx) -> dict:
+    """Three ways a saved or handed-out tensor went wrong without an error:
+    - an expanded dispatch that autograd records left its padding rows and weights as the memory held (here
+      NaN): a grouped GEMM over the padded segments took NaN * 0 = NaN into its weight gradient;
+    - the counts a dispatch hands out are what its cached dispatch and combine's backward read again: changed
+      in place (cumsum_ for offsets), they zeroed other experts' rows there;
+    - destroy() freed the rows of an in-place dispatch that a backward had saved, which then read freed
+      memory instead of raising."""
+    hidden = 256
+    _, elastic = make_backends(ctx, hidden)
+    x, idx, w, _, _ = make_inputs(961, ctx.rank, ctx.world_size, tokens_of(ctx.rank, 0), hidden, NUM_EXPERTS, 4,
+                                  skewed=False, drop_some=True)
+    found = {}
+    real_empty = elastic._empty
+    elastic._empty = lambda *shape, dtype: torch.full(shape, float("nan"), dtype=dtype, device=ctx.device)
+    out = ep_plugin.dispatch(elastic, x.requires_grad_(True), topk_idx=idx, topk_weights=w.requires_grad_(True),
+                             expand=True, pad_multiple=16)
+    elastic._empty = real_empty
+    padded, real = out.tokens_per_expert.tolist(), out.handle.num_real_tokens_per_expert.tolist()
+    is_padding = torch.cat([torch.arange(p, device=ctx.device) >= r for p, r in zip(padded, real, strict=True)])
+    assert sum(padded) > sum(real), "no padding rows: the test checks nothing"
+    rows, probs = out.hidden[: is_padding.numel()], out.probs[: is_padding.numel()]
+    found["padding zeroed"] = bool((rows[is_padding] == 0).all() and (probs[is_padding] == 0).all())
+
+    # Counts changed in place: every rank changes its own, so every rank refuses (no peer waits).
+    z = ep_plugin.combine(out.hidden * 2, out.handle)
+    out.tokens_per_expert.cumsum_(0)
+    for what, op in (("cached dispatch", lambda: elastic.dispatch(x.detach(), handle=out.handle)),
+                     ("backward", lambda: z.float().sum().backward())):
+        try:
+            op()
+            found[what] = "ran"
+        except ValueError as error:
+            found[what] = "refused" if "changed in place" in str(error) else str(error)
+    again = elastic.dispatch(x.detach(), topk_idx=idx, topk_weights=w.detach(), expand=True, pad_multiple=16)
+    cached = elastic.dispatch(x.detach(), handle=again.handle)  # usable afterwards
+    found["usable after"] = torch.equal(cached.hidden[:sum(again.tokens_per_expert_list)],
+                                        again.hidden[:sum(again.tokens_per_expert_list)])
+    elastic.destroy()
+
+    # destroy() with in-place rows saved by a backward.
+    config = Config.from_env(max_tokens_per_rank=MAX_TOKENS, timeout_s=20.0, num_sms=8)
+    in_place = ep_plugin.get_backend("elastic")(hidden_size=hidden, num_experts=NUM_EXPERTS, device=ctx.device,
+                                                config=config, max_topk=8, in_place_dispatch=True)
+    placed = in_place.dispatch(x.detach(), topk_idx=idx, topk_weights=w.detach(), in_place=True)
+    scale = torch.ones(hidden, dtype=torch.bfloat16, device=ctx.device, requires_grad=True)
+    saved = (placed.hidden * scale).float().sum()  # saves the in-place rows for scale's gradient
+    torch.cuda.synchronize()
+    in_place.destroy()
+    try:
+        saved.backward()
+        found["backward after destroy"] = "ran"
+    except RuntimeError as error:
+        found["backward after destroy"] = "raised" if "inplace operation" in str(error) else str(error)
+    return found
+
+
+def test_padding_counts_and_destroy_leave_no_silent_wrong_values():
+    results = run_ranks(padding_counts_and_destroy, 2, device="cuda", timeout_s=LAUNCH_TIMEOUT_S)
+    expected = {"padding zeroed": True, "cached dispatch": "refused", "backward": "refused", "usable after": True,
+                "backward after destroy": "raised"}
+    assert results == [expected, expected], results
+
+
 def run_suite(ctx, hidden_sizes) -> dict:
     counts = {}
     for hidden in hidden_sizes:

@@ -115,6 +115,11 @@ class Backend(abc.ABC):
     # (``check_topk_ids_unchanged``, on that rank alone). The others route values back by the layout their
     # dispatch built, which a later write to the ids cannot change.
     combine_reads_topk_ids: bool = False
+    # Whether a dispatch's handed-out counts (``tokens_per_expert``, ``handle.num_real_tokens_per_expert``) are
+    # the memory the handle's later kernels read (the cached dispatch, the backward of combine: the compiled
+    # backends, to save a copy per dispatch): then a change in place since the dispatch is refused
+    # (``check_counts_unchanged``, on that rank alone), instead of zeroing other experts' rows there.
+    kernels_read_handed_out_counts: bool = False
 
     def __new__(cls, group: Optional[dist.ProcessGroup] = None, *, topology: Optional[Topology] = None,
                 **kwargs: Any) -> "Backend":
@@ -261,6 +266,7 @@ class Backend(abc.ABC):
             self.check_cached_routing(handle, pad_multiple, routing_map, probs, topk_idx, topk_weights)
             self.check_options("cached dispatch", options, self.capabilities.cached_dispatch_options)
             self.check_dispatch_flags(**options)  # their values too, before anything moves
+            self.check_counts_unchanged(handle)
             return self._cached_dispatch(hidden, handle, **options)
         self.check_not_capturing("dispatch")
         self.check_options("dispatch", options, self.capabilities.dispatch_options)
@@ -271,6 +277,9 @@ class Backend(abc.ABC):
         # Kept, not copied: see check_topk_ids_unchanged. (Inference tensors have no version, and no backward.)
         if self.combine_reads_topk_ids and routing.form == TOPK and not routing.topk_idx.is_inference():
             out.handle.topk_ids = (routing.topk_idx, routing.topk_idx._version)
+        if self.kernels_read_handed_out_counts and not out.tokens_per_expert.is_inference():
+            out.handle.counts_versions = tuple((t, t._version) for t in (
+                out.tokens_per_expert, out.handle.num_real_tokens_per_expert) if t is not None)
         return out
 
     def check_cached_routing(self, handle: Handle, pad_multiple: Optional[int], *routing) -> None:
@@ -290,6 +299,7 @@ class Backend(abc.ABC):
         self.check_not_capturing("dispatch_again")
         self.check_handle(handle)
         self.check_hidden("hidden", hidden, handle.num_tokens)
+        self.check_counts_unchanged(handle)
         return self._dispatch_again(hidden, handle)
 
     def combine(self, rows: torch.Tensor, handle: Handle, *, row_probs: Optional[torch.Tensor] = None,
@@ -331,6 +341,19 @@ class Backend(abc.ABC):
                              "to any view of its storage counts), and a combine with row_probs (the backward of the "
                              "dispatch's topk_weights) routes the values back by it; keep it unchanged until then, "
                              "or dispatch a copy (topk_idx.clone())")
+
+    @staticmethod
+    def check_counts_unchanged(handle: Handle) -> None:
+        """ValueError when the counts a dispatch handed out were changed in place since, on a backend whose
+        later kernels of that handle read them (``kernels_read_handed_out_counts``): a cached dispatch or the
+        backward of combine would zero (or leave) rows by the changed segment lengths. Counts are ordinary
+        tensors: derive from them out of place (``tokens_per_expert.cumsum(0)``, ``.clone()``)."""
+        for counts, version in handle.counts_versions:
+            if counts._version != version:
+                raise ValueError("the tokens_per_expert (or num_real_tokens_per_expert) of this handle's dispatch "
+                                 "were changed in place after the dispatch, and this op (a cached dispatch, or the "
+                                 "backward of combine) reads them to place and pad the rows; derive from them out "
+                                 "of place (tokens_per_expert.cumsum(0), or a .clone() to change)")
 
     # Whether the backend can be built with a combine-input arena (``combine_input_rows``; hybrid): the Megatron
     # integration gives such a backend its default arena.

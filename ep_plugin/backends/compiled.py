@@ -141,6 +141,9 @@ class CompiledBackend(Backend):
     checks_ids_on_device = True
     # A combine with row_probs gathers the values routed back by the caller's top-k ids (layout.topk_idx).
     combine_reads_topk_ids = True
+    # The counts a dispatch hands out are views of its scratch, which its cached dispatch and combine's backward
+    # read again (no copy per dispatch): a change in place since is refused.
+    kernels_read_handed_out_counts = True
     # Per-SM copy rates (GB/s) of this backend's kernels, for num_sms = 0: measured on the H200 bed
     # (benchmarks/NOTES.md), far below DeepEP's rule (sizing.SM_READ/WRITE_GBYTES_PER_S), which
     # would size our grids several times too small.

@@ -383,6 +383,13 @@ class ElasticBackend(CompiledBackend):
                               num_valid_rows=valid_rows, tokens_per_expert_list=tokens_list,
                               ready=streams.record_ready(dev))
 
+    def destroy(self) -> None:
+        """Free the buffer, bumping the version of the last in-place dispatch's rows first: a backward that saved
+        them raises (modified by an inplace operation) instead of reading freed memory."""
+        self._writing_over_in_place_rows()
+        self._in_place_rows = ()
+        super().destroy()
+
     def _writing_over_in_place_rows(self) -> None:
         """The send just enqueued writes over the rows the last in-place dispatch handed out: bump their
         version counter (shared by every view of the region), as an in-place op would, so that a backward

@@ -189,6 +189,8 @@ class HierarchicalBackend(Backend):
             self.scaleout.domain_group, hidden_size=hidden_size, num_experts=self.experts_per_domain,
             config=self.config.replace(**changes), device=self.device,
             topology=Topology.flat(S, topology.local_index), **domain_options), topology))
+        # Its handles hand out the domain's counts: refused here too, before the rails move anything.
+        self.kernels_read_handed_out_counts = self.domain.kernels_read_handed_out_counts
         self._domain_counts = HostCollectives(self.scaleout.domain_group, owner=f"ep_plugin {self.name} "
                                               f"{self.domain_level}", timeout_s=self.config.timeout_s,
                                               label="domain counts", device=self.device)
