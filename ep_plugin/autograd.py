@@ -151,7 +151,7 @@ def _zero_padding_for_backward(backend: Backend, options: dict) -> dict:
     handle = options.get("handle")
     allowed = backend.capabilities.cached_dispatch_options if handle is not None else \
         backend.capabilities.dispatch_options
-    expanded = options.get("expand") or (handle is not None and handle.output_form == EXPERT_ROWS)
+    expanded = options.get("expand") or getattr(handle, "output_form", None) == EXPERT_ROWS
     if expanded and "zero_padding" in allowed and not options.get("zero_padding"):
         return {**options, "zero_padding": True}
     return options

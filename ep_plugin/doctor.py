@@ -246,14 +246,19 @@ def _driver_too_old(runtime_version: Optional[int], driver_version: Optional[int
                    f"--no-build-isolation -e .)")
 
 
+def _cpu_ranks(fabric: Fabric) -> bool:
+    """Whether a job's ranks here are CPU processes: no GPU, or a torch that cannot use one."""
+    return _no_gpu_reason(fabric) is not None or fabric.torch_cuda is None
+
+
 def _torch_cannot_use_gpus(fabric: Fabric) -> Optional[Problem]:
     """The extension reaches the GPUs without torch, but the backends take their device, streams and tensors from
     torch: a CPU build of torch, or one built with a CUDA major version newer than the driver's, sees no GPU."""
     driver = fabric.driver.driver_version
     if fabric.torch_cuda is None:
-        return Problem("this torch is a CPU build (torch.version.cuda is None): the backends take their device and "
-                       "tensors from torch, which sees no GPU", "install a CUDA build of torch (its CUDA major "
-                       f"version at most the driver's, {fabric.driver.driver_version_text})")
+        return Problem("this torch has no CUDA (a CPU or ROCm build: torch.version.cuda is None): the backends take "
+                       "their device and tensors from torch, which sees no NVIDIA GPU", "install a CUDA build of "
+                       f"torch (its CUDA major version at most the driver's, {fabric.driver.driver_version_text})")
     try:
         major = int(fabric.torch_cuda.split(".")[0])
     except ValueError:
@@ -355,10 +360,12 @@ def scaleout_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str
     # More than one node crosses nodes whatever --scaleout says: at least some path must work.
     least = options.scaleout or ("socket" if options.nodes > 1 else None)
     verdict = Verdict("scaleout", "scale-out (NCCL across nodes)", OK, "", asked=least is not None)
-    if options.backend in (None, "reference") and _no_gpu_reason(fabric) is not None:
-        # A job of CPU ranks (no GPU here, so no other backend): reference crosses nodes over gloo, TCP sockets.
+    if options.backend in (None, "reference") and _cpu_ranks(fabric):
+        # A job of CPU ranks (no GPU or no CUDA torch here, so no other backend): reference crosses nodes over
+        # gloo, TCP sockets.
         verdict.mode, verdict.title = nccl_probe.SOCKET, "scale-out (gloo across nodes)"
-        verdict.summary = f"{nccl_probe.SOCKET}: no GPU, so CPU ranks; the reference backend uses gloo (TCP)"
+        why = "no GPU" if _no_gpu_reason(fabric) is not None else "a torch without CUDA"
+        verdict.summary = f"{nccl_probe.SOCKET}: {why}, so CPU ranks; the reference backend uses gloo (TCP)"
         verdict.status = DEGRADED
         verdict.passed = nccl_probe.RANK[nccl_probe.SOCKET] >= nccl_probe.REQUIREMENTS.get(least or "", 0)
         if not verdict.passed:
@@ -405,6 +412,7 @@ def scaleout_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str
             "doctor --nccl-probe again; NCCL_DEBUG=INFO shows the whole log"))
         verdict.status, verdict.passed = UNAVAILABLE, False
         verdict.summary = f"unavailable: the NCCL probe failed (its log had said {mode})"
+        verdict.mode = nccl_probe.UNAVAILABLE
     return verdict
 
 
@@ -703,7 +711,7 @@ def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -
                              "Megatron's own gloo groups (create_gloo_process_groups, on by default) still need "
                              "gloo")
     # Whether turning the host words off takes ep_plugin off gloo (not where the job's process group is gloo).
-    off_helps = host_words and not (options.backend == "reference" or _no_gpu_reason(fabric) is not None)
+    off_helps = host_words and not (options.backend == "reference" or _cpu_ranks(fabric))
     names = [name.strip() for name in environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name.strip()]
     if not names:
         address = fabric.host_address or "nothing (gloo then takes the loopback address)"

@@ -381,6 +381,7 @@ def test_a_failed_nccl_probe_fails_the_scaleout_verdict(tmp_path):
             assert (verdict.status, verdict.passed) == (UNAVAILABLE, False), (probe.reason, verdict)
             assert code == (0 if scaleout is None else 1)
             assert "the NCCL probe failed" in verdict.problems[-1].text
+            assert verdict.mode == nccl_probe.UNAVAILABLE
     assert "Cannot allocate memory" in verdict.problems[-1].text or probe.facts.warnings == []
     ran = NcclProbeResult(ran=True, reason="ran", facts=facts, mode=mode, why=why)  # succeeded by default
     found, code = verdicts(fabric, probe=ran, scaleout="gdr")
@@ -530,7 +531,7 @@ def test_a_torch_that_cannot_use_the_gpus_fails_the_kernel_backends(tmp_path):
     """The extension sees the GPUs without torch, but the backends take their device from torch: a CPU torch,
     or one built for a CUDA major version the driver lacks, failed at the build while doctor said ok."""
     report = dgx_cx7(tmp_path)
-    for torch_cuda, expected in ((None, "this torch is a CPU build"),
+    for torch_cuda, expected in ((None, "this torch has no CUDA"),
                                  ("13.0", "torch was built with CUDA 13.0; this driver supports CUDA 12.8")):
         report.driver_version = 13000 if torch_cuda is None else 12080
         found, code = verdicts(make_fabric(tmp_path, report, torch_cuda=torch_cuda), backend="hybrid",
@@ -541,9 +542,11 @@ def test_a_torch_that_cannot_use_the_gpus_fails_the_kernel_backends(tmp_path):
     for torch_cuda in ("13.0", "12.8"):  # a driver runs any torch of its major version or older
         found, code = verdicts(make_fabric(tmp_path, report, torch_cuda=torch_cuda), backend="hybrid")
         assert (found["nvlink"].status, code) == (OK, 0), found["nvlink"]
-    # reference runs on CPU ranks with any torch.
-    _, code = verdicts(make_fabric(tmp_path, report, torch_cuda=None), backend="reference")
-    assert code == 0
+    # reference runs on CPU ranks with any torch, across nodes over gloo (no NCCL in a CPU torch).
+    cpu_torch = make_fabric(tmp_path, report, nccl=(None, "torch 2.13.0+cpu is a CPU build (no NCCL)"), torch_cuda=None)
+    for nodes in (1, 2):
+        found, code = verdicts(cpu_torch, backend="reference", nodes=nodes)
+        assert code == 0 and found["scaleout"].mode == nccl_probe.SOCKET, found["scaleout"]
 
 
 def test_an_nvlink_domain_past_the_kernels_rank_limit_fails(tmp_path):

@@ -732,8 +732,9 @@ def padding_counts_and_destroy(ctx) -> dict:
             found[what] = "ran"
         except ValueError as error:
             found[what] = "refused" if "changed in place" in str(error) else str(error)
-    again = elastic.dispatch(x.detach(), topk_idx=idx, topk_weights=w.detach(), expand=True, pad_multiple=16)
-    cached = elastic.dispatch(x.detach(), handle=again.handle)  # usable afterwards
+    again = elastic.dispatch(x.detach(), topk_idx=idx, topk_weights=w.detach(), expand=True, pad_multiple=16,
+                             zero_padding=True)
+    cached = elastic.dispatch(x.detach(), handle=again.handle, zero_padding=True)  # usable afterwards
     found["usable after"] = torch.equal(cached.hidden[:sum(again.tokens_per_expert_list)],
                                         again.hidden[:sum(again.tokens_per_expert_list)])
     elastic.destroy()

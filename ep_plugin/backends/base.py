@@ -266,6 +266,7 @@ class Backend(abc.ABC):
             self.check_cached_routing(handle, pad_multiple, routing_map, probs, topk_idx, topk_weights)
             self.check_options("cached dispatch", options, self.capabilities.cached_dispatch_options)
             self.check_dispatch_flags(**options)  # their values too, before anything moves
+            self.check_handle(handle)
             self.check_counts_unchanged(handle)
             return self._cached_dispatch(hidden, handle, **options)
         self.check_not_capturing("dispatch")
@@ -347,13 +348,15 @@ class Backend(abc.ABC):
         """ValueError when the counts a dispatch handed out were changed in place since, on a backend whose
         later kernels of that handle read them (``kernels_read_handed_out_counts``): a cached dispatch or the
         backward of combine would zero (or leave) rows by the changed segment lengths. Counts are ordinary
-        tensors: derive from them out of place (``tokens_per_expert.cumsum(0)``, ``.clone()``)."""
+        tensors: derive from them out of place (``tokens_per_expert.cumsum(0)``, ``.clone()``). They are views
+        of one allocation, with ``num_valid_rows`` and hybrid's ``over_budget``: a write to any counts."""
         for counts, version in handle.counts_versions:
             if counts._version != version:
-                raise ValueError("the tokens_per_expert (or num_real_tokens_per_expert) of this handle's dispatch "
-                                 "were changed in place after the dispatch, and this op (a cached dispatch, or the "
-                                 "backward of combine) reads them to place and pad the rows; derive from them out "
-                                 "of place (tokens_per_expert.cumsum(0), or a .clone() to change)")
+                raise ValueError("the counts of this handle's dispatch (tokens_per_expert, num_real_tokens_per_expert, "
+                                 "num_valid_rows or hybrid's over_budget: views of one allocation) were changed in "
+                                 "place after the dispatch, and this op (a cached dispatch, or the backward of "
+                                 "combine) reads them to place and pad the rows; derive from them out of place "
+                                 "(tokens_per_expert.cumsum(0), or a .clone() to change)")
 
     # Whether the backend can be built with a combine-input arena (``combine_input_rows``; hybrid): the Megatron
     # integration gives such a backend its default arena.

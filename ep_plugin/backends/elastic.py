@@ -219,6 +219,8 @@ class ElasticBackend(CompiledBackend):
             self.check_dispatch_flags(expand=expand, zero_padding=zero_padding)
             if in_place:
                 raise ValueError("in_place applies to a first dispatch; a cached dispatch returns new tensors")
+            self.check_handle(handle)
+            self.check_counts_unchanged(handle)
             return self._cached_dispatch(hidden, handle, expand=expand, zero_padding=zero_padding)
         self.check_routing_form(routing_map, topk_idx)
         self.check_dispatch_flags(expand=expand, zero_padding=zero_padding, in_place=in_place)
