@@ -86,6 +86,9 @@ def run() -> None:
     except BrokenPipeError:  # `ep-plugin info | head`: the reader left; nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
+    except KeyboardInterrupt:  # Ctrl-C: the launcher has stopped the ranks on its way out; no traceback
+        print("python -m ep_plugin: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -224,6 +224,9 @@ class ConfigValueError(ValueError):
         super().__init__(message)
         self.field = field
 
+    def __reduce__(self):  # pickled as it was made (the launcher brings a rank's back)
+        return type(self), (str(self), self.field)
+
 
 def _require(ok: bool, name: str, expected: str, actual: Any) -> None:
     if not ok:

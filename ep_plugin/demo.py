@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -130,7 +131,7 @@ def train(ctx: RankContext, spec: DemoSpec) -> list[float]:
     if ctx.rank == 0 and step_rates:
         after_warmup = step_rates[1:] or step_rates
         which = f"steps 2-{spec.steps}" if spec.steps > 1 else "step 1 (includes the warm-up)"
-        print(f"tokens/s: median {statistics.median(after_warmup):,.0f} over {which}", flush=True)
+        _say(f"tokens/s: median {statistics.median(after_warmup):,.0f} over {which}")
     backend.destroy()
     return losses
 
@@ -145,10 +146,18 @@ def _progress(ctx: RankContext, spec: DemoSpec):
                 unit="step")
 
 
+def _say(line: str) -> None:
+    """Rank 0's line on stdout; a reader that left (``demo | head``) ends the printing, not the training."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _log_step(progress, line: str, loss: float, tokens_per_s: float) -> None:
     """One step line on stdout: through the bar on a terminal, else a plain line."""
     if progress is None:
-        print(line, flush=True)
+        _say(line)
         return
     progress.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_s:,.0f}")
     progress.update()

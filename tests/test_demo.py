@@ -3,6 +3,7 @@ ones the same model gets when trained in one process without dispatch or combine
 
 import dataclasses
 import re
+import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -164,3 +165,29 @@ def test_demo_with_one_step_is_a_smoke_run_not_a_failure(monkeypatch, capsys):
     monkeypatch.setattr(demo, "run_ranks", lambda *args, **kwargs: [[0.5]])
     assert demo.main(["--steps", "1", "--ranks", "2", "--device", "cpu", "--backend", "reference"]) == 0
     assert "after 1 step" in capsys.readouterr().out
+
+
+def test_a_reader_that_leaves_early_ends_the_printing_not_the_training():
+    """``ep-plugin demo | head -1``: rank 0's step lines met a closed pipe, the rank raised BrokenPipeError, and
+    the launcher reported it as a failed rank (two tracebacks, exit 1)."""
+    command = [sys.executable, "-m", "ep_plugin", "demo", "--steps", "3", "--ranks", "2"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        process.stdout.readline()
+        process.stdout.close()  # the reader leaves after the first line
+        stderr = process.stderr.read().decode()
+        assert process.wait(timeout=300) == 0, stderr
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+def test_ctrl_c_stops_the_demo_in_one_line():
+    """Ctrl-C printed a 30-line traceback through the launcher (and the ranks' own, from the terminal's
+    process group). The ranks lead process groups of their own, so only the launcher gets the signal."""
+    command = [sys.executable, "-m", "ep_plugin", "demo", "--steps", "100000", "--ranks", "2"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        for line in process.stdout:
+            if line.startswith("step"):  # the ranks are training
+                break
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr, stderr

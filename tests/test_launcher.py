@@ -219,6 +219,120 @@ def test_results_come_back_by_rank_with_env():
     assert results == [(0, 33, "7"), (1, 33, "7"), (2, 33, "7")]
 
 
+def torch_threads_and_env(ctx):
+    import torch
+
+    return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+
+
+def test_env_is_there_before_the_rank_imports_torch():
+    """env was set inside the rank after the spawn had imported torch (unpickling the plan): os.environ showed
+    OMP_NUM_THREADS=1 while torch ran on its default thread count. It must not leak into the launcher."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    results = run_ranks(torch_threads_and_env, 2, env={"OMP_NUM_THREADS": "1"}, timeout_s=60)
+    assert results == [(1, "1"), (1, "1")], results
+    assert os.environ.get("OMP_NUM_THREADS") == before
+
+
+def destroys_its_own_group(ctx):
+    tensor = __import__("torch").ones(1)
+    dist.all_reduce(tensor)
+    dist.destroy_process_group()  # as torch's examples end
+    return float(tensor)
+
+
+def test_a_rank_that_destroys_its_own_process_group_is_fine():
+    """The launcher's teardown destroyed the group again: AssertionError in every rank, TeardownError here."""
+    assert run_ranks(destroys_its_own_group, 2, timeout_s=60) == [2.0, 2.0]
+
+
+def starts_a_process(ctx):
+    import multiprocessing
+
+    worker = multiprocessing.get_context("spawn").Process(target=os.getpid)
+    worker.start()
+    worker.join(30)
+    return worker.exitcode
+
+
+def test_a_rank_may_start_processes_of_its_own():
+    """Ranks were daemonic processes: a DataLoader's workers or a process pool raised 'daemonic processes are
+    not allowed to have children'."""
+    assert run_ranks(starts_a_process, 2, timeout_s=120) == [0, 0]
+
+
+def start_a_sleeper_then_fail(ctx, folder):
+    import subprocess
+
+    sleeper = subprocess.Popen(["sleep", "300"])
+    with open(os.path.join(folder, f"sleeper{ctx.rank}"), "w") as handle:
+        handle.write(str(sleeper.pid))
+    dist.barrier()
+    if ctx.rank == 1:
+        raise RuntimeError("fails with a child running")
+    time.sleep(300)
+
+
+def test_what_a_failed_rank_started_goes_with_it(tmp_path):
+    """Only the rank's own process was killed: a subprocess it started lived on and held the caller's pipe
+    (``| tail`` waited for it after the launcher had returned)."""
+    with pytest.raises(EPError, match="fails with a child running"):
+        run_ranks(start_a_sleeper_then_fail, 2, str(tmp_path), timeout_s=60)
+    sleepers = [int((tmp_path / f"sleeper{rank}").read_text()) for rank in range(2)]
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in sleepers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [pid for pid in sleepers if _running(pid)]
+    for pid in alive:  # never leave them behind, even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"processes the ranks started outlived them: {alive}"
+
+
+def returns_a_config_error(ctx):
+    from ep_plugin.config import Config, ConfigValueError
+
+    try:
+        Config(timeout_s=-1)
+    except ConfigValueError as error:
+        return error
+
+
+class _OnlyPicklesOneWay:
+    def __init__(self, value):
+        self.value = value
+
+    def __reduce__(self):
+        return _OnlyPicklesOneWay, ()  # unpickling calls __init__ without its argument
+
+
+def returns_what_does_not_unpickle(ctx):
+    return _OnlyPicklesOneWay(ctx.rank)
+
+
+def test_results_that_do_not_unpickle_name_the_rank():
+    """A result that pickles in the rank but does not unpickle here raised a bare TypeError naming no rank; the
+    library's own ConfigValueError was one of them."""
+    errors = run_ranks(returns_a_config_error, 2, timeout_s=60)
+    assert all(type(e).__name__ == "ConfigValueError" and e.field == "timeout_s" for e in errors), errors
+    with pytest.raises(EPError, match="rank [01]'s result pickled in the rank but does not unpickle here"):
+        run_ranks(returns_what_does_not_unpickle, 2, timeout_s=60)
+
+
+def test_arguments_every_rank_would_fail_on_are_refused_here():
+    with pytest.raises(ValueError, match="env takes strings"):
+        run_ranks(report_rank, 2, 0, env={"EP_PLUGIN_TIMEOUT_S": 5}, timeout_s=60)
+    for timeout in (float("nan"), 0, -1, float("inf")):
+        with pytest.raises(ValueError, match="timeout_s must be a finite number"):
+            run_ranks(report_rank, 2, 0, timeout_s=timeout)
+    code = ("import ep_plugin.testing as t\n"
+            "def f(ctx): return ctx.rank\n"
+            "try:\n    t.run_ranks(f, 2, timeout_s=60)\nexcept ValueError as e:\n    print('refused:', e)\n")
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=120)
+    assert "refused:" in done.stdout and "interactive __main__" in done.stdout, (done.stdout, done.stderr)
+
+
 def fail_on_rank_one(ctx):
     if ctx.rank == 1:
         raise KeyError("boom on purpose")

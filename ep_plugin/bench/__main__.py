@@ -340,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     except EPTimeoutError as error:  # keep what finished: a long sweep's first hours are worth a table
         records = _finished_records(spec.records_path)
         if not records:
-            raise
+            print(f"python -m ep_plugin.bench: no case finished within --timeout {args.timeout:g} s ({error})",
+                  file=sys.stderr)
+            return 1
         incomplete = (f"--timeout {args.timeout:g} s ended the sweep after {len(records)} record(s); the cases after "
                       f"them did not run ({error})")
     if os.path.exists(spec.records_path):
@@ -402,4 +404,8 @@ def _finished_records(path: str) -> list[dict]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: the launcher has stopped the ranks on its way out; no traceback
+        print("python -m ep_plugin.bench: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -17,6 +17,7 @@ CPU ranks are capped at ``max_cpu_ranks()`` (``CPU_RANKS_PER_CORE`` per core); G
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -146,6 +147,7 @@ def run_ranks(
     problem = cpu_ranks_problem(num_ranks, device)
     if problem:
         raise ValueError(f"num_ranks={num_ranks}: {problem}")
+    _check_launch_arguments(fn, timeout_s, env)
     num_gpus = 0
     if device == "cuda":
         import torch
@@ -159,6 +161,24 @@ def run_ranks(
             with PrivateMPS() as mps_env:
                 return _spawn(fn, args, plan, timeout_s, {**(env or {}), **mps_env})
         return _spawn(fn, args, plan, timeout_s, env or {})
+
+
+def _check_launch_arguments(fn: Callable[..., Any], timeout_s: float, env: Optional[dict[str, str]]) -> None:
+    """ValueError for what would otherwise fail inside every rank before it can report (its cause then only on
+    the ranks' stderr, which a notebook never shows), or never time out."""
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+    bad = {name: value for name, value in (env or {}).items()
+           if not isinstance(name, str) or not isinstance(value, str)}
+    if bad:
+        raise ValueError(f"env takes strings, as os.environ does; got {bad!r}")
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None)  # "<stdin>" for python -
+    if getattr(fn, "__module__", None) == "__main__" and not (main_file and os.path.isfile(main_file)):
+        raise ValueError(f"{getattr(fn, '__qualname__', fn)!r} is defined in an interactive __main__ (a REPL, a "
+                         "notebook, python -): the ranks are new processes that import fn by its module, and this "
+                         "one has no file; define it in a module (a .py file you import, or a script run as "
+                         "python file.py)")
 
 
 @contextmanager
@@ -192,13 +212,16 @@ def _spawn(fn, args, plan: LaunchPlan, timeout_s: float, env: dict[str, str]) ->
     results = context.Queue()
     with tempfile.TemporaryDirectory(prefix="ep_plugin_rdzv_") as rendezvous_dir:
         init_method = "file://" + os.path.join(rendezvous_dir, "store")
+        # Not daemonic: a rank may start processes of its own (a DataLoader's workers). The cleanup below, and
+        # the parent-death signal when the launcher itself is killed, stop the ranks instead.
         processes = [
-            context.Process(target=_rank_main, args=(fn, args, plan, rank, init_method, env, results), daemon=True)
+            context.Process(target=_rank_main, args=(fn, args, plan, rank, init_method, env, results), daemon=False)
             for rank in range(plan.num_ranks)
         ]
         try:  # a rank that fails to start (fd or process limits) must not leave the started ones waiting
-            for process in processes:
-                process.start()
+            with _environment(env):
+                for process in processes:
+                    process.start()
             outputs = _collect(processes, results, plan.num_ranks, timeout_s)
             _check_exits(processes, EXIT_TIMEOUT_S, outputs)
             return outputs
@@ -209,6 +232,39 @@ def _spawn(fn, args, plan: LaunchPlan, timeout_s: float, env: dict[str, str]) ->
                 if process.is_alive():
                     process.kill()
                 process.join(timeout=10)
+                _kill_group(process.pid)
+
+
+_environment_lock = threading.Lock()
+
+
+@contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` in this process's environment while the ranks start, which they inherit at exec: set inside a
+    rank it came after the spawn's bootstrap had imported torch (through the pickled plan), so what torch
+    reads when it loads (OMP_NUM_THREADS, TORCH_* logging) was ignored there. Locked: launches from several
+    threads would otherwise restore each other's values."""
+    with _environment_lock:
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def _kill_group(pid: int) -> None:
+    """Kill what is left of a rank's process group (the rank leads one of its own, ``_rank_main``): processes it
+    started (a subprocess, a worker) outlived it and kept a pipe of the caller's open (``| tail`` waited for
+    them). Its number cannot name another group while any of these is alive; none left: ESRCH."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, OSError):
+        pass
 
 
 def _collect(processes, results, num_ranks: int, timeout_s: float) -> list[Any]:
@@ -242,7 +298,12 @@ def _collect(processes, results, num_ranks: int, timeout_s: float) -> list[Any]:
             continue
         if not ok:
             raise EPError(_failure_report(processes, outputs, rank, payload))
-        outputs[rank] = pickle.loads(payload)
+        try:
+            outputs[rank] = pickle.loads(payload)
+        except Exception as error:  # noqa: BLE001 - named, not raised as if the caller's code had failed
+            raise EPError(f"rank {rank}'s result pickled in the rank but does not unpickle here "
+                          f"({type(error).__name__}: {error}): return plain values (numbers, strings, lists, "
+                          f"dicts, tensors)") from error
     return [outputs[rank] for rank in range(num_ranks)]
 
 
@@ -253,6 +314,9 @@ class TeardownError(EPError):
     def __init__(self, message: str, results: list[Any]) -> None:
         super().__init__(message)
         self.results = results
+
+    def __reduce__(self):  # pickled as it was made (a rank may return or raise one)
+        return type(self), (str(self), self.results)
 
 
 def _check_exits(processes, timeout_s: float, results: list[Any]) -> None:
@@ -330,6 +394,7 @@ def _destroy_quietly(dist) -> None:
 
 def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dict[str, str], results) -> None:
     _die_with_the_launcher()
+    os.setpgrp()  # a group of its own: the launcher's cleanup kills what the rank starts too (_kill_group)
     os.environ.update(env)  # before any CUDA call: MPS pipes, EP_PLUGIN_* knobs
     dist = None
     try:
@@ -370,8 +435,10 @@ def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dic
     try:
         # After the result: gloo's destroy waits for an op a caught timeout left behind (until the late peer
         # calls or exits), which lost the result and named this rank as not finished. A hang or crash here
-        # is the exit check's to report (TeardownError, with the results).
-        dist.destroy_process_group()
+        # is the exit check's to report (TeardownError, with the results). The rank function may have destroyed
+        # the group itself, as torch's examples end.
+        if dist.is_initialized():
+            dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the result is reported; the exit code tells the launcher
         traceback.print_exc()
         _flush(results)
