@@ -6,7 +6,6 @@ a test can check that *every* rank got the error and that no process died (``run
 raises if one does).
 """
 
-import os
 import time
 
 import pytest
@@ -17,6 +16,7 @@ from ep_plugin.agreement import OP_COMBINE, OP_DISPATCH, OpFingerprint, check_co
 from ep_plugin.config import Config
 from ep_plugin.host_collectives import HostCollectives
 from ep_plugin.testing import run_ranks
+from ep_plugin.testing.launcher import _environment
 
 HIDDEN = 8
 TIMEOUT_S = 20.0  # nothing here waits for it: a mismatch must be reported at once
@@ -77,16 +77,8 @@ def construction_scenarios(ctx) -> dict:
 
 def _built_under_env(env: dict, build):
     """``build()`` with ``env`` set in this process (the backend reads its knobs then), restored after."""
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
+    with _environment(env):
         return build()
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @pytest.mark.parametrize("scenario, reason", [
