@@ -137,6 +137,17 @@ def test_ranks_go_with_a_launcher_that_was_killed(tmp_path):
     launcher.wait(timeout=30)
     alive = _kill_survivors(ranks, wait_s=20)
     assert not alive, f"rank processes {alive} outlived their killed launcher"
+    # Its rendezvous folder stayed (nothing removed them: /tmp filled with them); the next launch sweeps it.
+    left = [name for name in os.listdir(tmp) if name.startswith(f"ep_plugin_rdzv_{launcher.pid}_")]
+    assert left, os.listdir(tmp)
+    import tempfile
+
+    saved, tempfile.tempdir = tempfile.tempdir, str(tmp)
+    try:
+        assert run_ranks(report_rank, 2, 0, timeout_s=60)[0][1] == 1
+    finally:
+        tempfile.tempdir = saved
+    assert not [name for name in os.listdir(tmp) if name.startswith("ep_plugin_rdzv_")], os.listdir(tmp)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")

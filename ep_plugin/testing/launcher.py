@@ -207,10 +207,30 @@ def _sigterm_unwinds() -> Iterator[None]:
             signal.raise_signal(signal.SIGTERM)
 
 
+RENDEZVOUS_PREFIX = "ep_plugin_rdzv_"  # then the launcher's pid and "_"
+
+
+def remove_orphaned_rendezvous(folder: Optional[str] = None) -> list[str]:
+    """Remove the rendezvous folders in ``folder`` (default: the temp folder) whose launcher is gone (killed
+    with SIGKILL, its cleanup never ran); returns them. Each launch sweeps so, as the MPS daemons' are."""
+    from .mps import _owner_alive
+
+    folder = folder or tempfile.gettempdir()
+    removed = []
+    for name in sorted(os.listdir(folder)):
+        owner = name[len(RENDEZVOUS_PREFIX):].split("_", 1)[0]
+        if not name.startswith(RENDEZVOUS_PREFIX) or not owner.isdigit() or _owner_alive(int(owner)):
+            continue
+        shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+        removed.append(os.path.join(folder, name))
+    return removed
+
+
 def _spawn(fn, args, plan: LaunchPlan, timeout_s: float, env: dict[str, str]) -> list[Any]:
     context = mp.get_context("spawn")
     results = context.Queue()
-    with tempfile.TemporaryDirectory(prefix="ep_plugin_rdzv_") as rendezvous_dir:
+    remove_orphaned_rendezvous()
+    with tempfile.TemporaryDirectory(prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}_") as rendezvous_dir:
         init_method = "file://" + os.path.join(rendezvous_dir, "store")
         # Not daemonic: a rank may start processes of its own (a DataLoader's workers). The cleanup below, and
         # the parent-death signal when the launcher itself is killed, stop the ranks instead.
