@@ -58,9 +58,9 @@ class Handle:
     # back by them (``Backend.combine_reads_topk_ids``): a change in place since (a reused buffer, say) is refused
     # there, not summed wrongly.
     topk_ids: Optional[tuple[torch.Tensor, int]] = None
-    # The handed-out counts and their versions at the dispatch, where the handle's later kernels read them
-    # (``Backend.kernels_read_handed_out_counts``): a change in place since is refused.
-    counts_versions: tuple = ()
+    # The handed-out counts (views of one allocation: one stands for all) and their version at the dispatch, where
+    # the handle's later kernels read them (``Backend.kernels_read_handed_out_counts``): a change since is refused.
+    counts_version: Optional[tuple[torch.Tensor, int]] = None
     # Backward ops that autograd recorded with this handle (``ep_plugin.dispatch``'s and ``ep_plugin.combine``'s)
     # and that have not run yet: while any is left, its backend will still run ops with it (a caller that would
     # replace the backend waits for them). A second backward over a retained graph is not counted.

@@ -278,9 +278,9 @@ class Backend(abc.ABC):
         # Kept, not copied: see check_topk_ids_unchanged. (Inference tensors have no version, and no backward.)
         if self.combine_reads_topk_ids and routing.form == TOPK and not routing.topk_idx.is_inference():
             out.handle.topk_ids = (routing.topk_idx, routing.topk_idx._version)
+        # The counts are views of one allocation, sharing one version counter: one of them stands for all.
         if self.kernels_read_handed_out_counts and not out.tokens_per_expert.is_inference():
-            out.handle.counts_versions = tuple((t, t._version) for t in (
-                out.tokens_per_expert, out.handle.num_real_tokens_per_expert) if t is not None)
+            out.handle.counts_version = (out.tokens_per_expert, out.tokens_per_expert._version)
         return out
 
     def check_cached_routing(self, handle: Handle, pad_multiple: Optional[int], *routing) -> None:
@@ -350,13 +350,12 @@ class Backend(abc.ABC):
         backward of combine would zero (or leave) rows by the changed segment lengths. Counts are ordinary
         tensors: derive from them out of place (``tokens_per_expert.cumsum(0)``, ``.clone()``). They are views
         of one allocation, with ``num_valid_rows`` and hybrid's ``over_budget``: a write to any counts."""
-        for counts, version in handle.counts_versions:
-            if counts._version != version:
-                raise ValueError("the counts of this handle's dispatch (tokens_per_expert, num_real_tokens_per_expert, "
-                                 "num_valid_rows or hybrid's over_budget: views of one allocation) were changed in "
-                                 "place after the dispatch, and this op (a cached dispatch, or the backward of "
-                                 "combine) reads them to place and pad the rows; derive from them out of place "
-                                 "(tokens_per_expert.cumsum(0), or a .clone() to change)")
+        if handle.counts_version is not None and handle.counts_version[0]._version != handle.counts_version[1]:
+            raise ValueError("the counts of this handle's dispatch (tokens_per_expert, num_real_tokens_per_expert, "
+                             "num_valid_rows or hybrid's over_budget: views of one allocation) were changed in "
+                             "place after the dispatch, and this op (a cached dispatch, or the backward of "
+                             "combine) reads them to place and pad the rows; derive from them out of place "
+                             "(tokens_per_expert.cumsum(0), or a .clone() to change)")
 
     # Whether the backend can be built with a combine-input arena (``combine_input_rows``; hybrid): the Megatron
     # integration gives such a backend its default arena.
