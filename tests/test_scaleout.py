@@ -28,6 +28,7 @@ from ep_plugin.host_collectives import _grace_s
 from ep_plugin.testing import run_ranks
 from ep_plugin.testing.dense import make_problem, run_local_experts
 from ep_plugin.topology import Topology
+from ep_plugin.transport import scaleout
 
 HIDDEN = 16
 NUM_RANKS = 8
@@ -352,30 +353,35 @@ def test_forward_sms_on_one_rank_is_named_as_forward_sms():
         assert "forward_sms (rank 0: 0, rank 1: 8, rank 2: 0, rank 3: 0)" in message, (rank, message)
 
 
-def across_a_restarted_world(ctx, store_path: str) -> list:
+def across_restarted_worlds(ctx, store_path: str) -> tuple[list, list]:
     """Forced domains, then ``destroy_process_group`` and a new world in the same process (an in-process
-    restart), then forced domains again: the second backend must make new domain and rail groups, not
-    take the destroyed ones (whose names the new world's groups reuse)."""
-    sums = []
-    for world in range(2):
+    restart), then forced domains again, twice: the second backend must make new domain and rail groups, not
+    take the destroyed ones (whose names the new world's groups reuse); the third, on a subgroup (another
+    name), leaves only its own groups cached, not the destroyed worlds' ones."""
+    sums, cached = [], []
+    for world in range(3):
         if world:
             dist.destroy_process_group()
-            dist.init_process_group("gloo", init_method="file://" + store_path, rank=ctx.rank,
+            dist.init_process_group("gloo", init_method=f"file://{store_path}_{world}", rank=ctx.rank,
                                     world_size=ctx.world_size)
-        backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu",
+        group = dist.new_group([0, 1]) if world == 2 else None
+        backend = ep_plugin.get_backend("reference")(group, hidden_size=4, num_experts=4, device="cpu",
                                                      topology=Topology(2, 1, ctx.rank))
         x = torch.full((3, 4), float(ctx.rank + 1 + 10 * world))
         out = backend.dispatch(x, topk_idx=torch.tensor([[0, 3], [1, 2], [2, -1]]))
         sums.append(backend.combine(out.hidden, out.handle).hidden.sum(1).tolist())
+        cached.append(len(scaleout._groups))
         backend.destroy()
-    return sums
+    return sums, cached
 
 
 def test_forced_domains_after_the_world_was_destroyed_and_started_again(tmp_path):
-    """Before: ValueError 'Group ... is not registered' from the cached groups of the first world."""
-    for rank, sums in enumerate(run_ranks(across_a_restarted_world, 2, str(tmp_path / "second_world"),
-                                          timeout_s=120)):
-        assert sums == [[4 * (rank + 1) * k for k in (2, 2, 1)], [4 * (rank + 11) * k for k in (2, 2, 1)]], sums
+    """Before: ValueError 'Group ... is not registered' from the cached groups of the first world; and the
+    groups of every destroyed world stayed cached."""
+    for rank, (sums, cached) in enumerate(run_ranks(across_restarted_worlds, 2, str(tmp_path / "world"),
+                                                    timeout_s=120)):
+        assert sums == [[4 * (rank + 1 + 10 * world) * k for k in (2, 2, 1)] for world in range(3)], sums
+        assert cached == [1, 1, 1], cached
 
 
 def refusal_and_disagreement_in_one_dispatch(ctx, variant: str) -> dict:

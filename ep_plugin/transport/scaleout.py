@@ -80,8 +80,10 @@ def make_groups(group: dist.ProcessGroup, topology: Topology, engine: str, *, ti
     """Every domain's and every rail's process group (a collective: every rank, same order). Raises EPError
     on every rank, before any group is made, when the ranks could not meet in them (``_check_group_names``)."""
     parent_engine = dist.get_backend(group)
+    for dead in [key for key, groups in _groups.items() if not _still_registered(groups)]:
+        del _groups[dead]  # a destroyed world's groups: kept, they would pile up across in-process restarts
     key = _groups_key(group, topology, engine)
-    if key not in _groups or not _still_registered(_groups[key]):
+    if key not in _groups:
         _check_group_names(group, timeout_s=timeout_s, owner=owner, device=device, on_host=gloo_host_words)
         # Local synchronization: only the EP group's ranks make these groups. Megatron's EP group is a
         # subgroup of the world, whose other ranks are busy building their own EP groups' backends.
