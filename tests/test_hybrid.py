@@ -403,6 +403,40 @@ def test_hybrid_register_copies_and_long_rows_match_reference():
         assert all(r == results[0] for r in results)
 
 
+
+def repeated_ids_probs_gradient(ctx) -> list:
+    """Non-blocking mode drops a repeated expert's earlier slots (the last one counts): the weights' gradient
+    must be that of the same dispatch with those slots -1 (zero there), not the routed-back value in both."""
+    hidden, local = 256, NUM_EXPERTS // ctx.world_size
+    _, hybrid = make_backends(ctx, hidden, blocking=False)
+    remote, mine = ((ctx.rank + 1) % ctx.world_size) * local, ctx.rank * local + 1
+    repeated = torch.tensor([[remote, remote], [mine, mine], [remote, mine], [mine + 1, -1]], device=ctx.device)
+    dropped = repeated.clone()
+    dropped[0, 0] = dropped[1, 0] = -1
+    generator = torch.Generator().manual_seed(31 + ctx.rank)
+    x = torch.randn(4, hidden, generator=generator).to(torch.bfloat16).to(ctx.device)
+    weights = torch.rand(4, 2, generator=generator).to(ctx.device)
+    grads = []
+    for topk_idx in (repeated, dropped):
+        w = weights.clone().requires_grad_(True)
+        out = ep_plugin.dispatch(hybrid, x, topk_idx=topk_idx, topk_weights=w)
+        z = ep_plugin.combine(out.hidden * out.probs.unsqueeze(1).to(torch.bfloat16), out.handle)
+        z.float().sum().backward()
+        grads.append(w.grad.tolist())
+    torch.cuda.synchronize()
+    hybrid.check_errors()
+    hybrid.destroy()
+    return grads
+
+
+def test_a_repeated_expert_gets_the_gradient_of_its_last_slot_only():
+    """Before: the earlier slot of a repeated expert got the same non-zero gradient as the last one."""
+    for rank, (repeated, dropped) in enumerate(run_ranks(repeated_ids_probs_gradient, 2, device="cuda",
+                                                         timeout_s=LAUNCH_TIMEOUT_S)):
+        assert repeated == dropped, (rank, repeated, dropped)
+        assert repeated[0][0] == 0 and repeated[0][1] != 0 and repeated[1][1] != 0, (rank, repeated)
+
+
 # ---- cached dispatch (handle=) ------------------------------------------------------------
 
 def cached_dispatch(ctx) -> list[str]:

@@ -777,13 +777,19 @@ class Scratch:
         return run.split_with_sizes(sizes)[::2]  # the pieces, without the gaps between them
 
 
+def earlier_repeats(idx: torch.Tensor) -> torch.Tensor:
+    """[T, K] bool: the slots whose id a later slot of the same token names again (the kernels count a
+    repeated expert once, at its last slot, and drop the earlier ones)."""
+    later = torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool, device=idx.device).triu(1)
+    return ((idx.unsqueeze(2) == idx.unsqueeze(1)) & later).any(2)
+
+
 def input_flags_torch(extension, idx: torch.Tensor, num_ranks: int, num_local_experts: int) -> torch.Tensor:
     """The layout kernel's input_flags [R] int32 for top-k ids ``idx`` [T, K], with torch ops (its oracle)."""
     R, L = num_ranks, num_local_experts
     E = R * L
     out_of_range = bool(((idx < -1) | (idx >= E)).any())
-    later = torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool, device=idx.device).triu(1)
-    repeated = ((idx.unsqueeze(2) == idx.unsqueeze(1)) & later).any(2) & (idx >= 0) & (idx < E)
+    repeated = earlier_repeats(idx) & (idx >= 0) & (idx < E)
     owners = torch.where(repeated, idx // L, R).flatten()  # index R collects "not repeated"
     flagged = torch.zeros(R + 1, dtype=torch.int32, device=idx.device).index_fill_(0, owners, 1)[:R]
     return flagged * extension.INPUT_ID_REPEATED + (extension.INPUT_ID_OUT_OF_RANGE if out_of_range else 0)

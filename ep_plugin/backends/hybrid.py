@@ -113,7 +113,7 @@ from ..handle import CombineOutput, DispatchOutput, Handle
 from ..routing import ROUTING_MAP, Routing, route_counts
 from ..transport.arena import CombineInputArena, arena_bytes
 from .base import Capabilities
-from .compiled import CompiledBackend, Scratch, nvtx_range, op_range, worst_case_rows
+from .compiled import CompiledBackend, Scratch, earlier_repeats, nvtx_range, op_range, worst_case_rows
 
 logger = logging.getLogger(__name__)
 
@@ -499,5 +499,7 @@ class HybridBackend(CompiledBackend):
             else:
                 idx = layout.topk_idx
                 valid = (idx >= 0) & (idx < self.num_experts)
+                if not self.config.blocking:  # there repeats were dropped, not refused: only the last slot counted
+                    valid &= ~earlier_repeats(idx)
                 probs = dense_probs.gather(1, torch.where(valid, idx, torch.zeros_like(idx))) * valid
         return CombineOutput(out, probs)
