@@ -448,6 +448,19 @@ def test_a_tight_budget_holds_the_padding_and_never_passes_the_worst_case():
     assert _tight_budget(standard, 8, 0, pad_multiple=4096) > rows + padding
 
 
+def test_in_place_options_hold_the_padded_worst_case():
+    """hybrid's arena from in_place_options left out the experts' padding: with EP_PLUGIN_PAD_MULTIPLE set, the
+    bench's padded budget (and any padded dispatch near the worst case) did not fit it."""
+    from ep_plugin.backends.compiled import worst_case_rows
+    from ep_plugin.backends.hybrid import HybridBackend
+
+    shape = dict(num_ranks=8, max_tokens_per_rank=128, num_experts=256, topk=8)
+    for pad in (1, 128):
+        rows = HybridBackend.in_place_options(**shape, pad_multiple=pad)["combine_input_rows"]
+        assert rows == worst_case_rows(8, 128, 32, 8, pad), (pad, rows)
+    assert HybridBackend.in_place_options(**shape)["combine_input_rows"] == worst_case_rows(8, 128, 32, 8)
+
+
 def test_bench_json_is_strict_json(tmp_path):
     """A case without samples has a NaN median; bench.json had it as a bare NaN, which jq and JavaScript refuse.
     (A failed case's figures are None anyway.)"""

@@ -172,7 +172,8 @@ class ElasticBackend(CompiledBackend):
         self._in_place_rows: tuple = ()  # weak references to the last in-place dispatch's rows (and scales)
 
     @classmethod
-    def in_place_options(cls, *, num_ranks: int, max_tokens_per_rank: int, num_experts: int, topk: int) -> dict:
+    def in_place_options(cls, *, num_ranks: int, max_tokens_per_rank: int, num_experts: int, topk: int,
+                         pad_multiple: int = 1) -> dict:
         """Constructor options for ``dispatch(..., in_place=True)`` (the combine input is always there)."""
         return {"in_place_dispatch": True}
 

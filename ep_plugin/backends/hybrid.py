@@ -217,10 +217,12 @@ class HybridBackend(CompiledBackend):
     worst_case_rows = staticmethod(worst_case_rows)  # compiled.worst_case_rows, kept on the class for users
 
     @classmethod
-    def in_place_options(cls, *, num_ranks: int, max_tokens_per_rank: int, num_experts: int, topk: int) -> dict:
-        """Constructor options that let every dispatch of that shape be combined in place."""
+    def in_place_options(cls, *, num_ranks: int, max_tokens_per_rank: int, num_experts: int, topk: int,
+                         pad_multiple: int = 1) -> dict:
+        """Constructor options that let every dispatch of that shape (padded to ``pad_multiple``) be combined
+        in place."""
         local = num_experts // num_ranks
-        return {"combine_input_rows": cls.worst_case_rows(num_ranks, max_tokens_per_rank, local, topk)}
+        return {"combine_input_rows": cls.worst_case_rows(num_ranks, max_tokens_per_rank, local, topk, pad_multiple)}
 
     @classmethod
     def wire_bytes(cls, routing_maps, num_ranks, *, row_bytes, hidden, topk, with_probs, combine_in_place=False,

@@ -715,7 +715,8 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
             if backend is None:  # built lazily: a backend owns large buffers
                 try:
                     options = cls.in_place_options(num_ranks=ctx.world_size, max_tokens_per_rank=max(spec.tokens),
-                                                   num_experts=experts, topk=max(spec.topk)) \
+                                                   num_experts=experts, topk=max(spec.topk),
+                                                   pad_multiple=config.pad_multiple) \
                         if variant in IN_PLACE_VARIANTS else {}
                     backend = cls(hidden_size=hidden, num_experts=experts, config=config, device=device, **options)
                 except ValueError as error:  # e.g. 8 ranks x 24 SMs do not fit one GPU: same on every rank
