@@ -15,7 +15,7 @@ import torch
 from .. import _cuda, streams
 from ..agreement import OP_BARRIER, fingerprint_code
 from ..config import MAX_PAD_MULTIPLE
-from ..errors import BackendUnavailableError, EPError, TooManyTokensError
+from ..errors import BackendUnavailableError, EPError, EPTimeoutError, TooManyTokensError
 from ..routing import ROUTING_MAP, Routing, check_topk_values, dropped_ids_error
 from ..transport.fabric import gpu_link_bandwidths
 from ..transport.placement import ranks_per_gpu
@@ -98,8 +98,9 @@ def op_range(op: str):
     Also: an op that fails on this rank alone after its first launch (an allocation only its count could
     size, say) has taken its place in the device handshakes, and its peers ran it: the backend is out of
     step, and says so then and at every later op (``EPError``), where a retry would have met the peers'
-    next op. Refusals every rank makes alike (``ValueError``, ``TypeError``) and the device's own reports
-    (``EPError``) are not that."""
+    next op. So is a host wait of the op that timed out before the device reported anything (its kernels
+    are still queued). Refusals every rank makes alike (``ValueError``, ``TypeError``) and the device's own
+    reports (``EPError``) are not that."""
     def decorate(method):
         names: dict[str, str] = {}  # backend name -> range name, built once
 
@@ -114,6 +115,12 @@ def op_range(op: str):
             with nvtx_range(name):
                 try:
                     return method(self, *args, **kwargs)
+                except EPTimeoutError as exc:
+                    # A host wait that gave up before the device reported anything (the stream is stuck behind
+                    # other work): the op's kernels stay queued and will take their place in the handshakes.
+                    if self._launches != launches and self.buffer.failure_message() is None:
+                        self._failed_mid_op = f"{op} timed out on the host after its first launch ({exc})"
+                    raise
                 except (ValueError, TypeError, EPError):
                     raise
                 except BaseException as exc:
