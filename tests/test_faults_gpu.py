@@ -500,6 +500,11 @@ def stuck_behind_a_foreign_kernel(ctx, backend_name: str) -> dict:
     out of step at once, not enqueue a second dispatch the peers never match."""
     backend = make_backend(ctx, backend_name, timeout_s=1.0)
     x, routing = routed_tokens(ctx, 803)
+    # A first round fills the allocator's and the backend's caches: a fresh allocation may wait for the
+    # device, and would hold the host back until the sleep ended (the dispatch would then just run).
+    first = backend.dispatch(x, **routing)
+    backend.combine(first.hidden, first.handle)
+    torch.cuda.synchronize()
     errors = []
     if ctx.rank == 0:
         torch.cuda._sleep(int(3e10))  # ~15 s at the H200's ~2 GHz, past the host wait's 1 s + 5 s
