@@ -642,11 +642,15 @@ def test_a_capture_failure_on_one_rank_stops_every_rank():
 
 
 def test_scaleup_size_from_the_environment(tmp_path, capsys, monkeypatch):
-    """EP_PLUGIN_SCALEUP_SIZE forces domains in the bench as everywhere (--scaleup-size 0 = not forced here)."""
+    """EP_PLUGIN_SCALEUP_SIZE forces domains in the bench as everywhere (--scaleup-size 0 = not forced here),
+    but not on the reference's baseline run: that one was split too ("reference 2x1"), and no row had a
+    "reference" to take ref/ours from."""
     monkeypatch.setenv("EP_PLUGIN_SCALEUP_SIZE", "1")
     report, _ = _run_main(tmp_path, capsys, "--modes", "blocking")
-    assert {row["backend"] for row in report["summary"]} == {"reference 2x1"}, report["summary"][0]
-    assert all(record.get("scaleout_bytes") for record in report["records"])
+    assert [record["domains"] for record in report["records"]] == ["1x2", "2x1"]
+    assert [bool(record.get("scaleout_bytes")) for record in report["records"]] == [False, True]
+    split = [row for row in report["summary"] if row["backend"] == "reference 2x1"]
+    assert split and all(row["reference_ratio"] for row in split), split  # against the flat run
 
 
 def test_scaleout_bytes_and_the_scaleup_option():

@@ -80,7 +80,8 @@ class SweepSpec:
     graph: bool = False  # also time CUDA-graph replays of non-blocking dispatch/combine
     extra_config: dict = field(default_factory=dict)
     # Ranks per NVLink domain to run each backend with (0 = detected); a smaller size splits the ranks into
-    # domains joined by scale-out rails. The reference also runs flat (0), as the baseline.
+    # domains joined by scale-out rails. The reference also runs flat (0, whatever EP_PLUGIN_SCALEUP_SIZE says),
+    # as the baseline.
     scaleup_sizes: tuple[int, ...] = (0,)
     # Where rank 0 appends each finished record (a JSON line): a sweep that the launcher's timeout ends keeps
     # what finished. "" = nowhere.
@@ -642,8 +643,9 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
     records: list[dict] = []
 
     def scaleups(name: str) -> tuple[int, ...]:
-        if name == "reference":  # flat, the baseline, and at every forced size
-            return (0, *sorted({size for size in spec.scaleup_sizes if size}))
+        if name == "reference":  # flat, the baseline, and at every size the others are forced to
+            from_env = Config.from_env().scaleup_size  # what their 0 runs at when EP_PLUGIN_SCALEUP_SIZE is set
+            return (0, *sorted({size or from_env for size in spec.scaleup_sizes} - {0}))
         return (0,) if name == ALL_TO_ALL else spec.scaleup_sizes
 
     baselines = ("reference", ALL_TO_ALL)  # no SMs to choose; all_to_all has no modes either
@@ -696,7 +698,9 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
             continue
         base_name, _, variant = name.partition("+")  # "hybrid+in_place", "hybrid+arena": combine rows in the buffer
         cls = ep_plugin.get_backend(base_name)
-        forced = {"scaleup_size": scaleup} if scaleup else {}  # 0: detected, or EP_PLUGIN_SCALEUP_SIZE when set
+        # 0: detected, or EP_PLUGIN_SCALEUP_SIZE when set; but the reference's 0 is the flat baseline of ref/ours
+        # (a detected layout is one domain for it), which a forced size from the environment would split.
+        forced = {"scaleup_size": scaleup} if scaleup or name == "reference" else {}
         config = Config.from_env(num_sms=sms, blocking=(mode == "blocking"), max_tokens_per_rank=max(spec.tokens),
                                  **{**forced, **spec.extra_config})
         backend = None
