@@ -583,6 +583,55 @@ def test_graph_flag_on_cpu_is_accepted_and_not_applied(tmp_path, capsys):
     assert [record["mode"] for record in report["records"]] == ["blocking"]  # reference has no non-blocking mode
 
 
+def _graph_options(**overrides):
+    import argparse
+
+    values = dict(graph=True, device="cuda", modes="nonblocking", payloads="bf16", backends="hybrid",
+                  scaleup_size="0", ranks=8)
+    return argparse.Namespace(**{**values, **overrides})
+
+
+def test_graph_with_no_case_to_capture_is_refused(monkeypatch, capsys):
+    """--graph on CUDA ran with no graph row (blocking modes only, no graph-capable backend, every layout split
+    into domains) while bench.json said graphs applied: refused before the sweep, in one line."""
+    from types import SimpleNamespace
+
+    from ep_plugin.backends.base import Capabilities
+    from ep_plugin.bench.__main__ import graph_problem
+
+    def backend(**capabilities):
+        return SimpleNamespace(capabilities=Capabilities(devices=("cuda",), hidden_dtypes=(), probs_dtypes=(),
+                                                         **capabilities))
+
+    classes = {"hybrid": backend(non_blocking=True, cuda_graphs=True), "reference": backend()}
+    assert graph_problem(_graph_options(), classes, 0) is None
+    assert graph_problem(_graph_options(scaleup_size="8,4"), classes, 0) is None  # the 1x8 run is captured
+    assert graph_problem(_graph_options(device="cpu", modes="blocking"), classes, 0) is None  # ignored on CPU
+    assert "add nonblocking to --modes" in graph_problem(_graph_options(modes="blocking"), classes, 0)
+    for backends in ("reference,all_to_all", "hybrid+arena"):
+        assert "none of --backends" in graph_problem(_graph_options(backends=backends), classes, 0)
+    assert "none of" in graph_problem(_graph_options(payloads="fp8"), classes, 0)  # no fp8 dispatch here
+    assert "across domains" in graph_problem(_graph_options(scaleup_size="4,2"), classes, 0)
+    assert "EP_PLUGIN_SCALEUP_SIZE=4" in graph_problem(_graph_options(), classes, 4)
+    # Through the command line, as every other option error: one line, exit status 2, nothing started.
+    monkeypatch.setattr("ep_plugin.cli.gpu_count", lambda: 1)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--device", "cuda", "--backends", "reference", "--modes", "blocking,nonblocking", "--graph",
+                    "--tokens", "16", "--hidden", "64", "--experts", "8", "--topk", "2", "--payloads", "bf16"])
+    assert exit_info.value.code == 2
+    assert "--graph: none of --backends reference" in capsys.readouterr().err
+
+
+def test_the_environment_says_how_many_cases_graphs_captured():
+    from ep_plugin.bench.__main__ import _graph_note
+
+    assert _graph_note(_graph_options(graph=False), []) == "off"
+    assert _graph_note(_graph_options(device="cpu"), []) == "not applied (CPU)"
+    assert _graph_note(_graph_options(), [{"mode": "nonblocking"}]).startswith("no case captured")
+    assert _graph_note(_graph_options(), [{"mode": "nonblocking"}, {"mode": "nonblocking+graph"}]).startswith(
+        "1 case(s) as nonblocking+graph")
+
+
 def test_nvlink_preset_and_reference_defaults(monkeypatch):
     monkeypatch.setattr("ep_plugin.cli.gpu_count", lambda: 1)  # the GPU presets are for --device cuda
     args = parse_args(["--preset", "nvlink", "--device", "cuda"])

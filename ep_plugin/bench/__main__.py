@@ -30,7 +30,8 @@ combine, dispatch, ...) with CUDA events before dispatch, between the ops and af
 all read after one final synchronize (host clock on CPU). --sync-each-iter puts a host+device
 barrier before every iteration instead (the old method: it adds the barrier's exit skew to
 every rank's time). --graph also times CUDA-graph replays of one captured non-blocking
-dispatch and one combine (rows with mode nonblocking+graph; CUDA and graph-capable backends).
+dispatch and one combine (rows with mode nonblocking+graph; CUDA and graph-capable backends, one
+domain; refused when no case of the sweep could be captured).
 
 Defaults follow the machine: --device cuda with a GPU, else cpu (with the small cpu preset);
 --backends every backend that can run there. A backend name with "+in_place" (e.g. elastic+in_place)
@@ -73,7 +74,7 @@ from ep_plugin.errors import EPTimeoutError
 from ep_plugin.testing.launcher import CPU_RANKS_PER_CORE, cpu_ranks_problem
 
 from .report import attach_all_to_all_ratio, attach_reference_ratio, format_table, summarize, write_json, write_plots
-from .runner import ALL_TO_ALL, SweepSpec, bench_rank, environment, supported
+from .runner import ALL_TO_ALL, GRAPH_MODE, SweepSpec, bench_rank, environment, supported
 from .workload import FP8_BLOCK
 
 
@@ -159,7 +160,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "barrier's exit skew to each rank's times; the old method)")
     parser.add_argument("--graph", action="store_true",
                         help="non-blocking mode on CUDA: also time replays of one captured dispatch and one "
-                             "captured combine (mode nonblocking+graph); ignored on CPU")
+                             "captured combine (mode nonblocking+graph); refused when no case could be captured "
+                             "(no nonblocking in --modes, no graph-capable backend, every layout split into "
+                             "domains); ignored on CPU")
     parser.add_argument("--link-gbps", type=float, default=478.0,
                         help="per-direction link rate for the one-GPU-per-rank ceiling (default 478: 2 x H200 NV18)")
     parser.add_argument("--out", default=DEFAULT_OUT,
@@ -198,6 +201,7 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
     backends = _words(args.backends)
     if not backends:
         return f"no backend can run on {args.device} here"
+    classes = {}  # base backend name -> its class (capabilities)
     for name in backends:
         if name == ALL_TO_ALL:  # the transport baseline, no backend
             continue
@@ -205,7 +209,7 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
         problem = backend_problem(base, args.device)
         if problem:
             return f"--backends: {problem}"
-        cls = ep_plugin.get_backend(base)
+        cls = classes[base] = ep_plugin.get_backend(base)
         # (Every backend has combine_input and combine_input_arena, refusing or routing nothing without a buffer.)
         if plus and not ((variant == "in_place" and hasattr(cls, "in_place_options"))
                          or (variant == "arena" and cls.has_combine_input_arena)):
@@ -260,6 +264,9 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
     if not any(runs_a_case(name) for name in backends):
         return (f"no case to run: none of {', '.join(backends)} runs --payloads {args.payloads} in --modes "
                 f"{args.modes} (the reference moves bf16 in blocking mode only)")
+    problem = graph_problem(args, classes, Config.from_env().scaleup_size)
+    if problem:
+        return problem
     odd = [hidden for hidden in axes["hidden"] if hidden % FP8_BLOCK]
     if "fp8" in _words(args.payloads) and odd:
         return (f"--payloads fp8 needs every --hidden divisible by {FP8_BLOCK} (one fp32 scale per {FP8_BLOCK} "
@@ -269,6 +276,36 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
     for experts in axes["experts"]:
         if experts % args.ranks:
             return f"--experts {experts} is not divisible by --ranks {args.ranks}"
+    return None
+
+
+def graph_problem(args: argparse.Namespace, classes: dict, scaleup_from_env: int) -> Optional[str]:
+    """Why --graph could capture no case of this sweep on CUDA (one line), or None: from the options, the
+    backends' capabilities (``classes``: base name -> class) and EP_PLUGIN_SCALEUP_SIZE (``scaleup_from_env``,
+    0 = unset) alone. Without this the sweep ran with no graph row while bench.json said graphs applied.
+    On CPU --graph is accepted and not applied (one command line for both kinds of machine); a split into
+    domains that only detection finds shows at run time, where the runner says so."""
+    if not args.graph or args.device == "cpu":
+        return None
+    if "nonblocking" not in _words(args.modes):
+        return f"--graph captures non-blocking ops: add nonblocking to --modes (got {args.modes})"
+    payloads = _words(args.payloads)
+
+    def capturable(name: str) -> bool:  # a captured allocation is not redone by a replay: no "+arena" graphs
+        base, _, variant = name.partition("+")
+        cls = classes.get(base)
+        return (cls is not None and variant != "arena" and cls.capabilities.cuda_graphs
+                and any(supported(cls, payload, "nonblocking") for payload in payloads))
+
+    if not any(capturable(name) for name in _words(args.backends)):
+        return (f"--graph: none of --backends {args.backends} captures non-blocking {args.payloads} ops into CUDA "
+                f"graphs (the reference, {ALL_TO_ALL} and '+arena' variants never do)")
+    sizes = {size or scaleup_from_env for size in _ints(args.scaleup_size)}
+    if all(0 < size < args.ranks for size in sizes):
+        forced = f"--scaleup-size {args.scaleup_size}" + (f", EP_PLUGIN_SCALEUP_SIZE={scaleup_from_env}"
+                                                          if scaleup_from_env and 0 in _ints(args.scaleup_size) else "")
+        return (f"--graph: every layout splits the {args.ranks} ranks into domains ({forced}), and no backend "
+                "captures CUDA graphs across domains")
     return None
 
 
@@ -299,10 +336,16 @@ def reference_limits(args: argparse.Namespace, plan) -> tuple[int, int]:
     return max_tokens, iters
 
 
-def _graph_note(args: argparse.Namespace) -> str:
+def _graph_note(args: argparse.Namespace, records: list[dict]) -> str:
+    """What --graph did, for bench.json: how many cases it captured, not what it was asked."""
     if not args.graph:
         return "off"
-    return "not applied (CPU)" if args.device == "cpu" else "non-blocking mode, graph-capable backends"
+    if args.device == "cpu":
+        return "not applied (CPU)"
+    graphed = sum(record["mode"] == GRAPH_MODE for record in records)
+    if not graphed:  # each case that could have been captured says above why it was not
+        return "no case captured (see the output: failed, skipped or split into domains)"
+    return f"{graphed} case(s) as {GRAPH_MODE} (non-blocking mode, graph-capable backends, one domain)"
 
 
 def _why_no_plots() -> str:
@@ -361,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                       "CUDA_VISIBLE_DEVICES=0 puts them on one)" if plan.use_mps else
                       f"link line rate {link_gbps} GB/s per direction" if link_gbps else "none (CPU)")
     env["timing"] = "barrier before every iteration" if args.sync_each_iter else "one barrier, then back to back"
-    env["graph"] = _graph_note(args)
+    env["graph"] = _graph_note(args, records)
     env["reference"] = {"max_tokens": reference_max_tokens or "no limit", "iters": reference_iters}
     if incomplete:
         env["incomplete"] = incomplete

@@ -679,6 +679,7 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
     layouts_run: set[tuple] = set()  # a forced size that gives a layout already run adds nothing but time
     baseline_skipped = False
     reference_skips_said: set[int] = set()  # token counts whose reference skip was printed
+    no_graph_said: set[tuple] = set()  # (backend, layout) whose missing graph rows were explained
     cases_per_entry = total // len(plan) if plan else 0
     for number, (name, hidden, experts, sms, mode, scaleup) in enumerate(plan):
         if progress:  # the cases of an entry skipped part way (a backend that cannot be built) count as done
@@ -767,6 +768,13 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                 # Same shape, same backend: only the samples differ from the eager record.
                 graph = _run_graph_case(ctx, spec, backend, shape, device, variant)
                 keep({**record, **graph, "mode": GRAPH_MODE})
+            elif (_graph_applies(spec, cls, mode, device) and (variant == "arena" or backend.topology.is_hierarchical)
+                  and ctx.rank == 0 and (name, record["domains"]) not in no_graph_said):
+                # --graph was asked for this backend, and the option check cannot know a split that detection finds
+                no_graph_said.add((name, record["domains"]))
+                why = ("a combine-input arena's allocations are not redone by a replay" if variant == "arena" else
+                       "CUDA graphs are not captured across domains")
+                say(f"no {GRAPH_MODE} rows for {name} at {record['domains']}: {why}")
         if backend is not None:
             backend.destroy()
             del backend
