@@ -212,6 +212,14 @@ def env_is_set(field_name: str, environ: Optional[dict] = None) -> bool:
     return bool(environ.get(env_var_name(field_name), "").strip())
 
 
+def variables_set(environ: Optional[dict] = None) -> dict[str, str]:
+    """The knobs' variables that are set (``env_is_set``), name -> value, sorted by name: what a run took from
+    the environment (the build's and test bed's variables, and names no knob reads, change nothing it does)."""
+    environ = os.environ if environ is None else environ
+    return {env_var_name(f.name): environ[env_var_name(f.name)]
+            for f in sorted(fields(Config), key=lambda f: f.name) if env_is_set(f.name, environ)}
+
+
 def describe() -> list[tuple[str, str, str]]:
     """(env var, default, help) rows, for the README table and ``python -m ep_plugin info``."""
     return [(env_var_name(f.name), repr(f.default), f.metadata.get("help", "")) for f in fields(Config)]

@@ -907,6 +907,44 @@ def test_compare_fails_when_new_lost_a_case_or_nothing_matched(tmp_path, capsys)
     assert "no case is on both sides" in capsys.readouterr().out
 
 
+def test_compare_refuses_runs_timed_with_other_iterations_or_knobs(tmp_path, capsys, monkeypatch):
+    """bench.json recorded neither the iteration counts (a preset's defaults are not in its command) nor the
+    EP_PLUGIN_* knobs, so compare took runs timed with 10 and 200 iterations, or with other knobs, for alike.
+    A file written before these were recorded says nothing of them: no difference (an A/B against an older
+    tree)."""
+    from ep_plugin.bench import compare
+
+    monkeypatch.setenv("EP_PLUGIN_TIMEOUT_S", "300")
+    monkeypatch.setenv("EP_PLUGIN_CUDA_ARCHS", "90")  # the build's: changes no timing, not recorded
+    report, _ = _run_main(tmp_path, capsys, "--modes", "blocking")
+    environment = report["environment"]
+    assert (environment["warmup"], environment["iters"]) == (2, 4)
+    assert environment["ep_plugin_variables"] == {"EP_PLUGIN_TIMEOUT_S": "300"}
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(report))
+
+    def new_side(name, **changes):
+        copy = json.loads(json.dumps(report))
+        copy["environment"].update(changes)
+        for key in [key for key, value in changes.items() if value is None]:
+            del copy["environment"][key]
+        (tmp_path / name).write_text(json.dumps(copy))
+        return str(tmp_path / name)
+
+    for changes, line in ((dict(warmup=50), "warmup: 50 (new) vs 2 (base)"),
+                          (dict(iters=200), "iters: 200 (new) vs 4 (base)"),
+                          (dict(ep_plugin_variables={}), "ep_plugin_variables: none (new) vs EP_PLUGIN_TIMEOUT_S=300")):
+        new = new_side("new.json", **changes)
+        assert compare.main(["--new", new, "--base", str(base)]) == 1
+        assert f"timed unlike: {line}" in capsys.readouterr().out
+        assert compare.main(["--new", new, "--base", str(base), "--allow-env-diff"]) == 0
+        capsys.readouterr()
+    older = new_side("older.json", warmup=None, iters=None, ep_plugin_variables=None)
+    for new, old in ((str(base), older), (older, older)):
+        assert compare.main(["--new", new, "--base", old]) == 0
+        assert "timed unlike" not in capsys.readouterr().out
+
+
 def test_a_forced_size_that_gives_a_layout_already_run_is_skipped(tmp_path, capfd):
     """--scaleup-size 2 on 2 CPU ranks is one domain of 2: the flat layout the detected run (0) already
     timed. It ran twice (duplicate rows, the reference's time doubled); a real split (1) still runs, and

@@ -69,7 +69,7 @@ from ep_plugin.cli import (
     default_device,
     device_problem,
 )
-from ep_plugin.config import Config
+from ep_plugin.config import Config, variables_set
 from ep_plugin.errors import EPTimeoutError
 from ep_plugin.testing.launcher import CPU_RANKS_PER_CORE, cpu_ranks_problem
 
@@ -405,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"link line rate {link_gbps} GB/s per direction" if link_gbps else "none (CPU)")
     env["timing"] = "barrier before every iteration" if args.sync_each_iter else "one barrier, then back to back"
     env["graph"] = _graph_note(args, records)
+    # What else sets the timings: the preset's defaults are not in "command", and the knobs not in the options.
+    env["warmup"], env["iters"] = args.warmup, args.iters
+    env["ep_plugin_variables"] = variables_set()
     env["reference"] = {"max_tokens": reference_max_tokens or "no limit", "iters": reference_iters}
     if incomplete:
         env["incomplete"] = incomplete

@@ -42,8 +42,13 @@ CASE_KEYS = ("backend", "mode", "payload", "tokens", "hidden", "topk", "experts"
 
 
 # What in a bench.json's environment sets its timings: runs that differ here are not compared (a GPU of another
-# kind, ranks over another process group or sharing GPUs otherwise, the other timing method).
-TIMING_ENVIRONMENT = ("device", "gpu", "process_group", "ranks_per_gpu", "timing")
+# kind, ranks over another process group or sharing GPUs otherwise, the other timing method, other warm-up or
+# timed iteration counts, other EP_PLUGIN_* knobs).
+TIMING_ENVIRONMENT = ("device", "gpu", "process_group", "ranks_per_gpu", "timing", "warmup", "iters",
+                      "ep_plugin_variables")
+# Keys that bench.json files written before them lack: such a file says nothing of them, which is no difference
+# (an A/B run against an older tree compares its bench.json with one that has them).
+RECORDED_LATER = ("warmup", "iters", "ep_plugin_variables")
 
 
 def _read(path: str) -> dict:
@@ -93,10 +98,19 @@ def environment_differences(new_paths: list[str], base_paths: list[str]) -> list
     sides = [[read_environment(path) for path in paths] for paths in (new_paths, base_paths)]
     differences = []
     for key in TIMING_ENVIRONMENT:
-        values = [sorted({str(env.get(key)) for env in side}) for side in sides]
+        values = [sorted({_shown(env.get(key)) for env in side if key in env or key not in RECORDED_LATER})
+                  for side in sides]
         if len(set(values[0]) | set(values[1])) > 1:
-            differences.append(f"{key}: {' / '.join(values[0])} (new) vs {' / '.join(values[1])} (base)")
+            new, base = (" / ".join(side) or "not recorded" for side in values)
+            differences.append(f"{key}: {new} (new) vs {base} (base)")
     return differences
+
+
+def _shown(value) -> str:
+    """An environment value as a difference line shows it (the variables as NAME=value, "none" when none)."""
+    if isinstance(value, dict):
+        return " ".join(f"{name}={item}" for name, item in sorted(value.items())) or "none"
+    return str(value)
 
 
 def match_domains(new: dict[tuple, float], base: dict[tuple, float]) -> tuple[dict, dict]:
