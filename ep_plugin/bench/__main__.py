@@ -348,10 +348,14 @@ def _graph_note(args: argparse.Namespace, records: list[dict]) -> str:
     return f"{graphed} case(s) as {GRAPH_MODE} (non-blocking mode, graph-capable backends, one domain)"
 
 
-def _why_no_plots() -> str:
+def _why_no_plots(rows: list[dict]) -> str:
     if importlib.util.find_spec("matplotlib") is None:
         return "matplotlib is not installed: pip install matplotlib, or the ep_plugin[plots] extra"
-    return "a plot draws a line over at least two token counts (--tokens) or SM counts (--sms); this sweep has one"
+    failed = sum(1 for row in rows if row.get("error"))
+    if failed == len(rows):  # a failed case has no figure, whatever the axes
+        return "every case FAILED: no figure to draw"
+    return ("a plot draws a line over at least two token counts (--tokens) or SM counts (--sms); this sweep has one"
+            + (" among the cases that did not fail" if failed else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -417,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     plots = write_plots(args.out, rows)
     print(f"environment: {env}")
     if not plots:
-        print(f"plots: none written ({_why_no_plots()})")
+        print(f"plots: none written ({_why_no_plots(rows)})")
     for record in records:
         if record.get("graph_error"):
             print(f"graph capture failed ({record['backend']} {record['payload']} tokens={record['tokens']} "

@@ -132,11 +132,22 @@ def summarize(record: dict, link_gbps: float) -> list[dict]:
 FIGURES = ("median_us", "p10_us", "p90_us", "algo_gbps", "ceiling_ratio", "link_gbps", "link_pct", "scaleout_gbps")
 
 
+# The backends that are baselines of a ratio (``ref/ours``, ``a2a/ours``), not ours.
+BASELINES = ("reference", "all_to_all")
+
+
+def _baseline_of(row: dict) -> Optional[str]:
+    """The baseline a row times ("reference 2x4" is the reference across domains), or None for ours."""
+    name = row["backend"].partition(" ")[0]
+    return name if name in BASELINES else None
+
+
 def _attach_ratio(rows: list[dict], baseline: str, key: str, keys: tuple[str, ...]) -> None:
-    """row[key] = the baseline's median / the row's for the rows alike in ``keys`` (any mode and SMs)."""
+    """row[key] = the baseline's median / the row's for the rows alike in ``keys`` (any mode and SMs). No
+    baseline's row gets one against another baseline: all_to_all over the reference says nothing of ours."""
     times = {tuple(r[k] for k in keys): r["median_us"] for r in rows if r["backend"] == baseline}
     for row in rows:
-        time = times.get(tuple(row[k] for k in keys))
+        time = times.get(tuple(row[k] for k in keys)) if _baseline_of(row) in (None, baseline) else None
         row[key] = time / row["median_us"] if time and row["backend"] != baseline and row["median_us"] else None
 
 
