@@ -134,15 +134,44 @@ def test_without_gpu_applies_and_validate_raises(ep_megatron, monkeypatch):
 
 
 @needs_megatron
-def test_non_moe_and_unknown_names(ep_megatron):
+def test_non_moe_and_unknown_names(ep_megatron, caplog):
     from ep_plugin.integrations.nemo import apply_ep_plugin_backend
 
     dense = _transformer_config(num_moe_experts=None)
     assert apply_ep_plugin_backend(dense, "ep_reference") is False
     assert dense.moe_token_dispatcher_type == "alltoall"
-    for typo in ("ep_hybird", "hybridep", None):
+    for typo in ("ep_hybird", "hybridep"):
         with pytest.raises(ValueError, match="ep_reference, ep_hybrid, ep_elastic"):
             apply_ep_plugin_backend(_transformer_config(), typo)
+    # None, which the signature allows (Bridge's too), raised "unknown ... None"; Bridge's helper warns and skips.
+    config = _transformer_config()
+    assert apply_ep_plugin_backend(config, None) is False
+    assert (config.moe_token_dispatcher_type, config.moe_flex_dispatcher_backend) == ("alltoall", "deepep")
+    assert "leaving the dispatcher unchanged" in caplog.text
+
+
+@needs_megatron
+def test_validate_refuses_a_name_no_dispatcher_takes(ep_megatron):
+    """validate_ep_plugin_backend returned on "ep_hybird" (not a plugin name, so "Megatron's"): the typo
+    surfaced only when the model was built. It raises the dispatcher's own error now, where the job starts."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    from ep_plugin.integrations.nemo import validate_ep_plugin_backend
+
+    for name, dispatcher_type in (("ep_hybird", "flex"), ("ep_hybird", "alltoall"), (None, "flex")):
+        config = _transformer_config(moe_token_dispatcher_type=dispatcher_type)
+        config.moe_flex_dispatcher_backend = name
+        with pytest.raises(ValueError) as refused:
+            validate_ep_plugin_backend(config)
+        config.moe_token_dispatcher_type = "flex"
+        with pytest.raises(ValueError) as dispatcher_refused:
+            MoEFlexTokenDispatcher(2, [0, 1], config=config)
+        assert str(refused.value) == str(dispatcher_refused.value), name
+        assert "valid names: " in str(refused.value) and "ep_hybrid" in str(refused.value)
+    for name, dispatcher_type in (("deepep", "flex"), (None, "alltoall")):  # Megatron's own; Bridge's fallback
+        config = _transformer_config(moe_token_dispatcher_type=dispatcher_type)
+        config.moe_flex_dispatcher_backend = name
+        validate_ep_plugin_backend(config)
 
 
 # ---- the real Megatron-Bridge -------------------------------------------------------------------
@@ -289,6 +318,9 @@ def test_unknown_name_leaves_recipe_model_unchanged(bridge, monkeypatch):
     with pytest.raises(ValueError, match="ep_hybrid"):
         apply_ep_plugin_backend(ours, "ep_hybird")
     assert differing(fields_of(ours), untouched) == {}
+    bridge.apply(theirs, None)  # no backend: both warn and change nothing
+    assert apply_ep_plugin_backend(ours, None) is False
+    assert differing(fields_of(theirs), untouched) == {} and differing(fields_of(ours), untouched) == {}
 
 
 def _provide_rank(ctx, name: str) -> list[str]:

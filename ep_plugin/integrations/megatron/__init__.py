@@ -167,6 +167,12 @@ def valid_backend_names() -> tuple[str, ...]:
     return tuple(dict.fromkeys(builtin + tuple(PLUGIN_BACKENDS)))
 
 
+def unknown_backend_error(name) -> ValueError:
+    """The error for a ``moe_flex_dispatcher_backend`` that no dispatcher takes, listing the valid names: raised
+    by the dispatcher, and by NeMo's ``validate_ep_plugin_backend`` before it is built."""
+    return ValueError(f"unknown moe_flex_dispatcher_backend {name!r}; valid names: {', '.join(valid_backend_names())}")
+
+
 def plugin_backend_for(name: str) -> Optional[str]:
     """The ep_plugin backend a config value selects, or None when Megatron's own code handles it."""
     if name in PLUGIN_BACKENDS:
@@ -189,8 +195,7 @@ def _wrap_dispatcher_init() -> None:
         backend_name = plugin_backend_for(name)
         if backend_name is None:
             if name not in _state.builtin_names:
-                raise ValueError(f"unknown moe_flex_dispatcher_backend {name!r}; valid names: "
-                                 f"{', '.join(valid_backend_names())}")
+                raise unknown_backend_error(name)
             return original(self, num_local_experts, local_expert_indices, config=config,
                             pg_collection=pg_collection)
         _init_plugin_dispatcher(self, backend_name, num_local_experts, local_expert_indices, config,
@@ -383,4 +388,4 @@ def _widen_argparse_choices() -> None:
 
 
 __all__ = ["PLUGIN_BACKENDS", "check_dispatcher_type", "clear_backend_cache", "install", "is_installed",
-           "plugin_backend_for", "uninstall", "valid_backend_names"]
+           "plugin_backend_for", "uninstall", "unknown_backend_error", "valid_backend_names"]

@@ -17,7 +17,8 @@ model provider's config to the flex dispatcher for "deepep"/"hybridep"/"ncclep":
 ``ep_plugin.integrations.megatron.install()``; the CUDA backends support the GPUs "hybridep"
 supports, and "ep_reference" needs no GPU (gloo or NCCL, CPU or GPU), so it never falls back.
 Unlike Bridge, an unknown name raises (listing the valid ones) instead of warning: a typo in
-a plugin name should not silently train with another dispatcher. tests/test_nemo_bridge.py
+a plugin name should not silently train with another dispatcher; ``None`` (no backend, which both
+signatures allow) warns and changes nothing, as Bridge's does. tests/test_nemo_bridge.py
 checks all of this field by field against the real Bridge.
 
     from ep_plugin.integrations.nemo import apply_ep_plugin_backend
@@ -30,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..megatron import PLUGIN_BACKENDS, check_dispatcher_type, install
+from ..megatron import PLUGIN_BACKENDS, check_dispatcher_type, install, unknown_backend_error, valid_backend_names
 
 logger = logging.getLogger(__name__)
 
@@ -84,16 +85,20 @@ def apply_ep_plugin_backend(model_config, moe_flex_dispatcher_backend: str | Non
 
     Args:
         model_config: a Megatron TransformerConfig (or a Bridge model provider, which is one).
-        moe_flex_dispatcher_backend: "ep_reference", "ep_hybrid" or "ep_elastic".
+        moe_flex_dispatcher_backend: "ep_reference", "ep_hybrid" or "ep_elastic"; None (no backend)
+            warns and changes nothing, as Bridge's helper does.
     Returns:
         True when the config now selects the backend (also without a visible GPU, as Bridge
-        does: ``validate_ep_plugin_backend`` checks the GPU where the job runs). False for a
-        non-MoE model (config unchanged) and for a GPU the backend does not support (config
+        does: ``validate_ep_plugin_backend`` checks the GPU where the job runs). False for None and
+        a non-MoE model (config unchanged) and for a GPU the backend does not support (config
         falls back to alltoall, as Bridge's does); a warning on rank 0 says which.
     Raises:
         ValueError: an unknown name (the message lists the valid ones).
         ImportError: megatron-core is not installed.
     """
+    if moe_flex_dispatcher_backend is None:
+        _warn("no ep_plugin dispatcher backend given (None); leaving the dispatcher unchanged.")
+        return False
     _check_name(moe_flex_dispatcher_backend)
     install()
     num_moe_experts = getattr(model_config, "num_moe_experts", None)
@@ -116,8 +121,10 @@ def apply_ep_plugin_backend(model_config, moe_flex_dispatcher_backend: str | Non
 
 
 def validate_ep_plugin_backend(model_config) -> None:
-    """Raise if ``model_config`` selects an ep_plugin backend this machine cannot run, or names one
-    without ``moe_token_dispatcher_type="flex"`` (Megatron would run the other dispatcher).
+    """Raise if ``model_config`` selects an ep_plugin backend this machine cannot run, names one
+    without ``moe_token_dispatcher_type="flex"`` (Megatron would run the other dispatcher), or names
+    no backend at all (a typo such as "ep_hybird"; None with "flex"): the ValueError, listing the valid
+    names, that the dispatcher would raise when the model is built.
 
     The counterpart of Bridge's ``validate_flex_dispatcher_backend`` (which passes the plugin's
     names through unchecked); call it where the job runs, after the config is final (e.g. after
@@ -125,6 +132,10 @@ def validate_ep_plugin_backend(model_config) -> None:
     """
     name = getattr(model_config, "moe_flex_dispatcher_backend", None)
     if name not in PLUGIN_BACKENDS:
+        # None is Bridge's fallback next to "alltoall"; a name no dispatcher takes is a typo whatever the type.
+        unused = name is None and getattr(model_config, "moe_token_dispatcher_type", None) != "flex"
+        if not unused and name not in valid_backend_names():
+            raise unknown_backend_error(name)
         return  # Megatron's own names: Bridge's validator covers them
     check_dispatcher_type(model_config)
     install()
