@@ -77,8 +77,10 @@ def backend_problem(name: str, device: str) -> Optional[str]:
 
     try:
         backend_cls = get_backend(name)
-    except ValueError as exc:
+    except ValueError as exc:  # an unknown name: the message lists the known ones
         return str(exc)
+    except ImportError as exc:  # registered (an entry point) but its module does not import: one line, no traceback
+        return f"backend {name!r} is registered but cannot be imported ({type(exc).__name__}: {exc})"
     devices = backend_cls.capabilities.devices
     if device not in devices:
         no_gpu = " (and there is no GPU here)" if "cuda" in devices and not gpu_count() else ""

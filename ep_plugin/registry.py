@@ -45,7 +45,10 @@ def get_backend(name: str) -> Callable:
     factory = _registry[name]
     if isinstance(factory, str):
         module_name, _, attr = factory.partition(":")
-        factory = getattr(importlib.import_module(module_name), attr)
+        module = importlib.import_module(module_name)
+        if not hasattr(module, attr):  # an ImportError, as ``from module import attr`` says it: what callers catch
+            raise ImportError(f"cannot import name {attr!r} from {module_name!r} (backend {name!r})")
+        factory = getattr(module, attr)
         _registry[name] = factory
     return factory
 

@@ -82,6 +82,19 @@ def test_bench_refuses_bad_flags_in_one_line(flags, words, capsys):
     assert words in line, line
 
 
+@pytest.mark.parametrize("factory", ["no_such_module_for_ep_plugin:Backend", "ep_plugin.registry:NoSuchBackend"])
+def test_a_registered_backend_that_does_not_import_is_refused_in_one_line(factory, monkeypatch, capsys):
+    """A third-party backend (an entry point) whose module fails to import gave a traceback, not the one-line
+    refusal an unknown name gets: only ValueError was caught."""
+    from ep_plugin import registry
+
+    monkeypatch.setitem(registry._registry, "broken", factory)
+    for run in (lambda: bench_args(["--device", "cpu", "--backends", "broken"]),
+                lambda: demo_main(["--device", "cpu", "--backend", "broken"])):
+        line = _one_line_error(run, capsys)
+        assert "backend 'broken' is registered but cannot be imported (" in line, line
+
+
 @pytest.mark.parametrize("preset", GPU_PRESETS)
 def test_a_gpu_preset_runs_on_cpu_when_tokens_and_hidden_set_the_shape(preset):
     args = bench_args(["--device", "cpu", "--preset", preset, "--tokens", "16", "--hidden", "128", "--ranks", "2"])
