@@ -22,6 +22,8 @@ How the wait is bounded (gloo's behaviour measured on torch 2.13; ``Work.wait(ti
   as before (no host sync added); a peer that dies in the middle of an op is then NCCL's
   watchdog's to report, at the group's own timeout. Set that timeout above
   ``EP_PLUGIN_TIMEOUT_S`` so that ep_plugin's report comes first.
+- Either engine under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: torch's debug wrapper would block the issue itself
+  until the peers come, so the collectives go on the engine under it (``unwrapped_backend``).
 
 Host words of an NCCL group (``on_host=True``: the construction check, topology, buffer handles,
 autosizing, the Megatron backend's tokens per rank and arena, sync-free scale-out agreement) travel on a
@@ -116,6 +118,44 @@ def moves_host_memory(engine: str) -> bool:
     """Whether a group of this engine moves CPU tensors: gloo, or a mixed "cpu:gloo,cuda:nccl" group
     (torch routes CPU tensors to its gloo part). NCCL alone moves CUDA tensors only."""
     return "gloo" in engine
+
+
+def unwrapped_backend(group: dist.ProcessGroup, device_type: str) -> Optional[Any]:
+    """The engine under torch's debug wrapper of ``group``'s backend for ``device_type``, or None where there
+    is no wrapper (``dist.all_to_all_single`` then reaches the engine as it is).
+
+    With ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch wraps each group's gloo or NCCL backend in a
+    ``ProcessGroupWrapper``, which checks every collective against the peers' on a gloo helper before issuing
+    it, blocking the caller there until the peers issue theirs or the group's own timeout (30 min by default)
+    ends it: ``Work.wait(timeout)`` would never get the work, so ``EP_PLUGIN_TIMEOUT_S`` would bound nothing
+    and a late peer would be reported as a gloo failure. ``HostCollectives`` issues on the wrapped engine
+    instead (torch peels it the same way to split a group); our ops carry their own agreement (their opening
+    words, the setup frames' digests). Where this torch's wrapper does not say what it wraps, a warning
+    naming the variable, once."""
+    get_backend = getattr(group, "_get_backend", None)
+    try:
+        backend = get_backend(torch.device(device_type)) if get_backend is not None else None
+    except RuntimeError:  # no engine for that device: dist.all_to_all_single raises its own error
+        return None
+    if backend is None or "ProcessGroupWrapper" not in type(backend).__name__:
+        if backend is None and dist.get_debug_level() == dist.DebugLevel.DETAIL:
+            _warn_wrapped_waits()
+        return None
+    inner = backend
+    while "ProcessGroupWrapper" in type(inner).__name__:
+        inner = getattr(inner, "wrapped_pg", None)
+        if inner is None:
+            _warn_wrapped_waits()
+            return None
+    return inner
+
+
+def _warn_wrapped_waits() -> None:
+    warn_once(logger, "debug wrapper", "ep_plugin: TORCH_DISTRIBUTED_DEBUG=DETAIL wraps each process group's engine "
+              "in a check that blocks every collective until its peers issue theirs or the group's own timeout "
+              "ends it, and this torch does not say what the wrapper wraps: ep_plugin's host waits are bounded "
+              "by the group's timeout, not EP_PLUGIN_TIMEOUT_S, and a late peer is reported as an engine failure. "
+              "Unset TORCH_DISTRIBUTED_DEBUG (or set it to INFO) to keep ep_plugin's timeouts.")
 
 
 class GlooTwin:
@@ -258,6 +298,7 @@ class HostCollectives:
         self.failed: Optional[str] = None  # set once a wait timed out or the engine failed
         self._device = device
         self._twin: Optional[GlooTwin] = None  # where the words go over the group's gloo twin (use_gloo_twin)
+        self._unwrapped: dict[str, Optional[Any]] = {}  # device type -> the engine under torch's debug wrapper
         self._released = False
         if on_host and not moves_host_memory(self.engine):
             self.use_gloo_twin()
@@ -331,6 +372,10 @@ class HostCollectives:
                 options = dist.AllToAllOptions()
                 options.timeout = timedelta(seconds=self.timeout_s + twin_margin_s(self.timeout_s))
                 work = self._twin.gloo.alltoall_base(out, tensor.contiguous(), out_splits, in_splits, options)
+            elif (engine := self._engine_under_wrapper(tensor.device.type)) is not None:
+                options = dist.AllToAllOptions()  # as dist.all_to_all_single(async_op=True): the group's timeout
+                options.asyncOp = True
+                work = engine.alltoall_base(out, tensor.contiguous(), out_splits, in_splits, options)
             else:
                 work = dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=self.group,
                                               async_op=True)
@@ -338,6 +383,12 @@ class HostCollectives:
             raise self._engine_error(where, exc) from None
         self._wait(work, where, nccl=tensor.is_cuda and "nccl" in self.engine, read_on_host=read_on_host)
         return out
+
+    def _engine_under_wrapper(self, device_type: str) -> Optional[Any]:
+        """``unwrapped_backend`` of the group for tensors of ``device_type``, looked up once."""
+        if device_type not in self._unwrapped:
+            self._unwrapped[device_type] = unwrapped_backend(self.group, device_type)
+        return self._unwrapped[device_type]
 
     def all_gather_object(self, obj: Any, *, where: str) -> list[Any]:
         """Every rank's ``obj`` (picklable), in rank order: two timed all-to-alls on ``word_device`` (the

@@ -164,6 +164,37 @@ def test_a_late_peer_is_named_when_the_groups_own_shorter_timeout_ends_the_wait(
         assert seconds < 2.0 + _grace_s(10.0) + SLACK_S, seconds
 
 
+def late_peer_under_torchs_debug_wrapper(ctx):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL (set by the test): torch wraps the group's gloo in a ProcessGroupWrapper.
+    Rank 1 comes to a barrier long after rank 0's timeout."""
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=60))
+    collectives = HostCollectives(group, owner="test", timeout_s=TIMEOUT_S, label="debug wrapper")
+    facts = {"wrapped": type(group._get_backend(torch.device("cpu"))).__name__,
+             "gathered": collectives.all_gather_object(ctx.rank * 10, where="a gather under the wrapper")}
+    store = dist.distributed_c10d._get_default_store()
+    if ctx.rank == 1:
+        time.sleep(TIMEOUT_S + _grace_s(TIMEOUT_S) + SLACK_S + 2.0)
+    facts["late barrier"] = _outcome(lambda: collectives.barrier(where="late barrier"))
+    if ctx.rank == 1:
+        store.set("debug wrapper/rank 1 done", "1")
+    else:
+        store.wait(["debug wrapper/rank 1 done"])  # alive until then (leaving would close its connection)
+    return facts
+
+
+def test_torchs_debug_wrapper_does_not_lengthen_the_wait():
+    """Before: the wrapper's issue-time check against the peers blocked the caller until the late peer came (or
+    the group's 60 s timeout, then "failed in gloo"): rank 0 waited out rank 1's whole delay, and the barrier
+    passed. Now the collectives go on the wrapped engine and the timeout holds."""
+    facts = run_ranks(late_peer_under_torchs_debug_wrapper, 2, timeout_s=120,
+                      env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})[0]
+    assert "ProcessGroupWrapper" in facts["wrapped"], facts  # the case under test, not a plain gloo
+    assert facts["gathered"] == [0, 10], facts
+    kind, message, seconds = facts["late barrier"]
+    assert kind == "EPTimeoutError" and "Late peer(s): rank 1" in message, (kind, message)
+    assert seconds < TIMEOUT_S + _grace_s(TIMEOUT_S) + SLACK_S, seconds
+
+
 STORE_FROZEN_S = 15.0  # past the bound below, so a report that waited for the store would fail the test
 
 
@@ -468,3 +499,41 @@ def test_host_words_of_an_nccl_group_go_over_its_gloo_twin():
         for name in ("reference", "hybrid"):
             assert facts[(name, True)] == (True, True, "gloo", True), (name, facts)
             assert facts[(name, False)] == (False, False, "nccl", True), (name, facts)
+
+
+def nccl_under_torchs_debug_wrapper(ctx):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL over NCCL: the reference backend's words and payload go on the engine under
+    the wrapper (host words on the NCCL group itself: gloo_host_words off); on two GPUs rank 1 comes late to a
+    barrier (one exchange the host reads: a late op would leave rank 1 a payload kernel waiting for rank 0)."""
+    experts = 4 * ctx.world_size
+    config = Config.from_env(gloo_host_words=False, timeout_s=TIMEOUT_S, max_tokens_per_rank=64)
+    backend = ep_plugin.get_backend("reference")(hidden_size=256, num_experts=experts, device=ctx.device,
+                                                 config=config)
+    x = torch.arange(32 * 256, device=ctx.device).remainder(7).reshape(32, 256).to(torch.bfloat16)
+    topk_idx = torch.stack([torch.arange(32), torch.arange(32) + 1], 1).remainder(experts).to(ctx.device)
+    out = backend.dispatch(x, topk_idx=topk_idx)
+    facts = {"wrapped": type(dist.group.WORLD._get_backend(torch.device("cuda"))).__name__,
+             "issued on": type(backend._comm._engine_under_wrapper("cuda")).__name__,
+             "round trip": bool(torch.equal(backend.combine(out.hidden, out.handle).hidden, x * 2))}
+    if ctx.world_size == 2:
+        store = dist.distributed_c10d._get_default_store()
+        if ctx.rank == 1:
+            time.sleep(TIMEOUT_S + _grace_s(TIMEOUT_S) + SLACK_S + 2.0)
+        facts["late barrier"] = _outcome(lambda: backend._comm.barrier(where="late barrier"))
+        if ctx.rank == 1:
+            store.set("nccl debug wrapper/rank 1 done", "1")
+        else:
+            store.wait(["nccl debug wrapper/rank 1 done"])
+    return facts
+
+
+@pytest.mark.gpu
+def test_torchs_debug_wrapper_does_not_lengthen_the_wait_over_nccl():
+    facts = run_ranks(nccl_under_torchs_debug_wrapper, NCCL_RANKS, device="cuda", timeout_s=300,
+                      env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})[0]
+    assert "ProcessGroupWrapper" in facts["wrapped"] and "NCCL" in facts["issued on"], facts
+    assert facts["round trip"], facts
+    if NCCL_RANKS == 2:
+        kind, message, seconds = facts["late barrier"]
+        assert kind == "EPTimeoutError" and "Late peer(s): rank 1" in message, (kind, message)
+        assert seconds < TIMEOUT_S + _grace_s(TIMEOUT_S) + SLACK_S, seconds
