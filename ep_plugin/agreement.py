@@ -171,14 +171,24 @@ def check_construction(group: Optional[dist.ProcessGroup], backend: str, facts: 
     collectives = HostCollectives(group, owner=f"ep_plugin {backend}", timeout_s=timeout_s, label="construction",
                                   device=device, on_host=on_host)
     gathered = collectives.all_gather_object(facts, where=f"building the {backend} backend (agreement check)")
+    # Every rank judges the same gathered list the same way, so every rank raises, or none: over every rank's
+    # fields, not this rank's alone, and a field one rank does not check is not one it checks as None.
     problems = []
-    for name in facts:
-        values = [g.get(name) for g in gathered]
+    for name in sorted(set().union(*(g.keys() for g in gathered)), key=str):
+        without = [r for r, g in enumerate(gathered) if name not in g]
+        if without:
+            checked = [r for r in range(len(gathered)) if r not in without]
+            problems.append(f"{name} (checked on {_ranks(checked)} only, not on {_ranks(without)}: another "
+                            f"ep_plugin version or backend class there)")
+            continue
+        values = [g[name] for g in gathered]
         if any(v != values[0] for v in values):
             per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
             problems.append(f"{name} ({per_rank})")
-    names = set().union(*(g.keys() for g in gathered))
-    if names != set(facts):
-        problems.append(f"the set of checked fields ({sorted(names)} vs {sorted(facts)} here)")
     if problems:
         raise ValueError(f"ep_plugin {backend}: ranks were built with different settings: " + "; ".join(problems))
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 2' or 'ranks 0, 1'."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"

@@ -72,6 +72,10 @@ def construction_scenarios(ctx) -> dict:
     # fields all agree, must raise too.
     facts = {"hidden_size": HIDDEN, **({"num_sms": 8} if odd else {})}
     outcomes["fields"] = _outcome(lambda: check_construction(None, "reference", facts, timeout_s=TIMEOUT_S))
+    # The same, where the field's value on that rank is None: a missing field read as None there, and the odd
+    # rank, whose fields hold every rank's, passed while the others raised (or waited in its next collective).
+    facts = {"hidden_size": HIDDEN, **({"arena": None} if odd else {})}
+    outcomes["fields_none"] = _outcome(lambda: check_construction(None, "reference", facts, timeout_s=TIMEOUT_S))
     return outcomes
 
 
@@ -187,12 +191,13 @@ def test_the_config_a_refusing_rank_exchanges_with_keeps_the_knobs_that_parse():
                                                                                     Config().max_tokens_per_rank)
 
 
-def test_ranks_that_check_different_fields_raise_on_every_rank(construction_outcomes):
+@pytest.mark.parametrize("scenario, field", [("fields", "num_sms"), ("fields_none", "arena")])
+def test_ranks_that_check_different_fields_raise_on_every_rank(construction_outcomes, scenario, field):
+    others = ", ".join(str(rank) for rank in range(NUM_RANKS) if rank != ODD)
     for rank, outcomes in enumerate(construction_outcomes):
-        kind, message, _ = outcomes["fields"]
+        kind, message, _ = outcomes[scenario]
         assert kind == "ValueError", (rank, kind, message)
-        if rank != ODD:
-            assert "the set of checked fields (['hidden_size', 'num_sms'] vs ['hidden_size'] here)" in message, message
+        assert f"{field} (checked on rank {ODD} only, not on ranks {others}" in message, message
 
 
 @pytest.fixture(scope="module")
