@@ -97,6 +97,40 @@ def test_a_process_that_proc_hides_counts_as_running_until_its_pid_is_gone(monke
         child.wait()
 
 
+def test_a_zombie_that_proc_hides_is_marked_by_its_pidfd(monkeypatch):
+    """A peer run by another user under a /proc mounted with hidepid=1 exits and stays a zombie (its launcher
+    has not reaped it): its pidfd is readable, but /proc refuses its stat and kill(pid, 0) still finds it.
+    Before: the thread asked is_running, which said running, so it never marked the peer and woke again at
+    once on the readable pidfd, spinning a core until the zombie was reaped."""
+    child = sleeper()
+    real = liveness._stat_fields  # noqa: SLF001
+    looks = []
+
+    def hidden(pid):
+        if pid != child.pid:
+            return real(pid)
+        looks.append(pid)
+        raise PermissionError(1, "Operation not permitted", f"/proc/{pid}/stat")
+
+    monkeypatch.setattr(liveness, "_stat_fields", hidden)
+    watch, buffer = PeerWatch(), RecordingBuffer()
+    try:
+        identity = child_identity(child)
+        watch.watch(buffer, {1: identity}, interval_s=0.05)
+        if not watch._pidfds:  # noqa: SLF001
+            pytest.skip("no pidfd here (Linux < 5.3 or Python < 3.9)")
+        child.kill()
+        assert wait_until(lambda: buffer.marked == [1]), (buffer.marked, len(looks))
+        assert is_running(identity), "the zombie must still read as running, or this tests nothing"
+        looks.clear()
+        time.sleep(0.3)
+        assert looks == [] and watch._pidfds == {}, len(looks)  # noqa: SLF001 - out of the poll set: no spin
+    finally:
+        watch.unwatch(buffer)
+        child.kill()
+        child.wait()
+
+
 def test_only_peers_on_this_host_and_pid_namespace_are_watchable():
     here = own_identity()
     assert here.watchable_from(here)

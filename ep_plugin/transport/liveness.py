@@ -13,7 +13,9 @@ Where a pidfd cannot be had, it looks at /proc every ``peer_watch_s`` seconds in
 
 Only peers on this host in this PID namespace can be watched (same boot id and namespace: /proc then
 shows their processes); the start time recorded with the pid guards against a reused pid. Other peers
-keep the plain timeout. A zombie (exited, not yet reaped by its launcher) counts as gone.
+keep the plain timeout. A zombie (exited, not yet reaped by its launcher) counts as gone: its pidfd is
+readable, and /proc says 'Z' (a /proc that hides other users' processes does not say; without a pidfd such a
+zombie then counts as running until it is reaped).
 """
 
 from __future__ import annotations
@@ -191,11 +193,13 @@ class PeerWatch:
                 except BlockingIOError:
                     pass
                 # Marks happen under the lock, so unwatch() returning means no mark is under way; a fd is
-                # resolved now (not from the poll set: it may have been closed and reused since) and the
-                # process looked at again before anyone is marked.
+                # resolved now (not from the poll set: it may have been closed and reused since, for another
+                # peer's pidfd) and asked again. A readable pidfd is the kernel's word that its own process
+                # exited, trusted as is: a zombie under a /proc mounted with hidepid reads as running
+                # (kill(pid, 0) still finds it), and the thread spun on its readable pidfd without a mark.
                 for fd, _ in ready:
                     entry = self._pidfds.get(fd)
-                    if entry is not None and not is_running(entry[2]):
+                    if entry is not None and _pidfd_says_exited(fd):
                         del self._pidfds[fd]
                         os.close(fd)
                         self._mark(entry[0], entry[1], entry[2])
@@ -227,6 +231,13 @@ def _pidfd(identity: ProcessIdentity) -> Optional[int]:
         return os.pidfd_open(identity.pid)
     except (AttributeError, OSError):  # no pidfd_open (old kernel or Python, not Linux), or no such pid
         return None
+
+
+def _pidfd_says_exited(fd: int) -> bool:
+    """Whether the process of that pidfd has exited (the kernel makes the fd readable then), without waiting."""
+    checker = select.poll()
+    checker.register(fd, select.POLLIN)
+    return any(events & (select.POLLIN | select.POLLHUP) for _, events in checker.poll(0))
 
 
 # poll takes a C int of milliseconds (24.8 days); a longer peer_watch_s raised OverflowError in the
