@@ -102,22 +102,46 @@ _OUT_OF_STEP = ("The process group's collectives are now out of step among its r
                 "a new backend on it.")
 
 
-def word_device(engine: str, device: Union[torch.device, str, None]) -> torch.device:
-    """Where a collective's small tensors that the host reads go: host memory, except over NCCL (it moves
-    CUDA tensors only), where they go to the owner's GPU. Not the current GPU when the owner has its own:
-    a job that passes ``device=`` without ``torch.cuda.set_device`` would otherwise run every rank's
-    words on GPU 0, which NCCL refuses (two ranks on one GPU) or waits on."""
-    if engine != "nccl":
-        return torch.device("cpu")
-    if device is not None and torch.device(device).type == "cuda" and torch.device(device).index is not None:
-        return torch.device(device)
-    return torch.device("cuda", torch.cuda.current_device())
+# What a plain engine name moves, as torch makes a group of it (dist.Backend.backend_capability): an engine
+# named otherwise is taken to move both, as torch takes it.
+_ENGINE_DEVICES = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",), "xccl": ("xpu",), "ucc": ("cpu", "cuda"),
+                   "mpi": ("cpu", "cuda")}
+
+
+def engine_for(engine: str, device_type: str) -> Optional[str]:
+    """Which engine moves ``device_type`` tensors in a group whose ``dist.get_backend`` is ``engine``, or None
+    where none does. ``engine`` is a plain name ("gloo", "nccl") or torch's per-device form: "cuda:nccl" (from
+    ``init_process_group("cuda:nccl")``), "cpu:gloo", "cpu:gloo,cuda:nccl" (the default where CUDA is there).
+    Every question about a group's engine goes through here (``moves_host_memory``, ``nccl_moves_cuda``)."""
+    engine = str(engine).lower()
+    if ":" not in engine:
+        return engine if device_type in _ENGINE_DEVICES.get(engine, ("cpu", "cuda")) else None
+    pairs = dict(pair.strip().split(":", 1) for pair in engine.split(",") if ":" in pair)
+    return pairs.get(device_type)
 
 
 def moves_host_memory(engine: str) -> bool:
     """Whether a group of this engine moves CPU tensors: gloo, or a mixed "cpu:gloo,cuda:nccl" group
-    (torch routes CPU tensors to its gloo part). NCCL alone moves CUDA tensors only."""
-    return "gloo" in engine
+    (torch routes CPU tensors to its gloo part). NCCL alone ("nccl", "cuda:nccl") moves CUDA tensors only."""
+    return engine_for(engine, "cpu") is not None
+
+
+def nccl_moves_cuda(engine: str) -> bool:
+    """Whether NCCL moves a group's CUDA tensors ("nccl", "cuda:nccl", "cpu:gloo,cuda:nccl"): they need not be
+    staged through the host, and a collective on them is ordered on the stream (waited by polling)."""
+    return engine_for(engine, "cuda") == "nccl"
+
+
+def word_device(engine: str, device: Union[torch.device, str, None]) -> torch.device:
+    """Where a collective's small tensors that the host reads go: host memory, except on a group that moves
+    CUDA tensors only (NCCL), where they go to the owner's GPU. Not the current GPU when the owner has its own:
+    a job that passes ``device=`` without ``torch.cuda.set_device`` would otherwise run every rank's
+    words on GPU 0, which NCCL refuses (two ranks on one GPU) or waits on."""
+    if moves_host_memory(engine):
+        return torch.device("cpu")
+    if device is not None and torch.device(device).type == "cuda" and torch.device(device).index is not None:
+        return torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def unwrapped_backend(group: dist.ProcessGroup, device_type: str) -> Optional[Any]:
@@ -381,7 +405,7 @@ class HostCollectives:
                                               async_op=True)
         except RuntimeError as exc:  # an engine that fails at issue time
             raise self._engine_error(where, exc) from None
-        self._wait(work, where, nccl=tensor.is_cuda and "nccl" in self.engine, read_on_host=read_on_host)
+        self._wait(work, where, nccl=tensor.is_cuda and nccl_moves_cuda(self.engine), read_on_host=read_on_host)
         return out
 
     def _engine_under_wrapper(self, device_type: str) -> Optional[Any]:

@@ -18,7 +18,15 @@ import torch.distributed as dist
 import ep_plugin
 from ep_plugin.backends.base import Backend, Capabilities
 from ep_plugin.config import Config
-from ep_plugin.host_collectives import _STORE_ANSWER_S, HostCollectives, _grace_s, moves_host_memory, word_device
+from ep_plugin.host_collectives import (
+    _STORE_ANSWER_S,
+    HostCollectives,
+    _grace_s,
+    engine_for,
+    moves_host_memory,
+    nccl_moves_cuda,
+    word_device,
+)
 from ep_plugin.testing import run_ranks
 
 TIMEOUT_S = 2.0
@@ -453,8 +461,43 @@ def test_each_owner_waits_its_own_timeout_on_a_shared_twin():
 
 
 def test_only_groups_that_move_no_host_memory_get_a_twin():
-    assert not moves_host_memory("nccl")
+    assert not moves_host_memory("nccl") and not moves_host_memory("cuda:nccl")
     assert moves_host_memory("gloo") and moves_host_memory("cpu:gloo,cuda:nccl")
+
+
+@pytest.mark.parametrize("engine, host, cuda", [
+    ("gloo", True, "gloo"), ("nccl", False, "nccl"), ("NCCL", False, "nccl"),
+    ("cuda:nccl", False, "nccl"),  # init_process_group("cuda:nccl")
+    ("cpu:gloo", True, None), ("cpu:gloo,cuda:nccl", True, "nccl"), ("cuda:nccl,cpu:gloo", True, "nccl"),
+    ("cpu:gloo,cuda:gloo", True, "gloo"), ("ucc", True, "ucc"),
+])
+def test_every_spelling_of_a_groups_engine_is_read_alike(engine, host, cuda):
+    """Before: word_device, the reference's staging and the rails' engine compared with "nccl" exactly, so a
+    "cuda:nccl" group got its host-read words in host memory, which NCCL alone cannot move, and the reference
+    staged its CUDA rows through the host on it."""
+    assert engine_for(engine, "cuda") == cuda, engine
+    assert moves_host_memory(engine) == host, engine
+    assert nccl_moves_cuda(engine) == (cuda == "nccl"), engine
+    expected = torch.device("cpu") if host else torch.device("cuda", 3)
+    assert word_device(engine, torch.device("cuda", 3)) == expected, engine
+
+
+def reference_on_a_group_made_cpu_gloo(ctx):
+    """torch spells a group made with backend="cpu:gloo" as such: what the engine questions read there."""
+    group = dist.new_group([0, 1], backend="cpu:gloo")
+    engine = dist.get_backend(group)
+    backend = ep_plugin.get_backend("reference")(group, hidden_size=HIDDEN, num_experts=4, device="cpu",
+                                                 config=Config.from_env(timeout_s=TIMEOUT_S))
+    x = torch.arange(4 * HIDDEN, dtype=torch.float32).reshape(4, HIDDEN)
+    out = backend.dispatch(x, topk_idx=torch.tensor([[0], [1], [2], [3]]))
+    back = backend.combine(out.hidden, out.handle).hidden
+    return (engine, moves_host_memory(engine), nccl_moves_cuda(engine), str(backend._comm.word_device),
+            bool(torch.equal(back, x)))
+
+
+def test_a_cpu_gloo_group_is_read_as_gloo():
+    for facts in run_ranks(reference_on_a_group_made_cpu_gloo, 2, timeout_s=60):
+        assert facts == ("cpu:gloo", True, False, "cpu", True), facts
 
 
 def on_host_over_gloo(ctx):

@@ -688,8 +688,9 @@ class HierarchicalBackend(Backend):
         return torch.cat([per_expert.view(D, S, L), per_peer.unsqueeze(2)], 2).permute(1, 0, 2).reshape(S, -1)
 
     def _domain_counts_device(self, device: torch.device) -> torch.device:
-        """Where tensors for ``_domain_counts`` go: the GPU over NCCL, else host memory (gloo)."""
-        return device if device.type == "cuda" and self._domain_counts.engine == "nccl" else torch.device("cpu")
+        """Where tensors for ``_domain_counts`` go: the GPU over NCCL alone, else host memory (gloo)."""
+        on_gpu = device.type == "cuda" and not moves_host_memory(self._domain_counts.engine)
+        return device if on_gpu else torch.device("cpu")
 
     def _between_exchanges(self, where: str):
         """``host_collectives.between_exchanges`` over the rail's and the domain's collectives."""

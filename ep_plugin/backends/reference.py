@@ -51,7 +51,14 @@ from ..agreement import (
 )
 from ..errors import EPError, TooManyTokensError
 from ..handle import CombineOutput, DispatchOutput, Handle
-from ..host_collectives import FRAME_WORDS, SETUP_EXCHANGE, HostCollectives, between_exchanges, moves_host_memory
+from ..host_collectives import (
+    FRAME_WORDS,
+    SETUP_EXCHANGE,
+    HostCollectives,
+    between_exchanges,
+    moves_host_memory,
+    nccl_moves_cuda,
+)
 from ..routing import TOPK, Routing
 from .base import Backend, Capabilities
 
@@ -87,8 +94,8 @@ class ReferenceBackend(Backend):
     def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None) -> None:
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
                          topology=topology)
-        # gloo moves CPU tensors only: stage CUDA tensors through the host there.
-        self._stage_on_host = self.device.type == "cuda" and dist.get_backend(self.group) != "nccl"
+        # Where NCCL does not move the group's CUDA tensors (gloo), stage them through the host.
+        self._stage_on_host = self.device.type == "cuda" and not nccl_moves_cuda(dist.get_backend(self.group))
         self._exchange_device = self.device if self.device.type == "cuda" and not self._stage_on_host else "cpu"
         self._comm = HostCollectives(self.group, owner="ep_plugin reference", timeout_s=self.config.timeout_s,
                                      label="reference", device=self.device)

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
 
 from ..errors import EPError
-from ..host_collectives import HostCollectives, moves_host_memory, registered, twin_margin_s
+from ..host_collectives import HostCollectives, moves_host_memory, nccl_moves_cuda, registered, twin_margin_s
 from ..topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def rail_engine(topology: Topology, device: torch.device, parent_engine: str) ->
         return "gloo"
     gpus = topology.gpu_of_rank
     if not gpus or any(gpu is None for gpu in gpus):
-        return "nccl" if parent_engine == "nccl" else "gloo"
+        return "nccl" if nccl_moves_cuda(parent_engine) else "gloo"
     for local in range(topology.domain_size):
         rail = [gpus[rank] for rank in topology.rail_ranks(local)]
         if len(set(rail)) != len(rail):
@@ -126,7 +126,7 @@ def groups_timeout(group: dist.ProcessGroup, timeout_s: float) -> timedelta:
     first), and never shorter than ``timeout_s`` plus a margin (ep_plugin's own wait must name the late peer
     before the engine gives up)."""
     floor = timedelta(seconds=timeout_s + twin_margin_s(timeout_s))
-    nccl = dist.get_backend(group) == "nccl"
+    nccl = not moves_host_memory(dist.get_backend(group))
     try:  # no public getter: each engine's options carry the timeout the group was made with
         parent = group._get_backend(torch.device("cuda" if nccl else "cpu")).options._timeout
     except (AttributeError, RuntimeError, ValueError):  # torch's default for the engine, as new_group would use
@@ -213,7 +213,7 @@ class ScaleOut:
         self.level = f"rail {topology.local_index} (global ranks {rail_global})"
         self.rail = HostCollectives(self.rail_group, owner=f"{owner} scale-out, {self.level}", timeout_s=timeout_s,
                                     label="rail", device=device)
-        self.stage_on_host = device.type == "cuda" and self.engine != "nccl"
+        self.stage_on_host = device.type == "cuda" and not nccl_moves_cuda(self.engine)
         self.exchange_device = device if device.type == "cuda" and not self.stage_on_host else torch.device("cpu")
         self._host_buffers: dict[str, torch.Tensor] = {}  # "send" / "receive": kept host rows (module docstring)
         self.pin_host_buffers = self.stage_on_host
