@@ -203,9 +203,11 @@ def gloo_twin(group: dist.ProcessGroup, *, timeout_s: float) -> GlooTwin:
     and ranks, and the number of twins of it made before (counted in the store, so a process that joined
     later agrees with the others).
 
-    Making it waits up to ``timeout_s`` plus a margin for the peers (then raises: ``DistStoreError`` or
-    gloo's "Connect timeout", by where it waited). A rank whose making failed marks that making abandoned in
-    the store: a peer that comes later raises ``TwinAbandoned`` at once instead of meeting stale addresses."""
+    Making it waits up to ``timeout_s`` plus a margin for the peers, then raises ``TwinMakingFailed`` (carrying
+    the store's ``DistStoreError`` or gloo's "Connect timeout", by where it waited). A rank whose making failed
+    marks that making abandoned in the store: a peer that comes later raises ``TwinAbandoned`` at once instead
+    of meeting stale addresses. One that failed before the timeout (gloo could not connect) also posts why: its
+    peers, which wait for it until their timeout, quote it instead of taking it for a late peer."""
     name = group.group_name
     held = _twins.get(name)
     twin = held() if held is not None else None
@@ -217,23 +219,49 @@ def gloo_twin(group: dist.ProcessGroup, *, timeout_s: float) -> GlooTwin:
     where = f"ep_plugin/gloo_twin/{name}/{hashlib.sha1(str(ranks).encode()).hexdigest()[:16]}"
     generation = (store.add(f"{where}/arrivals", 1) - 1) // size  # the same on every rank of this making
     prefix = f"{where}/{generation}/"
+    rank = dist.get_rank(group)
     if store.check([prefix + "abandoned"]):  # its other ranks gave up on it before this one came
-        why = store.get(prefix + "abandoned").decode()
-        raise TwinAbandoned(f"the other ranks gave up making this gloo group ({why}) before this rank came")
+        failures = _twin_failures(store, prefix, size, rank)
+        why = "; ".join(f"rank {q} could not connect: {text}" for q, text in sorted(failures.items()))
+        raise TwinAbandoned(f"the other ranks gave up making this gloo group "
+                            f"({why or store.get(prefix + 'abandoned').decode()}) before this rank came")
+    start = time.monotonic()
     try:
-        gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), dist.get_rank(group), size,
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size,
                                      timedelta(seconds=timeout_s + twin_margin_s(timeout_s)))
-    except RuntimeError:
-        with contextlib.suppress(Exception):  # a rank that comes later learns it at once (above)
-            store.set(prefix + "abandoned", f"rank {dist.get_rank(group)} could not connect or timed out")
-        raise
+    except RuntimeError as exc:
+        with contextlib.suppress(Exception):
+            if time.monotonic() - start < timeout_s:  # it came and failed: the peers waiting for it say why
+                store.set(f"{prefix}failed/{rank}", _first_line(exc))
+            store.set(prefix + "abandoned", f"rank {rank} could not connect or timed out")  # for latecomers
+        raise TwinMakingFailed(str(exc), _twin_failures(store, prefix, size, rank)) from exc
     twin = GlooTwin(group, gloo)
     _twins[name] = weakref.ref(twin)
     return twin
 
 
+def _twin_failures(store, prefix: str, size: int, rank: int) -> dict[int, str]:
+    """The ranks other than ``rank`` that came to this making of a twin and failed before their timeout (gloo
+    could not connect there), each with its error, as they posted it (``gloo_twin``)."""
+    failures = {}
+    with contextlib.suppress(Exception):  # what the store cannot say is left unsaid
+        for q in range(size):
+            if q != rank and store.check([f"{prefix}failed/{q}"]):
+                failures[q] = store.get(f"{prefix}failed/{q}").decode()
+    return failures
+
+
 class TwinAbandoned(RuntimeError):
     """A rank came to make a gloo twin that its peers had given up on (``gloo_twin``)."""
+
+
+class TwinMakingFailed(RuntimeError):
+    """Making a gloo twin failed on this rank (``gloo_twin``): the message is the store's or gloo's error;
+    ``peer_failures`` (the group's rank -> its error) the peers that came and failed before their timeout."""
+
+    def __init__(self, message: str, peer_failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.peer_failures = peer_failures
 
 
 def twin_margin_s(timeout_s: float) -> float:
@@ -358,6 +386,18 @@ class HostCollectives:
             # A peer that never came: the store's wait or gloo's connect times out (DistStoreError or
             # "Connect timeout", by where it waited). Either way the posts say who is late.
             waited = time.monotonic() - start
+            failures = getattr(exc, "peer_failures", {})
+            if waited >= self.timeout_s and failures:  # not late: they came and failed, and said why
+                said = "; ".join(f"{self.peer_name(q)}: {why}" for q, why in sorted(failures.items()))
+                _failed_twin_makings[self.group] = f"it failed on {said}"
+                self.failed = f"gloo failed in {where} on another rank"
+                others = [q for q in range(self.num_ranks) if q != self.rank and q not in failures]
+                report = self._report_peers(where, others) if others else ""
+                raise EPError(f"{self.owner}: {self.peer_name(self.rank)}: {where}: waited {waited:.1f} s for peers "
+                              f"that came and failed: {said}. {report + ' ' if report else ''}Where gloo cannot "
+                              f"connect between these hosts, GLOO_SOCKET_IFNAME names the interface it should use; "
+                              f"EP_PLUGIN_GLOO_HOST_WORDS=0 keeps the host words on the {self.engine} "
+                              f"group.") from None
             if waited >= self.timeout_s:  # no collective ran on the group: this owner alone fails
                 _failed_twin_makings[self.group] = f"timed out after {waited:.1f} s"
                 report = self._timeout_error(where, waited, engine_out_of_step=False)

@@ -410,6 +410,52 @@ def test_a_peer_that_never_comes_to_make_the_twin_is_named():
         assert seconds < TIMEOUT_S + 3 * _grace_s(TIMEOUT_S) + 1.0 + SLACK_S, seconds
 
 
+def failing_at_the_twin(ctx, peers_first: bool):
+    """Rank 1's gloo cannot connect (a wrong interface, say): its making fails at once. ``peers_first``: ranks 0
+    and 2 are waiting in theirs by then (rank 1 comes after them); else they come once it failed. Each rank
+    stays until all three are done (leaving would close connections the others wait on)."""
+    store = dist.distributed_c10d._get_default_store()
+    if ctx.rank == 1:
+        def refuse(*args, **kwargs):
+            raise RuntimeError("[gloo] Connect refused (simulated)\nmore of gloo's text")
+
+        dist.ProcessGroupGloo = refuse  # this rank process's own, gone with it
+        if peers_first:
+            store.wait(["failing twin/coming/0", "failing twin/coming/2"])
+            time.sleep(0.5)  # they are in gloo's making by then
+    elif peers_first:
+        store.set(f"failing twin/coming/{ctx.rank}", "1")
+    else:
+        store.wait(["failing twin/rank 1 failed"])
+    outcome = _outcome(HostCollectives(None, owner="ep_plugin test", timeout_s=TIMEOUT_S, label="twin").use_gloo_twin)
+    if ctx.rank == 1:
+        store.set("failing twin/rank 1 failed", "1")
+    store.set(f"failing twin/done/{ctx.rank}", "1")
+    store.wait([f"failing twin/done/{rank}" for rank in range(3)])
+    return outcome
+
+
+@pytest.mark.parametrize("peers_first", [True, False])
+def test_a_peer_that_failed_making_the_twin_is_quoted_not_called_late(peers_first):
+    """Before: ranks already waiting timed out and named rank 1 a late peer ("came late or never ... Raise
+    EP_PLUGIN_TIMEOUT_S"), although it had come and failed at once; ranks that came after its failure heard
+    only "rank 1 could not connect or timed out". It said why in its own error alone."""
+    results = run_ranks(failing_at_the_twin, 3, peers_first, timeout_s=120)
+    kind, message, seconds = results[1]
+    assert kind == "EPError" and "gloo could not connect: [gloo] Connect refused (simulated)" in message, results[1]
+    for rank in (0, 2):
+        kind, message, seconds = results[rank]
+        assert kind == "EPError", (rank, kind, message)
+        if peers_first:
+            assert "peers that came and failed: rank 1: [gloo] Connect refused (simulated)." in message, message
+            assert "Late peer(s): rank 1" not in message and "GLOO_SOCKET_IFNAME" in message, message
+            assert seconds < TIMEOUT_S + 3 * _grace_s(TIMEOUT_S) + 1.0 + SLACK_S, seconds
+        else:
+            assert "gave up making this gloo group (rank 1 could not connect: [gloo] Connect refused (simulated))" \
+                in message, message
+            assert seconds < 1.0, seconds
+
+
 def slow_peer_on_a_twin_of_a_longer_timeout(ctx):
     """Two owners on one group: the twin is made by one with a short timeout, then used by one with a
     longer timeout, whose peer arrives after the short one but well within the long one."""
