@@ -127,6 +127,20 @@ uintptr_t SymmetricBuffer::peer_region_address(int r) const {
   return reinterpret_cast<uintptr_t>(table_[r]) + static_cast<uintptr_t>(view_.sync.bytes);
 }
 
+void SymmetricBuffer::close_peers() {
+  if (destroyed_ || opened_.empty()) return;
+  const DeviceScope device_scope(device_);
+  // Errors are collected so every mapping is closed; the first one is raised.
+  cudaError_t first = cudaDeviceSynchronize();
+  for (char* pointer : opened_) {
+    const cudaError_t status = cudaIpcCloseMemHandle(pointer);
+    if (first == cudaSuccess) first = status;
+  }
+  opened_.clear();
+  table_.clear();
+  EP_CUDA_CHECK(first);
+}
+
 void SymmetricBuffer::destroy() {
   if (destroyed_) return;
   destroyed_ = true;

@@ -108,7 +108,11 @@ class SymmetricBuffer {
   // Open every peer's handle (handles[rank] is ignored: the own buffer is used directly) and
   // upload the peer pointer table. Called once, after the exchange.
   void open_peers(const std::vector<std::string>& handles);
-  // Release everything (idempotent). Peers must not touch this buffer afterwards.
+  // Close the peers' buffers opened here (after a device-wide sync; idempotent): before any peer frees
+  // its buffer, as CUDA IPC asks of an importer (destroy's barrier in Python orders the two).
+  void close_peers();
+  // Release everything (idempotent; closes the peers' buffers first if close_peers did not). Peers must
+  // not touch this buffer afterwards.
   void destroy();
   // Marks the buffer destroyed and frees nothing, now or in the destructor: the memory stays allocated and
   // mapped for the life of the process (a peer or a kernel may still use it, or a pool still holds part).
