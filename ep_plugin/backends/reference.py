@@ -57,7 +57,6 @@ from ..host_collectives import (
     HostCollectives,
     between_exchanges,
     moves_host_memory,
-    nccl_moves_cuda,
 )
 from ..routing import TOPK, Routing
 from .base import Backend, Capabilities
@@ -94,8 +93,9 @@ class ReferenceBackend(Backend):
     def __init__(self, group=None, *, hidden_size, num_experts, config=None, device=None, topology=None) -> None:
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
                          topology=topology)
-        # Where NCCL does not move the group's CUDA tensors (gloo), stage them through the host.
-        self._stage_on_host = self.device.type == "cuda" and not nccl_moves_cuda(dist.get_backend(self.group))
+        # Where the group moves host memory (gloo, or torch's default "cpu:gloo,cuda:nccl"), stage CUDA tensors
+        # through the host: that works with ranks sharing a GPU too, which NCCL refuses.
+        self._stage_on_host = self.device.type == "cuda" and moves_host_memory(dist.get_backend(self.group))
         self._exchange_device = self.device if self.device.type == "cuda" and not self._stage_on_host else "cpu"
         self._comm = HostCollectives(self.group, owner="ep_plugin reference", timeout_s=self.config.timeout_s,
                                      label="reference", device=self.device)

@@ -67,7 +67,8 @@ def rail_engine(topology: Topology, device: torch.device, parent_engine: str) ->
         return "gloo"
     gpus = topology.gpu_of_rank
     if not gpus or any(gpu is None for gpu in gpus):
-        return "nccl" if nccl_moves_cuda(parent_engine) else "gloo"
+        # NCCL alone ("nccl", "cuda:nccl"); a group with gloo in it keeps its rails on gloo (ranks may share a GPU)
+        return "nccl" if nccl_moves_cuda(parent_engine) and not moves_host_memory(parent_engine) else "gloo"
     for local in range(topology.domain_size):
         rail = [gpus[rank] for rank in topology.rail_ranks(local)]
         if len(set(rail)) != len(rail):
