@@ -438,7 +438,8 @@ class HostCollectives:
                 work = self._twin.gloo.alltoall_base(out, tensor.contiguous(), out_splits, in_splits, options)
             elif (engine := self._engine_under_wrapper(tensor.device.type)) is not None:
                 options = dist.AllToAllOptions()  # as dist.all_to_all_single(async_op=True): the group's timeout
-                options.asyncOp = True
+                if hasattr(options, "asyncOp"):  # a torch before the flag returns async work anyway
+                    options.asyncOp = True
                 work = engine.alltoall_base(out, tensor.contiguous(), out_splits, in_splits, options)
             else:
                 work = dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=self.group,

@@ -648,6 +648,9 @@ def test_the_environment_says_how_many_cases_graphs_captured():
     assert _graph_note(_graph_options(), [{"mode": "nonblocking"}]).startswith("no case captured")
     assert _graph_note(_graph_options(), [{"mode": "nonblocking"}, {"mode": "nonblocking+graph"}]).startswith(
         "1 case(s) as nonblocking+graph")
+    failed = {"mode": "nonblocking+graph", "graph_error": "RuntimeError: capture failed"}  # recorded, not captured
+    assert _graph_note(_graph_options(), [failed]).startswith("no case captured")
+    assert _graph_note(_graph_options(), [failed, {"mode": "nonblocking+graph"}]).startswith("1 case(s)")
 
 
 def test_nvlink_preset_and_reference_defaults(monkeypatch):
@@ -933,11 +936,12 @@ def test_compare_refuses_runs_timed_with_other_iterations_or_knobs(tmp_path, cap
     from ep_plugin.bench import compare
 
     monkeypatch.setenv("EP_PLUGIN_TIMEOUT_S", "300")
+    monkeypatch.setenv("EP_PLUGIN_PAD_MULTIPLE", "4")
     monkeypatch.setenv("EP_PLUGIN_CUDA_ARCHS", "90")  # the build's: changes no timing, not recorded
     report, _ = _run_main(tmp_path, capsys, "--modes", "blocking")
     environment = report["environment"]
     assert (environment["warmup"], environment["iters"]) == (2, 4)
-    assert environment["ep_plugin_variables"] == {"EP_PLUGIN_TIMEOUT_S": "300"}
+    assert environment["ep_plugin_variables"] == {"EP_PLUGIN_PAD_MULTIPLE": "4", "EP_PLUGIN_TIMEOUT_S": "300"}
     base = tmp_path / "base.json"
     base.write_text(json.dumps(report))
 
@@ -951,12 +955,18 @@ def test_compare_refuses_runs_timed_with_other_iterations_or_knobs(tmp_path, cap
 
     for changes, line in ((dict(warmup=50), "warmup: 50 (new) vs 2 (base)"),
                           (dict(iters=200), "iters: 200 (new) vs 4 (base)"),
-                          (dict(ep_plugin_variables={}), "ep_plugin_variables: none (new) vs EP_PLUGIN_TIMEOUT_S=300")):
+                          (dict(ep_plugin_variables={}),
+                           "ep_plugin_variables: none (new) vs EP_PLUGIN_PAD_MULTIPLE=4")):
         new = new_side("new.json", **changes)
         assert compare.main(["--new", new, "--base", str(base)]) == 1
         assert f"timed unlike: {line}" in capsys.readouterr().out
         assert compare.main(["--new", new, "--base", str(base), "--allow-env-diff"]) == 0
         capsys.readouterr()
+    # A wait's bound changes no timing: runs that differ there alone are compared.
+    waits_longer = new_side("waits.json", ep_plugin_variables={"EP_PLUGIN_PAD_MULTIPLE": "4",
+                                                               "EP_PLUGIN_TIMEOUT_S": "60"})
+    assert compare.main(["--new", waits_longer, "--base", str(base)]) == 0
+    assert "timed unlike" not in capsys.readouterr().out
     older = new_side("older.json", warmup=None, iters=None, ep_plugin_variables=None)
     for new, old in ((str(base), older), (older, older)):
         assert compare.main(["--new", new, "--base", old]) == 0

@@ -342,7 +342,7 @@ def _graph_note(args: argparse.Namespace, records: list[dict]) -> str:
         return "off"
     if args.device == "cpu":
         return "not applied (CPU)"
-    graphed = sum(record["mode"] == GRAPH_MODE for record in records)
+    graphed = sum(record["mode"] == GRAPH_MODE and not record.get("graph_error") for record in records)
     if not graphed:  # each case that could have been captured says above why it was not
         return "no case captured (see the output: failed, skipped or split into domains)"
     return f"{graphed} case(s) as {GRAPH_MODE} (non-blocking mode, graph-capable backends, one domain)"

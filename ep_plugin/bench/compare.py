@@ -49,6 +49,8 @@ TIMING_ENVIRONMENT = ("device", "gpu", "process_group", "ranks_per_gpu", "timing
 # Keys that bench.json files written before them lack: such a file says nothing of them, which is no difference
 # (an A/B run against an older tree compares its bench.json with one that has them).
 RECORDED_LATER = ("warmup", "iters", "ep_plugin_variables")
+# Knobs that bound waits and change no timing: runs that differ only there are compared.
+UNTIMED_VARIABLES = ("EP_PLUGIN_TIMEOUT_S", "EP_PLUGIN_PEER_WATCH_S")
 
 
 def _read(path: str) -> dict:
@@ -107,9 +109,11 @@ def environment_differences(new_paths: list[str], base_paths: list[str]) -> list
 
 
 def _shown(value) -> str:
-    """An environment value as a difference line shows it (the variables as NAME=value, "none" when none)."""
+    """An environment value as a difference line shows it (the variables as NAME=value, those that change a
+    timing only; "none" when none)."""
     if isinstance(value, dict):
-        return " ".join(f"{name}={item}" for name, item in sorted(value.items())) or "none"
+        return " ".join(f"{name}={item}" for name, item in sorted(value.items())
+                        if name not in UNTIMED_VARIABLES) or "none"
     return str(value)
 
 

@@ -255,14 +255,14 @@ class SymmetricBuffer:
             # Our writes into peers are complete (a failed backend is destroyed too: its report is not raised)
             self.synchronize("destroy", raise_report=False)
             self._collectives.barrier(where="destroy")  # ... and so are everyone's into ours
-            # CUDA IPC: every importer closes its mapping of a buffer before the exporter frees it. A rank whose
-            # close failed still meets its peers here, then raises (its own memory stays, as above).
+            # CUDA IPC: every importer closes its mapping of a buffer before the exporter frees it (also a rank
+            # that keeps its own memory: nothing it keeps maps a peer's). A rank whose close failed still meets
+            # its peers here, then raises (its own memory stays, as above).
             closing_failed = None
-            if not keep_memory:
-                try:
-                    self._buffer.close_peers()
-                except RuntimeError as error:
-                    closing_failed = error
+            try:
+                self._buffer.close_peers()
+            except RuntimeError as error:
+                closing_failed = error
             self._collectives.barrier(where="destroy (peers' buffers closed)")
             if closing_failed is not None:
                 raise closing_failed
