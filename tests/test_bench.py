@@ -721,6 +721,14 @@ def test_scaleup_size_from_the_environment(tmp_path, capsys, monkeypatch):
     assert [bool(record.get("scaleout_bytes")) for record in report["records"]] == [False, True]
     split = [row for row in report["summary"] if row["backend"] == "reference 2x1"]
     assert split and all(row["reference_ratio"] for row in split), split  # against the flat run
+    # The link byte model and floor are one flat domain's: none for the split (they repeated the flat ones).
+    flat, across = report["records"]
+    assert flat["link_bytes"] and flat["link_floor_bytes"], flat
+    assert across["link_bytes"] is None and across["link_floor_bytes"] is None, across
+    # One GPU per rank (no copy ceiling timed): a link ceiling for the flat run only.
+    from ep_plugin.bench.report import _link_ceiling_us
+    assert _link_ceiling_us(flat, "dispatch", 478.0) > 0
+    assert _link_ceiling_us(across, "dispatch", 478.0) is None
 
 
 def test_scaleout_bytes_and_the_scaleup_option():

@@ -27,6 +27,8 @@ def _link_ceiling_us(record: dict, op: str, link_gbps: float) -> Optional[float]
     """One GPU per rank: the busiest rank's least link bytes for the op, at line rate."""
     if link_gbps <= 0 or record["ranks"] < 2:
         return None
+    if "link_floor_bytes" in record and record["link_floor_bytes"] is None:  # across domains: no link model
+        return None
     floor = record.get("link_floor_bytes")
     # Records written before link_floor_bytes existed: the payload bytes a rank receives over links.
     num_bytes = floor[op] if floor else max(record["bytes"]["remote_bytes_in"])

@@ -521,9 +521,12 @@ def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, 
     counts = {way: n - counts_before.get(way, 0) for way, n in getattr(backend, "combine_counts", {}).items()}
     arena_stats = _arena_stats(backend)
     # Across domains the outputs are the domain backend's flat ones (its byte model); the rails' bytes
-    # are reported apart (_scaleout_fields).
+    # are reported apart (_scaleout_fields). Its link bytes and floor model one flat domain of every rank,
+    # not the split's NVLink traffic (a token crosses to another domain once, on its rail): none there.
     case_bytes = _case_bytes(getattr(backend, "domain_backend_class", type(backend)), shape, ctx.world_size,
                              spec.seed, in_place=variant in IN_PLACE_VARIANTS)
+    if getattr(backend, "scaleout", None) is not None:  # split into domains (_layout)
+        case_bytes.update(link_bytes=None, link_floor_bytes=None)
     out_bytes = case_bytes["bytes"]["out_bytes"]
     combine_bytes = sum(out_bytes) // shape.row_bytes() * 2 * shape.hidden  # bf16 rows back
     ceilings = {}
