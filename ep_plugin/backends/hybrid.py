@@ -150,6 +150,7 @@ class HybridLayout:
     input_flags: Optional[torch.Tensor]  # [R] int32 (top-k form): bad ids seen by the layout (see _layout)
     budget: int  # rows of the dispatch output
     fp8: bool
+    repeats_dropped: bool = False  # non-blocking: a repeated expert counted at its last slot only (not refused)
     combine_input: Optional[weakref.ref] = None  # the tensor combine_input() handed out for this handle
 
     @property
@@ -339,7 +340,7 @@ class HybridBackend(CompiledBackend):
         input_flags = scratch.tensor("input_flags") if scratch.has("input_flags") else None
         layout = HybridLayout(scratch=scratch, topk_idx=routing.topk_idx if routing.form != ROUTING_MAP else None,
                               total_rows=total_rows, overflow=overflow, input_flags=input_flags, budget=budget,
-                              fp8=fp8)
+                              fp8=fp8, repeats_dropped=not self.config.blocking)
         handle = Handle(
             backend=self, num_tokens=T, hidden_size=H, hidden_dtype=torch.bfloat16,
             probs_shape=routing.probs_shape if probs is not None else None, num_experts=self.num_experts,
@@ -501,7 +502,7 @@ class HybridBackend(CompiledBackend):
             else:
                 idx = layout.topk_idx
                 valid = (idx >= 0) & (idx < self.num_experts)
-                if not self.config.blocking:  # there repeats were dropped, not refused: only the last slot counted
+                if layout.repeats_dropped:  # the dispatch's mode, whatever the config says now
                     valid &= ~earlier_repeats(idx)
                 probs = dense_probs.gather(1, torch.where(valid, idx, torch.zeros_like(idx))) * valid
         return CombineOutput(out, probs)
