@@ -77,9 +77,18 @@ class MoELayer(torch.nn.Module):
         # Rows grouped by local expert, one prob each: a backend that also has a compact form is asked for these.
         expand = dict(expand=True, zero_padding=True) if "expand" in self.backend.capabilities.dispatch_options else {}
         out = ep_plugin.dispatch(self.backend, x.to(self.payload_dtype).contiguous(), **self.route(x), **expand)
-        segments = torch.split(out.hidden.float(), out.tokens_per_expert.tolist())
+        counts = out.tokens_per_expert.tolist()
+        # Non-blocking mode (EP_PLUGIN_BLOCKING=0) sizes the output to a budget: the rows past the counts'
+        # sum hold nothing and stay out of the experts (their combine input is zero).
+        valid, budget = sum(counts), out.hidden.shape[0]
+        if valid > budget:
+            raise RuntimeError(f"ep_plugin demo: {valid} rows arrived for a non-blocking budget of {budget} "
+                               f"(rows were dropped): raise EP_PLUGIN_NUM_PERMUTED_TOKENS or set it to 0")
+        segments = torch.split(out.hidden[:valid].float(), counts)
         expert_rows = [self.expert(e, seg) for e, seg in enumerate(segments)]
-        rows = torch.cat(expert_rows) * out.probs.unsqueeze(1)
+        rows = torch.cat(expert_rows) * out.probs[:valid].unsqueeze(1)
+        if valid < budget:
+            rows = torch.cat([rows, rows.new_zeros(budget - valid, rows.shape[1])])
         return x + ep_plugin.combine(rows.to(self.payload_dtype), out.handle).float()
 
 
@@ -209,6 +218,10 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
         return f"--topk {args.topk} is more than the {args.experts} experts (--experts)"
     if args.experts % args.ranks:
         return f"--experts {args.experts} must be divisible by --ranks {args.ranks}"
+    # The backend's kernel limits (hidden size, local experts): here, not in every rank once it started.
+    problem = ep_plugin.get_backend(args.backend).shape_problem(args.hidden, args.experts // args.ranks)
+    if problem:
+        return f"--backend {args.backend}: {problem}"
     if not 0 < args.lr < math.inf:
         return f"--lr must be a positive finite number, got {args.lr}"
     return None

@@ -89,6 +89,37 @@ def test_hybrid_demo_losses_equal_single_process_training():
     torch.testing.assert_close(torch.tensor(distributed[0]), torch.tensor(single), rtol=2e-2, atol=0)
 
 
+@pytest.mark.gpu
+def test_hybrid_demo_trains_alike_in_non_blocking_mode():
+    """EP_PLUGIN_BLOCKING=0 sizes the dispatch output to a budget (more rows than arrived): the demo split it by
+    the counts and stopped on every rank (split sizes did not add up). Its losses are the blocking run's."""
+    spec = replace(DENSE_CHECK_SPEC, backend="hybrid", steps=3)
+    blocking = run_ranks(train, 2, spec, device="cuda", timeout_s=300)
+    non_blocking = run_ranks(train, 2, spec, device="cuda", timeout_s=300, env={"EP_PLUGIN_BLOCKING": "0"})
+    torch.testing.assert_close(torch.tensor(non_blocking[0]), torch.tensor(blocking[0]), rtol=1e-3, atol=0)
+
+
+class _ShapeLimitedReference(ReferenceBackend):
+    """The reference with a kernel-like shape limit (the compiled backends' hidden size divisible by 8)."""
+
+    @classmethod
+    def shape_problem(cls, hidden_size, num_local_experts):
+        return None if hidden_size % 8 == 0 else f"needs hidden_size divisible by 8, got {hidden_size}"
+
+
+def test_demo_refuses_a_shape_the_backend_cannot_take_before_any_rank_starts(monkeypatch, capsys):
+    """--hidden 60 with hybrid failed in every rank, building the backend, not in one line up front."""
+    import ep_plugin.demo as demo
+    from ep_plugin.registry import register_backend
+
+    register_backend("reference_shape_limited", _ShapeLimitedReference, overwrite=True)
+    monkeypatch.setattr(demo, "run_ranks", lambda *args, **kwargs: pytest.fail("ranks started"))
+    with pytest.raises(SystemExit) as stop:
+        demo.main(["--backend", "reference_shape_limited", "--hidden", "60", "--device", "cpu", "--ranks", "2"])
+    assert stop.value.code == 2
+    assert "--backend reference_shape_limited: needs hidden_size divisible by 8, got 60" in capsys.readouterr().err
+
+
 class _TopkOnlyReference(ReferenceBackend):
     """The reference taking only top-k ids, as elastic does: the demo's other routing form, on CPU."""
 
