@@ -131,7 +131,11 @@ class Config:
             object.__setattr__(self, knob.name, int(value))
         elif kind == "float":
             _require(isinstance(value, numbers.Real) and not isinstance(value, bool), knob.name, "a number", value)
-            object.__setattr__(self, knob.name, float(value))
+            try:
+                as_float = float(value)
+            except OverflowError:  # an int past float's range (10**400): no bound below can take it either
+                as_float = math.inf if value > 0 else -math.inf
+            object.__setattr__(self, knob.name, as_float)
 
     @classmethod
     def from_env(cls, environ: Optional[dict] = None, **overrides: Any) -> "Config":

@@ -90,6 +90,14 @@ def test_a_count_or_number_of_the_wrong_type_is_refused(knob, value):
         Config.from_env({}, **{knob: value})
 
 
+def test_an_int_past_floats_range_is_refused_as_out_of_bounds():
+    """Config(timeout_s=10**400) raised a bare OverflowError from float(), not the knob's error."""
+    from ep_plugin.config import ConfigValueError
+
+    with pytest.raises(ConfigValueError, match="timeout_s must be"):
+        Config.from_env({}, timeout_s=10**400)
+
+
 def test_numbers_of_a_wider_type_are_stored_as_the_knobs_type():
     import numpy as np
 
