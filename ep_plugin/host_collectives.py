@@ -127,8 +127,9 @@ def moves_host_memory(engine: str) -> bool:
 
 
 def nccl_moves_cuda(engine: str) -> bool:
-    """Whether NCCL moves a group's CUDA tensors ("nccl", "cuda:nccl", "cpu:gloo,cuda:nccl"): they need not be
-    staged through the host, and a collective on them is ordered on the stream (waited by polling)."""
+    """Whether NCCL moves a group's CUDA tensors ("nccl", "cuda:nccl", "cpu:gloo,cuda:nccl"): a collective on them
+    is ordered on the stream (waited by polling). A group with gloo in it may still stage them through the host
+    (``moves_host_memory``), which works with ranks sharing a GPU."""
     return engine_for(engine, "cuda") == "nccl"
 
 

@@ -459,6 +459,9 @@ def test_in_place_options_hold_the_padded_worst_case():
         rows = HybridBackend.in_place_options(**shape, pad_multiple=pad)["combine_input_rows"]
         assert rows == worst_case_rows(8, 128, 32, 8, pad), (pad, rows)
     assert HybridBackend.in_place_options(**shape)["combine_input_rows"] == worst_case_rows(8, 128, 32, 8)
+    for bad in (0, -3, 2.0, 10**9):  # a padding a dispatch refuses sizes no arena either (0 sized it too small)
+        with pytest.raises(ValueError, match="pad_multiple must be an int"):
+            HybridBackend.in_place_options(**shape, pad_multiple=bad)
 
 
 def test_bench_json_is_strict_json(tmp_path):

@@ -27,6 +27,12 @@ from ..routing import TOPK, Routing, check_tensor, check_topk_values, make_routi
 from ..topology import Topology, resolve_topology
 
 
+def check_pad_multiple(pad_multiple) -> None:
+    """ValueError unless ``pad_multiple`` is an int in [1, MAX_PAD_MULTIPLE] (a dispatch's, or a sizing's)."""
+    if not (is_int(pad_multiple) and 1 <= pad_multiple <= MAX_PAD_MULTIPLE):
+        raise ValueError(f"pad_multiple must be an int in [1, {MAX_PAD_MULTIPLE}], got {pad_multiple!r}")
+
+
 @dataclass(frozen=True)
 class Capabilities:
     devices: tuple[str, ...]  # "cpu", "cuda"
@@ -487,8 +493,7 @@ class Backend(abc.ABC):
         if hidden.shape[0] > self.config.max_tokens_per_rank and not self.refuses_input_in_exchange:
             raise ValueError(self._over_budget(hidden.shape[0]))
         pad_multiple = self.config.pad_multiple if pad_multiple is None else pad_multiple
-        if not (is_int(pad_multiple) and 1 <= pad_multiple <= MAX_PAD_MULTIPLE):
-            raise ValueError(f"pad_multiple must be an int in [1, {MAX_PAD_MULTIPLE}], got {pad_multiple!r}")
+        check_pad_multiple(pad_multiple)
         routing, weights = make_routing(
             hidden, self.num_experts, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
             topk_weights=topk_weights, probs_dtypes=self.capabilities.probs_dtypes,

@@ -112,7 +112,7 @@ from ..config import Config, is_int
 from ..handle import CombineOutput, DispatchOutput, Handle
 from ..routing import ROUTING_MAP, Routing, route_counts
 from ..transport.arena import CombineInputArena, arena_bytes
-from .base import Capabilities
+from .base import Capabilities, check_pad_multiple
 from .compiled import CompiledBackend, Scratch, earlier_repeats, nvtx_range, op_range, worst_case_rows
 
 logger = logging.getLogger(__name__)
@@ -222,6 +222,7 @@ class HybridBackend(CompiledBackend):
                          pad_multiple: int = 1) -> dict:
         """Constructor options that let every dispatch of that shape (padded to ``pad_multiple``) be combined
         in place."""
+        check_pad_multiple(pad_multiple)
         local = num_experts // num_ranks
         return {"combine_input_rows": cls.worst_case_rows(num_ranks, max_tokens_per_rank, local, topk, pad_multiple)}
 

@@ -49,6 +49,7 @@ import torch.distributed as dist
 import ep_plugin
 from ep_plugin.backends.compiled import worst_case_rows
 from ep_plugin.config import Config
+from ep_plugin.host_collectives import nccl_moves_cuda
 from ep_plugin.routing import route_counts
 from ep_plugin.testing import RankContext
 
@@ -619,7 +620,7 @@ def _run_all_to_all_case(ctx: RankContext, spec: SweepSpec, shape: Shape, device
 def _all_to_all_problem(device: torch.device) -> str:
     """Why the baseline is not timed here ('' when it is): ranks sharing a GPU talk over gloo, which
     stages CUDA tensors through host memory, so its time says nothing about the GPUs' links."""
-    if device.type == "cuda" and dist.get_backend() != "nccl":
+    if device.type == "cuda" and not nccl_moves_cuda(dist.get_backend()):
         return "ranks share a GPU: their process group is gloo, which stages CUDA tensors through host memory"
     return ""
 
