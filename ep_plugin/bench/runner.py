@@ -484,17 +484,22 @@ def _layout(backend) -> str:
     """The domains a backend instance runs on ("2x4"); "1xR" for a flat one, whatever its topology detected
     (a CPU reference's ranks are domains of 1, but it runs as one domain)."""
     topology = backend.topology
-    if getattr(backend, "scaleout", None) is not None:  # a HierarchicalBackend
+    if _split(backend):
         return f"{topology.num_domains}x{topology.domain_size}"
     return f"1x{topology.world_size}"
+
+
+def _split(backend) -> bool:
+    """Whether the backend runs split into domains joined by rails (a HierarchicalBackend); a flat one's
+    detected topology may still name domains (a CPU reference's of 1 rank)."""
+    return getattr(backend, "scaleout", None) is not None
 
 
 def _scaleout_fields(backend, shape: Shape, num_ranks: int, seed: int) -> dict:
     """The backend's domains ("2x4") and, across domains, each rank's bytes over its rail (the topology's
     byte model: a token once per remote domain holding any of its experts; combine one row back)."""
-    topology = backend.topology
     fields = {"domains": _layout(backend)}
-    if topology.is_hierarchical and getattr(backend, "scaleout", None) is not None:
+    if _split(backend):
         maps = list(_routing_maps(shape, num_ranks, seed))
         # The backend's own model: its mode (sync-free moves fixed blocks) and the routing form _Calls passes.
         topk = 0 if "routing_map" in backend.capabilities.routing_forms else shape.topk
@@ -526,7 +531,7 @@ def _run_case(ctx: RankContext, spec: SweepSpec, backend, shape: Shape, device, 
     # not the split's NVLink traffic (a token crosses to another domain once, on its rail): none there.
     case_bytes = _case_bytes(getattr(backend, "domain_backend_class", type(backend)), shape, ctx.world_size,
                              spec.seed, in_place=variant in IN_PLACE_VARIANTS)
-    if getattr(backend, "scaleout", None) is not None:  # split into domains (_layout)
+    if _split(backend):
         case_bytes.update(link_bytes=None, link_floor_bytes=None)
     out_bytes = case_bytes["bytes"]["out_bytes"]
     combine_bytes = sum(out_bytes) // shape.row_bytes() * 2 * shape.hidden  # bf16 rows back
@@ -732,7 +737,7 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                     if ctx.rank == 0:
                         say(f"skipped {name} sms={sms} {mode} H={hidden}: {error}")
                     break
-                if variant in IN_PLACE_VARIANTS and backend.topology.is_hierarchical:  # rows in a buffer: one domain
+                if variant in IN_PLACE_VARIANTS and _split(backend):  # rows in a buffer: one domain
                     if ctx.rank == 0:
                         say(f"skipped {name} at {backend.topology.describe()}: in-place rows live in one domain's "
                             f"buffer")
@@ -772,7 +777,7 @@ def bench_rank(ctx: RankContext, spec: SweepSpec) -> Optional[list[dict]]:
                 # Same shape, same backend: only the samples differ from the eager record.
                 graph = _run_graph_case(ctx, spec, backend, shape, device, variant)
                 keep({**record, **graph, "mode": GRAPH_MODE})
-            elif (_graph_applies(spec, cls, mode, device) and (variant == "arena" or backend.topology.is_hierarchical)
+            elif (_graph_applies(spec, cls, mode, device) and (variant == "arena" or _split(backend))
                   and ctx.rank == 0 and (name, record["domains"]) not in no_graph_said):
                 # --graph was asked for this backend, and the option check cannot know a split that detection finds
                 no_graph_said.add((name, record["domains"]))
