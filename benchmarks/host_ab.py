@@ -47,8 +47,8 @@ def worker(port: int) -> None:
         in_place = option == "in_place"
         config = Config.from_env(num_sms=16, blocking=False, max_tokens_per_rank=128, num_permuted_tokens=128 * 8)
         cls = ep_plugin.get_backend(name)
-        options = cls.in_place_options(num_ranks=1, max_tokens_per_rank=128, num_experts=256, topk=8) \
-            if in_place else {}
+        options = cls.in_place_options(num_ranks=1, max_tokens_per_rank=128, num_experts=256, topk=8,
+                                       pad_multiple=config.pad_multiple) if in_place else {}
         backend = cls(hidden_size=512, num_experts=256, config=config, device=device, **options)
         steps[variant] = eager_step(backend, shape, 0, device, in_place=in_place)
         for _ in range(50):

@@ -35,7 +35,7 @@ def profile_rank(ctx, args) -> str | None:
                              num_permuted_tokens=budget)
     cls = ep_plugin.get_backend(args.backend)
     options = cls.in_place_options(num_ranks=ctx.world_size, max_tokens_per_rank=args.tokens, num_experts=args.experts,
-                                   topk=args.topk) if args.in_place else {}
+                                   topk=args.topk, pad_multiple=config.pad_multiple) if args.in_place else {}
     backend = cls(hidden_size=args.hidden, num_experts=args.experts, config=config, device=device, **options)
     step = eager_step(backend, shape, ctx.rank, device, in_place=args.in_place, constant_hidden=args.constant_hidden)
     for _ in range(3):
@@ -78,8 +78,8 @@ def decode_backend(variant: str, group, num_ranks: int, device: torch.device, to
     cls = ep_plugin.get_backend(name)
     budget = num_ranks * tokens * min(8, 256 // num_ranks)
     config = Config.from_env(num_sms=16, blocking=False, max_tokens_per_rank=tokens, num_permuted_tokens=budget)
-    options = cls.in_place_options(num_ranks=num_ranks, max_tokens_per_rank=tokens, num_experts=256, topk=8) \
-        if option in ("in_place", "arena") else {}
+    options = cls.in_place_options(num_ranks=num_ranks, max_tokens_per_rank=tokens, num_experts=256, topk=8,
+                                   pad_multiple=config.pad_multiple) if option in ("in_place", "arena") else {}
     return cls(group, hidden_size=hidden, num_experts=256, config=config, device=device, **options)
 
 
