@@ -941,7 +941,8 @@ def test_compare_fails_when_new_lost_a_case_or_nothing_matched(tmp_path, capsys)
 
 def test_compare_refuses_runs_timed_with_other_iterations_or_knobs(tmp_path, capsys, monkeypatch):
     """bench.json recorded neither the iteration counts (a preset's defaults are not in its command) nor the
-    EP_PLUGIN_* knobs, so compare took runs timed with 10 and 200 iterations, or with other knobs, for alike.
+    EP_PLUGIN_* knobs, so compare took runs timed with 10 and 200 iterations, or with other knobs, for alike;
+    the reference's iteration count was recorded but not compared.
     A file written before these were recorded says nothing of them: no difference (an A/B against an older
     tree)."""
     from ep_plugin.bench import compare
@@ -966,6 +967,8 @@ def test_compare_refuses_runs_timed_with_other_iterations_or_knobs(tmp_path, cap
 
     for changes, line in ((dict(warmup=50), "warmup: 50 (new) vs 2 (base)"),
                           (dict(iters=200), "iters: 200 (new) vs 4 (base)"),
+                          (dict(reference={**environment["reference"], "iters": 7}),
+                           f"reference_iters: 7 (new) vs {environment['reference']['iters']} (base)"),
                           (dict(ep_plugin_variables={}),
                            "ep_plugin_variables: none (new) vs EP_PLUGIN_PAD_MULTIPLE=4")):
         new = new_side("new.json", **changes)
@@ -978,7 +981,11 @@ def test_compare_refuses_runs_timed_with_other_iterations_or_knobs(tmp_path, cap
                                                                "EP_PLUGIN_TIMEOUT_S": "60"})
     assert compare.main(["--new", waits_longer, "--base", str(base)]) == 0
     assert "timed unlike" not in capsys.readouterr().out
-    older = new_side("older.json", warmup=None, iters=None, ep_plugin_variables=None)
+    # The reference's token limit sets which cases run, not how long one takes.
+    fewer_references = new_side("fewer.json", reference={**environment["reference"], "max_tokens": 1})
+    assert compare.main(["--new", fewer_references, "--base", str(base)]) == 0
+    assert "timed unlike" not in capsys.readouterr().out
+    older = new_side("older.json", warmup=None, iters=None, reference=None, ep_plugin_variables=None)
     for new, old in ((str(base), older), (older, older)):
         assert compare.main(["--new", new, "--base", old]) == 0
         assert "timed unlike" not in capsys.readouterr().out

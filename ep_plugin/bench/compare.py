@@ -43,12 +43,12 @@ CASE_KEYS = ("backend", "mode", "payload", "tokens", "hidden", "topk", "experts"
 
 # What in a bench.json's environment sets its timings: runs that differ here are not compared (a GPU of another
 # kind, ranks over another process group or sharing GPUs otherwise, the other timing method, other warm-up or
-# timed iteration counts, other EP_PLUGIN_* knobs).
+# timed iteration counts, the reference's own iteration count, other EP_PLUGIN_* knobs).
 TIMING_ENVIRONMENT = ("device", "gpu", "process_group", "ranks_per_gpu", "timing", "warmup", "iters",
-                      "ep_plugin_variables")
+                      "reference_iters", "ep_plugin_variables")
 # Keys that bench.json files written before them lack: such a file says nothing of them, which is no difference
 # (an A/B run against an older tree compares its bench.json with one that has them).
-RECORDED_LATER = ("warmup", "iters", "ep_plugin_variables")
+RECORDED_LATER = ("warmup", "iters", "reference_iters", "ep_plugin_variables")
 # Knobs that bound waits and change no timing: runs that differ only there are compared.
 UNTIMED_VARIABLES = ("EP_PLUGIN_TIMEOUT_S", "EP_PLUGIN_PEER_WATCH_S")
 
@@ -63,9 +63,16 @@ def _read(path: str) -> dict:
 
 
 def read_environment(path: str) -> dict:
-    """The environment of one bench.json ({} in one written without it)."""
+    """The environment of one bench.json ({} in one written without it), with the reference's iteration count
+    (recorded under "reference", next to its token limit, which sets what runs and no timing) as
+    "reference_iters"."""
     environment = _read(path).get("environment")
-    return environment if isinstance(environment, dict) else {}
+    if not isinstance(environment, dict):
+        return {}
+    reference = environment.get("reference")
+    if isinstance(reference, dict) and "iters" in reference:
+        environment["reference_iters"] = reference["iters"]
+    return environment
 
 
 def read_summary(path: str) -> list[dict]:
