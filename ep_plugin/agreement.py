@@ -40,8 +40,12 @@ _FORMS = (None, "routing_map", "topk", "topk+expand", "topk+in_place")
 
 # Bit widths of the packed fields, low bits first. 63 bits in all, so the packed value is a
 # non-negative signed 64-bit integer on every side (Python, torch int64, CUDA u64).
-_LAYOUT = (("op", 3), ("dtype", 3), ("probs", 1), ("form", 3), ("topk", 7), ("grad", 1), ("probs_grad", 1),
-           ("handle_id", 44))
+# topk's 10 bits take any top-k of up to 1023 experts apart (7 bits made k=128 and k=200 look alike);
+# handle_id's 41 bits last 2 * 10^12 dispatches.
+_LAYOUT = (("op", 3), ("dtype", 3), ("probs", 1), ("form", 3), ("topk", 10), ("grad", 1), ("probs_grad", 1),
+           ("handle_id", 41))
+# The widest top-k the fingerprint tells apart; a wider one is packed as this.
+TOPK_FIELD_MAX = (1 << dict(_LAYOUT)["topk"]) - 1
 
 
 _LOW_BITS = sum(bits for _, bits in _LAYOUT[:-1])  # the fields below handle_id
@@ -67,7 +71,7 @@ class OpFingerprint:
     dtype: payload dtype (None when the op carries no payload dtype of its own).
     probs: whether probs / weights travel with the op.
     form: routing form of a dispatch ("routing_map" or "topk"), else None.
-    topk: top-k width of a top-k dispatch (0 otherwise), < 128.
+    topk: top-k width of a top-k dispatch (0 otherwise), at most TOPK_FIELD_MAX.
     grad: autograd recorded the op (``ep_plugin.dispatch``/``combine`` with inputs that need grad, grad
         mode on), so its backward will run on this rank. A rank without it would never enter that
         backward and leave the others waiting in it; differing here is an error at the forward instead.

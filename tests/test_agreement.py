@@ -243,6 +243,13 @@ def op_scenarios(ctx) -> dict:
     rows = {id(first.handle): first.hidden, id(second.handle): second.hidden}
     outcomes["combine_order"] = _outcome(lambda: backend.combine(rows[id(handles[0])], handles[0]))
 
+    # Top-k wider than 127 (any top-k of up to 1023 experts is told apart): the fingerprint's 7 bits of k made
+    # 128 and 200 agree.
+    wide = _reference(hidden_size=HIDDEN, num_experts=256 * NUM_RANKS)
+    wide_k = 200 if odd else 128
+    wide_ids = torch.stack([torch.randperm(256 * NUM_RANKS, generator=generator)[:wide_k] for _ in range(5)])
+    outcomes["wide_topk"] = _outcome(lambda: wide.dispatch(hidden, topk_idx=wide_ids))
+
     # A call on some ranks only: the odd rank builds a backend where its peers dispatch, or meets a setup
     # call of another name. gloo aborted the process when the two first exchanges differed in size.
     outcomes["op_vs_build"] = _outcome(lambda: _reference(hidden_size=HIDDEN, num_experts=experts) if odd
@@ -291,6 +298,7 @@ EXPECTED = {
     "routing_form": ["dispatch", "form", "'routing_map'", "'topk'"],
     "op_kind": ["dispatch", "barrier"],
     "combine_order": ["combine", "handle_id:", "1 on rank", "2 on rank"],
+    "wide_topk": ["dispatch", "topk:", "128 on rank", "200 on rank"],
 }
 
 
@@ -349,13 +357,14 @@ def test_fingerprints_pack_to_distinct_values_that_unpack_to_themselves():
     seen = {}
     for _ in range(2):  # the second round packs from the remembered bits
         for op, dtype, probs, form, topk, grad, probs_grad, handle_id in product(
-                agreement._OPS[1:], agreement._DTYPES, (False, True), agreement._FORMS, (0, 1, 127), (False, True),
-                (False, True), (0, 1, 2**44 - 1)):
+                agreement._OPS[1:], agreement._DTYPES, (False, True), agreement._FORMS, (0, 1, 127, 128, 200, 1023),
+                (False, True),
+                (False, True), (0, 1, 2**41 - 1)):
             fingerprint = OpFingerprint(op, dtype=dtype, probs=probs, form=form, topk=topk, handle_id=handle_id,
                                         grad=grad, probs_grad=probs_grad)
             value = fingerprint.pack()
             assert 0 <= value < 2**63 and OpFingerprint.unpack(value) == fingerprint
             assert seen.setdefault(value, fingerprint) == fingerprint
-    for field, bad in (("topk", 128), ("handle_id", 2**44), ("handle_id", -1)):
+    for field, bad in (("topk", 1024), ("handle_id", 2**41), ("handle_id", -1)):
         with pytest.raises(ValueError, match=f"field {field}={bad} does not fit"):
             OpFingerprint(OP_DISPATCH, **{field: bad}).pack()

@@ -92,6 +92,7 @@ from ..agreement import (
     OP_COMBINE,
     OP_DISPATCH,
     OP_DISPATCH_AGAIN,
+    TOPK_FIELD_MAX,
     WHAT_RANKS_SHARE,
     OpFingerprint,
     mismatch_message,
@@ -105,7 +106,6 @@ from ..topology import Topology
 from ..transport.scaleout import RailSplits, RowPacker, ScaleOut, flat_order_index
 from .base import Backend
 
-_TOPK_FIELD_MAX = 127  # OpFingerprint.topk has 7 bits
 # The rail agreement's refusal word of a rank whose dispatch input was refused (see _rail_agreement; 0: none).
 _REFUSED_INPUT = -1
 _REFUSED_TOKENS = -2  # ... by one whose only reason was its token count (more than max_tokens_per_rank)
@@ -435,7 +435,7 @@ class HierarchicalBackend(Backend):
         # here, on every rank, not in one domain's handshake after the rail rows moved (or nowhere).
         form = self.domain.dispatch_form(routing.form, **options)
         fingerprint = OpFingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, form=form,
-                                    topk=min(k, _TOPK_FIELD_MAX), grad=self.op_records_backward,
+                                    topk=min(k, TOPK_FIELD_MAX), grad=self.op_records_backward,
                                     probs_grad=self.op_probs_need_grad)
         if self.config.blocking:  # the domain stage of the agreement comes with the segment counts below
             splits, disagreement = self._rail_agreement(fingerprint, packer.row_bytes, where, refused=refused,

@@ -107,7 +107,7 @@ from typing import Iterator, Optional
 import torch
 
 from .. import streams
-from ..agreement import OP_COMBINE, OP_DISPATCH, OP_DISPATCH_AGAIN, fingerprint_code
+from ..agreement import OP_COMBINE, OP_DISPATCH, OP_DISPATCH_AGAIN, TOPK_FIELD_MAX, fingerprint_code
 from ..config import Config, is_int
 from ..handle import CombineOutput, DispatchOutput, Handle
 from ..routing import ROUTING_MAP, Routing, route_counts
@@ -257,9 +257,9 @@ class HybridBackend(CompiledBackend):
                      handle: Optional[Handle] = None) -> int:
         """The op's packed fingerprint (``agreement.fingerprint_code``), as the handshake takes it."""
         topk = routing.topk_idx.shape[1] if routing is not None and routing.form != ROUTING_MAP else 0
-        return fingerprint_code(op, dtype, probs, routing.form if routing is not None else None, min(topk, 127),
-                                handle.handle_id if handle is not None else 0, self.op_records_backward,
-                                self.op_probs_need_grad)
+        return fingerprint_code(op, dtype, probs, routing.form if routing is not None else None,
+                                min(topk, TOPK_FIELD_MAX), handle.handle_id if handle is not None else 0,
+                                self.op_records_backward, self.op_probs_need_grad)
 
     def _dispatch_fields(self, routing: Routing, probs) -> list[tuple]:
         """The scratch pieces of a dispatch: the layout's, the count exchange's, the permute's."""

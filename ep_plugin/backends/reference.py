@@ -45,6 +45,7 @@ from ..agreement import (
     OP_COMBINE,
     OP_DISPATCH,
     OP_DISPATCH_AGAIN,
+    TOPK_FIELD_MAX,
     OpFingerprint,
     mismatch_message,
     ordinal,
@@ -66,7 +67,6 @@ _PROBS_DTYPES = (None, torch.float32, torch.float64)
 _OPEN_WORDS = FRAME_WORDS  # per pair of ranks: rows sent, fingerprint, backend number, probs dtype
 # The rows count a rank announces when it refused its dispatch's input: its top-k ids, or its token count.
 _REFUSED_IDS, _REFUSED_TOKENS = -1, -2
-_TOPK_FIELD_MAX = 127  # OpFingerprint.topk has 7 bits; wider top-k (reference only) compares as 127
 
 
 @dataclass(eq=False)
@@ -112,7 +112,7 @@ class ReferenceBackend(Backend):
     def _dispatch(self, hidden, routing: Routing, probs, pad_multiple) -> DispatchOutput:
         number = self._num_dispatches + 1
         where = f"dispatch #{number}"
-        topk = min(routing.topk_idx.shape[1], _TOPK_FIELD_MAX) if routing.form == TOPK else 0
+        topk = min(routing.topk_idx.shape[1], TOPK_FIELD_MAX) if routing.form == TOPK else 0
         fingerprint = OpFingerprint(OP_DISPATCH, dtype=hidden.dtype, probs=probs is not None, form=routing.form,
                                     topk=topk, grad=self.op_records_backward, probs_grad=self.op_probs_need_grad)
         refused = self._refused_input(routing)
