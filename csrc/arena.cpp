@@ -102,7 +102,9 @@ extern "C" void ep_arena_free(void* ptr, size_t /*size*/, int /*device*/, cudaSt
   using namespace ep::arena;
   std::lock_guard<std::mutex> lock(g_mutex);
   if (g_fallback.erase(ptr)) {
-    cudaFree(ptr);
+    // Nothing to report a failure to (torch frees through us); not left as the runtime's last error either,
+    // where the next kernel launch's check would take it for its own.
+    if (cudaFree(ptr) != cudaSuccess) (void)cudaGetLastError();
     return;
   }
   for (auto& [id, arena] : g_arenas) {

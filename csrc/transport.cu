@@ -162,6 +162,10 @@ void SymmetricBuffer::destroy() {
   peer_table_ = nullptr;
   state_ = nullptr;
   report_ = nullptr;
+  view_.local = nullptr;  // the view a launcher takes holds no freed pointer either
+  view_.peers = nullptr;
+  view_.state = nullptr;
+  view_.report = nullptr;
   EP_CUDA_CHECK(first);
 }
 
@@ -178,7 +182,7 @@ void SymmetricBuffer::mark_peer_exited(int r) {
 }
 
 std::vector<long long> SymmetricBuffer::mailbox(int first, int count) const {
-  if (first < 0 || count < 0 || first + count > kMailboxWords)
+  if (first < 0 || count < 0 || first > kMailboxWords || count > kMailboxWords - first)  // no int overflow
     throw std::out_of_range("ep_plugin: mailbox range out of bounds");
   if (report_ == nullptr) throw std::runtime_error("ep_plugin: buffer already destroyed");
   std::vector<long long> words(count);

@@ -1,4 +1,5 @@
-"""The C++ entry points' DeviceScope: makes the buffer's device current and gives the caller's back.
+"""The C++ entry points' DeviceScope: makes the buffer's device current and gives the caller's back; and
+check_cuda, which raises a failed call's error once (not again at the next launch's check).
 
 It runs here on a stand-in for the CUDA runtime (tests/cpp/device_scope_check.cpp), built with the host
 compiler and the CUDA headers, so its logic is checked on every machine: with one GPU, or none, the caller's

@@ -573,3 +573,22 @@ def test_a_backend_dropped_without_destroy_keeps_its_memory(backend_name):
     assert dropped["state"].startswith("RuntimeError: ") and "destroyed" in dropped["state"], dropped
     assert len(dropped["warnings"]) == 1 and "let go without destroy()" in dropped["warnings"][0], dropped
     assert results[0]["state"] == "usable" and results[0]["warnings"] == [], results[0]
+
+
+def test_the_extension_refuses_a_launch_on_a_destroyed_or_abandoned_buffer():
+    """Python refuses first (``SymmetricBuffer.raw``), but the extension's launchers took a destroyed buffer and
+    handed its kernels the freed pointers (its view kept them): a caller of ``_C`` launched on freed memory."""
+    from ep_plugin import _cuda
+
+    C = _cuda.extension()
+    stream = torch.cuda.current_stream().cuda_stream
+    for end in ("destroy", "abandon"):
+        buffer = C.SymmetricBuffer(device=torch.cuda.current_device(), rank=0, num_ranks=1, region_bytes=1 << 20,
+                                   count_words=8, timeout_s=5.0)
+        buffer.open_peers([b""])  # a group of one: its own buffer, no IPC handle read
+        C.exchange(buffer, C.ExchangeArgs(phase=1, fingerprint=7), stream)  # usable until then
+        torch.cuda.synchronize()
+        getattr(buffer, end)()
+        with pytest.raises(RuntimeError, match="launch on a destroyed buffer"):
+            C.exchange(buffer, C.ExchangeArgs(phase=2, fingerprint=7), stream)
+    torch.cuda.synchronize()  # nothing was launched on the freed memory: no sticky CUDA error here

@@ -109,6 +109,9 @@ class SymmetricBuffer:
         opened = self._collectives.all_gather_object(_in_words(failure, _ALLOW_IPC),
                                                      where="opening the peers' buffers (every rank opened them)")
         try:
+            if any(opened):  # refused below, the buffer freed: as in destroy, every importer closes first (a
+                # close that failed too changes nothing there: the refusal says why no rank goes on)
+                self._close_peers_together("opening the peers' buffers (refused: the mappings closed)")
             self._refuse_together(opened, failure, _ALLOW_IPC,
                                   "could not open its peers' buffers through CUDA IPC, so no rank uses them")
         finally:  # as above
@@ -143,6 +146,18 @@ class SymmetricBuffer:
                 failure = None
         raise EPError(f"ep_plugin {self.backend}: another rank {what} ({'; '.join(failed)}). Build again on every "
                       f"rank once that is mended.")
+
+    def _close_peers_together(self, where: str) -> Optional[RuntimeError]:
+        """CUDA IPC: every rank closes its mappings of the peers' buffers, then meets them, so that no exporter
+        frees memory another rank still maps. A rank whose close failed meets them all the same: its error is
+        returned, for the caller to raise."""
+        closing_failed = None
+        try:
+            self._buffer.close_peers()
+        except RuntimeError as error:
+            closing_failed = error
+        self._collectives.barrier(where=where)
+        return closing_failed
 
     def mark_peer_exited(self, rank: int) -> None:
         """``liveness.WATCH`` found the process of ``rank`` gone: device waits for it stop."""
@@ -255,15 +270,9 @@ class SymmetricBuffer:
             # Our writes into peers are complete (a failed backend is destroyed too: its report is not raised)
             self.synchronize("destroy", raise_report=False)
             self._collectives.barrier(where="destroy")  # ... and so are everyone's into ours
-            # CUDA IPC: every importer closes its mapping of a buffer before the exporter frees it (also a rank
-            # that keeps its own memory: nothing it keeps maps a peer's). A rank whose close failed still meets
-            # its peers here, then raises (its own memory stays, as above).
-            closing_failed = None
-            try:
-                self._buffer.close_peers()
-            except RuntimeError as error:
-                closing_failed = error
-            self._collectives.barrier(where="destroy (peers' buffers closed)")
+            # Also a rank that keeps its own memory closes its mappings (nothing it keeps maps a peer's); one whose
+            # close failed raises after meeting its peers (its own memory stays, as above).
+            closing_failed = self._close_peers_together("destroy (peers' buffers closed)")
             if closing_failed is not None:
                 raise closing_failed
         except BaseException:

@@ -1,5 +1,5 @@
-// DeviceScope (csrc/include/ep/check.cuh) against a stand-in for the five CUDA runtime calls it makes, so
-// that its logic runs on a machine with one GPU or none: the real two-GPU check is
+// DeviceScope and check_cuda (csrc/include/ep/check.cuh) against a stand-in for the five CUDA runtime calls
+// they make, so that their logic runs on a machine with one GPU or none: the real two-GPU check is
 // tests/test_streams.py::test_ops_leave_the_callers_current_device_on_two_gpus. Built and run by
 // tests/test_device_scope.py; prints "ok" and exits 0, or names the first check that failed and exits 1.
 #include <cstdio>
@@ -12,6 +12,7 @@ namespace {
 int current_device = 0;
 int device_count = 2;
 int set_calls = 0;
+cudaError_t last_error = cudaSuccess;  // as the runtime keeps it: set by a failed call, cleared when read
 }  // namespace
 
 // The stand-in runtime: a current device per process and a count of cudaSetDevice calls.
@@ -21,11 +22,15 @@ cudaError_t cudaGetDevice(int* device) {
 }
 cudaError_t cudaSetDevice(int device) {
   ++set_calls;
-  if (device < 0 || device >= device_count) return cudaErrorInvalidDevice;
+  if (device < 0 || device >= device_count) return last_error = cudaErrorInvalidDevice;
   current_device = device;
   return cudaSuccess;
 }
-cudaError_t cudaGetLastError(void) { return cudaSuccess; }
+cudaError_t cudaGetLastError(void) {
+  const cudaError_t error = last_error;
+  last_error = cudaSuccess;
+  return error;
+}
 const char* cudaGetErrorName(cudaError_t) { return "cudaErrorInvalidDevice"; }
 const char* cudaGetErrorString(cudaError_t) { return "invalid device ordinal"; }
 
@@ -69,6 +74,9 @@ int main() {
     threw = true;
   }
   EXPECT(threw && current_device == 0 && set_calls == 1);
+  // The error it raised is not left as the runtime's last error either: the next launch's
+  // cudaGetLastError() would report it again, as that launch's own failure.
+  EXPECT(cudaGetLastError() == cudaSuccess);
 
   // ...while the release paths' variant goes on, and gives back nothing it did not change.
   {

@@ -12,6 +12,9 @@ namespace ep {
 
 inline void check_cuda(cudaError_t status, const char* what, const char* file, int line) {
   if (status != cudaSuccess) {
+    // The runtime also kept it as its last error: cleared here, or the next launch's cudaGetLastError()
+    // would report it again, as its own failure, after a kernel that was enqueued fine.
+    (void)cudaGetLastError();
     throw std::runtime_error(std::string("ep_plugin: ") + what + " failed: " + cudaGetErrorName(status) + " (" +
                              cudaGetErrorString(status) + ") at " + file + ":" + std::to_string(line));
   }

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -130,7 +131,11 @@ class SymmetricBuffer {
   // a no-op once destroyed). Called from the liveness watch's thread.
   void mark_peer_exited(int r);
 
-  const TransportView& view() const { return view_; }
+  // What every launcher hands its kernels: refused once destroyed or abandoned (Python checks first too).
+  const TransportView& view() const {
+    if (destroyed_) throw std::runtime_error("ep_plugin: launch on a destroyed buffer");
+    return view_;
+  }
   int device() const { return device_; }
   // Whether the GPU has bulk (TMA) copies (sm_90+; the build then holds sm_90 code for them).
   bool bulk_capable() const { return bulk_capable_; }
