@@ -31,6 +31,19 @@ SyncLayout make_sync_layout(int num_ranks, int count_words) {
   return s;
 }
 
+// A stream of the buffer's own for its setup copies, waited for alone: a device-wide synchronize, or the
+// legacy default stream, would also wait (with no timeout) for every other kernel of the process, a
+// collective stuck on a dead peer, say; and a plain cudaMemcpy from pageable memory may return before
+// its copy reached the device, where a kernel on a non-blocking stream would not wait for it.
+struct PrivateStream {
+  cudaStream_t stream = nullptr;
+  PrivateStream() { EP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
+  ~PrivateStream() { (void)cudaStreamDestroy(stream); }
+  PrivateStream(const PrivateStream&) = delete;
+  PrivateStream& operator=(const PrivateStream&) = delete;
+  void wait() const { EP_CUDA_CHECK(cudaStreamSynchronize(stream)); }
+};
+
 }  // namespace
 
 SymmetricBuffer::SymmetricBuffer(int device, int rank, int num_ranks, int64_t region_bytes, int count_words,
@@ -55,18 +68,21 @@ SymmetricBuffer::SymmetricBuffer(int device, int rank, int num_ranks, int64_t re
   total_bytes_ = align_up(view_.sync.bytes + align_up(region_bytes, 256), kPageBytes);
   try {
     EP_CUDA_CHECK(cudaMalloc(&local_, total_bytes_));
-    // Flags start at 0 (no op has sequence 0). Backend regions are zeroed too: their flags need
-    // it, and data regions do not mind.
-    EP_CUDA_CHECK(cudaMemset(local_, 0, total_bytes_));
     EP_CUDA_CHECK(cudaMalloc(&peer_table_, sizeof(char*) * num_ranks));
     EP_CUDA_CHECK(cudaMalloc(&state_, sizeof(RankState)));
-    EP_CUDA_CHECK(cudaMemset(state_, 0, sizeof(RankState)));
+    // Flags start at 0 (no op has sequence 0). Backend regions are zeroed too: their flags need
+    // it, and data regions do not mind.
+    {
+      const PrivateStream zeroing;
+      EP_CUDA_CHECK(cudaMemsetAsync(local_, 0, total_bytes_, zeroing.stream));
+      EP_CUDA_CHECK(cudaMemsetAsync(state_, 0, sizeof(RankState), zeroing.stream));
+      zeroing.wait();
+    }
     EP_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&report_), sizeof(DeviceReport),
                                 cudaHostAllocMapped | cudaHostAllocPortable));
     std::memset(const_cast<DeviceReport*>(report_), 0, sizeof(DeviceReport));
     DeviceReport* report_device = nullptr;
     EP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&report_device), report_, 0));
-    EP_CUDA_CHECK(cudaDeviceSynchronize());
     view_.local = local_;
     view_.peers = peer_table_;
     view_.state = state_;
@@ -118,7 +134,9 @@ void SymmetricBuffer::open_peers(const std::vector<std::string>& handles) {
     table[r] = static_cast<char*>(pointer);
     opened_.push_back(table[r]);
   }
-  EP_CUDA_CHECK(cudaMemcpy(peer_table_, table.data(), sizeof(char*) * R, cudaMemcpyHostToDevice));
+  const PrivateStream copy;
+  EP_CUDA_CHECK(cudaMemcpyAsync(peer_table_, table.data(), sizeof(char*) * R, cudaMemcpyHostToDevice, copy.stream));
+  copy.wait();  // before any kernel reads the table (and while `table` lives)
   table_ = table;
 }
 

@@ -592,3 +592,26 @@ def test_the_extension_refuses_a_launch_on_a_destroyed_or_abandoned_buffer():
         with pytest.raises(RuntimeError, match="launch on a destroyed buffer"):
             C.exchange(buffer, C.ExchangeArgs(phase=2, fingerprint=7), stream)
     torch.cuda.synchronize()  # nothing was launched on the freed memory: no sticky CUDA error here
+
+
+def test_a_buffer_is_made_while_another_stream_is_busy():
+    """The extension zeroed a new buffer and copied its peer table with device-wide waits (a synchronize, the
+    legacy default stream): a backend built while any kernel of the process ran (a collective stuck on a dead
+    peer, say) waited for it, with no timeout. Its setup copies now run on a stream of their own."""
+    from ep_plugin import _cuda
+
+    C = _cuda.extension()
+    busy = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(int(8e9))  # ~4 s at the H200's ~2 GHz (longer on a slower clock)
+    start = time.monotonic()
+    buffer = C.SymmetricBuffer(device=torch.cuda.current_device(), rank=0, num_ranks=1, region_bytes=64 << 20,
+                               count_words=8, timeout_s=5.0)
+    buffer.open_peers([b""])
+    made_in = time.monotonic() - start
+    still_busy = not busy.query()
+    C.exchange(buffer, C.ExchangeArgs(phase=1, fingerprint=7), torch.cuda.current_stream().cuda_stream)
+    torch.cuda.current_stream().synchronize()  # the buffer works (its flags were zeroed before the table went in)
+    buffer.destroy()  # (a device-wide wait: after the sleep)
+    assert still_busy and made_in < 2.0, (made_in, still_busy)
