@@ -187,11 +187,14 @@ def dispatch(
         Gradients flow to ``hidden`` and to ``probs``/``topk_weights``.
     """
     grad_enabled = torch.is_grad_enabled()
-    records = _records(grad_enabled, _need_grad(hidden, probs, topk_weights))
-    if records and isinstance(hidden, (tuple, list)):
-        # Before any communication: the backward would fail on every rank after its combine had run.
-        raise TypeError("ep_plugin.dispatch: an FP8 dispatch ((data, scales) hidden) has no backward yet, and the "
-                        "probs or topk_weights need grad; dispatch them detached or under torch.no_grad")
+    fp8 = isinstance(hidden, (tuple, list))
+    # An fp8 pair's data may need grad (x.to(torch.float8_e4m3fn) is differentiable): that counts too.
+    records = _records(grad_enabled, _need_grad(hidden[0] if fp8 and hidden else hidden, probs, topk_weights))
+    if records and fp8:
+        # Before any communication: the backward would fail on every rank after its combine had run (or, with
+        # only the data needing grad, its gradient would be dropped without a word).
+        raise TypeError("ep_plugin.dispatch: an FP8 dispatch ((data, scales) hidden) has no backward yet, and its "
+                        "data or the probs / topk_weights need grad; dispatch them detached or under torch.no_grad")
     if not records:
         # Nothing to record (inference, torch.no_grad): the Function's bookkeeping (~5 µs) would buy nothing.
         return backend.dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
@@ -214,9 +217,10 @@ def combine(rows: torch.Tensor, handle: Handle, **options) -> torch.Tensor:
     """
     if not isinstance(handle, Handle):
         raise TypeError(f"combine needs the Handle returned by dispatch, got {type(handle).__name__}")
-    if "row_probs" in options:  # what backend.combine returns besides the rows would be lost here
+    if options.get("row_probs") is not None:  # what backend.combine returns besides the rows would be lost here
         raise TypeError("ep_plugin.combine returns the combined rows only; row_probs (the backward of dispatch's "
                         "probs, returned next to the rows) goes through backend.combine(rows, handle, row_probs=...)")
+    options.pop("row_probs", None)  # None passed through (DeepEP-style code): nothing routed back, as without it
     bias = options.pop("bias", None)
     grad_enabled = torch.is_grad_enabled()
     if not _records(grad_enabled, _need_grad(rows, bias)):  # as in dispatch

@@ -485,25 +485,29 @@ def combine_bias_gradients(ctx) -> dict:
         row_probs = "accepted"
     except TypeError as error:
         row_probs = str(error)
+    out = backend.dispatch(hidden, topk_idx=topk_idx)  # row_probs=None, as DeepEP-style code passes it: no refusal
+    none_passed = torch.equal(ep_plugin.combine(out.hidden, out.handle, row_probs=None),
+                              backend.combine(out.hidden, out.handle).hidden)
     backend.barrier()  # every rank made the same ops: a backward that ran an op on one rank only would hang here
     backend.destroy()
     return {"x_grad_unchanged": torch.equal(x_grad, plain_x_grad),
             "bias_grad_is_upstream": bias_grad is not None and torch.equal(bias_grad, upstream),
             "bias_grad_alone_is_upstream": bias_grad_alone is not None and torch.equal(bias_grad_alone, upstream),
             "backward_ops": (ops_before, backward_ops_for_bias_alone),
-            "row_probs": row_probs}
+            "row_probs": row_probs, "row_probs_none_passed": none_passed}
 
 
 def test_a_bias_given_to_combine_gets_its_gradient():
     """A tensor combine option (elastic's ``bias``) reaches autograd: its gradient is the output's, the rows'
     gradient is as without it, and a bias alone needing one runs no backward op. ``row_probs``, whose
-    result ``ep_plugin.combine`` would drop, is refused."""
+    result ``ep_plugin.combine`` would drop, is refused; ``row_probs=None`` is not (it was)."""
     for result in run_ranks(combine_bias_gradients, 2, timeout_s=120):
         assert result["x_grad_unchanged"], result
         assert result["bias_grad_is_upstream"], result
         assert result["bias_grad_alone_is_upstream"], result
         assert result["backward_ops"] == (2, 0), result  # one for each step whose rows need a gradient
         assert "row_probs" in result["row_probs"] and "backend.combine" in result["row_probs"], result
+        assert result["row_probs_none_passed"], result
 
 
 def backward_ops_left_of_a_handle(ctx) -> list:
@@ -549,6 +553,14 @@ def fp8_dispatch_with_weights_that_need_grad(ctx) -> dict:
         outcome["recorded"] = "no error"
     except TypeError as error:
         outcome["recorded"] = str(error)
+    # Its data needing grad (a differentiable cast from a tensor that does) counts too: its gradient was dropped.
+    cast = torch.zeros(3, 128, requires_grad=True).to(torch.float8_e4m3fn)
+    try:
+        ep_plugin.dispatch(backend, (cast, scales), topk_idx=idx, topk_weights=weights.detach())
+        outcome["data_recorded"] = "no error"
+    except TypeError as error:
+        outcome["data_recorded"] = str(error)
+    outcome["cast_needs_grad"] = cast.requires_grad
     hidden = torch.ones(3, 128)  # the peers are still in step: a round trip goes on
     out = ep_plugin.dispatch(backend, hidden, topk_idx=idx, topk_weights=weights)
     outcome["after"] = torch.equal(ep_plugin.combine(out.hidden, out.handle), hidden * 2)
@@ -559,7 +571,9 @@ def test_an_fp8_dispatch_that_autograd_would_record_is_refused_before_it_runs():
     """FP8 dispatch has no backward: with weights that need grad, hybrid's and elastic's forward ran, and the
     backward would have run a combine on every rank and then failed in torch (a gradient for the (data, scales)
     input; read from the code, not run). Now refused first, on the rank that passed it (here every rank), before
-    any backend check or communication; on CPU the reference stands in for the backend it never reaches."""
+    any backend check or communication; on CPU the reference stands in for the backend it never reaches. FP8 data
+    that needs grad itself (a differentiable cast) is refused too: its gradient was dropped without a word."""
     for rank, outcome in enumerate(run_ranks(fp8_dispatch_with_weights_that_need_grad, 2, timeout_s=120)):
         assert "FP8 dispatch" in outcome["recorded"] and "no backward yet" in outcome["recorded"], (rank, outcome)
+        assert outcome["cast_needs_grad"] and "no backward yet" in outcome["data_recorded"], (rank, outcome)
         assert outcome["after"] is True, (rank, outcome)

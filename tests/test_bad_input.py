@@ -247,6 +247,10 @@ def test_expert_alignment_is_deepeps_name_for_pad_multiple():
     assert merge_alignment(16, None) == 16 and merge_alignment(None, 128) == 128 and merge_alignment(8, 8) == 8
     with pytest.raises(ValueError, match="disagree"):
         merge_alignment(16, 128)
+    # Refused under its own name (it was checked as pad_multiple, which the caller never passed).
+    for bad in (0, True, 1.5, 1 << 17):
+        with pytest.raises(ValueError, match=r"expert_alignment must be an int in \[1, 65536\], got"):
+            merge_alignment(None, bad)
 
 
 def test_a_compiled_backend_refuses_sizes_past_its_32_bit_row_indices():

@@ -27,10 +27,11 @@ from ..routing import TOPK, Routing, check_tensor, check_topk_values, make_routi
 from ..topology import Topology, resolve_topology
 
 
-def check_pad_multiple(pad_multiple) -> None:
-    """ValueError unless ``pad_multiple`` is an int in [1, MAX_PAD_MULTIPLE] (a dispatch's, or a sizing's)."""
+def check_pad_multiple(pad_multiple, name: str = "pad_multiple") -> None:
+    """ValueError unless ``pad_multiple`` is an int in [1, MAX_PAD_MULTIPLE] (a dispatch's, or a sizing's);
+    ``name``: the argument it came in as."""
     if not (is_int(pad_multiple) and 1 <= pad_multiple <= MAX_PAD_MULTIPLE):
-        raise ValueError(f"pad_multiple must be an int in [1, {MAX_PAD_MULTIPLE}], got {pad_multiple!r}")
+        raise ValueError(f"{name} must be an int in [1, {MAX_PAD_MULTIPLE}], got {pad_multiple!r}")
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ def merge_alignment(pad_multiple: Optional[int], expert_alignment: Optional[int]
     """``expert_alignment`` is DeepEP's name for ``pad_multiple``: one of them, or both equal."""
     if expert_alignment is None:
         return pad_multiple
+    check_pad_multiple(expert_alignment, "expert_alignment")
     if pad_multiple is not None and pad_multiple != expert_alignment:
         raise ValueError(f"pad_multiple={pad_multiple} and expert_alignment={expert_alignment} disagree; "
                          "pass one of them")
