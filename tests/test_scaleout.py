@@ -442,6 +442,40 @@ def test_bad_topk_ids_across_domains_raise_as_flat():
     assert rank0[2:] == rank1 == [rank1[0]] and len(rank1[0]) == 2  # the backend went on
 
 
+def topk_wider_than_a_domain(ctx) -> dict:
+    """Across two domains of one rank (2 experts each): a top-k of 3 on rank 0 only, then on every rank, then a
+    valid dispatch."""
+    config = ep_plugin.Config.from_env(timeout_s=20.0)
+    backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu", config=config,
+                                                 topology=Topology(2, 1, ctx.rank))
+    x, idx = torch.ones(2, 4), torch.tensor([[0, 1, 2], [1, 2, 3]])
+    raised = {}
+    for case, k in (("rank 0 only", 3 if ctx.rank == 0 else 2), ("every rank", 3)):
+        start = time.monotonic()
+        try:
+            backend.dispatch(x, topk_idx=idx[:, :k].contiguous())
+            raised[case] = "nothing"
+        except (ValueError, EPError) as error:
+            raised[case] = f"{type(error).__name__}: {error}"
+        raised[case + " seconds"] = time.monotonic() - start
+    raised["after"] = tuple(backend.dispatch(x, topk_idx=idx[:, :2].contiguous()).hidden.shape)
+    backend.destroy()
+    return raised
+
+
+def test_a_topk_wider_than_a_domain_is_refused_on_every_rank():
+    """k must fit the experts of one domain. It was checked before the op's agreement: a rank that passed a
+    wider k raised ValueError alone and its peers waited out the timeout (20 s here). Now the agreement carries
+    it: where k differs, every rank raises the disagreement (as flat); where every rank passed it, every rank
+    raises why; the backend goes on."""
+    for rank, raised in enumerate(run_ranks(topk_wider_than_a_domain, 2, timeout_s=120)):
+        assert raised["rank 0 only"].startswith("EPError") and "topk: " in raised["rank 0 only"], (rank, raised)
+        assert raised["rank 0 only seconds"] < 10, (rank, raised)
+        assert raised["every rank"].startswith("ValueError") and "more than the 2 experts of one NVLink domain" \
+            in raised["every rank"], (rank, raised)
+        assert raised["after"] == ((6, 4), (2, 4))[rank], (rank, raised)  # ids 0, 1 | 1, 2 from both ranks
+
+
 def cached_dispatch_arguments_across_domains(ctx) -> list:
     """A cached dispatch across domains takes the form options its domain backend's cached dispatch takes
     (the reference's: none) and no routing arguments; both refused before the rails, every rank alike."""

@@ -281,22 +281,12 @@ class HierarchicalBackend(Backend):
 
     def dispatch(self, hidden, *, routing_map=None, probs=None, topk_idx=None, topk_weights=None,
                  pad_multiple: Optional[int] = None, handle: Optional[Handle] = None, **options) -> DispatchOutput:
-        """As the domain backend's dispatch (``Backend.dispatch``), with the k limits of a domain."""
+        """As the domain backend's dispatch (``Backend.dispatch``), with the k limits of a domain (refused in the
+        op's agreement, ``_refused_input``)."""
         if handle is not None:  # a cached dispatch: Backend.dispatch refuses routing arguments, checks options
             return super().dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
                                     topk_weights=topk_weights, pad_multiple=pad_multiple, handle=handle, **options)
         self.check_routing_form(routing_map, topk_idx)
-        if topk_idx is not None:  # the k checks below read its shape
-            check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2, device=self.device)
-        if topk_idx is not None and topk_idx.shape[1] > self.experts_per_domain:
-            raise ValueError(f"topk_idx has k={topk_idx.shape[1]} columns, more than the {self.experts_per_domain} "
-                             f"experts of one NVLink domain ({self.domain_size} ranks x {self.num_local_experts}); "
-                             f"across domains k must be at most that (use larger domains, or the routing_map form "
-                             f"where the backend takes it)")
-        max_topk = getattr(self.domain, "max_topk", None)
-        if max_topk is not None and topk_idx is not None and topk_idx.shape[1] > max_topk:
-            raise ValueError(f"topk_idx has k={topk_idx.shape[1]} columns; this {self.name} backend was built with "
-                             f"max_topk={max_topk}")
         return super().dispatch(hidden, routing_map=routing_map, probs=probs, topk_idx=topk_idx,
                                 topk_weights=topk_weights, pad_multiple=pad_multiple, **options)
 
@@ -371,6 +361,22 @@ class HierarchicalBackend(Backend):
     def over_budget(self) -> Optional[torch.Tensor]:
         """hybrid: the overflow flag of the latest dispatch (see ``HybridBackend``)."""
         return getattr(self.domain, "over_budget", None)
+
+    def _refused_input(self, routing: Routing) -> Optional[str]:
+        """``Backend._refused_input``, and a top-k wider than one domain can take: refused in the op's agreement
+        (not before it), so that where some ranks pass such a k their peers raise too instead of waiting."""
+        refused = super()._refused_input(routing)
+        if refused is not None or routing.form != TOPK:
+            return refused
+        k = routing.topk_idx.shape[1]
+        if k > self.experts_per_domain:
+            return (f"topk_idx has k={k} columns, more than the {self.experts_per_domain} experts of one NVLink "
+                    f"domain ({self.domain_size} ranks x {self.num_local_experts}); across domains k must be at most "
+                    f"that (use larger domains, or the routing_map form where the backend takes it)")
+        max_topk = getattr(self.domain, "max_topk", None)
+        if max_topk is not None and k > max_topk:
+            return f"topk_idx has k={k} columns; this {self.name} backend was built with max_topk={max_topk}"
+        return None
 
     def check_dispatch_flags(self, **options) -> None:
         """The domain backend's option values (elastic's flags are bools), before any rail moves."""
