@@ -65,7 +65,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("handle_kind", &ep::SymmetricBuffer::handle_kind)
       .def("export_handle", [](const ep::SymmetricBuffer& b) { return py::bytes(b.export_handle()); })
       .def("open_peers", &ep::SymmetricBuffer::open_peers, py::arg("handles"))
-      .def("close_peers", &ep::SymmetricBuffer::close_peers)
+      .def("close_peers", &ep::SymmetricBuffer::close_peers, py::arg("synchronize") = true)
       .def("destroy", &ep::SymmetricBuffer::destroy)
       .def("abandon", &ep::SymmetricBuffer::abandon)
       .def("report", &ep::SymmetricBuffer::report)

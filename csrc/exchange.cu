@@ -55,7 +55,8 @@ void check_exchange_args(const SymmetricBuffer& buffer, const ExchangeArgs& args
 void launch_exchange(const SymmetricBuffer& buffer, const ExchangeArgs& args, uintptr_t stream) {
   check_exchange_args(buffer, args);
   const DeviceScope device_scope(buffer.device());
-  exchange_kernel<<<1, kExchangeThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), args);
+  const TransportView& view = buffer.view();  // (it throws once destroyed: not inside the launch's arguments)
+  exchange_kernel<<<1, kExchangeThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(view, args);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -38,7 +38,9 @@ SyncLayout make_sync_layout(int num_ranks, int count_words) {
 struct PrivateStream {
   cudaStream_t stream = nullptr;
   PrivateStream() { EP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)); }
-  ~PrivateStream() { (void)cudaStreamDestroy(stream); }
+  ~PrivateStream() {
+    if (cudaStreamDestroy(stream) != cudaSuccess) (void)cudaGetLastError();  // not left for the next launch
+  }
   PrivateStream(const PrivateStream&) = delete;
   PrivateStream& operator=(const PrivateStream&) = delete;
   void wait() const { EP_CUDA_CHECK(cudaStreamSynchronize(stream)); }
@@ -145,11 +147,11 @@ uintptr_t SymmetricBuffer::peer_region_address(int r) const {
   return reinterpret_cast<uintptr_t>(table_[r]) + static_cast<uintptr_t>(view_.sync.bytes);
 }
 
-void SymmetricBuffer::close_peers() {
+void SymmetricBuffer::close_peers(bool synchronize) {
   if (destroyed_ || opened_.empty()) return;
   const DeviceScope device_scope(device_);
   // Errors are collected so every mapping is closed; the first one is raised.
-  cudaError_t first = cudaDeviceSynchronize();
+  cudaError_t first = synchronize ? cudaDeviceSynchronize() : cudaSuccess;
   for (char* pointer : opened_) {
     const cudaError_t status = cudaIpcCloseMemHandle(pointer);
     if (first == cudaSuccess) first = status;

@@ -597,21 +597,43 @@ def test_the_extension_refuses_a_launch_on_a_destroyed_or_abandoned_buffer():
 def test_a_buffer_is_made_while_another_stream_is_busy():
     """The extension zeroed a new buffer and copied its peer table with device-wide waits (a synchronize, the
     legacy default stream): a backend built while any kernel of the process ran (a collective stuck on a dead
-    peer, say) waited for it, with no timeout. Its setup copies now run on a stream of their own."""
+    peer, say) waited for it, with no timeout. Its setup copies now run on a stream of their own: neither a
+    side stream's kernel nor one on the default stream holds the build up. And the memory is still zeroed before
+    anything runs on it (dirtied first, then freed and made again: cudaMalloc tends to give the same memory)."""
     from ep_plugin import _cuda
 
     C = _cuda.extension()
-    busy = torch.cuda.Stream()
+    device = torch.cuda.current_device()
+    size = 64 << 20
+
+    def region(buffer) -> torch.Tensor:  # the buffer's region, as a tensor (no copy)
+        class Memory:
+            __cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (buffer.region_address, False),
+                                        "version": 3}
+        return torch.as_tensor(Memory(), device=f"cuda:{device}")
+
+    dirty = C.SymmetricBuffer(device=device, rank=0, num_ranks=1, region_bytes=size, count_words=8, timeout_s=5.0)
+    dirty.open_peers([b""])
+    region(dirty).fill_(0xFF)
     torch.cuda.synchronize()
-    with torch.cuda.stream(busy):
-        torch.cuda._sleep(int(8e9))  # ~4 s at the H200's ~2 GHz (longer on a slower clock)
-    start = time.monotonic()
-    buffer = C.SymmetricBuffer(device=torch.cuda.current_device(), rank=0, num_ranks=1, region_bytes=64 << 20,
-                               count_words=8, timeout_s=5.0)
-    buffer.open_peers([b""])
-    made_in = time.monotonic() - start
-    still_busy = not busy.query()
-    C.exchange(buffer, C.ExchangeArgs(phase=1, fingerprint=7), torch.cuda.current_stream().cuda_stream)
-    torch.cuda.current_stream().synchronize()  # the buffer works (its flags were zeroed before the table went in)
-    buffer.destroy()  # (a device-wide wait: after the sleep)
-    assert still_busy and made_in < 2.0, (made_in, still_busy)
+    dirty.destroy()
+    outcomes = {}
+    for name, busy in (("side stream", torch.cuda.Stream()), ("default stream", torch.cuda.default_stream())):
+        torch.cuda.synchronize()
+        with torch.cuda.stream(busy):
+            torch.cuda._sleep(int(8e9))  # ~4 s at the H200's ~2 GHz (longer on a slower clock)
+        start = time.monotonic()
+        buffer = C.SymmetricBuffer(device=device, rank=0, num_ranks=1, region_bytes=size, count_words=8,
+                                   timeout_s=5.0)
+        buffer.open_peers([b""])
+        outcomes[name] = (time.monotonic() - start, not busy.query())
+        stream = torch.cuda.Stream()  # not behind the sleep
+        C.exchange(buffer, C.ExchangeArgs(phase=1, fingerprint=7), stream.cuda_stream)
+        with torch.cuda.stream(stream):
+            outcomes[name + " zeroed"] = bool((region(buffer) == 0).all().item())
+        stream.synchronize()  # the handshake ran (its flags started at zero)
+        buffer.destroy()  # (a device-wide wait: after the sleep)
+    for name in ("side stream", "default stream"):
+        made_in, still_busy = outcomes[name]
+        assert still_busy and made_in < 2.0, (name, outcomes)
+        assert outcomes[name + " zeroed"], (name, outcomes)

@@ -140,7 +140,8 @@ void launch_combine_send(const SymmetricBuffer& buffer, const Regions& regions, 
     throw std::invalid_argument("ep_plugin elastic: topk out of range for this buffer");
   check_launch_fits("elastic", regions, num_blocks);
   const DeviceScope device_scope(buffer.device());
-  combine_send_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), regions,
+  const TransportView& view = buffer.view();  // (it throws once destroyed: not inside the launch's arguments)
+  combine_send_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(view, regions,
                                                                                            args);
   EP_CUDA_CHECK(cudaGetLastError());
 }
@@ -151,7 +152,8 @@ void launch_combine_recv(const SymmetricBuffer& buffer, const Regions& regions, 
     throw std::invalid_argument("ep_plugin elastic: routing values back needs topk_idx and a topk in range");
   check_launch_fits("elastic", regions, num_blocks, args.num_tokens);
   const DeviceScope device_scope(buffer.device());
-  combine_recv_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), regions,
+  const TransportView& view = buffer.view();  // (it throws once destroyed: not inside the launch's arguments)
+  combine_recv_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(view, regions,
                                                                                            args);
   EP_CUDA_CHECK(cudaGetLastError());
 }

@@ -220,7 +220,8 @@ __global__ void __launch_bounds__(kThreads) combine_recv_kernel(TransportView t,
 void launch_combine_send(const SymmetricBuffer& buffer, const Regions& regions, const CombineSendArgs& args, int num_blocks, uintptr_t stream) {
   check_launch_fits("hybrid", regions, num_blocks);
   const DeviceScope device_scope(buffer.device());
-  combine_send_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), regions, args);
+  const TransportView& view = buffer.view();  // (it throws once destroyed: not inside the launch's arguments)
+  combine_send_kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(view, regions, args);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -231,8 +232,9 @@ void launch_combine_recv(const SymmetricBuffer& buffer, const Regions& regions, 
     throw std::invalid_argument("ep_plugin hybrid: scalars routed back need combine_send (wait_for_send)");
   check_launch_fits("hybrid", regions, num_blocks, args.num_tokens);
   const DeviceScope device_scope(buffer.device());
+  const TransportView& view = buffer.view();  // (it throws once destroyed: not inside the launch's arguments)
   const auto kernel = args.peer_rows != nullptr ? combine_recv_kernel<true> : combine_recv_kernel<false>;
-  kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(buffer.view(), regions, args);
+  kernel<<<num_blocks, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(view, regions, args);
   EP_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -117,13 +117,14 @@ void launch_dispatch_fused(const SymmetricBuffer& buffer, const Regions& regions
   const DeviceScope device_scope(buffer.device());
   const bool bulk = send.bulk_copy && permute.bulk_copy && buffer.bulk_capable();
   const auto s = reinterpret_cast<cudaStream_t>(stream);
+  const TransportView& view = buffer.view();  // (it throws once destroyed: not inside the launch's arguments)
   if (bulk) {
     const BulkShape shape = make_bulk_shape(send.row_bytes);
     const int smem = bulk_smem_bytes(shape);
     allow_dynamic_smem(reinterpret_cast<const void*>(dispatch_fused_bulk_kernel), smem);
-    dispatch_fused_bulk_kernel<<<num_blocks, kBulkWarps * 32, smem, s>>>(buffer.view(), regions, send, permute, shape);
+    dispatch_fused_bulk_kernel<<<num_blocks, kBulkWarps * 32, smem, s>>>(view, regions, send, permute, shape);
   } else {
-    dispatch_fused_kernel<<<num_blocks, kThreads, 0, s>>>(buffer.view(), regions, send, permute);
+    dispatch_fused_kernel<<<num_blocks, kThreads, 0, s>>>(view, regions, send, permute);
   }
   EP_CUDA_CHECK(cudaGetLastError());
 }

@@ -111,7 +111,9 @@ class SymmetricBuffer:
         try:
             if any(opened):  # refused below, the buffer freed: as in destroy, every importer closes first (a
                 # close that failed too changes nothing there: the refusal says why no rank goes on)
-                self._close_peers_together("opening the peers' buffers (refused: the mappings closed)")
+                # No kernel ran on the mappings: no device-wide wait (on whatever else this GPU runs) first.
+                self._close_peers_together("opening the peers' buffers (refused: the mappings closed)",
+                                           synchronize=False)
             self._refuse_together(opened, failure, _ALLOW_IPC,
                                   "could not open its peers' buffers through CUDA IPC, so no rank uses them")
         finally:  # as above
@@ -147,13 +149,13 @@ class SymmetricBuffer:
         raise EPError(f"ep_plugin {self.backend}: another rank {what} ({'; '.join(failed)}). Build again on every "
                       f"rank once that is mended.")
 
-    def _close_peers_together(self, where: str) -> Optional[RuntimeError]:
+    def _close_peers_together(self, where: str, *, synchronize: bool = True) -> Optional[RuntimeError]:
         """CUDA IPC: every rank closes its mappings of the peers' buffers, then meets them, so that no exporter
         frees memory another rank still maps. A rank whose close failed meets them all the same: its error is
-        returned, for the caller to raise."""
+        returned, for the caller to raise. ``synchronize=False``: no device-wide wait before (nothing ran)."""
         closing_failed = None
         try:
-            self._buffer.close_peers()
+            self._buffer.close_peers(synchronize=synchronize)
         except RuntimeError as error:
             closing_failed = error
         self._collectives.barrier(where=where)

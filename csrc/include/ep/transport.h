@@ -111,7 +111,8 @@ class SymmetricBuffer {
   void open_peers(const std::vector<std::string>& handles);
   // Close the peers' buffers opened here (after a device-wide sync; idempotent): before any peer frees
   // its buffer, as CUDA IPC asks of an importer (destroy's barrier in Python orders the two).
-  void close_peers();
+  // synchronize=false: no device-wide wait first (no kernel ever ran on the mappings: a refused build).
+  void close_peers(bool synchronize = true);
   // Release everything (idempotent; closes the peers' buffers first if close_peers did not). Peers must
   // not touch this buffer afterwards.
   void destroy();
