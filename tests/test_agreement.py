@@ -38,6 +38,19 @@ def _reference(**kwargs):
     return ep_plugin.get_backend("reference")(config=config, device="cpu", **kwargs)
 
 
+class _Picky(ep_plugin.get_backend("reference")):
+    """A backend subclass with an argument of its own, which its ``check_build_arguments`` refuses."""
+
+    def __init__(self, group=None, *, flavour: int = 0, **kwargs):
+        super().__init__(group, **kwargs)
+
+    @classmethod
+    def check_build_arguments(cls, group=None, *, flavour: int = 0, **kwargs):
+        super().check_build_arguments(group, flavour=flavour, **kwargs)
+        if flavour < 0:
+            raise ValueError(f"flavour must be >= 0, got {flavour}")
+
+
 def construction_scenarios(ctx) -> dict:
     odd = ctx.rank == ODD
     experts = 2 * NUM_RANKS
@@ -57,6 +70,10 @@ def construction_scenarios(ctx) -> dict:
     outcomes["bad_device"] = _outcome(lambda: ep_plugin.get_backend("reference")(
         hidden_size=HIDDEN, num_experts=experts, device="cuda:99" if odd else "cpu",
         config=Config.from_env(timeout_s=TIMEOUT_S)))
+    # The subclass's own check, which Backend.__new__ must ask before the exchange (nothing after it would).
+    outcomes["own_check"] = _outcome(lambda: _Picky(hidden_size=HIDDEN, num_experts=experts, device="cpu",
+                                                     config=Config.from_env(timeout_s=TIMEOUT_S),
+                                                     flavour=-1 if odd else 0))
     outcomes["bad_knob"] = _outcome(lambda: _built_under_env(
         {"EP_PLUGIN_TIMEOUT_S": str(TIMEOUT_S), **({"EP_PLUGIN_MAX_TOKENS_PER_RANK": "0"} if odd else {})},
         lambda: ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=experts, device="cpu")))
@@ -90,6 +107,7 @@ def _built_under_env(env: dict, build):
     ("bad_hidden", "hidden_size must be a positive int, got 0"),
     ("bad_knob", "EP_PLUGIN_MAX_TOKENS_PER_RANK"),
     ("bad_kwarg", "flavour"),
+    ("own_check", "flavour must be >= 0, got -1"),
     ("bad_device", "AssertionError"),  # torch's "not compiled with CUDA enabled", or "Invalid device id" (GPU 99)
 ])
 def test_an_argument_refused_on_one_rank_raises_on_every_rank_at_once(construction_outcomes, scenario, reason):

@@ -22,7 +22,6 @@ def check_handle_lifetime(ctx) -> None:
     backend = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=EXPERTS, device="cpu")
     local, rank = backend.num_local_experts, ctx.rank
     weights = torch.randn(EXPERTS, HIDDEN, HIDDEN, generator=torch.Generator().manual_seed(2))
-    expected_grads = None
     for step in range(5):
         problem = make_problem(step, [9] * ctx.world_size, HIDDEN, EXPERTS, 2)
         hidden = problem.hidden[rank].clone().requires_grad_()
@@ -36,6 +35,8 @@ def check_handle_lifetime(ctx) -> None:
         del out, expert_out  # the caller keeps nothing but the loss
         gc.collect()
         assert handle_alive() is not None, "the autograd graph must own the Handle until backward"
+        # Memory the caller let go of is reused with garbage before the backward reads what the graph kept.
+        churn = [torch.full((9, HIDDEN), 1e30) for _ in range(16)]
 
         loss.backward()
         del loss  # graph gone: nothing may keep the Handle or its index tensors alive
@@ -43,8 +44,7 @@ def check_handle_lifetime(ctx) -> None:
         assert handle_alive() is None, "Handle leaked after backward"
         assert layout_alive() is None, "layout tensors leaked after backward"
 
-        # Reuse the freed memory with garbage, then check the gradients against dense autograd.
-        churn = [torch.full((9, HIDDEN), 1e30) for _ in range(16)]
+        # The gradients, against dense autograd.
         dense_hidden = [h.clone().requires_grad_() for h in problem.hidden]
         dense_probs = [p.clone().requires_grad_() for p in problem.probs]
         outputs = dense_moe(problem, lambda e, x: x @ weights[e], dense_hidden, dense_probs)
@@ -52,8 +52,6 @@ def check_handle_lifetime(ctx) -> None:
         torch.testing.assert_close(hidden.grad, dense_hidden[rank].grad)
         torch.testing.assert_close(probs.grad, dense_probs[rank].grad)
         del churn
-        expected_grads = step + 1
-    assert expected_grads == 5
 
 
 def test_handle_owned_by_graph_and_released_after_backward():

@@ -131,10 +131,31 @@ def check_bf16_combine_rounds_once_from_fp32(ctx) -> None:
         f"combine differs from the fp32 sum rounded once in {int((combined != expected).sum())} elements")
 
 
+def bf16_combine_with_its_sums_watched(ctx) -> list:
+    """The check above, with the dtypes of the backend's own index_add_ calls recorded: torch's CPU index_add_
+    of bf16 sums a whole call in fp32, so the values alone would pass with a bf16 accumulator."""
+    import sys
+
+    seen, original = [], torch.Tensor.index_add_
+
+    def watched(self, dim, index, source, *args, **kwargs):
+        if sys._getframe(1).f_code.co_filename.endswith("reference.py"):
+            seen.append((str(self.dtype), str(source.dtype)))
+        return original(self, dim, index, source, *args, **kwargs)
+
+    torch.Tensor.index_add_ = watched
+    try:
+        check_bf16_combine_rounds_once_from_fp32(ctx)
+    finally:
+        torch.Tensor.index_add_ = original
+    return seen
+
+
 def test_bf16_combine_rounds_the_exact_sum_once_on_cpu():
-    """The combined values on CPU. Which dtype the sum runs in, the CUDA twin below tells: torch's CPU
-    index_add_ of bf16 sums a whole call in fp32, so a bf16 accumulator passes here (watched)."""
-    run_ranks(check_bf16_combine_rounds_once_from_fp32, 2, timeout_s=120)
+    """The combined values on CPU, and the dtype the combine sums them in (the CUDA twin below tells that by the
+    values alone)."""
+    for seen in run_ranks(bf16_combine_with_its_sums_watched, 2, timeout_s=120):
+        assert seen and set(seen) == {("torch.float32", "torch.float32")}, seen
 
 
 @pytest.mark.gpu(extension=False)
