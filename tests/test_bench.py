@@ -981,6 +981,18 @@ def test_compare_refuses_runs_timed_with_other_iterations_or_knobs(tmp_path, cap
                                                                "EP_PLUGIN_TIMEOUT_S": "60"})
     assert compare.main(["--new", waits_longer, "--base", str(base)]) == 0
     assert "timed unlike" not in capsys.readouterr().out
+    # Where no reference case is on both sides (its rows named another backend on both), its iteration count
+    # times nothing that is compared.
+    sides = []
+    for name, iters in (("renamed_new.json", 7), ("renamed_base.json", environment["reference"]["iters"])):
+        path = new_side(name, reference={**environment["reference"], "iters": iters})
+        renamed = json.loads(pathlib.Path(path).read_text())
+        for row in renamed["summary"]:
+            row["backend"] = "hybrid"
+        (tmp_path / name).write_text(json.dumps(renamed))
+        sides.append(str(tmp_path / name))
+    assert compare.main(["--new", sides[0], "--base", sides[1]]) == 0
+    assert "timed unlike" not in capsys.readouterr().out
     # The reference's token limit sets which cases run, not how long one takes.
     fewer_references = new_side("fewer.json", reference={**environment["reference"], "max_tokens": 1})
     assert compare.main(["--new", fewer_references, "--base", str(base)]) == 0

@@ -101,12 +101,16 @@ def case_medians(paths: list[str], ops: Optional[set] = None) -> dict[tuple, flo
     return {case: statistics.median(values) for case, values in case_figures(paths, ops).items()}
 
 
-def environment_differences(new_paths: list[str], base_paths: list[str]) -> list[str]:
+def environment_differences(new_paths: list[str], base_paths: list[str], *,
+                            reference_compared: bool = True) -> list[str]:
     """"key: new value(s) vs base value(s)" for each TIMING_ENVIRONMENT key whose values differ between the
-    files (within a side too: one side's rounds ran alike)."""
+    files (within a side too: one side's rounds ran alike); the reference's iteration count only where
+    ``reference_compared`` (a reference case is on both sides)."""
     sides = [[read_environment(path) for path in paths] for paths in (new_paths, base_paths)]
     differences = []
     for key in TIMING_ENVIRONMENT:
+        if key == "reference_iters" and not reference_compared:
+            continue
         values = [sorted({_shown(env.get(key)) for env in side if key in env or key not in RECORDED_LATER})
                   for side in sides]
         if len(set(values[0]) | set(values[1])) > 1:
@@ -249,7 +253,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if environment.get(key):
                     how = "incompletely" if key == "incomplete" else "with a teardown error"
                     print(f"note: {name} file {path} ran {how}: {environment[key]}")
-    differences = environment_differences(args.new, args.base)
+    reference_compared = any(case[CASE_KEYS.index("backend")] == "reference" for _, _, _, case, _ in rows)
+    differences = environment_differences(args.new, args.base, reference_compared=reference_compared)
     for difference in differences:
         print(f"timed unlike: {difference}")
     for side, case in alone:
