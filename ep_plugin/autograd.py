@@ -217,10 +217,11 @@ def combine(rows: torch.Tensor, handle: Handle, **options) -> torch.Tensor:
     """
     if not isinstance(handle, Handle):
         raise TypeError(f"combine needs the Handle returned by dispatch, got {type(handle).__name__}")
-    if options.get("row_probs") is not None:  # what backend.combine returns besides the rows would be lost here
+    # What backend.combine returns besides the rows would be lost here (None, as DeepEP-style code passes it, is no
+    # row_probs at all).
+    if options.pop("row_probs", None) is not None:
         raise TypeError("ep_plugin.combine returns the combined rows only; row_probs (the backward of dispatch's "
                         "probs, returned next to the rows) goes through backend.combine(rows, handle, row_probs=...)")
-    options.pop("row_probs", None)  # None passed through (DeepEP-style code): nothing routed back, as without it
     bias = options.pop("bias", None)
     grad_enabled = torch.is_grad_enabled()
     if not _records(grad_enabled, _need_grad(rows, bias)):  # as in dispatch

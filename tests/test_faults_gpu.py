@@ -606,11 +606,11 @@ def test_a_buffer_is_made_while_another_stream_is_busy():
     device = torch.cuda.current_device()
     size = 64 << 20
 
-    def region(buffer) -> torch.Tensor:  # the buffer's region, as a tensor (no copy)
-        class Memory:
-            __cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (buffer.region_address, False),
-                                        "version": 3}
-        return torch.as_tensor(Memory(), device=f"cuda:{device}")
+    def region(buffer) -> torch.Tensor:  # the buffer's region, as a tensor (no copy), as the Python side makes it
+        from ep_plugin.transport.symmetric import _DeviceMemory
+
+        return torch.as_tensor(_DeviceMemory(buffer.region_address, (size,), "|u1", owner=buffer),
+                               device=f"cuda:{device}")
 
     dirty = C.SymmetricBuffer(device=device, rank=0, num_ranks=1, region_bytes=size, count_words=8, timeout_s=5.0)
     dirty.open_peers([b""])
