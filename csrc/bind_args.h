@@ -30,7 +30,9 @@ namespace py = pybind11;
 inline uintptr_t to_address(py::handle value, const std::string& field) {
   if (value.is_none()) return 0;
   if (PyLong_Check(value.ptr())) return py::cast<uintptr_t>(value);
-  static std::map<PyTypeObject*, py::object> data_ptr_of_class;  // the GIL guards it; classes stay referenced
+  // The GIL guards it; classes stay referenced. Never freed: a static map's destructor would drop its
+  // references after the interpreter has finalized, at process exit.
+  static auto& data_ptr_of_class = *new std::map<PyTypeObject*, py::object>();
   PyTypeObject* cls = Py_TYPE(value.ptr());
   auto found = data_ptr_of_class.find(cls);
   if (found == data_ptr_of_class.end()) {

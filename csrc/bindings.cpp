@@ -65,8 +65,11 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("handle_kind", &ep::SymmetricBuffer::handle_kind)
       .def("export_handle", [](const ep::SymmetricBuffer& b) { return py::bytes(b.export_handle()); })
       .def("open_peers", &ep::SymmetricBuffer::open_peers, py::arg("handles"))
-      .def("close_peers", &ep::SymmetricBuffer::close_peers, py::arg("synchronize") = true)
-      .def("destroy", &ep::SymmetricBuffer::destroy)
+      // Both may wait for the device (a device-wide synchronize): without the GIL, so that the process's
+      // other threads (a watchdog printing why a kernel is stuck, say) go on meanwhile.
+      .def("close_peers", &ep::SymmetricBuffer::close_peers, py::arg("synchronize") = true,
+           py::call_guard<py::gil_scoped_release>())
+      .def("destroy", &ep::SymmetricBuffer::destroy, py::call_guard<py::gil_scoped_release>())
       .def("abandon", &ep::SymmetricBuffer::abandon)
       .def("report", &ep::SymmetricBuffer::report)
       .def("failed", &ep::SymmetricBuffer::failed)

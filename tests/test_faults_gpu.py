@@ -637,3 +637,40 @@ def test_a_buffer_is_made_while_another_stream_is_busy():
         made_in, still_busy = outcomes[name]
         assert still_busy and made_in < 2.0, (name, outcomes)
         assert outcomes[name + " zeroed"], (name, outcomes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_destroy_lets_other_threads_run_while_it_waits_for_the_device():
+    """destroy (and close_peers) begin with a device-wide synchronize: it held the GIL, so while a kernel of the
+    process ran on (a stuck one, say), every other Python thread stopped too, a watchdog that would print why
+    among them. The wait now runs without the GIL."""
+    import threading
+
+    from ep_plugin import _cuda
+
+    C = _cuda.extension()
+    device = torch.cuda.current_device()
+    ticks, stop = [], threading.Event()
+
+    def tick():  # a thread that only needs the GIL now and then
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.01)
+
+    buffer = C.SymmetricBuffer(device=device, rank=0, num_ranks=1, region_bytes=1 << 20, count_words=8, timeout_s=5.0)
+    buffer.open_peers([b""])
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(4e9))  # ~2 s at the H200's ~2 GHz
+        start = time.monotonic()
+        buffer.destroy()
+        waited, end = time.monotonic() - start, time.monotonic()
+    finally:
+        stop.set()
+        ticker.join()
+    during = [t for t in ticks if start < t < end]
+    assert waited > 0.5, f"destroy did not wait for the sleeping kernel ({waited:.2f} s)"
+    assert len(during) >= waited / 0.05, f"{len(during)} ticks in a {waited:.2f} s wait: the GIL was held"

@@ -16,6 +16,7 @@
 // CU_MEM_HANDLE_TYPE_FABRIC, multi-node NVLink) can be added without changing the backends.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -153,7 +154,7 @@ class SymmetricBuffer {
  private:
   int device_;
   bool bulk_capable_ = false;
-  bool destroyed_ = false;
+  std::atomic<bool> destroyed_{false};  // destroy() runs without the GIL: another thread may read it meanwhile
   int64_t total_bytes_ = 0;
   char* local_ = nullptr;
   char** peer_table_ = nullptr;  // device
