@@ -347,8 +347,10 @@ def test_options_the_plugin_cannot_honour_fail_at_model_build(ep_megatron, monke
     the config value."""
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
 
+    from ep_plugin.backends.elastic import ElasticBackend
+    from ep_plugin.backends.hybrid import HybridBackend
     from ep_plugin.integrations.megatron import compat
-    from ep_plugin.integrations.megatron.manager import resolve_backend_class
+    from ep_plugin.integrations.megatron.manager import check_megatron_options, resolve_backend_class
 
     def build(name, **overrides):
         MoEFlexTokenDispatcher(2, [0, 1], config=_config(moe_flex_dispatcher_backend=name, **overrides))
@@ -384,6 +386,15 @@ def test_options_the_plugin_cannot_honour_fail_at_model_build(ep_megatron, monke
     for name in ("ep_hybrid", "ep_elastic"):
         with pytest.raises(ValueError, match=f"'{name}' with EP_PLUGIN_BLOCKING=0"):
             build(name)
+    # A variable that does not parse is not refused here, on the ranks that have it alone (building a dispatcher
+    # is not a collective): the first dispatch's agreement refuses it on every rank.
+    for variable, value in (("EP_PLUGIN_BLOCKING", "maybe"), ("EP_PLUGIN_TIMEOUT_S", "soon")):
+        monkeypatch.delenv("EP_PLUGIN_BLOCKING")
+        monkeypatch.setenv(variable, value)
+        for backend_class in (HybridBackend, ElasticBackend):
+            check_megatron_options(_config(moe_flex_dispatcher_backend=f"ep_{backend_class.name}"), backend_class)
+        monkeypatch.delenv(variable)
+        monkeypatch.setenv("EP_PLUGIN_BLOCKING", "0")
 
 
 @needs_megatron

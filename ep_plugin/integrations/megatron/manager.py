@@ -181,7 +181,9 @@ def check_megatron_options(config, backend_class) -> None:
         except ValueError as error:  # at model build, naming the knob (the first step would blame EP_PLUGIN_*)
             raise ValueError(f"{selected}: {compat.dispatcher_num_sms_field(config)}={num_sms} is the SMs per rank "
                              f"of ep_plugin's kernels: {error}") from None
-    if backend_class.capabilities.non_blocking and not Config.from_env().blocking:
+    # Only what parses: building a dispatcher is not a collective, so a variable refused here would stop this
+    # rank alone; the first dispatch's agreement refuses it on every rank (agree_before_build).
+    if backend_class.capabilities.non_blocking and not Config.of_what_parses().blocking:
         raise ValueError(f"{selected} with EP_PLUGIN_BLOCKING=0: non-blocking outputs are sized to a budget and "
                          "their rows past the count are not written, while Megatron's experts compute every row "
                          "they get; unset EP_PLUGIN_BLOCKING (blocking mode sizes the output exactly)")
