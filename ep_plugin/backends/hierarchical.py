@@ -754,8 +754,9 @@ class HierarchicalBackend(Backend):
                                 f"{mine[1]} on rank {self.rank}, {words[1]} on rank {rail_ranks[peer]}")
         # Tokens alone only where no rank of the rail refused for another reason (the same on every rank).
         refused_why = RefusedInput if _REFUSED_INPUT in [mine[3]] + [words[3] for words in theirs] else RefusedTokens
-        if refused is not None:
-            return splits, refused_why(refused)
+        if refused is not None:  # worded as a flat backend's (``CompiledBackend._raise_refused``)
+            return splits, refused_why(f"{refused} (on rank {self.rank}); every rank of backend {self.name!r} refused "
+                                       f"this dispatch; the backend stays usable")
         refusing = [rail_ranks[peer] for peer, words in enumerate(theirs) if words[3]]
         if refusing:
             seen = f"seen on {self.scaleout.level}"
