@@ -510,6 +510,29 @@ rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
     assert told[0] == f"quit {orphan / 'pipe'}" and told[1].startswith("quit ") and len(told) == 2, told
 
 
+
+def test_a_private_mps_daemon_that_fails_to_start_leaves_no_folder(tmp_path, monkeypatch):
+    """Its folder was removed only when the control program ran and said no: one that could not run (a
+    missing interpreter, say), timed out (its daemon may have forked) or was interrupted left the folder, with
+    nothing registered to remove it. Now ``stop`` runs on every failure (a stand-in control program here)."""
+    import tempfile
+
+    from ep_plugin.testing import mps
+
+    tmp, bin_dir = tmp_path / "tmp", tmp_path / "bin"
+    tmp.mkdir()
+    bin_dir.mkdir()
+    fake = bin_dir / mps.CONTROL
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    for script, error in (("#!/no/such/interpreter\n", OSError),  # it cannot run
+                          ("#!/bin/sh\necho 'no GPU here' >&2; exit 1\n", RuntimeError)):  # it runs and says no
+        fake.write_text(script)
+        fake.chmod(0o755)
+        with pytest.raises(error):
+            mps.PrivateMPS().__enter__()
+        assert list(tmp.iterdir()) == [], (script, list(tmp.iterdir()))
+
 SESSION_UNDER_SIGTERM = '''
 import time
 from ep_plugin.testing import run_ranks

@@ -80,17 +80,21 @@ class PrivateMPS:
             raise RuntimeError(f"{CONTROL} not found: several ranks per GPU need CUDA MPS")
         stop_orphaned_daemons()
         self.root = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}_")
-        os.chmod(self.root, 0o700)
-        self.env = _folders(self.root)
-        for path in self.env.values():
-            os.makedirs(path, mode=0o700)
-        result = subprocess.run([CONTROL, "-d"], env={**os.environ, **self.env}, capture_output=True, text=True,
-                                timeout=30)
+        atexit.register(self.stop)  # from here on: stop() quits a daemon that may have started and removes the folder
+        try:
+            os.chmod(self.root, 0o700)
+            self.env = _folders(self.root)
+            for path in self.env.values():
+                os.makedirs(path, mode=0o700)
+            result = subprocess.run([CONTROL, "-d"], env={**os.environ, **self.env}, capture_output=True, text=True,
+                                    timeout=30)
+        except BaseException:  # the program failed to run, timed out (its daemon may have forked), SIGTERM
+            self.stop()
+            raise
         if result.returncode != 0:
-            self._cleanup_dir()
+            self.stop()
             reason = result.stderr.strip() or result.stdout.strip()
             raise RuntimeError(f"could not start a private MPS daemon: {reason}")
-        atexit.register(self.stop)
         # -d returns once the daemon forked; a client that finds no control pipe yet runs without MPS, silently.
         control = os.path.join(self.env["CUDA_MPS_PIPE_DIRECTORY"], "control")
         deadline = time.monotonic() + 10.0
@@ -112,7 +116,3 @@ class PrivateMPS:
         atexit.unregister(self.stop)
         _quit_and_remove(root)
 
-    def _cleanup_dir(self) -> None:
-        if self.root is not None:
-            shutil.rmtree(self.root, ignore_errors=True)
-            self.root = None
