@@ -186,6 +186,61 @@ def test_a_rank_failing_alone_while_the_backend_is_built_is_named(backend_name, 
         assert result["seconds"] < 8.0, (rank, result)
 
 
+class _BufferLateToOpen(_BufferWithoutIpcExport):
+    """A real buffer whose rank opens its peers' buffers only after they gave up waiting for it."""
+
+    def export_handle(self):
+        return self._real.export_handle()
+
+    def open_peers(self, handles):
+        time.sleep(8.0)
+        return self._real.open_peers(handles)
+
+
+class _ExtensionLateToOpen(_ExtensionWithoutIpcExport):
+    buffer = _BufferLateToOpen
+
+
+def rank_late_to_open(ctx) -> dict:
+    """The last rank opens the peers' buffers past the others' timeout: they give up in the exchange that says
+    every rank opened them, after they opened theirs (so the last rank may map their memory). Their buffers are
+    kept, not freed (as a backend dropped without destroy()), and the last rank's too, which gives up next."""
+    import gc
+    import logging
+
+    last = ctx.rank == ctx.world_size - 1
+    if last:
+        from ep_plugin import _cuda
+
+        real = _cuda.extension()
+        _cuda.extension = lambda: _ExtensionLateToOpen(real)
+    said: list[str] = []
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    logging.getLogger("ep_plugin.transport.symmetric").addHandler(Said())
+    try:
+        make_backend(ctx, "hybrid", timeout_s=3.0)
+        error = None
+    except Exception as caught:  # noqa: BLE001 - the test reads the type
+        error = type(caught).__name__
+        del caught
+    gc.collect()  # the half-built backend, held by the traceback until now
+    return {"error": error, "kept": any("was let go without destroy()" in text for text in said)}
+
+
+def test_a_build_that_gives_up_after_opening_the_peers_keeps_its_memory():
+    """A build whose exchange after opening the peers' buffers gave up (a peer late, say) let the extension's
+    destructor free the rank's memory while a peer might map it (and no barrier said it closed it); now the
+    buffer is kept until the process ends, as a backend dropped without destroy() is."""
+    results = run_ranks(rank_late_to_open, 2, device="cuda", timeout_s=120)
+    for rank, result in enumerate(results):
+        assert result["error"] is not None, (rank, result)
+        assert result["kept"], (rank, result)
+
+
 # ---- a rank whose process exited ---------------------------------------------------------------
 
 def exited_rank(ctx, backend_name: str, peer_watch_s: float) -> dict:

@@ -78,6 +78,15 @@ class SymmetricBuffer:
             except RuntimeError as error:  # CUDA IPC refused here (a container, say): memory is not the problem
                 self._buffer, failure, remedy = None, error, _ALLOW_IPC
         self._region_tensors: dict[tuple, torch.Tensor] = {}  # see region_tensor
+        # Dropped without destroy() (garbage collected while the process runs, or left behind by an exchange
+        # below that gave up): a peer may still map, read or write this memory, so it is kept, not freed
+        # (``_kept_when_dropped``); at exit the process's end frees it. Only a refusal every rank makes together
+        # (``_refuse_together``) or destroy's barrier frees it. Without peers (a group of one) the extension's
+        # destructor frees it.
+        self._dropped = weakref.finalize(self, _kept_when_dropped, self._buffer, backend, self.rank)
+        self._dropped.atexit = False
+        if self._buffer is None or self.num_ranks == 1:
+            self._dropped.detach()
         here = own_identity()
         said = _in_words(failure, remedy)
         try:
@@ -119,13 +128,6 @@ class SymmetricBuffer:
         finally:  # as above
             failure = None
         self._destroyed = False
-        # Dropped without destroy() (garbage collected while the process runs): a peer may still read or write
-        # this memory, so it is kept, not freed (``_kept_when_dropped``). At exit the process's end frees it.
-        # Without peers (a group of one) the extension's destructor frees it as before.
-        self._dropped = weakref.finalize(self, _kept_when_dropped, self._buffer, backend, self.rank)
-        self._dropped.atexit = False
-        if self.num_ranks == 1:
-            self._dropped.detach()
         self.peer_processes = {rank: identity for rank, (_, identity, _) in enumerate(gathered) if rank != self.rank}
         WATCH.watch(self, {rank: identity for rank, identity in self.peer_processes.items()
                            if identity.watchable_from(here)}, peer_watch_s)
@@ -138,6 +140,7 @@ class SymmetricBuffer:
         failed = [f"{self._collectives.peer_name(rank)}: {why}" for rank, why in enumerate(outcomes) if why]
         if not failed:
             return
+        self._dropped.detach()  # every rank refuses together: no peer maps this memory (or it closed first)
         self._buffer = None  # nothing ran on it: the extension closes what it opened and frees it now
         self._collectives.release()
         if failure is not None:
