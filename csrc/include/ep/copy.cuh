@@ -138,7 +138,9 @@ __device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* bar, uint32_t by
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(bar)), "r"(bytes)
                : "memory");
 }
-// Spins on a local copy's completion: it cannot stall on a peer, so no timeout here.
+// Spins on a bulk copy's completion. No timeout: the copy's source is ready (its flag was acquired before it
+// was issued), and a load from a peer's memory (a pull over NVLink or IPC) completes or faults, a sticky
+// error the host's timed wait reports; a link that stalled for ever would hang here unnamed.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done = 0;
   while (!done) {
