@@ -342,6 +342,32 @@ class _StaleLastTokenReference(ReferenceBackend):
         return combined._replace(hidden=self.kept)
 
 
+class _StashingReference(ReferenceBackend):
+    """A combine that reads the rows of its dispatch's output, kept from the dispatch, instead of its input (a
+    kernel reading the receive buffer): right wherever the combine is given the dispatch output itself, as the
+    timed loop's are."""
+
+    def _dispatch(self, hidden, routing, probs, pad_multiple):
+        out = super()._dispatch(hidden, routing, probs, pad_multiple)
+        self.stash = out.hidden
+        return out
+
+    def _combine(self, rows, handle, row_probs):
+        return super()._combine(self.stash, handle, row_probs)
+
+
+class _InRowShiftingReference(ReferenceBackend):
+    """A dispatch whose rows come out with their values moved by one column (a copy at a wrong offset), and a
+    combine that moves them back (the same copy): every row sum, and the round trip, stay right."""
+
+    def _dispatch(self, hidden, routing, probs, pad_multiple):
+        out = super()._dispatch(hidden, routing, probs, pad_multiple)
+        return out._replace(hidden=out.hidden.roll(1, dims=1))
+
+    def _combine(self, rows, handle, row_probs):
+        return super()._combine(rows.roll(-1, dims=1), handle, row_probs)
+
+
 class _UncheckableOnRankOne(ReferenceBackend):
     """Rank 1's dispatch handle lists one expert count too few, so its own value check raises, after its
     dispatch and before the gather and the combine its peer runs."""
@@ -418,6 +444,8 @@ def test_a_checked_dispatch_failing_on_one_rank_keeps_the_collectives_in_step():
     (_TwoPercentLowReference, "combine of the dispatched rows is wrong"),
     (_ProbsDoublingReference, "the wrong probs"),
     (_StaleLastTokenReference, "combine of the dispatched rows is wrong"),  # passed on the timed loop's values
+    (_StashingReference, "combine of the dispatched rows is wrong"),  # passed: combine's input was that output
+    (_InRowShiftingReference, "the wrong rows"),  # passed: a plain row sum does not see values move in a row
 ])
 @pytest.mark.parametrize("scaleup", [0, 1])  # flat; and across two domains (a domain backend per rank)
 def test_a_case_whose_ops_moved_wrong_values_is_an_error_row(backend_class, words, scaleup):
@@ -980,6 +1008,11 @@ def test_compare_refuses_runs_timed_with_other_iterations_or_knobs(tmp_path, cap
     waits_longer = new_side("waits.json", ep_plugin_variables={"EP_PLUGIN_PAD_MULTIPLE": "4",
                                                                "EP_PLUGIN_TIMEOUT_S": "60"})
     assert compare.main(["--new", waits_longer, "--base", str(base)]) == 0
+    assert "timed unlike" not in capsys.readouterr().out
+    # Nor does a knob set to its default (EP_PLUGIN_BLOCKING=1): it was "none (new) vs EP_PLUGIN_BLOCKING=1".
+    said_default = new_side("default.json", ep_plugin_variables={"EP_PLUGIN_PAD_MULTIPLE": "4",
+                                                                 "EP_PLUGIN_BLOCKING": "1"})
+    assert compare.main(["--new", said_default, "--base", str(base)]) == 0
     assert "timed unlike" not in capsys.readouterr().out
     # Where no reference case is on both sides (its rows named another backend on both), its iteration count
     # times nothing that is compared.

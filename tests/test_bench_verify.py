@@ -113,9 +113,15 @@ def test_fp8_rows_dequantize_to_the_tokens_the_bench_quantized():
 
 @pytest.mark.parametrize("payload", ["bf16", "fp8"])
 def test_compact_rows_count_for_the_local_experts_their_ids_name(payload):
-    """A compact row is one token for every local expert its ids name: its row sum, one count and the prob of that
-    slot go to each of them (a row for both of a rank's experts counts for both)."""
+    """A compact row is one token for every local expert its ids name: its row checksum (its values weighted by
+    1 + column / H), one count and the prob of that slot go to each of them (a row for both of a rank's experts
+    counts for both)."""
     sources = _sources(payload)
+    weights = 1 + torch.arange(HIDDEN, dtype=torch.float32) / HIDDEN
+
+    def checksum(row: torch.Tensor) -> float:
+        return float((row.float() * weights).double().sum())
+
     for rank in range(NUM_RANKS):
         out = _compact_output(sources, rank)
         rows = verify.as_bf16_rows(out.hidden)
@@ -125,10 +131,10 @@ def test_compact_rows_count_for_the_local_experts_their_ids_name(payload):
         for row in range(rows.shape[0]):
             for slot, expert in enumerate(out.topk_idx[row].tolist()):
                 if expert >= 0:
-                    want_sums[expert] += rows[row].double().sum()
+                    want_sums[expert] += checksum(rows[row])
                     want_counts[expert] += 1
                     want_probs[expert] += float(out.probs[row, slot])
-                    want_weighted[expert] += float(out.probs[row, slot]) * float(rows[row].double().sum())
+                    want_weighted[expert] += float(out.probs[row, slot]) * checksum(rows[row])
         assert counts.tolist() == want_counts, (rank, counts)
         torch.testing.assert_close(sums, want_sums, rtol=1e-12, atol=1e-9)
         torch.testing.assert_close(probs, torch.tensor(want_probs, dtype=torch.float64), rtol=1e-6, atol=1e-9)
@@ -189,7 +195,8 @@ def test_copies_per_token_adds_the_factors_of_a_tokens_rows():
     """The round trip sums a token's rows, each scaled by its copy's factor: one row per expert (the expert's
     factor) in the expert-row form, one per destination rank (the rank's factor) in the compact form (there the
     expert side has summed a rank's experts into the token's one row)."""
-    assert verify.copy_factors(6).tolist() == [1, 2, 4, 8, 1, 2]
+    # By the index's digit sum in base 4: 4 ("10") and 5 ("11") take 1 and 2's factors, not 0 and 1's.
+    assert verify.copy_factors(6).tolist() == [1, 2, 4, 8, 2, 4]
     _, routing = _sources("bf16")[0]
     chosen = verify.chosen_experts(routing, NUM_EXPERTS)  # experts 0+1, 0+2, 3+2, 1, 2+0; ranks 0, 0+1, 1, 0, 1+0
     assert verify.copies_per_token(chosen, LOCAL, COMPACT).tolist() == [1, 3, 2, 1, 3]
@@ -201,14 +208,17 @@ def test_copies_per_token_adds_the_factors_of_a_tokens_rows():
 
 def test_compact_rows_are_scaled_by_the_receiving_ranks_factor_up_to_num_valid_rows():
     """In the compact form every row a rank received is one copy per (token, that rank): rank 1's valid rows are
-    doubled, rank 0's kept; rows past num_valid_rows (what an earlier dispatch left) are not touched."""
+    doubled, rank 0's kept, each with the rank's marked column zeroed; rows past num_valid_rows (what an earlier
+    dispatch left) are not touched."""
     sources = _sources("bf16")
     for rank, factor in ((0, 1.0), (1, 2.0)):
         out = _compact_output(sources, rank, unwritten_rows=3)
         valid = int(out.num_valid_rows)
         before = out.hidden.clone()
         verify.scale_copies(out, out.hidden, rank)
-        assert torch.equal(out.hidden[:valid], before[:valid] * factor), rank
+        want = before[:valid] * factor
+        want[:, rank] = 0
+        assert torch.equal(out.hidden[:valid], want), rank
         assert torch.equal(out.hidden[valid:], before[valid:]), rank
 
 
@@ -226,6 +236,41 @@ def test_a_combine_that_reads_the_wrong_copy_of_a_token_is_caught(read):
     problem = verify.round_trip_problem(tokens, copies, combined)
     assert problem and "wrong at" in problem and "x 3, its copies' factors" in problem, problem
     assert verify.round_trip_problem(tokens, copies, tokens * 3) is None
+
+
+@pytest.mark.parametrize("pair", [(1, 4), (1, 5)])
+def test_a_combine_that_reads_another_copy_of_a_token_twice_is_caught_also_where_their_factors_match(pair):
+    """Four factors cannot tell a top-8 token's copies apart: experts 1 and 5 (5 = 1 + 4) had one factor, and a
+    combine that read expert 5's row of a token for expert 1's (off by a power of four, a wrong bit) gave the
+    right sum. The factor now follows the expert's digit sum in base 4 (1 and 5 differ), and each copy has its
+    expert's column zeroed, which catches a pair with one factor too (1 and 4)."""
+    hidden, num_experts = 64, 16
+    tokens = torch.randn(32, hidden, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    chosen = torch.zeros(32, num_experts, dtype=torch.bool)
+    chosen[:, list(pair)] = True
+    first, second = pair
+
+    def copy(expert: int) -> torch.Tensor:  # a copy as scale_copies leaves it
+        row = tokens * verify.copy_factor(expert)
+        row[:, verify.marked_column(expert, hidden)] = 0
+        return row
+
+    assert verify.copy_factor(1) == verify.copy_factor(4) and verify.copy_factor(1) != verify.copy_factor(5)
+    expected = verify.RoundTrip(chosen, num_experts // 2, "expert_rows", hidden)
+    assert verify.round_trip_problem(tokens, expected, copy(first) + copy(second)) is None
+    problem = verify.round_trip_problem(tokens, expected, copy(second) + copy(second))
+    assert problem and "wrong at" in problem, problem
+
+
+def test_a_row_whose_values_moved_within_it_is_caught():
+    """A row whose values moved by one column (a copy at a wrong offset) keeps its plain sum: the checksum weighs
+    each value by its column."""
+    sources = _sources("bf16")
+    out = _compact_output(sources, 1)
+    assert _dispatch_problem(sources, 1, out) is None
+    out.hidden[2] = out.hidden[2].roll(1)
+    problem = _dispatch_problem(sources, 1, out)
+    assert problem and "the wrong rows" in problem, problem
 
 
 def test_the_checked_fp8_tokens_differ_from_the_timed_ones_in_data_and_scales():
@@ -268,9 +313,9 @@ def _check_reference_expert_rows(ctx) -> tuple:
     got = verify.received_per_expert(cut, cut.hidden)
     verify.scale_copies(out, out.hidden, ctx.rank)
     combined = backend.combine(out.hidden, out.handle).hidden
-    copies = verify.copies_per_token(chosen, out.handle.num_local_experts, out.handle.output_form)
+    expected = verify.RoundTrip(chosen, out.handle.num_local_experts, out.handle.output_form, 64)
     return (whole, real, got[1].tolist(), verify.dispatch_problem(ctx.rank, every, got),
-            verify.round_trip_problem(tokens, copies, combined))
+            verify.round_trip_problem(tokens, expected, combined))
 
 
 def test_an_expert_row_output_past_its_budget_counts_only_the_rows_it_has():

@@ -25,6 +25,7 @@ round (file i of new against file i of base): an effect shows in every round; no
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import math
@@ -121,11 +122,26 @@ def environment_differences(new_paths: list[str], base_paths: list[str], *,
 
 def _shown(value) -> str:
     """An environment value as a difference line shows it (the variables as NAME=value, those that change a
-    timing only; "none" when none)."""
+    timing only, and not those set to their knob's default: "none" when none)."""
     if isinstance(value, dict):
         return " ".join(f"{name}={item}" for name, item in sorted(value.items())
-                        if name not in UNTIMED_VARIABLES) or "none"
+                        if name not in UNTIMED_VARIABLES and not _at_default(name, item)) or "none"
     return str(value)
+
+
+def _at_default(name: str, value: str) -> bool:
+    """Whether an ``EP_PLUGIN_*`` variable sets its knob to the knob's default (``EP_PLUGIN_PAD_MULTIPLE=1``): a
+    run with it times as one without it. A variable of no knob (the build's), or one that does not parse, is
+    not."""
+    from ep_plugin.config import Config, env_var_name
+
+    for knob in dataclasses.fields(Config):
+        if env_var_name(knob.name) == name:
+            try:
+                return getattr(Config.from_env({name: value}), knob.name) == getattr(Config(), knob.name)
+            except (ValueError, TypeError):
+                return False
+    return False
 
 
 def match_domains(new: dict[tuple, float], base: dict[tuple, float]) -> tuple[dict, dict]:

@@ -240,14 +240,31 @@ class _Calls:
                 problem = f"checking the values (the checksums): {type(exc).__name__}: {exc}"
         if rows is None:  # this rank could not check: its combine still runs, on the timed loop's rows
             rows = self.combine_rows()
-        elif self.arena or self.in_place:
-            rows = self._rows_in_the_buffer().copy_(rows)
+        else:
+            rows = self._combine_input_apart(rows)
         self.combined = None
         self.combined = self.backend.combine(rows, out.handle)
         if problem is not None or got is None or any(s is None for s in every):
             return problem  # None: a peer could not check (its own record says why)
-        copies = verify.copies_per_token(chosen, out.handle.num_local_experts, out.handle.output_form)
-        return verify.round_trip_problem(tokens, copies, self.combined.hidden)
+        expected = verify.RoundTrip(chosen, out.handle.num_local_experts, out.handle.output_form, self.shape.hidden)
+        return verify.round_trip_problem(tokens, expected, self.combined.hidden)
+
+    def _combine_input_apart(self, rows: torch.Tensor) -> torch.Tensor:
+        """The checked combine's input: the scaled rows, in memory of their own, with the dispatch output (bf16)
+        then overwritten with NaN, so that a combine that read the dispatch output, or its own stash of it, instead
+        of its input fails the check (the timed loop combines the dispatch output itself: the same memory). Where
+        a copy does not fit, the rows stay where they are and nothing is overwritten."""
+        if self.arena or self.in_place:
+            rows = self._rows_in_the_buffer().copy_(rows)
+        elif rows is self.out.hidden:
+            try:
+                rows = rows.clone()
+            except torch.OutOfMemoryError:
+                return rows
+        hidden = self.out.hidden
+        if not isinstance(hidden, tuple) and not _overlap(hidden, rows):
+            hidden.fill_(float("nan"))
+        return rows
 
     def _separate_rows(self) -> torch.Tensor:
         rows = self.out.hidden
@@ -261,6 +278,19 @@ class _Calls:
 
     def release(self) -> None:
         self.out = self.combined = None
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes two tensors span overlap (an in-place variant's rows and its dispatch output may be
+    regions of one buffer)."""
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    (a_start, a_end), (b_start, b_end) = span(a), span(b)
+    return a_start < b_end and b_start < a_end
 
 
 def _negated(hidden):

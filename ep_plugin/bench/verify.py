@@ -5,18 +5,25 @@ every rank runs one dispatch and one combine of the same inputs (outside the tim
 neither of which needs another backend or the peers' tokens:
 
 - **Dispatch, per local expert.** Each source sends, per expert, the sum over the tokens it routed there of
-  each token's row sum (fp32), and how many tokens that is (one ``all_gather_object`` of 2E numbers). The
-  expert's owner sums the row sums of the rows it received for that expert, wherever the form puts them
+  each token's row checksum (its values weighted by their column, ``row_checksums``: a plain sum would miss
+  values moved within a row, by a wrong offset in a vectorized copy, say), and how many tokens that is (one
+  ``all_gather_object`` of 2E numbers). The expert's owner sums the row checksums of the rows it received for
+  that expert, wherever the form puts them
   (a segment of the expert-row form, the rows whose local ids name it in the compact form): a row that went
   to the wrong expert, or the wrong row, changes the sum; a lost or doubled one changes the count too. The
   probs (top-k weights) the tokens carried there are summed on both sides the same way: they travel as they
-  are, so a prob of another token or expert changes that sum; and so is each prob times its row's sum, which a
+  are, so a prob of another token or expert changes that sum; and so is each prob times its row's checksum, which a
   prob handed to another token of the same expert changes.
 - **Round trip.** Each received row (dequantized for fp8) is scaled by its copy's factor, a power of two
   (``COPY_FACTORS``) picked by its expert in the expert-row form, by the receiving rank in the compact form, and
-  combined: the result must be the token times the sum of the factors of the rows it went out as. Unscaled,
-  every copy of a token would be alike, and a combine that read one copy k times, or another expert's row of
-  the token, would pass. Scaling by a power of two is exact.
+  has its copy's *marked column* (the expert's, or the rank's, index modulo the hidden size) zeroed; then it is
+  combined: the result must be the token times the sum of the factors of the rows it went out as, less, in each
+  marked column, the factor of the copy it marks. Unscaled and unmarked, every copy of a token would be alike,
+  and a combine that read one copy k times, or another expert's row of the token, would pass. Four factors
+  cannot tell every copy of a top-8 token apart; the marks can (with a hidden size of at least the experts).
+  The factor of index i is picked by the digit sum of i in base 4 (not i mod 4), so that a combine off by a
+  power of four (expert e + 4 for e, e ^ 8) meets another factor too. Scaling by a power of two and zeroing are
+  exact, and no copy is negative: a sum of copies has no cancellation.
 
 Tolerances. Round trip: a token's copies are one bf16 value times powers of two (fp8: both sides dequantize the
 same data and scales alike), so their sum is exact in fp32; only its rounding to bf16 errs, within 2**-8
@@ -35,7 +42,7 @@ magnitudes, where one wrong row of H values moves a sum by about sqrt(H). A NaN 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -92,8 +99,17 @@ def dense_probs(routing: dict, num_experts: int) -> Optional[torch.Tensor]:
 
 
 def copy_factor(index: int) -> float:
-    """The round trip's factor of a copy by its index: its expert (expert-row form) or receiving rank (compact)."""
-    return COPY_FACTORS[index % len(COPY_FACTORS)]
+    """The round trip's factor of a copy by its index: its expert (expert-row form) or receiving rank (compact),
+    picked by the index's digit sum in base 4 (module docstring)."""
+    digits = 0
+    while index:
+        digits, index = digits + index % 4, index // 4
+    return COPY_FACTORS[digits % len(COPY_FACTORS)]
+
+
+def marked_column(index: int, hidden: int) -> int:
+    """The column a copy of that index has zeroed before the round trip's combine (``scale_copies``)."""
+    return index % hidden
 
 
 def copy_factors(count: int, device=None) -> torch.Tensor:
@@ -109,46 +125,85 @@ def valid_rows(out, rows: torch.Tensor) -> int:
     return min(rows.shape[0], int(out.num_valid_rows.item()))
 
 
+def copies_sent(chosen: torch.Tensor, num_local_experts: int, output_form: str) -> torch.Tensor:
+    """[T, C] bool: the copies each token went out as: one per expert ([T, E], ``chosen``), or one per destination
+    rank in the compact form ([T, R])."""
+    if output_form == COMPACT:
+        return chosen.view(chosen.shape[0], -1, num_local_experts).any(2)
+    return chosen
+
+
 def copies_per_token(chosen: torch.Tensor, num_local_experts: int, output_form: str) -> torch.Tensor:
     """[T] fp32: what a token's combined copies add up to, in tokens: the factors (``copy_factors``) of the rows
     it went out as, one per expert, or one per destination rank (compact)."""
-    if output_form == COMPACT:
-        ranks = chosen.view(chosen.shape[0], -1, num_local_experts).any(2)
-        return (ranks.float() * copy_factors(ranks.shape[1], chosen.device)).sum(1)
-    return (chosen.float() * copy_factors(chosen.shape[1], chosen.device)).sum(1)
+    sent = copies_sent(chosen, num_local_experts, output_form)
+    return (sent.float() * copy_factors(sent.shape[1], chosen.device)).sum(1)
+
+
+class RoundTrip:
+    """What each value of a token's combine must be (``expected``): the token times the factors of the copies it
+    went out as, less, in each copy's marked column, that copy's factor (``scale_copies`` zeroed it there)."""
+
+    def __init__(self, chosen: torch.Tensor, num_local_experts: int, output_form: str, hidden: int) -> None:
+        self.sent = copies_sent(chosen, num_local_experts, output_form)  # [T, C]
+        count = self.sent.shape[1]
+        self.factors = copy_factors(count, chosen.device)
+        self.columns = torch.tensor([marked_column(index, hidden) for index in range(count)], device=chosen.device)
+        self.hidden = hidden
+
+    def factor(self, part: slice) -> torch.Tensor:
+        """[t, H] fp32: what the tokens of ``part`` are multiplied by, value by value."""
+        per_copy = self.sent[part].float() * self.factors  # [t, C]
+        marked = per_copy.new_zeros(per_copy.shape[0], self.hidden).index_add_(1, self.columns, per_copy)
+        return per_copy.sum(1, keepdim=True) - marked
 
 
 def scale_copies(out, rows: torch.Tensor, rank: int) -> None:
-    """Multiply, in place, each row that ``out`` (a dispatch on ``rank``) received by its copy's factor: its
-    expert's in the expert-row form, ``rank``'s in the compact form. ``rows``: the output's rows in bf16
-    (``as_bf16_rows``), the ones the combine is then given. Rows past ``num_valid_rows`` are left alone."""
+    """Multiply, in place, each row that ``out`` (a dispatch on ``rank``) received by its copy's factor, and zero
+    its copy's marked column: its expert's in the expert-row form, ``rank``'s in the compact form. ``rows``: the
+    output's rows in bf16 (``as_bf16_rows``), the ones the combine is then given. Rows past ``num_valid_rows``
+    are left alone."""
     valid = valid_rows(out, rows)
+    hidden = rows.shape[1]
     if out.handle.output_form == COMPACT:
         rows[:valid] *= copy_factor(rank)
+        rows[:valid, marked_column(rank, hidden)] = 0
         return
     local = out.handle.num_local_experts
     start = 0
     for e, segment in enumerate(out.handle.tokens_per_expert.to(torch.int64).tolist()):
         end = min(start + segment, valid)
         if end > start:
-            rows[start:end] *= copy_factor(rank * local + e)
+            expert = rank * local + e
+            rows[start:end] *= copy_factor(expert)
+            rows[start:end, marked_column(expert, hidden)] = 0
         start += segment
 
 
-def row_sums(rows: torch.Tensor) -> torch.Tensor:
-    """[N] fp64 sum of each row, a chunk at a time (a float copy of every received row would double memory)."""
-    sums = [rows[start:start + DEQUANT_CHUNK_ROWS].float().sum(1, dtype=torch.float64)
+def column_weights(hidden: int, device=None) -> torch.Tensor:
+    """[H] fp32: 1 + j / H for column j, the checksum's weights: all different, so a row whose values moved within
+    it (by any offset) sums to another checksum; near 1, so the checksum is as well conditioned as a plain sum."""
+    return 1 + torch.arange(hidden, device=device, dtype=torch.float32) / hidden
+
+
+def row_checksums(rows: torch.Tensor) -> torch.Tensor:
+    """[N] fp64 checksum of each row: its values times ``column_weights``, summed; a chunk at a time (a float copy
+    of every received row would double memory). Both sides multiply the same bf16 value by the same weight, so
+    their products are equal; only the order of the fp64 sum differs."""
+    weights = column_weights(rows.shape[1], rows.device)
+    sums = [rows[start:start + DEQUANT_CHUNK_ROWS].float().mul_(weights).sum(1, dtype=torch.float64)
             for start in range(0, rows.shape[0], DEQUANT_CHUNK_ROWS)]
     return torch.cat(sums) if sums else rows.new_zeros(0, dtype=torch.float64)
 
 
 def received_per_expert(out, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """([L] fp64 sum of row sums, [L] int64 row count, [L] fp64 sum of the probs, [L] fp64 sum of each prob times
-    its row's sum; the last two None without probs) on the host: what this rank received for each local expert.
+    """([L] fp64 sum of row checksums, [L] int64 row count, [L] fp64 sum of the probs, [L] fp64 sum of each prob
+    times its row's checksum; the last two None without probs) on the host: what this rank received for each local
+    expert.
     ``rows``: the dispatch output's rows in bf16 (``as_bf16_rows``)."""
     num_local_experts = out.handle.num_local_experts
     valid = valid_rows(out, rows)
-    sums = row_sums(rows[:valid])
+    sums = row_checksums(rows[:valid])
     probs = out.probs[:valid].double() if out.probs is not None else None
     if out.handle.output_form == COMPACT:
         names = out.topk_idx[:valid].unsqueeze(2) == torch.arange(num_local_experts, device=rows.device)
@@ -179,11 +234,11 @@ def received_per_expert(out, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def sent_checksums(tokens: torch.Tensor, chosen: torch.Tensor,
                    probs: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], ...]:
-    """What this rank sends each expert, on the host: ([E] fp64 sum of the row sums of the tokens routed there,
-    [E] their count, [E] the sum of the row sums' magnitudes, for the tolerance; [E] fp64 sum of their probs,
-    [E] of each prob times its token's row sum and [E] of those products' magnitudes, or three None without
-    probs). ``tokens``: bf16 [T, H]; ``probs``: ``dense_probs`` or None."""
-    token_sums = row_sums(tokens).unsqueeze(1)
+    """What this rank sends each expert, on the host: ([E] fp64 sum of the row checksums of the tokens routed
+    there, [E] their count, [E] the sum of the checksums' magnitudes, for the tolerance; [E] fp64 sum of their
+    probs, [E] of each prob times its token's row checksum and [E] of those products' magnitudes, or three None
+    without probs). ``tokens``: bf16 [T, H]; ``probs``: ``dense_probs`` or None."""
+    token_sums = row_checksums(tokens).unsqueeze(1)
     sent = ((token_sums * chosen).sum(0).cpu(), chosen.sum(0).cpu(), (token_sums.abs() * chosen).sum(0).cpu())
     if probs is None:
         return (*sent, None, None, None)
@@ -214,7 +269,7 @@ def dispatch_problem(rank: int, every_sent: list, got: tuple[torch.Tensor, torch
         if int(got_counts[e]) != int(want_counts[e]):
             return (f"dispatch gave local expert {e} (expert {expert} of {num_experts}) {int(got_counts[e])} rows, "
                     f"the sources routed {int(want_counts[e])} there")
-        # "not <=": a NaN row sum (rows never written) is never within the tolerance.
+        # "not <=": a NaN row checksum (rows never written) is never within the tolerance.
         if not abs(float(got_sums[e]) - float(want_sums[e])) <= CHECKSUM_RTOL * float(scale[e]) + 1e-6:
             return (f"dispatch gave local expert {e} (expert {expert} of {num_experts}) the wrong rows: their row "
                     f"sums add up to {float(got_sums[e]):.6g}, the routed tokens' to {float(want_sums[e]):.6g}")
@@ -226,37 +281,42 @@ def dispatch_problem(rank: int, every_sent: list, got: tuple[torch.Tensor, torch
         if want_probs is not None and not abs(float(got_weighted[e]) - float(want_weighted[e])) <= \
                 CHECKSUM_RTOL * float(weighted_scale[e]) + 1e-6:
             return (f"dispatch gave local expert {e} (expert {expert} of {num_experts}) probs on the wrong rows: each "
-                    f"prob times its row's sum adds up to {float(got_weighted[e]):.9g}, the routed tokens' to "
+                    f"prob times its row's checksum adds up to {float(got_weighted[e]):.9g}, the routed tokens' to "
                     f"{float(want_weighted[e]):.9g}")
     return None
 
 
-def round_trip_problem(tokens: torch.Tensor, copies: torch.Tensor, combined: torch.Tensor) -> Optional[str]:
-    """Whether combining the dispatched rows, each scaled by its copy's factor (``scale_copies``), gave each token
-    times ``copies`` (``copies_per_token``), or what it gave: each value within ROUND_TRIP_RTOL, and their mean
-    signed error near 0 (module docstring). A chunk of tokens at a time: float copies of every token would cost
-    ranks sharing a GPU gigabytes."""
-    copies = copies.to(tokens.device)
+def round_trip_problem(tokens: torch.Tensor, copies: Union[torch.Tensor, RoundTrip],
+                       combined: torch.Tensor) -> Optional[str]:
+    """Whether combining the dispatched rows, each scaled by its copy's factor and its marked column zeroed
+    (``scale_copies``), gave each token's value times its factor (``RoundTrip``; a [T] tensor, ``copies_per_token``:
+    one factor for every value of a token, for rows that were not marked), or what it gave: each value within
+    ROUND_TRIP_RTOL, and their mean signed error near 0 (module docstring). A chunk of tokens at a time: float
+    copies of every token would cost ranks sharing a GPU gigabytes."""
+    if not isinstance(copies, RoundTrip):
+        copies = copies.to(tokens.device)
     wrong_values, first = 0, None
     signed_error, magnitude, nonzero = 0.0, 0.0, 0  # over every value: the mean signed error's parts
     for start in range(0, tokens.shape[0], DEQUANT_CHUNK_ROWS):
         part = slice(start, start + DEQUANT_CHUNK_ROWS)
-        expected = tokens[part].float() * copies[part].unsqueeze(1).float()
+        factor = copies.factor(part) if isinstance(copies, RoundTrip) else copies[part].unsqueeze(1).float()
+        expected = tokens[part].float() * factor
         error = combined[part].float() - expected
         wrong = ~(error.abs() <= ROUND_TRIP_RTOL * expected.abs())  # a NaN is wrong too
         count = int(wrong.sum())
         if count and first is None:
             token, column = (int(i) for i in wrong.nonzero()[0])
-            first = (start + token, column, float(combined[start + token, column]), float(expected[token, column]))
+            first = (start + token, column, float(combined[start + token, column]), float(expected[token, column]),
+                     float(factor[token, column if factor.shape[1] > 1 else 0]))
         wrong_values += count
         signed_error += float((error * expected.sign()).sum(dtype=torch.float64))
         magnitude += float(expected.abs().sum(dtype=torch.float64))
         nonzero += int(expected.count_nonzero())
     if wrong_values:
-        token, column, got, want = first
+        token, column, got, want, times = first
         return (f"combine of the dispatched rows is wrong at {wrong_values} of {combined.numel()} values (first: "
-                f"token {token}, column {column}: {got:.4g}, expected {want:.4g} = the token x "
-                f"{float(copies[token]):g}, its copies' factors)")
+                f"token {token}, column {column}: {got:.4g}, expected {want:.4g} = the token x {times:g}, its copies' "
+                f"factors, less those of the copies whose marked column this is)")
     if not nonzero:
         return None
     bias, limit = signed_error / magnitude, max(ROUND_TRIP_BIAS, 4 * ROUND_TRIP_RTOL / math.sqrt(nonzero))
