@@ -998,7 +998,9 @@ def test_compare_refuses_runs_timed_with_other_iterations_or_knobs(tmp_path, cap
                           (dict(reference={**environment["reference"], "iters": 7}),
                            f"reference_iters: 7 (new) vs {environment['reference']['iters']} (base)"),
                           (dict(ep_plugin_variables={}),
-                           "ep_plugin_variables: none (new) vs EP_PLUGIN_PAD_MULTIPLE=4")):
+                           "ep_plugin_variables: none (new) vs EP_PLUGIN_PAD_MULTIPLE=4"),
+                          # ranks sharing a GPU with half its SMs each time their kernels and the copy ceiling slower
+                          (dict(mps_thread_percentage="50"), "mps_thread_percentage: 50 (new) vs unset (base)")):
         new = new_side("new.json", **changes)
         assert compare.main(["--new", new, "--base", str(base)]) == 1
         assert f"timed unlike: {line}" in capsys.readouterr().out
@@ -1030,7 +1032,8 @@ def test_compare_refuses_runs_timed_with_other_iterations_or_knobs(tmp_path, cap
     fewer_references = new_side("fewer.json", reference={**environment["reference"], "max_tokens": 1})
     assert compare.main(["--new", fewer_references, "--base", str(base)]) == 0
     assert "timed unlike" not in capsys.readouterr().out
-    older = new_side("older.json", warmup=None, iters=None, reference=None, ep_plugin_variables=None)
+    older = new_side("older.json", warmup=None, iters=None, reference=None, ep_plugin_variables=None,
+                     mps_thread_percentage=None)
     for new, old in ((str(base), older), (older, older)):
         assert compare.main(["--new", new, "--base", old]) == 0
         assert "timed unlike" not in capsys.readouterr().out

@@ -412,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     # What else sets the timings: the preset's defaults are not in "command", and the knobs not in the options.
     env["warmup"], env["iters"] = args.warmup, args.iters
     env["ep_plugin_variables"] = variables_set()
+    # An MPS client's share of the SMs: with ranks sharing a GPU it bounds the kernels and the copy ceiling alike.
+    env["mps_thread_percentage"] = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip() or "unset"
     env["reference"] = {"max_tokens": reference_max_tokens or "no limit", "iters": reference_iters}
     if incomplete:
         env["incomplete"] = incomplete

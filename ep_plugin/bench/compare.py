@@ -44,12 +44,12 @@ CASE_KEYS = ("backend", "mode", "payload", "tokens", "hidden", "topk", "experts"
 
 # What in a bench.json's environment sets its timings: runs that differ here are not compared (a GPU of another
 # kind, ranks over another process group or sharing GPUs otherwise, the other timing method, other warm-up or
-# timed iteration counts, the reference's own iteration count, other EP_PLUGIN_* knobs).
+# timed iteration counts, the reference's own iteration count, other EP_PLUGIN_* knobs, another MPS share of the SMs).
 TIMING_ENVIRONMENT = ("device", "gpu", "process_group", "ranks_per_gpu", "timing", "warmup", "iters",
-                      "reference_iters", "ep_plugin_variables")
+                      "reference_iters", "ep_plugin_variables", "mps_thread_percentage")
 # Keys that bench.json files written before them lack: such a file says nothing of them, which is no difference
 # (an A/B run against an older tree compares its bench.json with one that has them).
-RECORDED_LATER = ("warmup", "iters", "reference_iters", "ep_plugin_variables")
+RECORDED_LATER = ("warmup", "iters", "reference_iters", "ep_plugin_variables", "mps_thread_percentage")
 # Knobs that bound waits and change no timing: runs that differ only there are compared.
 UNTIMED_VARIABLES = ("EP_PLUGIN_TIMEOUT_S", "EP_PLUGIN_PEER_WATCH_S")
 
