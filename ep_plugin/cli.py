@@ -20,14 +20,20 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1 (a count or a size); anything else is a one-line error."""
+# The largest count or size an option takes: past an int32 the sizing arithmetic overflows a float (a traceback).
+MAX_COUNT = 2**31 - 1
+
+
+def positive_int(text: str, maximum: int = MAX_COUNT) -> int:
+    """argparse type: a whole number in [1, maximum] (a count or a size); anything else is a one-line error."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value > maximum:
+        raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
     return value
 
 

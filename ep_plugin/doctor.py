@@ -20,6 +20,7 @@ its own log.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -697,7 +698,8 @@ def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -
     """gloo carries the host words of an NCCL group (``EP_PLUGIN_GLOO_HOST_WORDS``) and Megatron's own
     gloo groups. A ``GLOO_SOCKET_IFNAME`` that names an interface this host lacks, or across nodes a host
     name that resolves to loopback (gloo's address when that variable is unset), makes every gloo group
-    fail to connect, so building a backend over NCCL fails. Asked with ``--backend`` or ``--scaleout``, also
+    fail to connect, so building a backend over NCCL fails. Asked with ``--backend``, ``--scaleout`` or
+    ``--nodes`` above 1, also
     with ``EP_PLUGIN_GLOO_HOST_WORDS`` off: Megatron makes gloo groups of its own unless told not to
     (``create_gloo_process_groups``, on by default)."""
     try:
@@ -705,7 +707,7 @@ def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -
     except (ValueError, TypeError):
         host_words = True  # the knobs' verdict (config_verdict) reports the bad variable
     verdict = Verdict("gloo", "gloo (the host words of NCCL groups)", OK, "",
-                      asked=options.backend is not None or options.scaleout is not None)
+                      asked=options.backend is not None or options.scaleout is not None or options.nodes > 1)
     if not host_words:
         verdict.notes.append("EP_PLUGIN_GLOO_HOST_WORDS is off: ep_plugin's host words stay on the NCCL groups; "
                              "Megatron's own gloo groups (create_gloo_process_groups, on by default) still need "
@@ -1114,8 +1116,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--nccl-probe", action="store_true",
                         help="run a 2-rank NCCL init (2 GPUs needed) whose log decides the scale-out verdict")
-    parser.add_argument("--ranks-per-gpu", type=positive_int, default=1,
-                        help="ranks that will share each GPU (default 1)")
+    parser.add_argument("--ranks-per-gpu", type=functools.partial(positive_int, maximum=MAX_DOMAIN_RANKS),
+                        default=1, help=f"ranks that will share each GPU (default 1; at most {MAX_DOMAIN_RANKS}, the "
+                                        "ranks of one NVLink domain)")
     parser.add_argument("--nodes", type=positive_int, default=1,
                         help="nodes of the job: for the SM autosize line; above 1 the job needs a scale-out path "
                              "(at least sockets) and gloo reachable at the host name's address")

@@ -792,6 +792,8 @@ def test_a_host_name_on_loopback_fails_gloo_across_nodes(tmp_path):
     found, code = verdicts(loopback, backend="hybrid", nodes=2)
     assert (found["gloo"].status, code) == (UNAVAILABLE, 1), found["gloo"]
     assert "resolves to 127.0.1.1" in found["gloo"].problems[0].text and "(here: eth0)" in fixes(found["gloo"])
+    found, code = verdicts(loopback, nodes=2)  # --nodes alone asks for it too (it said FAIL and exited 0)
+    assert (found["gloo"].status, code) == (UNAVAILABLE, 1), found["gloo"]
     found, code = verdicts(make_fabric(tmp_path, report, host_address=None), scaleout="socket")
     assert found["gloo"].status == UNAVAILABLE and code == 1, found["gloo"]
     found, code = verdicts(make_fabric(tmp_path, report), backend="hybrid", nodes=2)  # a routable address
@@ -969,7 +971,12 @@ def test_partial_driver_report_is_a_problem_not_a_crash(tmp_path):
 
 @pytest.mark.parametrize("argv, words", [(["--hidden", "-5"], "--hidden: must be >= 1, got -5"),
                                           (["--nodes", "0"], "--nodes: must be >= 1, got 0"),
-                                          (["--ranks-per-gpu", "two"], "--ranks-per-gpu: 'two' is not a whole number")])
+                                          (["--ranks-per-gpu", "two"], "--ranks-per-gpu: 'two' is not a whole number"),
+                                          # a traceback (OverflowError in the sizing), and a quadratic placement
+                                          # search that ran for minutes
+                                          (["--hidden", "9" * 400], "--hidden: must be at most 2147483647"),
+                                          (["--experts", "9" * 400], "--experts: must be at most 2147483647"),
+                                          (["--ranks-per-gpu", "100000"], "--ranks-per-gpu: must be at most 32")])
 def test_bad_sizes_are_one_line_errors(argv, words, capsys):
     """They were clamped to 1 (or used as they were) without a word; a typo now stops with one line."""
     with pytest.raises(SystemExit) as stopped:
