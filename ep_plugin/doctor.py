@@ -99,24 +99,23 @@ def _config(environ: Mapping[str, str]):
 # ---- verdicts ---------------------------------------------------------------------------------
 
 def _peer_groups(fabric: Fabric) -> list[list[int]]:
-    """GPUs grouped by mutual peer access (connected components)."""
-    count = len(fabric.gpus)
+    """GPUs grouped so that every two GPUs of a group map each other's memory, in ordinal order (each GPU joins
+    the first group all of whose GPUs it maps both ways). Not connected components: on a DGX-1's hybrid cube
+    mesh GPU 0 maps 4 and 4 maps 5, but 0 cannot map 5, and one CUDA IPC domain needs every pair."""
     access = fabric.driver.peer_access
+
+    def mutual(i: int, j: int) -> bool:
+        return i < len(access) and j < len(access) and j < len(access[i]) and i < len(access[j]) \
+            and bool(access[i][j]) and bool(access[j][i])
+
     groups: list[list[int]] = []
-    seen: set[int] = set()
-    for start in range(count):
-        if start in seen:
-            continue
-        group, stack = [], [start]
-        seen.add(start)
-        while stack:
-            i = stack.pop()
-            group.append(i)
-            for j in range(count):
-                if j not in seen and i < len(access) and j < len(access[i]) and access[i][j] and access[j][i]:
-                    seen.add(j)
-                    stack.append(j)
-        groups.append(sorted(group))
+    for gpu in range(len(fabric.gpus)):
+        for group in groups:
+            if all(mutual(gpu, member) for member in group):
+                group.append(gpu)
+                break
+        else:
+            groups.append([gpu])
     return groups
 
 

@@ -451,6 +451,18 @@ def test_gpus_without_peer_access_split_the_domain(tmp_path):
         assert expected in fixes(found["nvlink"]) and "EP_PLUGIN_SCALEUP_SIZE" not in fixes(found["nvlink"])
 
 
+def test_gpus_that_reach_each_other_only_through_a_third_are_not_one_domain(tmp_path):
+    """A DGX-1's hybrid cube mesh: GPUs 0-3 and 4-7 map each other, and each GPU i also maps i + 4. Grouped by
+    connected components all 8 were one group, "all peer-accessible", while detection (every pair must map)
+    makes domains of 4 and the job crosses them over NCCL."""
+    report = dgx_cx7(tmp_path)
+    report.peer_access = [[i // 4 == j // 4 or abs(i - j) == 4 for j in range(8)] for i in range(8)]
+    found, _ = verdicts(make_fabric(tmp_path, report), backend="hybrid")
+    verdict = found["nvlink"]
+    assert "[[0, 1, 2, 3], [4, 5, 6, 7]]" in verdict.summary and "all peer-accessible" not in verdict.summary, verdict
+    assert "domains of 4 rank(s)" in fixes(verdict), fixes(verdict)
+
+
 def test_forced_domain_size_must_divide_the_detected_one(tmp_path):
     fabric = make_fabric(tmp_path, dgx_cx7(tmp_path))
     found, code = verdicts(fabric, {"EP_PLUGIN_SCALEUP_SIZE": "3"}, backend="hybrid")
