@@ -618,8 +618,8 @@ def _dmabuf_usable(fabric: Fabric, environ: Mapping[str, str], gpu) -> tuple[boo
 _GDR_LEVELS = {"LOC": 0, "PIX": 1, "PXB": 2, "PHB": 3, "SYS": 4}
 _NCCL_DEFAULT_GDR_LEVEL = "PXB"  # NIC and GPU behind PCIe switches, not through the CPU's root complex
 # NCCL's path types: through one CPU's host bridge(s) is PHB, even between two PCI roots of that CPU; SYS
-# crosses the link between CPUs (a NIC on another NUMA node, which has no affinity here).
-_AFFINITY_GDR_LEVEL = {"PCIe switch": 2, "PCI root": 3, "NUMA node": 3}
+# crosses the link between CPUs (a NIC on another CPU's NUMA node).
+_AFFINITY_GDR_LEVEL = {"PCIe switch": 2, "PCI root": 3, "NUMA node": 3, "another CPU": 4}
 
 
 def _too_far_for_gdr(fabric: Fabric, gdr_level: str, problems: list[Problem]) -> bool:

@@ -300,3 +300,17 @@ def test_uverbs_listing(tmp_path):
     write(tmp_path / "dev/infiniband/rdma_cm", "")
     fabric = make_fabric(tmp_path, DriverReport(loaded=False, error="none"))
     assert fabric.uverbs == [f"uverbs{i}" for i in range(12)]  # numeric order, verbs devices only
+
+
+def test_a_nic_only_on_another_cpus_node_is_the_gpus_across_that_link(tmp_path):
+    """A GPU whose NICs all sit on the other CPU's NUMA node (no PCI root, no node shared) had none nearest
+    ("none"), so the doctor judged no distance and reported GPUDirect RDMA, which NCCL does not use across the
+    link between CPUs (SYS, past its default level): it stages through host memory."""
+    add_gpu_pci(tmp_path, ["pci0000:15", "0000:15:00.0"], numa=0)
+    add_rdma(tmp_path, "mlx5_0", ["pci0000:b7", "0000:b7:00.0"], numa=1)
+    fabric = make_fabric(tmp_path, driver([gpu(0, "0000:15:00.0")]))
+    [only] = fabric.gpus
+    assert (only.nearest_nics, only.nic_affinity, only.scaleout_measured) == (("mlx5_0",), "another CPU", True)
+    problems = []
+    assert doctor._too_far_for_gdr(fabric, "", problems) and "NCCL_NET_GDR_LEVEL=SYS" in problems[0].fix
+    assert not doctor._too_far_for_gdr(fabric, "SYS", [])

@@ -14,7 +14,8 @@ NIC-to-GPU affinity (the rule behind per-GPU scale-out bandwidth):
    ``software``, and never nearest to a GPU.
 2. A GPU's nearest NICs are those sharing the longest PCI path prefix with it: behind the same
    PCIe switch beats the same PCI root complex. If none shares even the root complex, the NICs on
-   the GPU's NUMA node; if its NUMA node is unknown too, none. Intel VMD nests a PCI domain
+   the GPU's NUMA node; if every NIC's node is known and none is the GPU's, all of them ("another CPU":
+   NCCL's SYS path, across the link between CPUs); if the GPU's NUMA node is unknown, none. Intel VMD nests a PCI domain
    (``pci10000:00``) under its controller: paths keep both host bridges, and NICs that share no more
    than a host bridge with the GPU are "PCI root", however deep that bridge sits.
 3. A NIC that is nearest to several GPUs is shared evenly among them, counting every NVIDIA GPU
@@ -142,7 +143,7 @@ class GpuLinks:
     pci_path: tuple[str, ...]
     peers: tuple[int, ...]  # GPUs whose memory this one can map (CUDA peer access)
     nearest_nics: tuple[str, ...]
-    nic_affinity: str  # "PCIe switch", "PCI root", "NUMA node" or "none"
+    nic_affinity: str  # "PCIe switch", "PCI root", "NUMA node", "another CPU" or "none"
     scaleout_gbytes_per_s: float  # never 0: the default when unknown
     scaleout_measured: bool
     nvlink_gbytes_per_s: float  # never 0: the default when unknown
@@ -366,6 +367,8 @@ def nearest_nics(gpu_path: tuple[str, ...], gpu_numa: Optional[int],
         names = tuple(nic.name for nic in usable if nic.numa_node == gpu_numa)
         if names:
             return names, "NUMA node"
+        if usable and all(nic.numa_node is not None for nic in usable):  # each on another CPU's node
+            return tuple(nic.name for nic in usable), "another CPU"
     return (), "none"
 
 
