@@ -716,6 +716,29 @@ def test_replace_builtin_routes_hybridep_to_plugin(ep_megatron):
     assert ep_megatron.plugin_backend_for("hybridep") is None
 
 
+@needs_megatron
+@pytest.mark.gpu
+def test_validate_asks_for_kernels_that_run_on_this_gpu(monkeypatch):
+    """The NeMo validation checked the GPU's compute capability only: without ep_plugin._C, or with one built
+    for another GPU (the default build is sm_90's, an A100 is sm_80), it passed and the model build failed
+    later. (The extension's absence and another build are stood in for on this GPU.)"""
+    from ep_plugin import _cuda
+    from ep_plugin.integrations.nemo import validate_ep_plugin_backend
+
+    def validate(name: str) -> None:
+        validate_ep_plugin_backend(_config(moe_flex_dispatcher_backend=name, moe_token_dispatcher_type="flex"))
+
+    validate("ep_hybrid")
+    validate("ep_reference")
+    monkeypatch.setattr(_cuda, "built_archs", lambda: ("70",))
+    with pytest.raises(ValueError, match="built for sm_70, whose kernels cannot run"):
+        validate("ep_elastic")
+    monkeypatch.setattr(_cuda, "_module", None)
+    with pytest.raises(ValueError, match="needs ep_plugin's compiled extension"):
+        validate("ep_hybrid")
+    validate("ep_reference")
+
+
 # ---- Megatron-Core missing ------------------------------------------------------------------------
 
 HIDE_MEGATRON = textwrap.dedent("""

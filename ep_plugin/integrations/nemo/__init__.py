@@ -75,6 +75,22 @@ def gpu_problem(name: str) -> str | None:
     return None
 
 
+def kernel_problem(name: str) -> str | None:
+    """Why the compiled kernels of backend ``name`` cannot run on GPU 0 (the extension not built, or built for
+    another GPU: the default build is sm_90's), or None. Not a reason to fall back (``apply_ep_plugin_backend``):
+    the install is to be mended, not trained around."""
+    if name in CPU_CAPABLE:
+        return None
+    import torch
+
+    from ep_plugin import _cuda
+
+    if not _cuda.available():
+        return f"{name} needs ep_plugin's compiled extension: {_cuda.describe()}"
+    mismatch = _cuda.arch_problem(torch.cuda.get_device_capability(0))
+    return None if mismatch is None else f"{name}: {mismatch}"
+
+
 def _check_name(name: str) -> None:
     if name not in PLUGIN_BACKENDS:
         raise ValueError(f"unknown ep_plugin dispatcher backend {name!r}; valid names: {', '.join(PLUGIN_BACKENDS)}")
@@ -121,7 +137,8 @@ def apply_ep_plugin_backend(model_config, moe_flex_dispatcher_backend: str | Non
 
 
 def validate_ep_plugin_backend(model_config) -> None:
-    """Raise if ``model_config`` selects an ep_plugin backend this machine cannot run, names one
+    """Raise if ``model_config`` selects an ep_plugin backend this machine cannot run (its GPU, as Bridge's
+    check; also the compiled kernels: ``kernel_problem``), names one
     without ``moe_token_dispatcher_type="flex"`` (Megatron would run the other dispatcher), or names
     no backend at all (a typo such as "ep_hybird"; None with "flex"): the ValueError, listing the valid
     names, that the dispatcher would raise when the model is built.
@@ -139,9 +156,9 @@ def validate_ep_plugin_backend(model_config) -> None:
         return  # Megatron's own names: Bridge's validator covers them
     check_dispatcher_type(model_config)
     install()
-    problem = gpu_problem(name)
+    problem = gpu_problem(name) or kernel_problem(name)
     if problem is not None:
         raise ValueError(problem)
 
 
-__all__ = ["apply_ep_plugin_backend", "gpu_problem", "validate_ep_plugin_backend"]
+__all__ = ["apply_ep_plugin_backend", "gpu_problem", "kernel_problem", "validate_ep_plugin_backend"]
