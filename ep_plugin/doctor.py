@@ -426,6 +426,32 @@ def _kernel_at_least(release: Optional[str], major: int, minor: int) -> Optional
         return None
 
 
+def _nccl_int(text: Optional[str]) -> Optional[int]:
+    """An integer NCCL variable as NCCL reads it (C's strtoll, base 0: leading blanks, a sign, 0x hex, a leading 0
+    octal, up to the first other character; a value no digit starts reads 0): None where it is unset."""
+    if text is None:
+        return None
+    match = re.match(r"\s*([+-]?)(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*)", text)
+    if match is None:
+        return 0
+    sign, digits = match.groups()
+    value = int(digits, 16) if digits[:2].lower() == "0x" else int(digits, 8) if digits[0] == "0" else int(digits)
+    return -value if sign == "-" else value
+
+
+def _ib_hca_selects(text: str, name: str) -> bool:
+    """Whether NCCL_IB_HCA (``text``) lets NCCL's IB transport use the device ``name``: a comma list of names, each
+    a prefix of the device's name (``=`` before the list: the whole name), ``^`` before it: all but those; a
+    ``:port`` suffix names a port of it."""
+    exclude = text.startswith("^")
+    text = text[1:] if exclude else text
+    exact = text.startswith("=")
+    text = text[1:] if exact else text
+    entries = [entry.split(":")[0] for entry in text.split(",") if entry.split(":")[0]]
+    listed = any(name == entry if exact else name.startswith(entry) for entry in entries)
+    return listed != exclude
+
+
 def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdict) -> tuple[str, str]:
     """The mode sysfs, the driver and the environment predict, with problems and fixes."""
     problems = verdict.problems
@@ -474,6 +500,13 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
                                 "bring those links up (ports must read ACTIVE)"))
     if _uverbs_missing(fabric, problems):
         return nccl_probe.SOCKET, "RDMA NICs not reachable from user space"
+    hca = environ.get("NCCL_IB_HCA", "")
+    if hca.strip() and not fabric.efa and not any(_ib_hca_selects(hca, nic.name) for nic in usable):
+        problems.append(Problem(f"NCCL_IB_HCA={hca} selects none of the usable RDMA NICs "
+                                f"({', '.join(nic.name for nic in usable)}): NCCL's IB transport finds no device "
+                                "('NET/IB : No device found') and falls back to TCP sockets",
+                                _unset(fabric, "NCCL_IB_HCA") + ", or name these NICs there"))
+        return nccl_probe.SOCKET, f"NCCL_IB_HCA={hca} selects no NIC"
     if fabric.efa and not fabric.nccl.plugin_may_load:
         problems.append(Problem("EFA needs the aws-ofi-nccl NCCL net plugin and none was found",
                                 "install aws-ofi-nccl; set NCCL_NET_PLUGIN or put its lib directory on "
@@ -482,10 +515,11 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
     _check_memlock(fabric, problems)
     gpus = fabric.gpus
     first = gpus[0].info
-    gdr_level = environ.get("NCCL_NET_GDR_LEVEL", "").upper()
-    if gdr_level in ("0", "LOC"):
-        problems.append(Problem(f"NCCL_NET_GDR_LEVEL={gdr_level} disables GPUDirect RDMA",
-                                _unset(fabric, "NCCL_NET_GDR_LEVEL")))
+    gdr_text = environ.get("NCCL_NET_GDR_LEVEL", "")
+    gdr_level = _gdr_level(gdr_text)
+    if gdr_level is not None and gdr_level < _NCCL_PATH_TYPES.index("PIX"):  # no NIC is nearer than one switch
+        problems.append(Problem(f"NCCL_NET_GDR_LEVEL={gdr_text} disables GPUDirect RDMA (a NIC on PCIe is PIX or "
+                                "farther from its GPU)", _unset(fabric, "NCCL_NET_GDR_LEVEL")))
         return nccl_probe.STAGED, "GPUDirect RDMA disabled by NCCL_NET_GDR_LEVEL"
     if any(gpu.info.gpudirect_rdma is False for gpu in gpus):
         problems.append(Problem("the GPU does not support GPUDirect RDMA (attribute 116 is 0)",
@@ -495,7 +529,7 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
     peermem = bool(fabric.peermem)
     efa_flags = {nic.efa_gdr for nic in fabric.usable_nics if nic.efa}
     efa_registers = True in efa_flags  # AWS's efa driver registers GPU memory itself (device/gdr)
-    if (dmabuf_ok or peermem or efa_registers) and _too_far_for_gdr(fabric, gdr_level, problems):
+    if (dmabuf_ok or peermem or efa_registers) and _too_far_for_gdr(fabric, gdr_text, problems):
         return nccl_probe.STAGED, "every GPU's NIC is farther than NCCL_NET_GDR_LEVEL allows"
     _note_gdr_distance(fabric, verdict)
     if dmabuf_ok:
@@ -563,8 +597,8 @@ def _socket_forced_by_env(fabric: Fabric, environ: Mapping[str, str]) -> Optiona
     if net.lower() == "socket":
         return f"NCCL_NET={net}"
     # NCCL reads NCCL_IB_DISABLE as an integer; it turns off only its built-in IB transport, not a net plugin.
-    ib_disable = environ.get("NCCL_IB_DISABLE", "").strip()
-    if not fabric.nccl.plugin_may_load and ib_disable.lstrip("-").isdigit() and int(ib_disable) != 0:
+    ib_disable = environ.get("NCCL_IB_DISABLE")
+    if not fabric.nccl.plugin_may_load and _nccl_int(ib_disable):
         return f"NCCL_IB_DISABLE={ib_disable}"
     return None
 
@@ -573,14 +607,18 @@ def _named_net_missing(fabric: Fabric, environ: Mapping[str, str]) -> Optional[P
     """NCCL_NET picks one network by name; NCCL skips a network that has no device or whose plugin did not load,
     and when the named one is skipped its init fails ("network ... not found"): it does not fall back to
     sockets."""
-    net = environ.get("NCCL_NET", "").strip()
-    if not net or net.lower() == "socket":
+    net = environ.get("NCCL_NET", "")
+    if not net.strip() or net.lower() == "socket":
         return None
+    if net != net.strip():  # NCCL compares the name as it is (case aside): "IB " is no network's
+        return Problem(f"NCCL_NET={net!r} has blanks around the name, and NCCL compares it as it is: no network is "
+                       f"called that, and NCCL init fails ('network {net} not found')",
+                       f"NCCL_NET={net.strip()}, or " + _unset(fabric, "NCCL_NET"))
     if net.lower() == "ib":
-        ib_disable = environ.get("NCCL_IB_DISABLE", "").strip()
+        ib_disable = environ.get("NCCL_IB_DISABLE")
         why = None
         # A net plugin may name its network IB too (and NCCL_IB_DISABLE does not turn plugins off).
-        if not fabric.nccl.plugin_may_load and ib_disable.lstrip("-").isdigit() and int(ib_disable) != 0:
+        if not fabric.nccl.plugin_may_load and _nccl_int(ib_disable):
             why = f"NCCL_IB_DISABLE={ib_disable} turns it off"
         elif not fabric.usable_nics:
             why = "no RDMA NIC with an ACTIVE port"
@@ -599,8 +637,8 @@ def _named_net_missing(fabric: Fabric, environ: Mapping[str, str]) -> Optional[P
 
 
 def _dmabuf_usable(fabric: Fabric, environ: Mapping[str, str], gpu) -> tuple[bool, str]:
-    if environ.get("NCCL_DMABUF_ENABLE") == "0":
-        return False, "NCCL_DMABUF_ENABLE=0"
+    if _nccl_int(environ.get("NCCL_DMABUF_ENABLE")) == 0:  # unset: on; set, read as NCCL reads an integer
+        return False, f"NCCL_DMABUF_ENABLE={environ['NCCL_DMABUF_ENABLE']}"
     if fabric.efa and environ.get("OFI_NCCL_DISABLE_DMABUF") == "1":
         return False, "OFI_NCCL_DISABLE_DMABUF=1"
     if gpu.dmabuf_supported is not True:
@@ -614,27 +652,45 @@ def _dmabuf_usable(fabric: Fabric, environ: Mapping[str, str], gpu) -> tuple[boo
     return True, "ok"
 
 
-# NCCL_NET_GDR_LEVEL's names and numbers, and the level a NIC's affinity to its GPU needs.
-_GDR_LEVELS = {"LOC": 0, "PIX": 1, "PXB": 2, "PHB": 3, "SYS": 4}
+# NCCL's path types, nearest first (NCCL_NET_GDR_LEVEL takes these names, exactly, up to SYS), and what its old
+# numbers 0-4 stand for (a larger number is SYS).
+_NCCL_PATH_TYPES = ("LOC", "NVL", "NVB", "C2C", "PIX", "PXB", "P2C", "PXN", "PHB", "SYS")
+_OLD_GDR_LEVELS = ("LOC", "PIX", "PXB", "PHB", "SYS")
 _NCCL_DEFAULT_GDR_LEVEL = "PXB"  # NIC and GPU behind PCIe switches, not through the CPU's root complex
-# NCCL's path types: through one CPU's host bridge(s) is PHB, even between two PCI roots of that CPU; SYS
-# crosses the link between CPUs (a NIC on another CPU's NUMA node).
-_AFFINITY_GDR_LEVEL = {"PCIe switch": 2, "PCI root": 3, "NUMA node": 3, "another CPU": 4}
+# The path type a NIC's affinity to its GPU gives: through one CPU's host bridge(s) is PHB, even between two PCI
+# roots of that CPU; SYS crosses the link between CPUs.
+_AFFINITY_GDR_LEVEL = {"PCIe switch": "PXB", "PCI root": "PHB", "NUMA node": "PHB", "another CPU": "SYS"}
 
 
-def _too_far_for_gdr(fabric: Fabric, gdr_level: str, problems: list[Problem]) -> bool:
-    """Whether every GPU's nearest NIC is farther than NCCL_NET_GDR_LEVEL (default PXB) lets NCCL use
+def _gdr_level(text: str) -> Optional[int]:
+    """NCCL_NET_GDR_LEVEL as NCCL reads it, as an index into ``_NCCL_PATH_TYPES``: a path type's name (as it is
+    written: "phb" is none), else a leading digit's old number; None where unset or ignored (NCCL's default)."""
+    if text in _NCCL_PATH_TYPES:
+        return _NCCL_PATH_TYPES.index(text)
+    if text[:1] in tuple("0123456789"):
+        old = min(_nccl_int(text) or 0, len(_OLD_GDR_LEVELS) - 1)
+        return _NCCL_PATH_TYPES.index(_OLD_GDR_LEVELS[old])
+    return None
+
+
+def _too_far_for_gdr(fabric: Fabric, gdr_text: str, problems: list[Problem]) -> bool:
+    """Whether every GPU's nearest NIC is farther than NCCL_NET_GDR_LEVEL (``gdr_text``; default PXB) lets NCCL use
     GPUDirect RDMA: then NCCL stages every transfer through host memory (a problem naming the level)."""
-    text = gdr_level or _NCCL_DEFAULT_GDR_LEVEL
-    allowed = int(text) if text.isdigit() else _GDR_LEVELS.get(text)
+    level = _gdr_level(gdr_text)
+    allowed = _NCCL_PATH_TYPES.index(_NCCL_DEFAULT_GDR_LEVEL) if level is None else level
+    shown = f"{gdr_text}" if level is not None else \
+        f"{_NCCL_DEFAULT_GDR_LEVEL} (the default{f'; {gdr_text!r} is no level NCCL reads' if gdr_text else ''})"
     placed = [g for g in fabric.gpus if g.nearest_nics and g.nic_affinity in _AFFINITY_GDR_LEVEL]
-    if allowed is None or not placed or any(_AFFINITY_GDR_LEVEL[g.nic_affinity] <= allowed for g in placed):
+
+    def needs(gpu) -> int:
+        return _NCCL_PATH_TYPES.index(_AFFINITY_GDR_LEVEL[gpu.nic_affinity])
+
+    if not placed or any(needs(g) <= allowed for g in placed):
         return False
-    needed = max(_AFFINITY_GDR_LEVEL[g.nic_affinity] for g in placed)
-    name = next(level for level, number in _GDR_LEVELS.items() if number == needed)
+    name = _NCCL_PATH_TYPES[max(needs(g) for g in placed)]
     problems.append(Problem(f"every GPU's nearest NIC shares only its {placed[0].nic_affinity} (or less) with it, "
-                            f"farther than NCCL_NET_GDR_LEVEL={text}{'' if gdr_level else ' (the default)'} lets "
-                            "NCCL use GPUDirect RDMA: it stages every transfer through host memory",
+                            f"farther than NCCL_NET_GDR_LEVEL={shown} lets NCCL use GPUDirect RDMA: it stages every "
+                            "transfer through host memory",
                             f"give each GPU a NIC behind its PCIe switch (NCCL_IB_HCA); NCCL_NET_GDR_LEVEL={name} "
                             "allows GPUDirect RDMA across that path, which can be slower than the staging: measure "
                             "it"))

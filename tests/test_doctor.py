@@ -170,6 +170,44 @@ def test_nics_farther_than_nccls_gdr_level_mean_staging(tmp_path):
     assert found["scaleout"].mode == nccl_probe.STAGED
 
 
+def test_nccl_variables_are_read_as_nccl_reads_them(tmp_path):
+    """The doctor read NCCL's variables its own way and said "dma-buf GDR" where NCCL stages, falls back to
+    sockets or fails: a level name in lower case (NCCL ignores it: its default, PXB), names it did not know
+    (PXN, NVL), integers in other spellings (NCCL's strtoll: "0x1", "false" = 0), a network name with blanks
+    (NCCL compares it as it is), and NCCL_IB_HCA naming no NIC here (NCCL's IB transport finds none)."""
+    add_gpu_pci(tmp_path, ["pci0000:00", "0000:00:05.0"])
+    add_gpu_pci(tmp_path, ["pci0000:00", "0000:00:06.0"])
+    add_rdma(tmp_path, "mlx5_0", ["pci0000:00", "0000:00:07.0"])
+    add_uverbs(tmp_path, 1)
+    flat = driver([gpu(0, "0000:00:05.0"), gpu(1, "0000:00:06.0")])  # the NIC is PHB from each GPU
+    for level, mode in (("phb", nccl_probe.STAGED), ("PXN", nccl_probe.STAGED), ("3", nccl_probe.GDR_DMABUF),
+                        ("9", nccl_probe.GDR_DMABUF), ("PHB", nccl_probe.GDR_DMABUF)):
+        found, _ = scaleout(tmp_path, flat, {"NCCL_NET_GDR_LEVEL": level})
+        assert found["scaleout"].mode == mode, (level, found["scaleout"])
+    found, _ = scaleout(tmp_path, flat, {"NCCL_NET_GDR_LEVEL": "phb"})
+    assert "'phb' is no level NCCL reads" in found["scaleout"].problems[0].text, found["scaleout"].problems
+    dgx = tmp_path / "dgx"
+    report = dgx_cx7(dgx)
+    for environ, mode in (({"NCCL_NET_GDR_LEVEL": "NVL"}, nccl_probe.STAGED),
+                          ({"NCCL_NET_GDR_LEVEL": "loc"}, nccl_probe.GDR_DMABUF),
+                          ({"NCCL_IB_DISABLE": "0x1"}, nccl_probe.SOCKET),
+                          ({"NCCL_IB_DISABLE": "false"}, nccl_probe.GDR_DMABUF),
+                          ({"NCCL_NET": "IB "}, nccl_probe.UNAVAILABLE),
+                          ({"NCCL_NET": "ib"}, nccl_probe.GDR_DMABUF),
+                          ({"NCCL_IB_HCA": "mlx5_9"}, nccl_probe.SOCKET),
+                          ({"NCCL_IB_HCA": "^mlx5"}, nccl_probe.SOCKET),
+                          ({"NCCL_IB_HCA": "=mlx5"}, nccl_probe.SOCKET),
+                          ({"NCCL_IB_HCA": "mlx5:1"}, nccl_probe.GDR_DMABUF),
+                          ({"NCCL_IB_HCA": "^mlx5_0,mlx5_1"}, nccl_probe.GDR_DMABUF)):
+        found, _ = scaleout(dgx, report, environ)
+        assert found["scaleout"].mode == mode, (environ, found["scaleout"])
+    without_peermem = tmp_path / "nopeermem"
+    report = dgx_cx7(without_peermem, peermem=False)
+    for value, mode in (("false", nccl_probe.STAGED), ("0x0", nccl_probe.STAGED), ("1", nccl_probe.GDR_DMABUF)):
+        found, _ = scaleout(without_peermem, report, {"NCCL_DMABUF_ENABLE": value})
+        assert found["scaleout"].mode == mode, (value, found["scaleout"])
+
+
 def test_a_nic_under_another_host_bridge_of_the_gpus_cpu_is_phb(tmp_path):
     """NCCL calls any path through the CPU PHB (SYS only crosses CPUs): a NIC on another PCI root of the GPU's
     NUMA node gets GPUDirect RDMA at NCCL_NET_GDR_LEVEL=PHB. It was taken for SYS: staged, and told to set SYS."""
