@@ -345,8 +345,12 @@ def _check_co_residency(fabric: Fabric, options: Options, environ: Mapping[str, 
     knob, grid = (("EP_PLUGIN_FORWARD_SMS", config.forward_sms) if across_domains and config.forward_sms else
                   ("EP_PLUGIN_NUM_SMS", config.num_sms))
     if grid > limit:
+        # The build checks the grid against EP_PLUGIN_MAX_SMS_PER_GPU where set: one above the SMs there lets it pass.
+        build_limit = co_residency_limit(config.max_sms_per_gpu or device_sms, sharing, percentage)
+        refused = "a build is refused" if grid > build_limit else \
+            "a build is not refused (EP_PLUGIN_MAX_SMS_PER_GPU counts SMs that are not there)"
         verdict.problems.append(Problem(where.format(grid) + f" ({knob}): the spin-waiting kernels cannot all be "
-                                        "resident and would deadlock; a build is refused",
+                                        f"resident and would deadlock; {refused}",
                                         f"{knob}={limit}" + (" (or 0 to autosize)" if knob == "EP_PLUGIN_NUM_SMS" else
                                                              " (or 0: EP_PLUGIN_NUM_SMS's)")))
         verdict.status = UNAVAILABLE

@@ -657,6 +657,11 @@ def test_max_sms_per_gpu_past_the_gpus_sms_is_a_problem(tmp_path):
     assert (found["nvlink"].status, code) == (UNAVAILABLE, 1), found["nvlink"]
     assert "EP_PLUGIN_MAX_SMS_PER_GPU=132 or less" in fixes(found["nvlink"])
     assert "EP_PLUGIN_NUM_SMS=66" in fixes(found["nvlink"])
+    # The build checks the grid against the knob's 264 SMs, so it passes and deadlocks (it said "refused").
+    texts = " ".join(problem.text for problem in found["nvlink"].problems)
+    assert "a build is not refused" in texts and "a build is refused" not in texts, texts
+    found, _ = verdicts(fabric, {"EP_PLUGIN_NUM_SMS": "132"}, backend="hybrid", ranks_per_gpu=2)
+    assert "a build is refused" in " ".join(problem.text for problem in found["nvlink"].problems)
     environ = {"EP_PLUGIN_MAX_SMS_PER_GPU": "264"}  # autosized: a warning, not a failure
     found, code = verdicts(fabric, environ, backend="hybrid", ranks_per_gpu=2)
     assert (found["nvlink"].status, code) == (DEGRADED, 0), found["nvlink"]
