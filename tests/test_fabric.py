@@ -238,6 +238,11 @@ def test_mps_daemon_state_from_the_pipe_directory(tmp_path):
     assert stale.control_pipe and stale.pid_alive is False and not stale.daemon_running
     bad = make_fabric(tmp_path, report, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "half"})
     assert bad.mps.active_thread_percentage is None and any("not a number" in w for w in bad.warnings)
+    # Blank is unset (it warned "not a number"); no share (-5) is none (it showed as "MPS active threads -5%").
+    blank = make_fabric(tmp_path, report, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": " "})
+    assert blank.mps.active_thread_percentage_text is None and not any("PERCENTAGE" in w for w in blank.warnings)
+    negative = make_fabric(tmp_path, report, {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "-5"})
+    assert negative.mps.active_thread_percentage is None and negative.mps.active_thread_percentage_text == "-5"
 
 
 def test_mps_daemon_that_answers_on_its_control_socket_runs_whatever_its_pid():

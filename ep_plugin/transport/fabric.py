@@ -592,13 +592,17 @@ def _mps_info(tree: _Tree, environ: Mapping[str, str], warnings: list[str]) -> M
     pid_text = tree.read(os.path.join(pipe_directory, "nvidia-cuda-mps-control.pid"))
     pid = int(pid_text) if pid_text and pid_text.isdigit() else None
     percentage_text = environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    if percentage_text is not None and not percentage_text.strip():
+        percentage_text = None  # blank is unset, as for every variable here
     percentage = None
     if percentage_text is not None:
         try:
             percentage = float(percentage_text)
         except ValueError:
             warnings.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percentage_text!r} is not a number")
-        if percentage is not None and not math.isfinite(percentage):  # "nan", "inf": no share (and no JSON)
+        if percentage is not None and not (math.isfinite(percentage) and percentage > 0):
+            # "nan", "inf" (no share, and no JSON), 0 or less: no share of the GPU, as the sizing reads it (the MPS
+            # verdict reports the value)
             percentage = None
     control = os.path.join(pipe_directory, "control")
     return MpsInfo(pipe_directory=pipe_directory, control_pipe=tree.exists(control),
