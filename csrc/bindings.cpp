@@ -65,11 +65,27 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("handle_kind", &ep::SymmetricBuffer::handle_kind)
       .def("export_handle", [](const ep::SymmetricBuffer& b) { return py::bytes(b.export_handle()); })
       .def("open_peers", &ep::SymmetricBuffer::open_peers, py::arg("handles"))
-      // Both may wait for the device (a device-wide synchronize): without the GIL, so that the process's
-      // other threads (a watchdog printing why a kernel is stuck, say) go on meanwhile.
-      .def("close_peers", &ep::SymmetricBuffer::close_peers, py::arg("synchronize") = true,
-           py::call_guard<py::gil_scoped_release>())
-      .def("destroy", &ep::SymmetricBuffer::destroy, py::call_guard<py::gil_scoped_release>())
+      // Both begin with a device-wide wait: made without the GIL, so that the process's other threads (a
+      // watchdog printing why a kernel is stuck, say) go on meanwhile; the release that follows holds it, so no
+      // other thread reads the report or the peer table while they are freed.
+      .def("close_peers", [](ep::SymmetricBuffer& buffer, bool synchronize) {
+             if (buffer.destroyed()) return;
+             int waited = 0;
+             if (synchronize) {
+               py::gil_scoped_release no_gil;
+               waited = buffer.wait_for_device();
+             }
+             buffer.close_peers_after_wait(waited);
+           }, py::arg("synchronize") = true)
+      .def("destroy", [](ep::SymmetricBuffer& buffer) {
+             if (buffer.destroyed()) return;
+             int waited = 0;
+             {
+               py::gil_scoped_release no_gil;
+               waited = buffer.wait_for_device();
+             }
+             buffer.destroy_after_wait(waited);
+           })
       .def("abandon", &ep::SymmetricBuffer::abandon)
       .def("report", &ep::SymmetricBuffer::report)
       .def("failed", &ep::SymmetricBuffer::failed)

@@ -147,11 +147,21 @@ uintptr_t SymmetricBuffer::peer_region_address(int r) const {
   return reinterpret_cast<uintptr_t>(table_[r]) + static_cast<uintptr_t>(view_.sync.bytes);
 }
 
+int SymmetricBuffer::wait_for_device() const {
+  const DeviceScope device_scope(device_, std::nothrow);
+  return static_cast<int>(cudaDeviceSynchronize());
+}
+
 void SymmetricBuffer::close_peers(bool synchronize) {
+  if (destroyed_ || opened_.empty()) return;
+  close_peers_after_wait(synchronize ? wait_for_device() : 0);
+}
+
+void SymmetricBuffer::close_peers_after_wait(int waited) {
   if (destroyed_ || opened_.empty()) return;
   const DeviceScope device_scope(device_);
   // Errors are collected so every mapping is closed; the first one is raised.
-  cudaError_t first = synchronize ? cudaDeviceSynchronize() : cudaSuccess;
+  cudaError_t first = static_cast<cudaError_t>(waited);
   for (char* pointer : opened_) {
     const cudaError_t status = cudaIpcCloseMemHandle(pointer);
     if (first == cudaSuccess) first = status;
@@ -163,14 +173,18 @@ void SymmetricBuffer::close_peers(bool synchronize) {
 
 void SymmetricBuffer::destroy() {
   if (destroyed_) return;
-  destroyed_ = true;
+  destroy_after_wait(wait_for_device());
+}
+
+void SymmetricBuffer::destroy_after_wait(int waited) {
+  if (destroyed_.exchange(true)) return;
   const DeviceScope device_scope(device_, std::nothrow);
   // Errors are collected so every resource is released; the first one is raised.
   cudaError_t first = cudaSuccess;
   auto keep = [&first](cudaError_t status) {
     if (first == cudaSuccess && status != cudaSuccess) first = status;
   };
-  keep(cudaDeviceSynchronize());
+  keep(static_cast<cudaError_t>(waited));
   for (char* pointer : opened_) keep(cudaIpcCloseMemHandle(pointer));
   opened_.clear();
   table_.clear();

@@ -117,6 +117,13 @@ class SymmetricBuffer {
   // Release everything (idempotent; closes the peers' buffers first if close_peers did not). Peers must
   // not touch this buffer afterwards.
   void destroy();
+  // The two halves of each, for the Python binding: the device-wide wait (a cudaError_t, not raised, so that
+  // the release still runs), which the binding makes without the GIL, then the release, with it (no other
+  // thread reads the report or the peer table while they go).
+  int wait_for_device() const;
+  void close_peers_after_wait(int waited);
+  void destroy_after_wait(int waited);
+  bool destroyed() const { return destroyed_; }
   // Marks the buffer destroyed and frees nothing, now or in the destructor: the memory stays allocated and
   // mapped for the life of the process (a peer or a kernel may still use it, or a pool still holds part).
   void abandon() { destroyed_ = true; }
@@ -154,7 +161,7 @@ class SymmetricBuffer {
  private:
   int device_;
   bool bulk_capable_ = false;
-  std::atomic<bool> destroyed_{false};  // destroy() runs without the GIL: another thread may read it meanwhile
+  std::atomic<bool> destroyed_{false};  // the binding waits without the GIL: another thread may read it then
   int64_t total_bytes_ = 0;
   char* local_ = nullptr;
   char** peer_table_ = nullptr;  // device
