@@ -432,28 +432,40 @@ def _kernel_at_least(release: Optional[str], major: int, minor: int) -> Optional
 
 def _nccl_int(text: Optional[str]) -> Optional[int]:
     """An integer NCCL variable as NCCL reads it (C's strtoll, base 0: leading blanks, a sign, 0x hex, a leading 0
-    octal, up to the first other character; a value no digit starts reads 0): None where it is unset."""
-    if text is None:
+    octal, up to the first other character; a value no digit starts reads 0): None where NCCL keeps its default
+    (unset, empty, or past int64)."""
+    if not text:
         return None
-    match = re.match(r"\s*([+-]?)(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*)", text)
+    match = re.match(r"[ \t\n\v\f\r]*([+-]?)(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9][0-9]*)", text)  # C's isspace
     if match is None:
         return 0
     sign, digits = match.groups()
     value = int(digits, 16) if digits[:2].lower() == "0x" else int(digits, 8) if digits[0] == "0" else int(digits)
-    return -value if sign == "-" else value
+    value = -value if sign == "-" else value
+    return value if -2**63 <= value < 2**63 else None  # ERANGE: NCCL keeps the default
 
 
-def _ib_hca_selects(text: str, name: str) -> bool:
-    """Whether NCCL_IB_HCA (``text``) lets NCCL's IB transport use the device ``name``: a comma list of names, each
-    a prefix of the device's name (``=`` before the list: the whole name), ``^`` before it: all but those; a
-    ``:port`` suffix names a port of it."""
+def _ib_hca_selects(text: str, nic) -> bool:
+    """Whether NCCL_IB_HCA (``text``) lets NCCL's IB transport use an ACTIVE port of ``nic``: a comma list of
+    names, each a prefix of the device's name (``=`` before the list: the whole name), ``:port`` after one: that
+    port only; ``^`` before the list: all but those. An empty list lists every device (so ``^`` alone excludes
+    them all)."""
     exclude = text.startswith("^")
     text = text[1:] if exclude else text
     exact = text.startswith("=")
     text = text[1:] if exact else text
-    entries = [entry.split(":")[0] for entry in text.split(",") if entry.split(":")[0]]
-    listed = any(name == entry if exact else name.startswith(entry) for entry in entries)
-    return listed != exclude
+    entries = []
+    for entry in text.split(","):
+        name, _, port = entry.partition(":")
+        if name:
+            entries.append((name, int(port) if port.isdigit() else None))
+    active = {port.number for port in nic.ports if port.active}
+
+    def listed(port: int) -> bool:
+        return not entries or any((nic.name == name if exact else nic.name.startswith(name))
+                                  and (wanted is None or wanted == port) for name, wanted in entries)
+
+    return any(listed(port) != exclude for port in active)
 
 
 def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdict) -> tuple[str, str]:
@@ -505,7 +517,7 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
     if _uverbs_missing(fabric, problems):
         return nccl_probe.SOCKET, "RDMA NICs not reachable from user space"
     hca = environ.get("NCCL_IB_HCA", "")
-    if hca.strip() and not fabric.efa and not any(_ib_hca_selects(hca, nic.name) for nic in usable):
+    if hca and not fabric.efa and not any(_ib_hca_selects(hca, nic) for nic in usable):
         problems.append(Problem(f"NCCL_IB_HCA={hca} selects none of the usable RDMA NICs "
                                 f"({', '.join(nic.name for nic in usable)}): NCCL's IB transport finds no device "
                                 "('NET/IB : No device found') and falls back to TCP sockets",

@@ -967,6 +967,15 @@ def test_compare_fails_when_new_lost_a_case_or_nothing_matched(tmp_path, capsys)
     assert "no case is on both sides" in capsys.readouterr().out
 
 
+def test_the_mps_share_is_recorded_in_one_spelling():
+    """compare tells runs apart by the recorded text: "50" and "50.0" are one share, and 100 is the whole GPU."""
+    from ep_plugin.bench.__main__ import _mps_share
+
+    assert _mps_share("50") == _mps_share("50.0") == _mps_share(" 5e1 ") == "50"
+    assert _mps_share("100") == _mps_share("") == _mps_share("  ") == "unset"
+    assert _mps_share("half") == "half"
+
+
 def test_compare_refuses_runs_timed_with_other_iterations_or_knobs(tmp_path, capsys, monkeypatch):
     """bench.json recorded neither the iteration counts (a preset's defaults are not in its command) nor the
     EP_PLUGIN_* knobs, so compare took runs timed with 10 and 200 iterations, or with other knobs, for alike;

@@ -198,6 +198,13 @@ def test_nccl_variables_are_read_as_nccl_reads_them(tmp_path):
                           ({"NCCL_IB_HCA": "^mlx5"}, nccl_probe.SOCKET),
                           ({"NCCL_IB_HCA": "=mlx5"}, nccl_probe.SOCKET),
                           ({"NCCL_IB_HCA": "mlx5:1"}, nccl_probe.GDR_DMABUF),
+                          ({"NCCL_IB_HCA": "mlx5_0:2"}, nccl_probe.SOCKET),  # its only ACTIVE port is 1
+                          ({"NCCL_IB_HCA": "^"}, nccl_probe.SOCKET),  # an empty list lists every device
+                          ({"NCCL_IB_HCA": "="}, nccl_probe.GDR_DMABUF),
+                          ({"NCCL_IB_HCA": "  "}, nccl_probe.SOCKET),  # a name of blanks names none
+                          ({"NCCL_DMABUF_ENABLE": ""}, nccl_probe.GDR_DMABUF),  # empty: NCCL's default
+                          ({"NCCL_IB_DISABLE": "9" * 30}, nccl_probe.GDR_DMABUF),  # past int64: the default
+                          ({"NCCL_IB_DISABLE": "\xa01"}, nccl_probe.GDR_DMABUF),  # not C's blank: reads 0
                           ({"NCCL_IB_HCA": "^mlx5_0,mlx5_1"}, nccl_probe.GDR_DMABUF)):
         found, _ = scaleout(dgx, report, environ)
         assert found["scaleout"].mode == mode, (environ, found["scaleout"])

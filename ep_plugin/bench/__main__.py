@@ -358,6 +358,18 @@ def _why_no_plots(rows: list[dict]) -> str:
             + (" among the cases that did not fail" if failed else ""))
 
 
+def _mps_share(text: str) -> str:
+    """CUDA_MPS_ACTIVE_THREAD_PERCENTAGE as bench.json records it: "unset", or the number as one spelling ("50"
+    and "50.0" alike, 100 as unset: the whole GPU), else the text."""
+    if not text.strip():
+        return "unset"
+    try:
+        value = float(text)
+    except ValueError:
+        return text.strip()
+    return "unset" if value == 100 else f"{value:g}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -413,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     env["warmup"], env["iters"] = args.warmup, args.iters
     env["ep_plugin_variables"] = variables_set()
     # An MPS client's share of the SMs: with ranks sharing a GPU it bounds the kernels and the copy ceiling alike.
-    env["mps_thread_percentage"] = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip() or "unset"
+    env["mps_thread_percentage"] = _mps_share(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", ""))
     env["reference"] = {"max_tokens": reference_max_tokens or "no limit", "iters": reference_iters}
     if incomplete:
         env["incomplete"] = incomplete

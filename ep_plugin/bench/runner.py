@@ -250,16 +250,18 @@ class _Calls:
         return verify.round_trip_problem(tokens, expected, self.combined.hidden)
 
     def _combine_input_apart(self, rows: torch.Tensor) -> torch.Tensor:
-        """The checked combine's input: the scaled rows, in memory of their own, with the dispatch output (bf16)
-        then overwritten with NaN, so that a combine that read the dispatch output, or its own stash of it, instead
-        of its input fails the check (the timed loop combines the dispatch output itself: the same memory). Where
-        a copy does not fit, the rows stay where they are and nothing is overwritten."""
+        """The checked combine's input: the scaled rows, apart from a bf16 dispatch output, which is then
+        overwritten with NaN, so that a combine that read the dispatch output, or its own stash of it, instead of
+        its input fails the check (the timed loop combines the dispatch output itself: the same memory). The
+        in-place variants' rows go where their combine reads them (the buffer, the arena); fp8's are a bf16
+        buffer of their own already, which the timed combines read too. Where a copy does not fit, the rows stay
+        where they are and nothing is overwritten."""
         if self.arena or self.in_place:
             rows = self._rows_in_the_buffer().copy_(rows)
         elif rows is self.out.hidden:
             try:
                 rows = rows.clone()
-            except torch.OutOfMemoryError:
+            except torch.cuda.OutOfMemoryError:  # (torch.OutOfMemoryError is 2.5's)
                 return rows
         hidden = self.out.hidden
         if not isinstance(hidden, tuple) and not _overlap(hidden, rows):
