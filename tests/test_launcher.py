@@ -532,6 +532,30 @@ def test_a_private_mps_daemon_that_fails_to_start_leaves_no_folder(tmp_path, mon
         with pytest.raises(error):
             mps.PrivateMPS().__enter__()
         assert list(tmp.iterdir()) == [], (script, list(tmp.iterdir()))
+    # A daemon that forked (its pid file written) but made no control pipe: it is stopped too, by its pid, before
+    # its folder goes (no later run could find it then). A sleep stands in for it; -d gives up on it.
+    pid_file = tmp_path / "daemon.pid"
+    fake.write_text(f"""#!/bin/sh
+sleep 300 > /dev/null 2>&1 &
+echo $! > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
+echo $! > {pid_file}
+exit 1
+""")
+    with pytest.raises(RuntimeError):
+        mps.PrivateMPS().__enter__()
+    pid = int(pid_file.read_text())
+    for _ in range(50):  # gone, or a zombie whose parent has not reaped it yet
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        raise AssertionError(f"the forked daemon (pid {pid}) still runs")
 
 SESSION_UNDER_SIGTERM = '''
 import time

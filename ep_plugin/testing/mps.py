@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -62,10 +63,24 @@ def _quit_and_remove(root: str) -> None:
                 if not os.path.exists(control):
                     break
                 time.sleep(0.1)
+        else:  # a daemon that forked but made no control pipe yet (its start timed out or was cut short)
+            _terminate_by_pid_file(root)
     except (OSError, subprocess.SubprocessError):
         pass
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _terminate_by_pid_file(root: str) -> None:
+    """SIGTERM the daemon whose pid the pipe folder of ``root`` names, if any: once the folder is gone, no later
+    run could find it (``stop_orphaned_daemons`` looks for folders)."""
+    try:
+        with open(os.path.join(root, "pipe", "nvidia-cuda-mps-control.pid")) as file:
+            pid = int(file.read().strip())
+    except (OSError, ValueError):
+        return
+    if pid > 1:
+        os.kill(pid, signal.SIGTERM)
 
 
 class PrivateMPS:
