@@ -151,11 +151,18 @@ class RoundTrip:
         self.columns = torch.tensor([marked_column(index, hidden) for index in range(count)], device=chosen.device)
         self.hidden = hidden
 
-    def factor(self, part: slice) -> torch.Tensor:
-        """[t, H] fp32: what the tokens of ``part`` are multiplied by, value by value."""
+    def expected(self, tokens: torch.Tensor, part: slice) -> torch.Tensor:
+        """[t, H] fp32: what the combine must give for the tokens of ``part``, value by value (exact: a bf16 value
+        times sums of powers of two)."""
+        x = tokens[part].float()
         per_copy = self.sent[part].float() * self.factors  # [t, C]
-        marked = per_copy.new_zeros(per_copy.shape[0], self.hidden).index_add_(1, self.columns, per_copy)
-        return per_copy.sum(1, keepdim=True) - marked
+        # Less each copy's share in its marked column: a [t, C] correction, not a second [t, H] tensor.
+        return (x * per_copy.sum(1, keepdim=True)).index_add_(1, self.columns, -x[:, self.columns] * per_copy)
+
+    def factor_at(self, token: int, column: int) -> float:
+        """What the token's value in ``column`` is multiplied by (for a message)."""
+        per_copy = self.sent[token].float() * self.factors
+        return float(per_copy.sum() - per_copy[self.columns == column].sum())
 
 
 def scale_copies(out, rows: torch.Tensor, rank: int) -> None:
@@ -299,15 +306,19 @@ def round_trip_problem(tokens: torch.Tensor, copies: Union[torch.Tensor, RoundTr
     signed_error, magnitude, nonzero = 0.0, 0.0, 0  # over every value: the mean signed error's parts
     for start in range(0, tokens.shape[0], DEQUANT_CHUNK_ROWS):
         part = slice(start, start + DEQUANT_CHUNK_ROWS)
-        factor = copies.factor(part) if isinstance(copies, RoundTrip) else copies[part].unsqueeze(1).float()
-        expected = tokens[part].float() * factor
+        if isinstance(copies, RoundTrip):
+            expected = copies.expected(tokens, part)
+        else:
+            expected = tokens[part].float() * copies[part].unsqueeze(1).float()
         error = combined[part].float() - expected
         wrong = ~(error.abs() <= ROUND_TRIP_RTOL * expected.abs())  # a NaN is wrong too
         count = int(wrong.sum())
         if count and first is None:
             token, column = (int(i) for i in wrong.nonzero()[0])
+            times = (copies.factor_at(start + token, column) if isinstance(copies, RoundTrip)
+                     else float(copies[start + token]))
             first = (start + token, column, float(combined[start + token, column]), float(expected[token, column]),
-                     float(factor[token, column if factor.shape[1] > 1 else 0]))
+                     times)
         wrong_values += count
         signed_error += float((error * expected.sign()).sum(dtype=torch.float64))
         magnitude += float(expected.abs().sum(dtype=torch.float64))
