@@ -33,6 +33,12 @@ void bind(py::module_& parent);
 }
 }  // namespace ep
 
+// A buffer's device-wide wait (its error, not raised) with the GIL released meanwhile.
+static int wait_without_gil(const ep::SymmetricBuffer& buffer) {
+  py::gil_scoped_release no_gil;
+  return buffer.wait_for_device();
+}
+
 PYBIND11_MODULE(_C, m) {
   using ep::bind::ArgStruct;
   m.doc() = "ep_plugin compiled CUDA kernels (no libtorch linkage)";
@@ -69,22 +75,10 @@ PYBIND11_MODULE(_C, m) {
       // watchdog printing why a kernel is stuck, say) go on meanwhile; the release that follows holds it, so no
       // other thread reads the report or the peer table while they are freed.
       .def("close_peers", [](ep::SymmetricBuffer& buffer, bool synchronize) {
-             if (buffer.destroyed()) return;
-             int waited = 0;
-             if (synchronize) {
-               py::gil_scoped_release no_gil;
-               waited = buffer.wait_for_device();
-             }
-             buffer.close_peers_after_wait(waited);
+             if (!buffer.destroyed()) buffer.close_peers_after_wait(synchronize ? wait_without_gil(buffer) : 0);
            }, py::arg("synchronize") = true)
       .def("destroy", [](ep::SymmetricBuffer& buffer) {
-             if (buffer.destroyed()) return;
-             int waited = 0;
-             {
-               py::gil_scoped_release no_gil;
-               waited = buffer.wait_for_device();
-             }
-             buffer.destroy_after_wait(waited);
+             if (!buffer.destroyed()) buffer.destroy_after_wait(wait_without_gil(buffer));
            })
       .def("abandon", &ep::SymmetricBuffer::abandon)
       .def("report", &ep::SymmetricBuffer::report)

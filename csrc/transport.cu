@@ -152,11 +152,6 @@ int SymmetricBuffer::wait_for_device() const {
   return static_cast<int>(cudaDeviceSynchronize());
 }
 
-void SymmetricBuffer::close_peers(bool synchronize) {
-  if (destroyed_ || opened_.empty()) return;
-  close_peers_after_wait(synchronize ? wait_for_device() : 0);
-}
-
 void SymmetricBuffer::close_peers_after_wait(int waited) {
   if (destroyed_ || opened_.empty()) return;
   const DeviceScope device_scope(device_);

@@ -110,17 +110,16 @@ class SymmetricBuffer {
   // Open every peer's handle (handles[rank] is ignored: the own buffer is used directly) and
   // upload the peer pointer table. Called once, after the exchange.
   void open_peers(const std::vector<std::string>& handles);
-  // Close the peers' buffers opened here (after a device-wide sync; idempotent): before any peer frees
-  // its buffer, as CUDA IPC asks of an importer (destroy's barrier in Python orders the two).
-  // synchronize=false: no device-wide wait first (no kernel ever ran on the mappings: a refused build).
-  void close_peers(bool synchronize = true);
-  // Release everything (idempotent; closes the peers' buffers first if close_peers did not). Peers must
-  // not touch this buffer afterwards.
+  // Release everything (idempotent; closes the peers' buffers first if close_peers did not; the destructor's
+  // path). Peers must not touch this buffer afterwards.
   void destroy();
-  // The two halves of each, for the Python binding: the device-wide wait (a cudaError_t, not raised, so that
-  // the release still runs), which the binding makes without the GIL, then the release, with it (no other
-  // thread reads the report or the peer table while they go).
+  // The binding's closing and destroying, each in two halves: the device-wide wait (a cudaError_t, not raised,
+  // so that the release still runs), made without the GIL, then the release, with it (no other thread reads
+  // the report or the peer table while they go).
   int wait_for_device() const;
+  // Close the peers' buffers opened here (idempotent): before any peer frees its buffer, as CUDA IPC asks of
+  // an importer (destroy's barrier in Python orders the two). No wait first where no kernel ever ran on the
+  // mappings (a refused build): waited = 0.
   void close_peers_after_wait(int waited);
   void destroy_after_wait(int waited);
   bool destroyed() const { return destroyed_; }
