@@ -694,7 +694,7 @@ def _too_far_for_gdr(fabric: Fabric, gdr_text: str, problems: list[Problem]) -> 
     GPUDirect RDMA: then NCCL stages every transfer through host memory (a problem naming the level)."""
     level = _gdr_level(gdr_text)
     allowed = _NCCL_PATH_TYPES.index(_NCCL_DEFAULT_GDR_LEVEL) if level is None else level
-    shown = f"{gdr_text}" if level is not None else \
+    shown = gdr_text if level is not None else \
         f"{_NCCL_DEFAULT_GDR_LEVEL} (the default{f'; {gdr_text!r} is no level NCCL reads' if gdr_text else ''})"
     placed = [g for g in fabric.gpus if g.nearest_nics and g.nic_affinity in _AFFINITY_GDR_LEVEL]
 
@@ -770,9 +770,8 @@ def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -
     gloo groups. A ``GLOO_SOCKET_IFNAME`` that names an interface this host lacks, or across nodes a host
     name that resolves to loopback (gloo's address when that variable is unset), makes every gloo group
     fail to connect, so building a backend over NCCL fails. Asked with ``--backend``, ``--scaleout`` or
-    ``--nodes`` above 1, also
-    with ``EP_PLUGIN_GLOO_HOST_WORDS`` off: Megatron makes gloo groups of its own unless told not to
-    (``create_gloo_process_groups``, on by default)."""
+    ``--nodes`` above 1, also with ``EP_PLUGIN_GLOO_HOST_WORDS`` off: Megatron makes gloo groups of its own
+    unless told not to (``create_gloo_process_groups``, on by default)."""
     try:
         host_words = _config(environ).gloo_host_words
     except (ValueError, TypeError):

@@ -971,9 +971,11 @@ def test_the_mps_share_is_recorded_in_one_spelling():
     """compare tells runs apart by the recorded text: "50" and "50.0" are one share, and 100 is the whole GPU."""
     from ep_plugin.bench.__main__ import _mps_share
 
-    assert _mps_share("50") == _mps_share("50.0") == _mps_share(" 5e1 ") == "50"
-    assert _mps_share("100") == _mps_share("") == _mps_share("  ") == "unset"
-    assert _mps_share("half") == "half"
+    def share(text: str) -> str:
+        return _mps_share({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": text})
+
+    assert share("50") == share("50.0") == share(" 5e1 ") == "50"
+    assert share("100") == share("") == share("half") == _mps_share({}) == "unset"
 
 
 def test_compare_refuses_runs_timed_with_other_iterations_or_knobs(tmp_path, capsys, monkeypatch):

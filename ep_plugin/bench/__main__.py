@@ -358,16 +358,14 @@ def _why_no_plots(rows: list[dict]) -> str:
             + (" among the cases that did not fail" if failed else ""))
 
 
-def _mps_share(text: str) -> str:
-    """CUDA_MPS_ACTIVE_THREAD_PERCENTAGE as bench.json records it: "unset", or the number as one spelling ("50"
-    and "50.0" alike, 100 as unset: the whole GPU), else the text."""
-    if not text.strip():
-        return "unset"
-    try:
-        value = float(text)
-    except ValueError:
-        return text.strip()
-    return "unset" if value == 100 else f"{value:g}"
+def _mps_share(environ=None) -> str:
+    """CUDA_MPS_ACTIVE_THREAD_PERCENTAGE as bench.json records it: the share as the SM sizing reads it
+    (``sizing.mps_thread_percentage``), in one spelling ("50" and "50.0" alike), or "unset" (also for the whole
+    GPU, 100, and for what the sizing does not take)."""
+    from ep_plugin.transport.sizing import mps_thread_percentage
+
+    share = mps_thread_percentage(environ)
+    return "unset" if share is None or share >= 100 else f"{share:g}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     env["warmup"], env["iters"] = args.warmup, args.iters
     env["ep_plugin_variables"] = variables_set()
     # An MPS client's share of the SMs: with ranks sharing a GPU it bounds the kernels and the copy ceiling alike.
-    env["mps_thread_percentage"] = _mps_share(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", ""))
+    env["mps_thread_percentage"] = _mps_share()
     env["reference"] = {"max_tokens": reference_max_tokens or "no limit", "iters": reference_iters}
     if incomplete:
         env["incomplete"] = incomplete
