@@ -734,7 +734,7 @@ def test_validate_asks_for_kernels_that_run_on_this_gpu(monkeypatch):
     with pytest.raises(ValueError, match="built for sm_70, whose kernels cannot run"):
         validate("ep_elastic")
     monkeypatch.setattr(_cuda, "_module", None)
-    with pytest.raises(ValueError, match="needs ep_plugin's compiled extension"):
+    with pytest.raises(ValueError, match="backend 'hybrid' needs the compiled extension"):
         validate("ep_hybrid")
     validate("ep_reference")
 

@@ -76,20 +76,12 @@ def gpu_problem(name: str) -> str | None:
 
 
 def kernel_problem(name: str) -> str | None:
-    """Why the compiled kernels of backend ``name`` cannot run on GPU 0 (the extension not built, or built for
-    another GPU: the default build is sm_90's), or None. Not a reason to fall back (``apply_ep_plugin_backend``):
-    the install is to be mended, not trained around."""
-    if name in CPU_CAPABLE:
-        return None
-    import torch
+    """Why the compiled kernels of backend ``name`` cannot run here (the extension not built, or built for
+    another GPU: the default build is sm_90's), or None: the CLI's own check (``cli.backend_problem``). Not a
+    reason to fall back (``apply_ep_plugin_backend``): the install is to be mended, not trained around."""
+    from ep_plugin.cli import backend_problem
 
-    from ep_plugin import _cuda
-
-    if not _cuda.available():
-        return f"{name} needs ep_plugin's compiled extension: {_cuda.describe()}"
-    mismatch = _cuda.arch_problem(torch.cuda.get_device_capability(0))
-    return None if mismatch is None else f"{name}: {mismatch}"
-
+    return backend_problem(PLUGIN_BACKENDS[name], "cuda") if name not in CPU_CAPABLE else None
 
 def _check_name(name: str) -> None:
     if name not in PLUGIN_BACKENDS:
