@@ -40,7 +40,6 @@ import dataclasses
 import functools
 import glob
 import logging
-import math
 import os
 import re
 from collections import Counter
@@ -48,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
 from .cuda_driver import DriverReport, GpuInfo, probe_driver
-from .sizing import DEFAULT_NVLINK_GBYTES_PER_S, DEFAULT_SCALEOUT_GBYTES_PER_S
+from .sizing import DEFAULT_NVLINK_GBYTES_PER_S, DEFAULT_SCALEOUT_GBYTES_PER_S, mps_thread_percentage
 
 logger = logging.getLogger("ep_plugin")
 
@@ -594,16 +593,14 @@ def _mps_info(tree: _Tree, environ: Mapping[str, str], warnings: list[str]) -> M
     percentage_text = environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
     if percentage_text is not None and not percentage_text.strip():
         percentage_text = None  # blank is unset, as for every variable here
-    percentage = None
-    if percentage_text is not None:
+    # The share as the SM sizing reads it: none for "nan", "inf" (and no JSON), 0 or less (the MPS verdict
+    # reports the value).
+    percentage = mps_thread_percentage(environ)
+    if percentage_text is not None and percentage is None:
         try:
-            percentage = float(percentage_text)
+            float(percentage_text)
         except ValueError:
             warnings.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percentage_text!r} is not a number")
-        if percentage is not None and not (math.isfinite(percentage) and percentage > 0):
-            # "nan", "inf" (no share, and no JSON), 0 or less: no share of the GPU, as the sizing reads it (the MPS
-            # verdict reports the value)
-            percentage = None
     control = os.path.join(pipe_directory, "control")
     return MpsInfo(pipe_directory=pipe_directory, control_pipe=tree.exists(control),
                    pid=pid, pid_alive=None if pid is None else tree.exists(f"/proc/{pid}"),
