@@ -208,6 +208,50 @@ def test_a_teardown_that_crashes_after_the_result_is_reported_not_waited_on():
                                                                                           done.stderr[-2000:])
 
 
+def killed_while_sending_its_result(ctx, size):
+    """Rank 1 is killed (as the OOM killer would) while it writes its result to the launcher."""
+    if ctx.rank == 1:
+        def writing() -> bool:  # whether another thread of this process is in write() (x86-64: 1, arm64: 64)
+            for task in os.listdir("/proc/self/task"):
+                if int(task) != threading.get_native_id():
+                    with open(f"/proc/self/task/{task}/syscall") as syscall:
+                        if syscall.read().split()[0] in ("1", "64"):
+                            return True
+            return False
+
+        def kill_once_writing():
+            while not writing():
+                time.sleep(0.0005)
+            time.sleep(0.01)  # some of it in the pipe, far from all (200 MB)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=kill_once_writing, daemon=True).start()
+    return b"x" * size
+
+
+KILLED_WHILE_SENDING_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from ep_plugin.testing import run_ranks
+from test_launcher import killed_while_sending_its_result
+try:
+    run_ranks(killed_while_sending_its_result, 2, 200_000_000, timeout_s=60)
+except Exception as error:
+    print(type(error).__name__, str(error)[:300])
+"""
+
+
+def test_a_rank_killed_while_sending_its_result_is_named():
+    """Before: the ranks shared one queue, whose pipe every rank held open, so the launcher read the dead rank's
+    half message for ever (no end of file; the rank also died holding the queue's lock), past its timeout."""
+    import subprocess
+
+    script = KILLED_WHILE_SENDING_SCRIPT.format(tests=os.path.dirname(__file__))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150)
+    assert "rank(s) [1] exited with code(s) [-9] before reporting a result" in done.stdout, (done.stdout,
+                                                                                             done.stderr[-2000:])
+
+
 def returns_a_tensor(ctx):
     return __import__("torch").full((1000,), float(ctx.rank))
 
@@ -422,10 +466,10 @@ def test_a_rank_that_exits_0_without_a_result_is_named_at_once():
 
 def test_ranks_that_exited_0_before_their_results_were_read_are_not_reported(monkeypatch):
     """The race an exit-0 check must not lose: get() times out, then the ranks put their results and exit, and
-    the launcher sees them dead with code 0 while their results still wait, unread, in the queue's pipe."""
+    the launcher sees them dead with code 0 while their results still wait, unread, in their pipes."""
     from ep_plugin.testing import launcher
 
-    def collect_after_an_empty_get(processes, results, num_ranks, timeout_s):
+    def collect_after_an_empty_get(processes, reports, timeout_s):
         class FirstGetEmptyAfterTheRanksExit:
             first = True
 
@@ -435,9 +479,9 @@ def test_ranks_that_exited_0_before_their_results_were_read_are_not_reported(mon
                     for process in processes:
                         process.join()
                     raise launcher.queue.Empty
-                return results.get(timeout=timeout)
+                return reports.get(timeout=timeout)
 
-        return real_collect(processes, FirstGetEmptyAfterTheRanksExit(), num_ranks, timeout_s)
+        return real_collect(processes, FirstGetEmptyAfterTheRanksExit(), timeout_s)
 
     real_collect = launcher._collect
     monkeypatch.setattr(launcher, "_collect", collect_after_an_empty_get)

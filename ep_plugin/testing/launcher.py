@@ -228,21 +228,26 @@ def remove_orphaned_rendezvous(folder: Optional[str] = None) -> list[str]:
 
 def _spawn(fn, args, plan: LaunchPlan, timeout_s: float, env: dict[str, str]) -> list[Any]:
     context = mp.get_context("spawn")
-    results = context.Queue()
+    # One pipe per rank, its write end in that rank alone: a rank killed halfway through sending its result
+    # (out of memory, a signal) closes it, so the launcher reads an end of file, not half a message it would wait
+    # on for ever (a shared queue's pipe stays open in every rank, and the dead one held its lock).
+    pipes = [context.Pipe(duplex=False) for _ in range(plan.num_ranks)]  # (read end, write end)
     remove_orphaned_rendezvous()
     with tempfile.TemporaryDirectory(prefix=f"{RENDEZVOUS_PREFIX}{os.getpid()}_") as rendezvous_dir:
         init_method = "file://" + os.path.join(rendezvous_dir, "store")
         # Not daemonic: a rank may start processes of its own (a DataLoader's workers). The cleanup below, and
         # the parent-death signal when the launcher itself is killed, stop the ranks instead.
         processes = [
-            context.Process(target=_rank_main, args=(fn, args, plan, rank, init_method, env, results), daemon=False)
+            context.Process(target=_rank_main, args=(fn, args, plan, rank, init_method, env, pipes[rank][1]),
+                            daemon=False)
             for rank in range(plan.num_ranks)
         ]
         try:  # a rank that fails to start (fd or process limits) must not leave the started ones waiting
             with _environment(env):
-                for process in processes:
+                for process, (_, write_end) in zip(processes, pipes, strict=True):
                     process.start()
-            outputs = _collect(processes, results, plan.num_ranks, timeout_s)
+                    write_end.close()  # the rank has its own copy now
+            outputs = _collect(processes, _read_reports([read_end for read_end, _ in pipes]), timeout_s)
             _check_exits(processes, EXIT_TIMEOUT_S, outputs)
             return outputs
         finally:
@@ -253,6 +258,8 @@ def _spawn(fn, args, plan: LaunchPlan, timeout_s: float, env: dict[str, str]) ->
                     process.kill()
                 process.join(timeout=10)
                 _kill_group(process.pid)
+            for _, write_end in pipes:
+                write_end.close()  # those of ranks that never started (closing twice is harmless)
 
 
 _environment_lock = threading.Lock()
@@ -287,35 +294,61 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-def _collect(processes, results, num_ranks: int, timeout_s: float) -> list[Any]:
+def _read_reports(read_ends) -> queue.Queue:
+    """Each rank's report, as it arrives, in one queue: (rank, ok, payload) from a thread per rank (a large result
+    takes a while to come through, and the launcher's checks and timeout go on meanwhile), or (rank, None, None)
+    when its pipe closed without one (the rank died, or exited without reporting). The threads end with
+    their pipes, which the cleanup's kill closes."""
+    reports: queue.Queue = queue.Queue()
+
+    def read(rank: int, read_end) -> None:
+        try:
+            ok, payload = read_end.recv()
+        except (EOFError, OSError):
+            ok, payload = None, None
+        finally:
+            read_end.close()
+        reports.put((rank, ok, payload))
+
+    for rank, read_end in enumerate(read_ends):
+        threading.Thread(target=read, args=(rank, read_end), name=f"ep_plugin rank {rank} report",
+                         daemon=True).start()
+    return reports
+
+
+def _collect(processes, reports: queue.Queue, timeout_s: float) -> list[Any]:
     outputs: dict[int, Any] = {}
-    exited_0_before: set[int] = set()  # ranks already seen exited with code 0, without a result, at the last check
+    num_ranks = len(processes)
+    dead_since: dict[int, float] = {}  # rank -> when it was first seen dead without a report
     deadline = time.monotonic() + timeout_s
     while len(outputs) < num_ranks:
         try:
-            rank, ok, payload = results.get(timeout=0.2)
+            rank, ok, payload = reports.get(timeout=0.2)
         except queue.Empty:
-            dead = [rank for rank, p in enumerate(processes)
-                    if rank not in outputs and not p.is_alive() and p.exitcode not in (None, 0)]
+            # A dead rank whose pipe has not closed (a process it started holds it) is named once it was
+            # seen dead for a grace period (a report it sent just before may still be on its way).
+            now = time.monotonic()
+            for rank, p in enumerate(processes):
+                if rank not in outputs and not p.is_alive() and p.exitcode not in (None, 0):
+                    dead_since.setdefault(rank, now)
+            dead = sorted(rank for rank, since in dead_since.items() if now - since > PEER_DEATH_GRACE_S)
             if dead:
-                raise EPError(f"rank(s) {dead} exited with code(s) {[processes[r].exitcode for r in dead]} "
-                              f"before reporting a result") from None
-            # A rank that exits with code 0 has flushed its result into the queue's pipe first, but we may not
-            # have read it yet; once it was seen exited before a whole get() that found the queue empty, its
-            # result is not coming.
-            exited_0 = {rank for rank, p in enumerate(processes)
-                        if rank not in outputs and not p.is_alive() and p.exitcode == 0}
-            silent = sorted(exited_0 & exited_0_before)
-            if silent:
-                raise EPError(f"rank(s) {silent} exited with code 0 without reporting a result: something in the "
-                              f"rank ended its process before the rank function returned (os._exit(0), or a "
-                              f"library that exits on its own)") from None
-            exited_0_before = exited_0
+                raise EPError(_died_without_report(processes, dead)) from None
             if time.monotonic() > deadline:
                 missing = sorted(set(range(num_ranks)) - set(outputs))
                 raise EPTimeoutError(f"launcher: rank(s) {missing} did not finish within {timeout_s:.0f} s "
                                      f"(finished: {sorted(outputs)})") from None
             continue
+        if ok is None:  # its pipe closed without a report
+            processes[rank].join(timeout=PEER_DEATH_GRACE_S)
+            code = processes[rank].exitcode
+            if code == 0:
+                raise EPError(f"rank(s) [{rank}] exited with code 0 without reporting a result: something in the "
+                              f"rank ended its process before the rank function returned (os._exit(0), or a "
+                              f"library that exits on its own)")
+            if code is None:
+                raise EPError(f"rank {rank} closed the launcher's pipe without reporting a result, and runs on")
+            raise EPError(_died_without_report(processes, [rank]))
         if not ok:
             raise EPError(_failure_report(processes, outputs, rank, payload))
         try:
@@ -325,6 +358,11 @@ def _collect(processes, results, num_ranks: int, timeout_s: float) -> list[Any]:
                           f"({type(error).__name__}: {error}): return plain values (numbers, strings, lists, "
                           f"dicts, tensors)") from error
     return [outputs[rank] for rank in range(num_ranks)]
+
+
+def _died_without_report(processes, dead: list[int]) -> str:
+    return (f"rank(s) {dead} exited with code(s) {[processes[r].exitcode for r in dead]} before reporting a "
+            f"result")
 
 
 class TeardownError(EPError):
@@ -412,7 +450,10 @@ def _destroy_quietly(dist) -> None:
         pass
 
 
-def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dict[str, str], results) -> None:
+def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dict[str, str], report) -> None:
+    """One rank: its process group, ``fn``, then one message on ``report`` (its pipe to the launcher): (True, the
+    pickled result) or (False, the traceback). A pipe's send returns once the whole message is in the pipe, so
+    a crash after it (the teardown's) cannot cut it short."""
     _die_with_the_launcher()
     os.setpgrp()  # a group of its own: the launcher's cleanup kills what the rank starts too (_kill_group)
     os.environ.update(env)  # before any CUDA call: MPS pipes, EP_PLUGIN_* knobs
@@ -437,18 +478,14 @@ def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dic
         except BaseException:
             # Reported before the teardown: destroying a process group whose peers are still inside a
             # collective can block (NCCL), and the launcher would then say "did not finish" instead.
-            results.put((rank, False, traceback.format_exc()))
-            _flush(results)
+            report.send((False, traceback.format_exc()))
             _destroy_quietly(dist)
             return
-        # Pickled here, by value: the queue pickles in a thread of its own, which drops an object that does not
-        # pickle without a word (the rank then exits with code 0 and the launcher waits out its timeout); and
-        # its pickler sends a CPU tensor as a file descriptor this process serves, gone once it exits.
-        results.put((rank, True, pickle.dumps(output)))
-        _flush(results)  # out before the teardown, which may crash
+        # Pickled here, by value, with the standard pickler: multiprocessing's sends a CPU tensor as a file
+        # descriptor this process serves, gone once it exits. Sent before the teardown, which may crash.
+        report.send((True, pickle.dumps(output)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
-        results.put((rank, False, traceback.format_exc()))
-        _flush(results)
+        report.send((False, traceback.format_exc()))
         if dist is not None:  # e.g. a result that does not pickle: the group still goes first
             _destroy_quietly(dist)
         return
@@ -461,21 +498,12 @@ def _rank_main(fn, args, plan: LaunchPlan, rank: int, init_method: str, env: dic
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the result is reported; the exit code tells the launcher
         traceback.print_exc()
-        _flush(results)
         sys.stderr.flush()
         os._exit(1)
-    _exit_after_own_teardown(results)
+    _exit_after_own_teardown()
 
 
-def _flush(results) -> None:
-    """Wait until what this rank put in ``results`` has left the process (the queue writes from a thread of its
-    own): a crash after this cannot leave half a message in the pipe, which the launcher would wait on for ever
-    (the ranks hold the pipe's write end: no end of file comes)."""
-    results.close()
-    results.join_thread()
-
-
-def _exit_after_own_teardown(results) -> None:
+def _exit_after_own_teardown() -> None:
     """The rank's result is reported: free what it left (its buffers, handles, whatever the garbage
     collector takes) and run the exit handlers libraries registered, while the interpreter is whole, then
     leave without the interpreter's own finalization. A crash or hang in the first two is the launcher's
@@ -485,7 +513,6 @@ def _exit_after_own_teardown(results) -> None:
     import atexit
     import gc
 
-    _flush(results)
     gc.collect()
     atexit._run_exitfuncs()
     sys.stdout.flush()
