@@ -689,28 +689,30 @@ def test_a_buffer_is_made_while_another_stream_is_busy():
         stream.synchronize()  # the handshake ran (its flags started at zero)
         buffer.destroy()  # (a device-wide wait: after the sleep)
     for name in ("side stream", "default stream"):
-        made_in, still_busy = outcomes[name]
-        assert still_busy and made_in < 2.0, (name, outcomes)
+        _, still_busy = outcomes[name]
+        assert still_busy, (name, outcomes)  # the build did not wait for the busy stream
         assert outcomes[name + " zeroed"], (name, outcomes)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_destroy_lets_other_threads_run_while_it_waits_for_the_device():
     """destroy (and close_peers) begin with a device-wide synchronize: it held the GIL, so while a kernel of the
     process ran on (a stuck one, say), every other Python thread stopped too, a watchdog that would print why
-    among them. The wait now runs without the GIL."""
+    among them. The wait now runs without the GIL: another thread runs while destroy waits for a kernel."""
     import threading
 
     from ep_plugin import _cuda
 
     C = _cuda.extension()
     device = torch.cuda.current_device()
-    ticks, stop = [], threading.Event()
+    sleep_done = torch.cuda.Event()
+    in_destroy, stop = threading.Event(), threading.Event()
+    ticks_in_the_wait = []
 
-    def tick():  # a thread that only needs the GIL now and then
+    def tick():  # a thread that only needs the GIL now and then: counts its turns inside destroy's wait
         while not stop.is_set():
-            ticks.append(time.monotonic())
+            if in_destroy.is_set() and not sleep_done.query():
+                ticks_in_the_wait.append(1)
             time.sleep(0.01)
 
     buffer = C.SymmetricBuffer(device=device, rank=0, num_ranks=1, region_bytes=1 << 20, count_words=8, timeout_s=5.0)
@@ -720,12 +722,15 @@ def test_destroy_lets_other_threads_run_while_it_waits_for_the_device():
     try:
         torch.cuda.synchronize()
         torch.cuda._sleep(int(4e9))  # ~2 s at the H200's ~2 GHz
-        start = time.monotonic()
+        sleep_done.record()
+        running_at_the_call = not sleep_done.query()
+        in_destroy.set()
         buffer.destroy()
-        waited, end = time.monotonic() - start, time.monotonic()
+        in_destroy.clear()
+        done_at_the_return = sleep_done.query()
     finally:
         stop.set()
         ticker.join()
-    during = [t for t in ticks if start < t < end]
-    assert waited > 0.5, f"destroy did not wait for the sleeping kernel ({waited:.2f} s)"
-    assert len(during) >= waited / 0.05, f"{len(during)} ticks in a {waited:.2f} s wait: the GIL was held"
+    assert running_at_the_call and done_at_the_return, "destroy did not wait for the sleeping kernel"
+    # Held for the wait, the GIL let the thread in once or twice at most (before destroy took it); ~200 turns free.
+    assert len(ticks_in_the_wait) >= 20, f"{len(ticks_in_the_wait)} turns of another thread in destroy's wait"
