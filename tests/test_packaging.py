@@ -7,6 +7,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -116,3 +118,34 @@ def test_gpu_tests_that_cannot_run_fail_on_a_machine_with_a_gpu(monkeypatch):
         else:
             monkeypatch.setenv(conftest.REQUIRE_GPU_ENV, env)
         assert conftest.require_gpu(Config(flag)) is fails, (cuda, flag, env)
+
+
+GPU_TESTS_HERE = """
+import pytest
+
+@pytest.mark.gpu
+def test_a_kernel():
+    pass
+
+@pytest.mark.gpu(extension=False)
+def test_cuda_only():
+    pass
+"""
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a machine without CUDA: its GPU tests cannot run")
+def test_gpu_tests_that_cannot_run_are_reported_failed_not_skipped_when_required(tmp_path):
+    """The hooks that act on ``require_gpu``: a pytest run of GPU tests that cannot run here reports them failed
+    under EP_PLUGIN_REQUIRE_GPU=1 (a GPU machine whose extension did not build must not come out green) and
+    skipped under EP_PLUGIN_REQUIRE_GPU=0 (CI)."""
+    shutil.copy(Path(__file__).parent / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a CUDA GPU\n")
+    (tmp_path / "test_gpu_here.py").write_text(GPU_TESTS_HERE)
+    outcomes = {}
+    for required in ("1", "0"):
+        env = dict(os.environ, EP_PLUGIN_REQUIRE_GPU=required, PYTHONPATH=str(ROOT))
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        outcomes[required] = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-500:]
+    assert "2 failed" in outcomes["1"] and "skipped" not in outcomes["1"], outcomes
+    assert "2 skipped" in outcomes["0"] and "failed" not in outcomes["0"], outcomes
