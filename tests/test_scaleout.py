@@ -90,6 +90,7 @@ def check_hierarchical_equals_flat(ctx) -> list[str]:
     for (_, variant), backend in backends.items():
         if variant.startswith("staged"):  # CPU rows on the path of CUDA rows over a gloo rail (own block kept)
             backend.scaleout.stage_on_host = True
+    rail_rows = _count_rail_rows(backends[(2, "chunked")])
     for (size, _), backend in backends.items():
         expected_class = HierarchicalBackend if size < NUM_RANKS else type(flat)
         assert type(backend) is expected_class, (size, type(backend))
@@ -113,7 +114,24 @@ def check_hierarchical_equals_flat(ctx) -> list[str]:
                 else:
                     assert torch.equal(got[key], value), f"{name}: {key} differs from the flat reference"
             checked.append(name)
+    # The chunked variant moved its rows in rounds of at most 3 per peer, and needed more than one round.
+    assert rail_rows and max(max(rows) for rows, _ in rail_rows) <= 3, rail_rows
+    assert any("(chunk 2)" in where for _, where in rail_rows), rail_rows
     return checked
+
+
+def _count_rail_rows(backend) -> list:
+    """Records (rows sent to each rail peer, where) for each of ``backend``'s rail collectives of rows."""
+    calls = []
+    all_to_all = backend.scaleout.rail.all_to_all
+
+    def counting(tensor, out_splits, in_splits, *, where, read_on_host, **kwargs):
+        if not read_on_host:  # rows, not count words
+            calls.append((list(in_splits), where))
+        return all_to_all(tensor, out_splits, in_splits, where=where, read_on_host=read_on_host, **kwargs)
+
+    backend.scaleout.rail.all_to_all = counting
+    return calls
 
 
 def test_hierarchical_reference_equals_flat_at_every_layout():
