@@ -99,8 +99,10 @@ def test_segments_come_from_the_selected_arena_smallest_part_first(library):
         assert lib.ep_arena_alloc(2 * MiB, 0, None) == small  # both fit: the smaller part
         assert lib.ep_arena_alloc(2 * MiB, 0, None) == large  # the small one is lent now
         assert C.arena_lent_parts(9001) == 2
-        if C.cuda_device_count() == 0:  # nothing left: cudaMalloc, which fails here (null, no exception)
-            assert lib.ep_arena_alloc(2 * MiB, 0, None) is None
+        beyond = lib.ep_arena_alloc(2 * MiB, 0, None)  # nothing left: cudaMalloc (null without a GPU, no exception)
+        assert beyond not in (small, large) and (beyond is None) == (C.cuda_device_count() == 0), beyond
+        if beyond is not None:
+            lib.ep_arena_free(beyond, 2 * MiB, 0, None)  # not the arena's: cudaFree'd
         lib.ep_arena_free(small, 2 * MiB, 0, None)  # given back: lent no more, never cudaFree'd
         assert C.arena_lent_parts(9001) == 1
         assert lib.ep_arena_alloc(1 * MiB, 0, None) == small
@@ -110,8 +112,12 @@ def test_segments_come_from_the_selected_arena_smallest_part_first(library):
         # Too big for any part, another device, or no arena selected: not from the arena.
         for size, device, selected in ((17 * MiB, 0, 9001), (1 * MiB, 1, 9001), (1 * MiB, 0, 0)):
             C.arena_select(selected)
+            got = lib.ep_arena_alloc(size, device, None)
+            assert got not in (small, large), (size, device, selected)
             if C.cuda_device_count() == 0:
-                assert lib.ep_arena_alloc(size, device, None) is None, (size, device, selected)
+                assert got is None, (size, device, selected)
+            elif got is not None:  # cudaMalloc's (None on a device this machine lacks)
+                lib.ep_arena_free(got, size, device, None)
         assert C.arena_lent_parts(9001) == 0
     finally:
         C.arena_select(0)
