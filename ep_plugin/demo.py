@@ -218,13 +218,52 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
         return f"--topk {args.topk} is more than the {args.experts} experts (--experts)"
     if args.experts % args.ranks:
         return f"--experts {args.experts} must be divisible by --ranks {args.ranks}"
-    # The backend's kernel limits (hidden size, local experts): here, not in every rank once it started.
-    problem = ep_plugin.get_backend(args.backend).shape_problem(args.hidden, args.experts // args.ranks)
+    problem = backend_limits_problem(args) or _memory_problem(args)
     if problem:
-        return f"--backend {args.backend}: {problem}"
+        return problem
     if not 0 < args.lr < math.inf:
         return f"--lr must be a positive finite number, got {args.lr}"
     return None
+
+
+def backend_limits_problem(args: argparse.Namespace) -> Optional[str]:
+    """The backend's kernel limits (hidden size, local experts, top-k) the options pass, in one line, or None:
+    checked here, not in every rank once it started."""
+    backend_class = ep_plugin.get_backend(args.backend)
+    problem = backend_class.shape_problem(args.hidden, args.experts // args.ranks)
+    if problem:
+        return f"--backend {args.backend}: {problem}"
+    widest = getattr(backend_class, "MAX_TOPK", None)  # the backends that take top-k ids
+    if widest is not None and args.topk > widest:
+        return f"--backend {args.backend} takes at most top-{widest} routing, got --topk {args.topk}"
+    return None
+
+
+def host_bytes_per_rank(spec: DemoSpec, num_ranks: int) -> int:
+    """A rough upper bound on what one rank's training allocates (float32): the teacher's two [H, H] weights, the
+    router and this rank's experts with their gradients and Adam's two moments, a step's [T, H] and [T, E]
+    activations (a few of each), and the rows it receives (at most every rank's tokens, top-k each). On a GPU
+    most of it is there rather than in host memory; the teacher is drawn on the host either way."""
+    hidden, experts, tokens = spec.hidden_size, spec.num_experts, spec.tokens_per_rank
+    parameters = hidden * experts + experts + 2 * (experts // num_ranks) * hidden * spec.ffn_size
+    activations = 8 * tokens * hidden + 4 * tokens * experts
+    received = 4 * min(tokens * num_ranks * spec.topk, tokens * num_ranks * experts) * max(hidden, spec.ffn_size)
+    return 4 * (2 * hidden * hidden + 4 * parameters + activations + received)
+
+
+def _memory_problem(args: argparse.Namespace) -> Optional[str]:
+    """Whether the ranks' training would need more than half this machine's memory (a size typed wrong: it would
+    fail in every rank, one traceback each), or None. CPU ranks share the host's memory."""
+    try:
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not known here: no check
+        return None
+    spec = DemoSpec(tokens_per_rank=args.tokens, hidden_size=args.hidden, num_experts=args.experts, topk=args.topk)
+    need = host_bytes_per_rank(spec, args.ranks) * (args.ranks if args.device == "cpu" else 1)
+    if need <= host // 2:
+        return None
+    return (f"--hidden {args.hidden}, --experts {args.experts}, --tokens {args.tokens} on {args.ranks} rank(s) need "
+            f"about {need / 2**30:,.1f} GiB, more than half of this machine's {host / 2**30:,.1f} GiB")
 
 
 def _describe_launch(args: argparse.Namespace) -> str:

@@ -120,6 +120,28 @@ def test_demo_refuses_a_shape_the_backend_cannot_take_before_any_rank_starts(mon
     assert "--backend reference_shape_limited: needs hidden_size divisible by 8, got 60" in capsys.readouterr().err
 
 
+def test_demo_refuses_sizes_this_machine_cannot_hold_before_any_rank_starts(monkeypatch, capsys):
+    """--hidden 99999999999 passed the checks and every rank died allocating, one traceback each."""
+    import ep_plugin.demo as demo
+
+    monkeypatch.setattr(demo, "run_ranks", lambda *args, **kwargs: pytest.fail("ranks started"))
+    for option in (["--hidden", "99999999999"], ["--experts", "99999999998"]):
+        with pytest.raises(SystemExit) as stop:
+            demo.main(option + ["--device", "cpu", "--ranks", "2", "--backend", "reference"])
+        assert stop.value.code == 2
+        assert re.search(r"need about [\d,.]+ GiB, more than half of this machine's", capsys.readouterr().err), option
+
+
+def test_demo_refuses_a_top_k_the_backend_cannot_take():
+    """--backend elastic --topk 33 passed the checks, then every rank raised at its first dispatch."""
+    from ep_plugin.backends.elastic import ElasticBackend
+    from ep_plugin.demo import backend_limits_problem
+
+    args = SimpleNamespace(backend="elastic", hidden=256, experts=64, ranks=2, topk=ElasticBackend.MAX_TOPK + 1)
+    assert backend_limits_problem(args) == f"--backend elastic takes at most top-32 routing, got --topk {args.topk}"
+    assert backend_limits_problem(SimpleNamespace(**{**vars(args), "topk": ElasticBackend.MAX_TOPK})) is None
+
+
 class _TopkOnlyReference(ReferenceBackend):
     """The reference taking only top-k ids, as elastic does: the demo's other routing form, on CPU."""
 
