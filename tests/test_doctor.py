@@ -118,6 +118,9 @@ def test_nccls_config_files_count_as_the_environment_under_it(tmp_path):
     assert (found["scaleout"].mode, code) == (nccl_probe.GDR_DMABUF, 0)
     assert nccl_config_files({}, home="/home/u") == ["/home/u/.nccl.conf", "/etc/nccl.conf"]
     assert nccl_config_files({"NCCL_CONF_FILE": "/job.conf"}, home="/home/u") == ["/job.conf", "/etc/nccl.conf"]
+    # A relative name is opened from the working directory (it was read below the probed root instead).
+    assert nccl_config_files({"NCCL_CONF_FILE": "job.conf"}, home="/home/u") == [os.path.join(os.getcwd(), "job.conf"),
+                                                                                "/etc/nccl.conf"]
     fabric = make_fabric(tmp_path, report, {"NCCL_CONF_FILE": "/job.conf", "NCCL_NET": "IB"})
     # NCCL splits at the first '=' as written (the spaced name sets nothing it reads), and CUDA read its own
     # variables before NCCL applied the file.

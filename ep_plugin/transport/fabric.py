@@ -525,9 +525,12 @@ def as_nccl_sees_it(environ: Mapping[str, str], config: Mapping[str, str]) -> di
 def nccl_config_files(environ: Mapping[str, str], home: Optional[str] = None) -> list[str]:
     """The files NCCL reads settings from when it initializes, the more binding first: ``NCCL_CONF_FILE``
     when set (NCCL's docs name it since 2.23; torch bundles a later NCCL), else ``~/.nccl.conf`` (the
-    user's home in passwd, not $HOME), then ``/etc/nccl.conf``. The environment beats every file."""
+    user's home in passwd, not $HOME), then ``/etc/nccl.conf``. The environment beats every file. A relative
+    ``NCCL_CONF_FILE`` is NCCL's fopen's: from the working directory (doctor's, taken as the job's)."""
     user_file = environ.get("NCCL_CONF_FILE", "")
-    if not user_file:
+    if user_file:
+        user_file = os.path.abspath(user_file)
+    else:
         if home is None:
             import pwd
 
