@@ -370,7 +370,7 @@ class HostCollectives:
         earlier = _failed_twin_makings.get(self.group)
         if earlier is not None:
             self.failed = f"an earlier making of the gloo twin failed ({earlier})"
-            raise EPError(f"{self.owner}: rank {self.rank}: {where}: an earlier making of it failed in this "
+            raise EPError(f"{self.owner}: {self.peer_name(self.rank)}: {where}: an earlier making of it failed in this "
                           f"process ({earlier}), and the ranks number their makings by a count that assumes "
                           f"every rank joined every one, so no later making can meet: end the job, or build a "
                           f"new process group (and the backends on it)")
@@ -379,7 +379,7 @@ class HostCollectives:
         except TwinAbandoned as exc:
             _failed_twin_makings[self.group] = str(exc)
             self.failed = f"{where}: {exc}"
-            raise EPError(f"{self.owner}: rank {self.rank}: {where}: {exc}. A rank built with "
+            raise EPError(f"{self.owner}: {self.peer_name(self.rank)}: {where}: {exc}. A rank built with "
                           f"EP_PLUGIN_GLOO_HOST_WORDS=0 never comes here (the knob must be equal on every rank), "
                           f"and a rank that came past timeout_s={self.timeout_s:g} finds the others gone: end the "
                           f"job, or build a new process group (and the backends on it)") from None
@@ -406,7 +406,8 @@ class HostCollectives:
                                      "knob must be equal on every rank.") from None
             _failed_twin_makings[self.group] = f"gloo could not connect: {_first_line(exc)}"
             self.failed = f"gloo failed in {where}"
-            raise EPError(f"{self.owner}: rank {self.rank}: {where}: gloo could not connect: {_first_line(exc)}. "
+            raise EPError(f"{self.owner}: {self.peer_name(self.rank)}: {where}: gloo could not connect: "
+                          f"{_first_line(exc)}. "
                           f"Where gloo cannot connect between these hosts, GLOO_SOCKET_IFNAME names the interface it "
                           f"should use; EP_PLUGIN_GLOO_HOST_WORDS=0 keeps the host words on the {self.engine} "
                           f"group.") from None
@@ -516,12 +517,12 @@ class HostCollectives:
 
     def check_usable(self) -> None:
         if self.failed is not None:
-            raise EPError(f"{self.owner}: rank {self.rank} cannot run more ops after an earlier failure "
+            raise EPError(f"{self.owner}: {self.peer_name(self.rank)} cannot run more ops after an earlier failure "
                           f"({self.failed}). {_OUT_OF_STEP}")
         failed_there = _out_of_step.get(self._engine_object())
         if failed_there is not None:
-            raise EPError(f"{self.owner}: rank {self.rank} cannot run more ops after an earlier failure on this "
-                          f"process group ({failed_there}). {_OUT_OF_STEP}")
+            raise EPError(f"{self.owner}: {self.peer_name(self.rank)} cannot run more ops after an earlier failure on "
+                          f"this process group ({failed_there}). {_OUT_OF_STEP}")
 
     def mark_out_of_step(self, what: str) -> None:
         """The owner's rank left an op between two of its collectives (an exception of its own, say): the

@@ -99,6 +99,28 @@ def test_after_a_timeout_the_backend_refuses_at_once(late_outcomes):
         assert seconds < 1.0
 
 
+def refused_in_a_subgroup_after_a_timeout(ctx):
+    """Ranks 1 and 2 of a 3-rank world share a group; rank 2 comes late, so rank 1 (the group's rank 0) times out
+    and then refuses its next op: both messages must name it as the group's rank and the world's."""
+    group = dist.new_group([1, 2])
+    if ctx.rank == 0:
+        return None
+    words = HostCollectives(group, owner="test", timeout_s=TIMEOUT_S, label="subgroup")
+    if ctx.rank == 2:
+        time.sleep(TIMEOUT_S + _grace_s(TIMEOUT_S) + 1.5)
+    outcomes = _outcome(lambda: words.barrier(where="a barrier")), _outcome(words.check_usable)
+    if ctx.rank == 1:  # stay until rank 2 timed out too (leaving would close the connection it waits on)
+        time.sleep(TIMEOUT_S + 2 * _grace_s(TIMEOUT_S) + 2.5)
+    return outcomes
+
+
+def test_a_rank_of_a_subgroup_is_named_by_its_global_rank_too():
+    """check_usable (and the twin's failures) said 'rank 0' for the group's rank 0, which is global rank 1."""
+    timed_out, refused = run_ranks(refused_in_a_subgroup_after_a_timeout, 3, timeout_s=120)[1]
+    assert timed_out[0] == "EPTimeoutError" and "test: rank 0 (global rank 1) timed out" in timed_out[1], timed_out
+    assert refused[0] == "EPError" and "test: rank 0 (global rank 1) cannot run more ops" in refused[1], refused
+
+
 def another_owner_after_a_timeout(ctx):
     """Two backends on one world. Rank 1 comes late: rank 0 times out in the first, then calls the second.
     Before: that call ran on the group left out of step, met rank 1's late ops of the first backend with
