@@ -13,7 +13,9 @@ import torch
 
 import ep_plugin
 from ep_plugin.agreement import OP_COMBINE, OP_DISPATCH, OpFingerprint, check_construction, mismatch_message
+from ep_plugin.backends.compiled import CompiledBackend, op_range
 from ep_plugin.config import Config
+from ep_plugin.errors import EPError
 from ep_plugin.host_collectives import HostCollectives
 from ep_plugin.testing import run_ranks
 from ep_plugin.testing.launcher import _environment
@@ -386,3 +388,37 @@ def test_fingerprints_pack_to_distinct_values_that_unpack_to_themselves():
     for field, bad in (("topk", 1024), ("handle_id", 2**41), ("handle_id", -1)):
         with pytest.raises(ValueError, match=f"field {field}={bad} does not fit"):
             OpFingerprint(OP_DISPATCH, **{field: bad}).pack()
+
+
+class _OpsAfterTheirFirstLaunch:
+    """The compiled backends' op wrapper (``op_range``) around an op that fails after enqueueing its first kernel:
+    its peers ran that op, so the rank is out of step."""
+
+    name, rank, _failed_mid_op, _launches = "hybrid", 0, None, 0
+    _out_of_step_error = CompiledBackend._out_of_step_error
+
+    @op_range("dispatch")
+    def dispatch(self, error: BaseException):
+        self._launches += 1
+        raise error
+
+
+def test_an_interrupt_midway_through_a_compiled_op_stays_an_interrupt(monkeypatch):
+    """A Ctrl-C in a blocking dispatch's host wait (a late peer) came out as EPError, so a handler for
+    KeyboardInterrupt never ran and one for RuntimeError swallowed it. It still leaves the backend out of step."""
+    import contextlib
+
+    from ep_plugin.backends import compiled
+
+    monkeypatch.setattr(compiled, "nvtx_range", lambda name: contextlib.nullcontext())  # no CUDA build here
+    monkeypatch.setattr(compiled.torch.cuda, "is_current_stream_capturing", lambda: False)
+    for interrupt in (KeyboardInterrupt(), SystemExit(3)):
+        ops = _OpsAfterTheirFirstLaunch()
+        with pytest.raises(type(interrupt)):
+            ops.dispatch(interrupt)
+        with pytest.raises(EPError, match="dispatch refused: an earlier dispatch failed after its first launch"):
+            ops.dispatch(RuntimeError("never reached"))
+    ops = _OpsAfterTheirFirstLaunch()
+    with pytest.raises(EPError, match="this dispatch failed after its first launch .MemoryError") as raised:
+        ops.dispatch(MemoryError("its count sized an allocation past the memory"))
+    assert isinstance(raised.value.__cause__, MemoryError)

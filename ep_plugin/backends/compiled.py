@@ -100,7 +100,8 @@ def op_range(op: str):
     step, and says so then and at every later op (``EPError``), where a retry would have met the peers'
     next op. So is a host wait of the op that timed out before the device reported anything (its kernels
     are still queued). Refusals every rank makes alike (``ValueError``, ``TypeError``) and the device's own
-    reports (``EPError``) are not that."""
+    reports (``EPError``) are not that. A KeyboardInterrupt or SystemExit there leaves the backend out of step
+    too, but propagates as itself (a handler that saves a checkpoint on Ctrl-C must see it)."""
     def decorate(method):
         names: dict[str, str] = {}  # backend name -> range name, built once
 
@@ -129,6 +130,8 @@ def op_range(op: str):
                     if self._launches == launches or torch.cuda.is_current_stream_capturing():
                         raise
                     self._failed_mid_op = f"{op} failed after its first launch ({type(exc).__name__}: {exc})"
+                    if not isinstance(exc, Exception):  # Ctrl-C, SystemExit: kept as they are, for their handlers
+                        raise
                     raise self._out_of_step_error("this") from exc
         return ranged
     return decorate
