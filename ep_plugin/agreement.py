@@ -5,7 +5,7 @@ Two checks keep ranks that disagree from crashing inside a collective or returni
 - When a backend is built, every rank contributes the fields that shape the wire format
   (hidden size, expert count, token budget, ...); ``check_construction`` gathers them once and
   raises ``ValueError`` on every rank naming each field that differs and every rank's value.
-- Every op carries a 64-bit fingerprint (``OpFingerprint.pack``): op kind, payload dtype, probs
+- Every op carries a fingerprint packed into 63 bits (``OpFingerprint.pack``): op kind, payload dtype, probs
   present, routing form, top-k width, whether autograd recorded the op (its backward will run),
   whether a dispatch's probs need a gradient (its backward routes them back) and the handle the op
   uses. The compiled backends publish it with their device handshake; ``reference`` exchanges it with

@@ -73,9 +73,10 @@ collectives around the domain backend's kernels; on a gloo rail CUDA tensors are
 host memory (kept pinned buffers; a rank's rows for its own domain stay on the GPU), which waits for
 the stream, also in sync-free mode (``transport.scaleout``). The
 capabilities are the domain backend's except ``cuda_graphs`` (not claimed: the rail collectives are
-issued from the host). A top-k wider than the experts of one domain (k > S * L) is refused before
-any communication. The domain backend's buffers are sized for ``D * max_tokens_per_rank`` input
-rows (it forwards up to that many), the same bytes per rank as the flat backend on the whole group.
+issued from the host). A top-k wider than the experts of one domain (k > S * L) is refused in the
+op's opening agreement, on every rank alike (ValueError), before any row moves. The domain
+backend's buffers are sized for ``D * max_tokens_per_rank`` input rows (it forwards up to that many),
+the same bytes per rank as the flat backend on the whole group.
 """
 
 from __future__ import annotations

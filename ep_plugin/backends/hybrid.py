@@ -421,7 +421,7 @@ class HybridBackend(CompiledBackend):
         self.refuse_if_destroyed("combine_input")
         self.check_handle(handle)
         room = self.combine_input_rows
-        if handle.num_rows > room:
+        if handle.num_rows > room or room == 0:  # (none: refused for an empty output too, as on every rank)
             built = ("was built without room for it (combine_input_rows=0)" if room == 0 else
                      f"has room for {room} (combine_input_rows)")
             raise ValueError(f"combine_input: this dispatch output has {handle.num_rows} rows but the backend "
