@@ -47,7 +47,7 @@ class Config:
     (for example ``EP_PLUGIN_TIMEOUT_S=5``). The README has the full table.
     """
 
-    # Seconds any wait (device spin-wait, host wait on a count, launcher join) may take
+    # Seconds any wait (device spin-wait, host wait on a count, a host collective) may take
     # before it reports rank / phase / peer and raises instead of hanging.
     timeout_s: float = field(default=100.0, metadata={"help": "seconds before a wait reports and raises"})
     # Largest number of tokens one rank may pass to dispatch; communication buffers are sized from it.

@@ -315,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = DemoSpec(steps=args.steps, tokens_per_rank=args.tokens, hidden_size=args.hidden,
                     num_experts=args.experts, topk=args.topk, lr=args.lr, backend=args.backend)
     print(_describe_launch(args), flush=True)
-    losses = run_ranks(train, args.ranks, spec, device=args.device, timeout_s=max(600.0, 10.0 * args.steps))[0]
+    # Past ep_plugin's own timeout (EP_PLUGIN_TIMEOUT_S), so that a rank's report naming the late peer comes first.
+    launcher_timeout_s = max(600.0, 10.0 * args.steps, Config.from_env().timeout_s + 60.0)
+    losses = run_ranks(train, args.ranks, spec, device=args.device, timeout_s=launcher_timeout_s)[0]
     if len(losses) == 1:  # nothing to compare the loss with: a smoke run, not a failure
         print(f"loss: {losses[0]:.5f} after 1 step (--steps 2 or more checks that it decreases)")
         return 0
