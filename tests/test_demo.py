@@ -251,3 +251,16 @@ def test_ctrl_c_stops_the_demo_in_one_line():
                 process.kill()
     assert process.returncode == 130, stderr
     assert "interrupted" in stderr and "Traceback" not in stderr, stderr
+
+
+def test_the_launcher_waits_past_ep_plugins_own_timeout(monkeypatch):
+    """With EP_PLUGIN_TIMEOUT_S above the launcher's 600 s, the launcher's generic 'did not finish' came before the
+    rank's own report naming the late peer."""
+    import ep_plugin.demo as demo
+
+    asked = []
+    monkeypatch.setenv("EP_PLUGIN_TIMEOUT_S", "1000")
+    monkeypatch.setattr(demo, "run_ranks",
+                        lambda fn, ranks, spec, **kwargs: asked.append(kwargs["timeout_s"]) or [[0.5]])
+    assert demo.main(["--steps", "1", "--ranks", "2", "--device", "cpu", "--backend", "reference"]) == 0
+    assert asked[0] > 1000, asked
