@@ -91,7 +91,18 @@ def library(extension):
 
 
 def test_segments_come_from_the_selected_arena_smallest_part_first(library):
+    _check_segments_come_from_the_selected_arena(*library)
+
+
+@pytest.mark.gpu
+def test_segments_past_the_arena_come_from_cuda_malloc_on_a_gpu(library):
+    """The same on a GPU, where what the arena cannot serve is cudaMalloc'd (and freed) rather than null."""
     C, lib = library
+    assert C.cuda_device_count() > 0
+    _check_segments_come_from_the_selected_arena(C, lib)
+
+
+def _check_segments_come_from_the_selected_arena(C, lib):
     small, large = 0x7000_0000_0000, 0x7000_0020_0000  # never dereferenced
     C.arena_register(9001, 0, [(large, 16 * MiB), (small, 2 * MiB)])
     try:
