@@ -240,14 +240,16 @@ def backend_limits_problem(args: argparse.Namespace) -> Optional[str]:
 
 
 def host_bytes_per_rank(spec: DemoSpec, num_ranks: int) -> int:
-    """A rough upper bound on what one rank's training allocates (float32): the teacher's two [H, H] weights, the
-    router and this rank's experts with their gradients and Adam's two moments, a step's [T, H] and [T, E]
-    activations (a few of each), and the rows it receives (at most every rank's tokens, top-k each). On a GPU
-    most of it is there rather than in host memory; the teacher is drawn on the host either way."""
+    """About what one rank's training allocates (float32): the teacher's two [H, H] weights, the router and this
+    rank's experts with their gradients and Adam's two moments, a step's [T, H] and [T, E] activations (a few of
+    each), and the rows it receives and their expert activations (twice a balanced share, T x top-k rows: the
+    router starts near uniform). On a GPU most of it is there rather than in host memory; the teacher is drawn
+    on the host either way. (8 ranks x 2048 tokens, hidden 1024, 64 experts, top-8 on CPU: 4.8 GiB estimated
+    for the ranks' tensors; 6.2 GiB was the machine's peak, torch's own ~0.3 GiB a process included.)"""
     hidden, experts, tokens = spec.hidden_size, spec.num_experts, spec.tokens_per_rank
     parameters = hidden * experts + experts + 2 * (experts // num_ranks) * hidden * spec.ffn_size
     activations = 8 * tokens * hidden + 4 * tokens * experts
-    received = 4 * min(tokens * num_ranks * spec.topk, tokens * num_ranks * experts) * max(hidden, spec.ffn_size)
+    received = 4 * 2 * tokens * spec.topk * max(hidden, spec.ffn_size)
     return 4 * (2 * hidden * hidden + 4 * parameters + activations + received)
 
 

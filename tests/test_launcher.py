@@ -489,6 +489,75 @@ def test_ranks_that_exited_0_before_their_results_were_read_are_not_reported(mon
     assert run_ranks(report_rank, 2, 0, env={"EP_PLUGIN_TIMEOUT_S": "7"}, timeout_s=60) == [(0, 1, "7"), (1, 1, "7")]
 
 
+def report_then_wait_on_rank_zero(ctx):
+    if ctx.rank == 0:
+        time.sleep(3 * launcher_module().PEER_DEATH_GRACE_S + 1)
+    return ctx.rank
+
+
+def launcher_module():
+    from ep_plugin.testing import launcher
+
+    return launcher
+
+
+def test_a_rank_seen_exited_before_its_report_was_read_is_not_named_once_it_is(monkeypatch):
+    """Rank 1 reports and exits while rank 0 works on: seen exited before its report was taken from the queue,
+    it must not be named as gone without one a grace period later."""
+    launcher = launcher_module()
+
+    def collect_after_rank_one_exits(processes, reports, timeout_s):
+        class FirstGetEmptyAfterRankOneExits:
+            first = True
+
+            def get(self, timeout):
+                if self.first:
+                    self.first = False
+                    processes[1].join()
+                    raise launcher.queue.Empty
+                return reports.get(timeout=timeout)
+
+        return real_collect(processes, FirstGetEmptyAfterRankOneExits(), timeout_s)
+
+    real_collect = launcher._collect
+    monkeypatch.setattr(launcher, "_collect", collect_after_rank_one_exits)
+    assert run_ranks(report_then_wait_on_rank_zero, 2, timeout_s=60) == [0, 1]
+
+
+def test_a_report_the_launcher_cannot_receive_is_named_not_waited_for(monkeypatch):
+    """An error receiving a report other than an end of file (out of memory for a large result) ended the reading
+    thread without a word, and the launcher waited out its timeout for a rank that had finished."""
+    import multiprocessing.connection
+
+    def out_of_memory(self):
+        raise MemoryError("a large result")
+
+    monkeypatch.setattr(multiprocessing.connection.Connection, "recv", out_of_memory)
+    start = time.monotonic()
+    with pytest.raises(EPError, match=r"could not receive its report \(MemoryError: a large result\)"):
+        run_ranks(report_rank, 2, 0, timeout_s=120)
+    assert time.monotonic() - start < 60
+
+
+def exit_0_while_a_child_holds_the_pipe(ctx):
+    import subprocess
+
+    dist.barrier()
+    if ctx.rank == 1:
+        subprocess.Popen(["sleep", "120"], close_fds=False)  # inherits this rank's end of the launcher's pipe
+        os._exit(0)
+    return ctx.rank
+
+
+def test_a_rank_that_exits_0_while_its_child_holds_the_pipe_is_named_at_once():
+    """No end of file comes while the child lives: the rank, seen exited, is named after a grace period, not
+    at the launcher's timeout."""
+    start = time.monotonic()
+    with pytest.raises(EPError, match=r"rank\(s\) \[1\] exited with code 0 without reporting a result"):
+        run_ranks(exit_0_while_a_child_holds_the_pipe, 2, timeout_s=120)
+    assert time.monotonic() - start < 60
+
+
 def crash_at_exit_on_rank_one(ctx):
     """Rank 1 returns its result, then dies in an exit handler (as a teardown that frees memory a kernel
     still reads may)."""

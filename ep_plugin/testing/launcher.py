@@ -242,12 +242,14 @@ def _spawn(fn, args, plan: LaunchPlan, timeout_s: float, env: dict[str, str]) ->
                             daemon=False)
             for rank in range(plan.num_ranks)
         ]
+        reports = None
         try:  # a rank that fails to start (fd or process limits) must not leave the started ones waiting
             with _environment(env):
                 for process, (_, write_end) in zip(processes, pipes, strict=True):
                     process.start()
                     write_end.close()  # the rank has its own copy now
-            outputs = _collect(processes, _read_reports([read_end for read_end, _ in pipes]), timeout_s)
+            reports = _read_reports([read_end for read_end, _ in pipes])  # its threads close the read ends
+            outputs = _collect(processes, reports, timeout_s)
             _check_exits(processes, EXIT_TIMEOUT_S, outputs)
             return outputs
         finally:
@@ -258,8 +260,10 @@ def _spawn(fn, args, plan: LaunchPlan, timeout_s: float, env: dict[str, str]) ->
                     process.kill()
                 process.join(timeout=10)
                 _kill_group(process.pid)
-            for _, write_end in pipes:
+            for read_end, write_end in pipes:
                 write_end.close()  # those of ranks that never started (closing twice is harmless)
+                if reports is None:
+                    read_end.close()
 
 
 _environment_lock = threading.Lock()
@@ -306,6 +310,8 @@ def _read_reports(read_ends) -> queue.Queue:
             ok, payload = read_end.recv()
         except (EOFError, OSError):
             ok, payload = None, None
+        except BaseException as error:  # noqa: BLE001 - (out of memory for a large result, say) reported, not lost
+            ok, payload = False, f"the launcher could not receive its report ({type(error).__name__}: {error})"
         finally:
             read_end.close()
         reports.put((rank, ok, payload))
@@ -319,21 +325,22 @@ def _read_reports(read_ends) -> queue.Queue:
 def _collect(processes, reports: queue.Queue, timeout_s: float) -> list[Any]:
     outputs: dict[int, Any] = {}
     num_ranks = len(processes)
-    dead_since: dict[int, float] = {}  # rank -> when it was first seen dead without a report
+    gone_since: dict[int, float] = {}  # rank -> when it was first seen exited without a report
     deadline = time.monotonic() + timeout_s
     while len(outputs) < num_ranks:
         try:
             rank, ok, payload = reports.get(timeout=0.2)
         except queue.Empty:
-            # A dead rank whose pipe has not closed (a process it started holds it) is named once it was
-            # seen dead for a grace period (a report it sent just before may still be on its way).
+            # A rank that exited while its pipe stays open (a process it started holds it) is named once it
+            # was seen exited for a grace period (a report it sent just before may still be on its way).
             now = time.monotonic()
             for rank, p in enumerate(processes):
-                if rank not in outputs and not p.is_alive() and p.exitcode not in (None, 0):
-                    dead_since.setdefault(rank, now)
-            dead = sorted(rank for rank, since in dead_since.items() if now - since > PEER_DEATH_GRACE_S)
-            if dead:
-                raise EPError(_died_without_report(processes, dead)) from None
+                if rank not in outputs and not p.is_alive():
+                    gone_since.setdefault(rank, now)
+            gone = sorted(rank for rank, since in gone_since.items()
+                          if rank not in outputs and now - since > PEER_DEATH_GRACE_S)
+            if gone:
+                raise EPError(_exited_without_report(processes, gone)) from None
             if time.monotonic() > deadline:
                 missing = sorted(set(range(num_ranks)) - set(outputs))
                 raise EPTimeoutError(f"launcher: rank(s) {missing} did not finish within {timeout_s:.0f} s "
@@ -341,14 +348,9 @@ def _collect(processes, reports: queue.Queue, timeout_s: float) -> list[Any]:
             continue
         if ok is None:  # its pipe closed without a report
             processes[rank].join(timeout=PEER_DEATH_GRACE_S)
-            code = processes[rank].exitcode
-            if code == 0:
-                raise EPError(f"rank(s) [{rank}] exited with code 0 without reporting a result: something in the "
-                              f"rank ended its process before the rank function returned (os._exit(0), or a "
-                              f"library that exits on its own)")
-            if code is None:
+            if processes[rank].exitcode is None:
                 raise EPError(f"rank {rank} closed the launcher's pipe without reporting a result, and runs on")
-            raise EPError(_died_without_report(processes, [rank]))
+            raise EPError(_exited_without_report(processes, [rank]))
         if not ok:
             raise EPError(_failure_report(processes, outputs, rank, payload))
         try:
@@ -360,9 +362,14 @@ def _collect(processes, reports: queue.Queue, timeout_s: float) -> list[Any]:
     return [outputs[rank] for rank in range(num_ranks)]
 
 
-def _died_without_report(processes, dead: list[int]) -> str:
-    return (f"rank(s) {dead} exited with code(s) {[processes[r].exitcode for r in dead]} before reporting a "
-            f"result")
+def _exited_without_report(processes, ranks: list[int]) -> str:
+    """Names the ranks that exited without a report: those killed or failed first, then those that exited 0."""
+    failed = [r for r in ranks if processes[r].exitcode != 0]
+    if failed:
+        return (f"rank(s) {failed} exited with code(s) {[processes[r].exitcode for r in failed]} before reporting "
+                f"a result")
+    return (f"rank(s) {ranks} exited with code 0 without reporting a result: something in the rank ended its "
+            f"process before the rank function returned (os._exit(0), or a library that exits on its own)")
 
 
 class TeardownError(EPError):
