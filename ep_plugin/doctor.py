@@ -191,6 +191,13 @@ def nvlink_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str],
         problems.append(torch_problem)
         verdict.status = UNAVAILABLE
     gpus = fabric.gpus
+    in_mig = [gpu.info.index for gpu in gpus if gpu.info.mig_enabled]
+    if in_mig:  # NVIDIA's MIG guide: no CUDA IPC between MIG devices, and no peer access or NVLink under MIG
+        problems.append(Problem(f"GPU(s) {in_mig} in MIG mode: CUDA IPC and peer access are not supported there, so "
+                                "ranks cannot map each other's buffers (the hybrid / elastic kernels need that)",
+                                "turn MIG off on them (nvidia-smi -i <gpu> -mig 0 as root, then reset the GPU); "
+                                "'reference' runs on MIG devices over NCCL meanwhile"))
+        verdict.status = UNAVAILABLE
     groups = _peer_groups(fabric)
     if len(gpus) == 1:
         verdict.summary = f"1 GPU ({gpus[0].info.name}): its ranks share memory through CUDA IPC"
@@ -216,6 +223,8 @@ def nvlink_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str],
             fix += "; list each group's GPUs next to each other in CUDA_VISIBLE_DEVICES for larger domains"
         problems.append(Problem(f"not every GPU can map every other's memory (groups of {sizes})", fix))
         verdict.status = _worst(verdict.status, DEGRADED)
+    if in_mig:
+        verdict.summary = f"unavailable: GPU(s) {in_mig} in MIG mode (no CUDA IPC between ranks)"
     for gpu in gpus:
         major, minor = gpu.info.compute_capability
         mismatch = _cuda.arch_mismatch((major, minor))

@@ -88,10 +88,10 @@ def add_peermem(root: Path) -> None:
 
 def gpu(index: int, bus_id: str, *, name: str = "NVIDIA H100 80GB HBM3", sms: int = 132, cc=(9, 0),
         gdr: Optional[bool] = True, dmabuf: Optional[bool] = True, export: str = "ok",
-        nvlinks: Optional[int] = 18) -> GpuInfo:
+        nvlinks: Optional[int] = 18, mig: Optional[bool] = False) -> GpuInfo:
     return GpuInfo(index=index, name=name, pci_bus_id=bus_id, sm_count=sms, compute_capability=cc,
                    gpudirect_rdma=gdr, dmabuf_supported=dmabuf, dmabuf_export=export if index == 0 else "not tried",
-                   nvlink_active_links=nvlinks, mps_enabled=False)
+                   nvlink_active_links=nvlinks, mps_enabled=False, mig_enabled=mig)
 
 
 def driver(gpus: list[GpuInfo], *, peer: bool = True) -> DriverReport:

@@ -130,9 +130,10 @@ def fake_cuda(*, count=2, init_rc=0, export_rc=0, peer=True, with_export=True, a
     return library([f for f in functions if f.__name__ not in without]), calls, state
 
 
-def fake_nvml(active_links=4, link_codes=None):
+def fake_nvml(active_links=4, link_codes=None, mig_mode=None):
     """NVML with ``active_links`` enabled links at indices 0.., or with ``link_codes[i]`` answering link i
-    (0: enabled; "disabled": a disabled link; otherwise the error code returned)."""
+    (0: enabled; "disabled": a disabled link; otherwise the error code returned). ``mig_mode``: each GPU's
+    (by its handle's order) current MIG mode (0, 1) or the error code; None: an NVML without the entry point."""
     def nvmlInit_v2():
         return 0
 
@@ -153,7 +154,29 @@ def fake_nvml(active_links=4, link_codes=None):
             active._obj.value = cuda_driver.NVML_FEATURE_ENABLED
         return code
 
-    return library([nvmlInit_v2, nvmlShutdown, nvmlDeviceGetHandleByPciBusId_v2, nvmlDeviceGetNvLinkState])
+    handles = []
+
+    def nvmlDeviceGetMigMode(handle, current, pending):
+        answer = mig_mode[len(handles)]
+        handles.append(handle)
+        if answer in (0, 1):
+            current._obj.value = answer
+            return 0
+        return answer
+
+    functions = [nvmlInit_v2, nvmlShutdown, nvmlDeviceGetHandleByPciBusId_v2, nvmlDeviceGetNvLinkState]
+    return library(functions + ([nvmlDeviceGetMigMode] if mig_mode is not None else []))
+
+
+def test_mig_mode_is_read_per_gpu_and_unknown_without_an_answer():
+    """A GPU in MIG mode cannot map its peers' memory (doctor says so); NOT_SUPPORTED is a GPU without MIG."""
+    lib, _, _ = fake_cuda(count=2)
+    report = probe_driver(library=lib, nvml_library=fake_nvml(mig_mode=[1, cuda_driver.NVML_ERROR_NOT_SUPPORTED]))
+    assert [g.mig_enabled for g in report.gpus] == [True, False] and report.nvml_error is None
+    report = probe_driver(library=fake_cuda(count=2)[0], nvml_library=fake_nvml(mig_mode=[0, 999]))
+    assert [g.mig_enabled for g in report.gpus] == [False, None]
+    report = probe_driver(library=fake_cuda(count=1)[0], nvml_library=fake_nvml())
+    assert report.gpus[0].mig_enabled is None and report.gpus[0].nvlink_active_links == 4
 
 
 def test_probe_reads_gpus_peers_attributes_and_links():

@@ -532,6 +532,18 @@ def test_pcie_peer_access_without_nvlink(tmp_path):
     assert found["nvlink"].status == DEGRADED and "PCIe" in found["nvlink"].summary
 
 
+def test_a_gpu_in_mig_mode_cannot_run_the_kernels(tmp_path):
+    """MIG devices have no CUDA IPC or peer access between them: doctor said the ranks share memory through CUDA
+    IPC, and the job then failed opening the peers' buffers."""
+    report = driver([gpu(0, "0000:00:05.0", mig=True), gpu(1, "0000:00:06.0", mig=None)])
+    found, code = verdicts(make_fabric(tmp_path, report), backend="hybrid")
+    assert (found["nvlink"].status, code) == (UNAVAILABLE, 1), found["nvlink"]
+    assert found["nvlink"].problems[0].text.startswith("GPU(s) [0] in MIG mode"), found["nvlink"].problems
+    assert "-mig 0" in fixes(found["nvlink"]) and "MIG mode" in found["nvlink"].summary
+    found, code = verdicts(make_fabric(tmp_path, driver([gpu(0, "0000:00:05.0", mig=None)])), backend="hybrid")
+    assert (found["nvlink"].status, code) == (OK, 0), found["nvlink"]  # unknown (an old NVML): no claim
+
+
 def test_no_driver_says_no_gpu(tmp_path):
     fabric = make_fabric(tmp_path, DriverReport(loaded=False, error="no CUDA driver (libcuda.so.1 missing)"))
     found, code = verdicts(fabric, backend="hybrid")

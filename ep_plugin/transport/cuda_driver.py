@@ -47,6 +47,7 @@ NVML_ERROR_INVALID_ARGUMENT = 2
 NVML_ERROR_NOT_SUPPORTED = 3
 NVML_NVLINK_MAX_LINKS = 18
 NVML_FEATURE_ENABLED = 1
+NVML_DEVICE_MIG_ENABLE = 1
 
 _EXPORT_ALLOC_BYTES = 4 << 20
 _EXPORT_RANGE_BYTES = 2 << 20
@@ -70,6 +71,7 @@ class GpuInfo:
     mps_enabled: Optional[bool] = None  # attribute 133
     dmabuf_export: str = "not tried"  # "ok", "not tried" or "failed: <why>"
     nvlink_active_links: Optional[int] = None  # from NVML; None = unknown
+    mig_enabled: Optional[bool] = None  # from NVML (its current MIG mode); None = unknown
 
 
 @dataclass
@@ -307,7 +309,8 @@ def _try_dmabuf_export(driver: _Driver, device: int, driver_version: Optional[in
 
 
 def _count_nvlinks(gpus: list[GpuInfo], library: Any = None) -> Optional[str]:
-    """Fill ``nvlink_active_links`` from NVML; returns why it could not (None when it could)."""
+    """Fill ``nvlink_active_links`` and ``mig_enabled`` from NVML; returns why it could not (None when it could).
+    A GPU in MIG mode is found by its PCI bus id too: its MIG devices report their parent's."""
     lib, why = (library, "") if library is not None else _load(("libnvidia-ml.so.1",))
     if lib is None:
         return f"NVML not found ({why})"
@@ -320,6 +323,10 @@ def _count_nvlinks(gpus: list[GpuInfo], library: Any = None) -> Optional[str]:
     link_state = lib.nvmlDeviceGetNvLinkState
     link_state.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.POINTER(ctypes.c_uint)]
     link_state.restype = ctypes.c_int
+    mig_mode = getattr(lib, "nvmlDeviceGetMigMode", None)  # NVML 11+; older: unknown
+    if mig_mode is not None:
+        mig_mode.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint), ctypes.POINTER(ctypes.c_uint)]
+        mig_mode.restype = ctypes.c_int
     code = init()
     if code != NVML_SUCCESS:
         return f"nvmlInit_v2 failed ({code})"
@@ -331,6 +338,13 @@ def _count_nvlinks(gpus: list[GpuInfo], library: Any = None) -> Optional[str]:
             if code != NVML_SUCCESS:
                 problems.append(f"GPU {gpu.index}: nvmlDeviceGetHandleByPciBusId_v2 failed ({code})")
                 continue
+            if mig_mode is not None:
+                current, pending = ctypes.c_uint(0), ctypes.c_uint(0)
+                code = mig_mode(handle, ctypes.byref(current), ctypes.byref(pending))
+                if code == NVML_SUCCESS:
+                    gpu.mig_enabled = current.value == NVML_DEVICE_MIG_ENABLE
+                elif code == NVML_ERROR_NOT_SUPPORTED:  # a GPU without MIG
+                    gpu.mig_enabled = False
             active = 0
             for link in range(NVML_NVLINK_MAX_LINKS):
                 state = ctypes.c_uint(0)
