@@ -184,26 +184,32 @@ def crash_in_teardown_after_a_large_result(ctx, size):
     return b"x" * size
 
 
-CRASH_SCRIPT = """
+LAUNCH_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
 from ep_plugin.testing import run_ranks
-from test_launcher import crash_in_teardown_after_a_large_result
+from test_launcher import {function}
 try:
-    run_ranks(crash_in_teardown_after_a_large_result, 2, 100_000_000, timeout_s=30)
+    run_ranks({function}, 2, {size}, timeout_s={timeout_s})
 except Exception as error:
     print(type(error).__name__, str(error)[:300])
 """
+
+
+def launch_in_a_subprocess(function: str, size: int, timeout_s: float):
+    """run_ranks(function, 2, size) in a Python of its own, killed past 150 s (a launcher that hangs fails the test
+    instead of the suite): its outcome's first line on stdout."""
+    import subprocess
+
+    script = LAUNCH_SCRIPT.format(tests=os.path.dirname(__file__), function=function, size=size, timeout_s=timeout_s)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150)
 
 
 def test_a_teardown_that_crashes_after_the_result_is_reported_not_waited_on():
     """The result was queued to a writer thread, and the teardown ran while it wrote: a crash there left half
     a message in the pipe, and the launcher's read of it waited for ever (the ranks hold the write end, so no
     end of file came). Now the result is out before the teardown begins: the crash is reported."""
-    import subprocess
-
-    script = CRASH_SCRIPT.format(tests=os.path.dirname(__file__))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150)
+    done = launch_in_a_subprocess("crash_in_teardown_after_a_large_result", 100_000_000, timeout_s=30)
     assert "TeardownError" in done.stdout and "rank 1: killed by SIGSEGV" in done.stdout, (done.stdout,
                                                                                           done.stderr[-2000:])
 
@@ -229,25 +235,10 @@ def killed_while_sending_its_result(ctx, size):
     return b"x" * size
 
 
-KILLED_WHILE_SENDING_SCRIPT = """
-import sys
-sys.path.insert(0, {tests!r})
-from ep_plugin.testing import run_ranks
-from test_launcher import killed_while_sending_its_result
-try:
-    run_ranks(killed_while_sending_its_result, 2, 200_000_000, timeout_s=60)
-except Exception as error:
-    print(type(error).__name__, str(error)[:300])
-"""
-
-
 def test_a_rank_killed_while_sending_its_result_is_named():
     """Before: the ranks shared one queue, whose pipe every rank held open, so the launcher read the dead rank's
     half message for ever (no end of file; the rank also died holding the queue's lock), past its timeout."""
-    import subprocess
-
-    script = KILLED_WHILE_SENDING_SCRIPT.format(tests=os.path.dirname(__file__))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=150)
+    done = launch_in_a_subprocess("killed_while_sending_its_result", 200_000_000, timeout_s=60)
     assert "rank(s) [1] exited with code(s) [-9] before reporting a result" in done.stdout, (done.stdout,
                                                                                              done.stderr[-2000:])
 
@@ -464,63 +455,49 @@ def test_a_rank_that_exits_0_without_a_result_is_named_at_once():
     assert time.monotonic() - start < 60
 
 
-def test_ranks_that_exited_0_before_their_results_were_read_are_not_reported(monkeypatch):
-    """The race an exit-0 check must not lose: get() times out, then the ranks put their results and exit, and
-    the launcher sees them dead with code 0 while their results still wait, unread, in their pipes."""
+def first_get_empty_once_exited(monkeypatch, ranks) -> None:
+    """The launcher's first look at the reports finds none, once ``ranks`` have exited (their reports, sent before,
+    wait unread): the window in which it sees them exited before it read what they sent."""
     from ep_plugin.testing import launcher
 
     def collect_after_an_empty_get(processes, reports, timeout_s):
-        class FirstGetEmptyAfterTheRanksExit:
+        class FirstGetEmptyOnceExited:
             first = True
 
             def get(self, timeout):
                 if self.first:
                     self.first = False
-                    for process in processes:
-                        process.join()
+                    for rank in ranks:
+                        processes[rank].join()
                     raise launcher.queue.Empty
                 return reports.get(timeout=timeout)
 
-        return real_collect(processes, FirstGetEmptyAfterTheRanksExit(), timeout_s)
+        return real_collect(processes, FirstGetEmptyOnceExited(), timeout_s)
 
     real_collect = launcher._collect
     monkeypatch.setattr(launcher, "_collect", collect_after_an_empty_get)
+
+
+def test_ranks_that_exited_0_before_their_results_were_read_are_not_reported(monkeypatch):
+    """The race an exit-0 check must not lose: get() times out, then the ranks put their results and exit, and
+    the launcher sees them dead with code 0 while their results still wait, unread, in their pipes."""
+    first_get_empty_once_exited(monkeypatch, [0, 1])
     # report_rank's all_reduce keeps a rank from exiting while its peer is still setting up gloo
     assert run_ranks(report_rank, 2, 0, env={"EP_PLUGIN_TIMEOUT_S": "7"}, timeout_s=60) == [(0, 1, "7"), (1, 1, "7")]
 
 
 def report_then_wait_on_rank_zero(ctx):
+    from ep_plugin.testing.launcher import PEER_DEATH_GRACE_S
+
     if ctx.rank == 0:
-        time.sleep(3 * launcher_module().PEER_DEATH_GRACE_S + 1)
+        time.sleep(3 * PEER_DEATH_GRACE_S + 1)
     return ctx.rank
-
-
-def launcher_module():
-    from ep_plugin.testing import launcher
-
-    return launcher
 
 
 def test_a_rank_seen_exited_before_its_report_was_read_is_not_named_once_it_is(monkeypatch):
     """Rank 1 reports and exits while rank 0 works on: seen exited before its report was taken from the queue,
     it must not be named as gone without one a grace period later."""
-    launcher = launcher_module()
-
-    def collect_after_rank_one_exits(processes, reports, timeout_s):
-        class FirstGetEmptyAfterRankOneExits:
-            first = True
-
-            def get(self, timeout):
-                if self.first:
-                    self.first = False
-                    processes[1].join()
-                    raise launcher.queue.Empty
-                return reports.get(timeout=timeout)
-
-        return real_collect(processes, FirstGetEmptyAfterRankOneExits(), timeout_s)
-
-    real_collect = launcher._collect
-    monkeypatch.setattr(launcher, "_collect", collect_after_rank_one_exits)
+    first_get_empty_once_exited(monkeypatch, [1])
     assert run_ranks(report_then_wait_on_rank_zero, 2, timeout_s=60) == [0, 1]
 
 
