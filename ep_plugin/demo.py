@@ -233,10 +233,8 @@ def backend_limits_problem(args: argparse.Namespace) -> Optional[str]:
     problem = backend_class.shape_problem(args.hidden, args.experts // args.ranks)
     if problem:
         return f"--backend {args.backend}: {problem}"
-    widest = getattr(backend_class, "MAX_TOPK", None)  # the backends that take top-k ids
-    if widest is not None and args.topk > widest:
-        return f"--backend {args.backend} takes at most top-{widest} routing, got --topk {args.topk}"
-    return None
+    problem = backend_class.topk_problem(args.topk)
+    return f"--topk {args.topk}: {problem}" if problem else None
 
 
 def host_bytes_per_rank(spec: DemoSpec, num_ranks: int) -> int:

@@ -138,7 +138,7 @@ def test_demo_refuses_a_top_k_the_backend_cannot_take():
     from ep_plugin.demo import backend_limits_problem
 
     args = SimpleNamespace(backend="elastic", hidden=256, experts=64, ranks=2, topk=ElasticBackend.MAX_TOPK + 1)
-    assert backend_limits_problem(args) == f"--backend elastic takes at most top-32 routing, got --topk {args.topk}"
+    assert backend_limits_problem(args) == "--topk 33: backend 'elastic' takes at most 32 experts per token, got 33"
     assert backend_limits_problem(SimpleNamespace(**{**vars(args), "topk": ElasticBackend.MAX_TOPK})) is None
 
 

@@ -596,6 +596,16 @@ class Backend(abc.ABC):
         backend is built, and by the Megatron integration at model build (before the first step)."""
         return None
 
+    @classmethod
+    def topk_problem(cls, experts_per_token: int) -> Optional[str]:
+        """Whether this backend's kernels cannot take tokens routed to ``experts_per_token`` experts (backends that
+        take top-k ids have a widest k, ``MAX_TOPK``), or None. Asked, like ``shape_problem``, before any rank
+        builds one (the demo, the Megatron integration)."""
+        widest = getattr(cls, "MAX_TOPK", None)
+        if widest is None or experts_per_token <= widest:
+            return None
+        return f"backend {cls.name!r} takes at most {widest} experts per token, got {experts_per_token}"
+
     def dispatch_form(self, form: str, **options) -> str:
         """The form a dispatch with these options names in its op fingerprint (``agreement``'s forms): the
         routing form, unless an option changes what the rows on the wire are (elastic's expand and

@@ -152,14 +152,14 @@ def check_megatron_options(config, backend_class) -> None:
     partial = compat.partial_local_graph_problem(config)
     if partial:  # Megatron's own bug, at model build rather than as an AttributeError at the first step
         raise ValueError(f"{selected}: {partial}")
-    widest = getattr(backend_class, "MAX_TOPK", None)  # a limit of the backends that take top-k ids
     copies = getattr(config, "expert_tensor_parallel_size", None) or 1  # the flex dispatcher's TP copies
-    if widest is not None and config.moe_router_topk * copies > widest:
-        raise ValueError(f"{selected}: backend {backend_class.name!r} takes at most {widest} experts per token, and "
-                         f"this layer routes each token to up to {config.moe_router_topk * copies} "
-                         f"(moe_router_topk={config.moe_router_topk} x expert_tensor_parallel_size={copies}: the "
-                         "flex dispatcher gives each tensor-parallel rank its own copy of the experts); lower one "
-                         "of them, or choose 'ep_hybrid', which takes Megatron's routing map as it is")
+    too_wide = backend_class.topk_problem(config.moe_router_topk * copies)
+    if too_wide:
+        raise ValueError(f"{selected}: {too_wide}: this layer routes each token to up to "
+                         f"{config.moe_router_topk * copies} (moe_router_topk={config.moe_router_topk} x "
+                         f"expert_tensor_parallel_size={copies}: the flex dispatcher gives each tensor-parallel rank "
+                         "its own copy of the experts); lower one of them, or choose 'ep_hybrid', which takes "
+                         "Megatron's routing map as it is")
     # The tokens the dispatcher moves: 0.19's latent MoE projects them down to moe_latent_size first.
     moved_size = getattr(config, "moe_latent_size", None) or config.hidden_size
     shape = backend_class.shape_problem(moved_size, config.num_moe_experts // config.expert_model_parallel_size)
