@@ -460,7 +460,7 @@ def first_get_empty_once_exited(monkeypatch, ranks) -> None:
     wait unread): the window in which it sees them exited before it read what they sent."""
     from ep_plugin.testing import launcher
 
-    def collect_after_an_empty_get(processes, reports, timeout_s):
+    def collect_after_an_empty_get(processes, reports, arriving, timeout_s):
         class FirstGetEmptyOnceExited:
             first = True
 
@@ -472,7 +472,7 @@ def first_get_empty_once_exited(monkeypatch, ranks) -> None:
                     raise launcher.queue.Empty
                 return reports.get(timeout=timeout)
 
-        return real_collect(processes, FirstGetEmptyOnceExited(), timeout_s)
+        return real_collect(processes, FirstGetEmptyOnceExited(), arriving, timeout_s)
 
     real_collect = launcher._collect
     monkeypatch.setattr(launcher, "_collect", collect_after_an_empty_get)
@@ -499,6 +499,21 @@ def test_a_rank_seen_exited_before_its_report_was_read_is_not_named_once_it_is(m
     it must not be named as gone without one a grace period later."""
     first_get_empty_once_exited(monkeypatch, [1])
     assert run_ranks(report_then_wait_on_rank_zero, 2, timeout_s=60) == [0, 1]
+
+
+def test_a_report_that_takes_longer_than_the_grace_to_receive_is_not_named(monkeypatch):
+    """A large result still being received when its rank has exited (the rank wrote it into the pipe, the
+    launcher reads and unpickles it for longer than PEER_DEATH_GRACE_S): the rank was named as one that "exited
+    with code 0 without reporting", and its result lost."""
+    from ep_plugin.testing import launcher
+
+    def slow_receive(read_end):
+        time.sleep(3 * launcher.PEER_DEATH_GRACE_S + 1)  # meanwhile the ranks exit, and are seen exited
+        return real_receive(read_end)
+
+    real_receive = launcher._receive
+    monkeypatch.setattr(launcher, "_receive", slow_receive)
+    assert run_ranks(report_rank, 2, 0, env={"EP_PLUGIN_TIMEOUT_S": "7"}, timeout_s=60) == [(0, 1, "7"), (1, 1, "7")]
 
 
 def test_a_report_the_launcher_cannot_receive_is_named_not_waited_for(monkeypatch):

@@ -248,8 +248,8 @@ def _spawn(fn, args, plan: LaunchPlan, timeout_s: float, env: dict[str, str]) ->
                 for process, (_, write_end) in zip(processes, pipes, strict=True):
                     process.start()
                     write_end.close()  # the rank has its own copy now
-            reports = _read_reports([read_end for read_end, _ in pipes])  # its threads close the read ends
-            outputs = _collect(processes, reports, timeout_s)
+            reports, arriving = _read_reports([read_end for read_end, _ in pipes])  # its threads close the read ends
+            outputs = _collect(processes, reports, arriving, timeout_s)
             _check_exits(processes, EXIT_TIMEOUT_S, outputs)
             return outputs
         finally:
@@ -298,16 +298,20 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-def _read_reports(read_ends) -> queue.Queue:
+def _read_reports(read_ends) -> tuple[queue.Queue, set[int]]:
     """Each rank's report, as it arrives, in one queue: (rank, ok, payload) from a thread per rank (a large result
     takes a while to come through, and the launcher's checks and timeout go on meanwhile), or (rank, None, None)
-    when its pipe closed without one (the rank died, or exited without reporting). The threads end with
-    their pipes, which the cleanup's kill closes."""
+    when its pipe closed without one (the rank died, or exited without reporting). Also the set of ranks whose
+    pipes have something to read (a report on its way, or their end): the thread puts those in the queue soon, so
+    they are never named as gone without one. The threads end with their pipes, which the cleanup's kill closes."""
     reports: queue.Queue = queue.Queue()
+    arriving: set[int] = set()
 
     def read(rank: int, read_end) -> None:
         try:
-            ok, payload = read_end.recv()
+            read_end.poll(None)  # the first bytes, or the end of the pipe
+            arriving.add(rank)
+            ok, payload = _receive(read_end)
         except (EOFError, OSError):
             ok, payload = None, None
         except BaseException as error:  # noqa: BLE001 - (out of memory for a large result, say) reported, not lost
@@ -319,10 +323,14 @@ def _read_reports(read_ends) -> queue.Queue:
     for rank, read_end in enumerate(read_ends):
         threading.Thread(target=read, args=(rank, read_end), name=f"ep_plugin rank {rank} report",
                          daemon=True).start()
-    return reports
+    return reports, arriving
 
 
-def _collect(processes, reports: queue.Queue, timeout_s: float) -> list[Any]:
+def _receive(read_end) -> tuple[Any, Any]:
+    return read_end.recv()  # a function of its own so that a test can make it slow
+
+
+def _collect(processes, reports: queue.Queue, arriving: set[int], timeout_s: float) -> list[Any]:
     outputs: dict[int, Any] = {}
     num_ranks = len(processes)
     gone_since: dict[int, float] = {}  # rank -> when it was first seen exited without a report
@@ -331,14 +339,15 @@ def _collect(processes, reports: queue.Queue, timeout_s: float) -> list[Any]:
         try:
             rank, ok, payload = reports.get(timeout=0.2)
         except queue.Empty:
-            # A rank that exited while its pipe stays open (a process it started holds it) is named once it
-            # was seen exited for a grace period (a report it sent just before may still be on its way).
+            # A rank that exited while its pipe stays open (a process it started holds it) and empty is named
+            # once it was seen exited for a grace period (a report it sent just before may still be on its way).
+            # One whose pipe has bytes is left to its reader: a large report may take longer than the grace.
             now = time.monotonic()
             for rank, p in enumerate(processes):
                 if rank not in outputs and not p.is_alive():
                     gone_since.setdefault(rank, now)
             gone = sorted(rank for rank, since in gone_since.items()
-                          if rank not in outputs and now - since > PEER_DEATH_GRACE_S)
+                          if rank not in outputs and rank not in arriving and now - since > PEER_DEATH_GRACE_S)
             if gone:
                 raise EPError(_exited_without_report(processes, gone)) from None
             if time.monotonic() > deadline:
