@@ -186,6 +186,53 @@ def test_a_rank_failing_alone_while_the_backend_is_built_is_named(backend_name, 
         assert result["seconds"] < 8.0, (rank, result)
 
 
+class _BufferOnABusyGpu(_BufferWithoutIpcExport):
+    """A real buffer on a GPU that another library keeps busy from the moment its handle is exported: a kernel
+    of ~25 s on a stream of its own (an NCCL collective waiting for its peer, say)."""
+
+    def export_handle(self):
+        handle = self._real.export_handle()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            torch.cuda._sleep(int(5e10))  # ~25 s at the H200's ~2 GHz (longer on a slower clock)
+        return handle
+
+
+class _ExtensionOnABusyGpu(_ExtensionWithoutIpcExport):
+    buffer = _BufferOnABusyGpu
+
+
+def busy_rank_told_of_a_failed_build(ctx) -> dict:
+    """Rank 3's allocation fails; rank 0's GPU runs another kernel meanwhile. Every rank refuses the build and
+    frees its buffer: rank 0's free began with the extension's device-wide wait, without a timeout (and with
+    the GIL held), so its refusal came once the other kernel ended, however long that took."""
+    from ep_plugin import _cuda
+
+    real = _cuda.extension()
+    if ctx.rank == ctx.world_size - 1:
+        _cuda.extension = lambda: _ExtensionOutOfMemory(real)
+    elif ctx.rank == 0:
+        _cuda.extension = lambda: _ExtensionOnABusyGpu(real)
+    start = time.monotonic()
+    try:
+        make_backend(ctx, "hybrid", timeout_s=3.0)
+        error = None
+    except Exception as caught:  # noqa: BLE001 - the test reads the text
+        error = f"{type(caught).__name__}: {caught}"
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
+def test_a_refused_build_on_a_busy_gpu_is_raised_within_the_timeout():
+    results = run_ranks(busy_rank_told_of_a_failed_build, 4, device="cuda", timeout_s=120)
+    busy = results[0]
+    assert busy["error"] is not None and busy["error"].startswith("EPError: ") and MADE_NONE in busy["error"], busy
+    # The free's wait gives up after the buffer's 3 s, leaving the memory allocated, and says so.
+    assert "stays allocated" in busy["error"] and "freeing the refused buffer" in busy["error"], busy
+    assert busy["seconds"] < 15.0, busy  # not the other kernel's ~25 s
+    for rank, result in enumerate(results[1:3], start=1):  # idle GPUs: freed at once, nothing to say
+        assert result["error"] is not None and MADE_NONE in result["error"], (rank, result)
+        assert "stays allocated" not in result["error"], (rank, result)
+
+
 class _BufferLateToOpen(_BufferWithoutIpcExport):
     """A real buffer whose rank opens its peers' buffers only after they gave up waiting for it."""
 

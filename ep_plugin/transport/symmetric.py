@@ -76,7 +76,7 @@ class SymmetricBuffer:
             try:
                 handle = self._buffer.export_handle()
             except RuntimeError as error:  # CUDA IPC refused here (a container, say): memory is not the problem
-                self._buffer, failure, remedy = None, error, _ALLOW_IPC
+                failure, remedy = error, _ALLOW_IPC  # the buffer is freed with the refusal (_refuse_together)
         self._region_tensors: dict[tuple, torch.Tensor] = {}  # see region_tensor
         # Dropped without destroy() (garbage collected while the process runs, or left behind by an exchange
         # below that gave up): a peer may still map, read or write this memory, so it is kept, not freed
@@ -141,16 +141,38 @@ class SymmetricBuffer:
         if not failed:
             return
         self._dropped.detach()  # every rank refuses together: no peer maps this memory (or it closed first)
-        self._buffer = None  # nothing ran on it: the extension closes what it opened and frees it now
+        kept = self._free_unused_buffer()
         self._collectives.release()
         if failure is not None:
             add_note(failure, f"ep_plugin {self.backend}: {remedy}; every rank of the group was told and raises too")
+            if kept:
+                add_note(failure, kept)
             try:
                 raise failure
             finally:  # the traceback holds this frame: no cycle keeping it (and self) to a full collection
                 failure = None
         raise EPError(f"ep_plugin {self.backend}: another rank {what} ({'; '.join(failed)}). Build again on every "
-                      f"rank once that is mended.")
+                      f"rank once that is mended." + (f" ({kept})" if kept else ""))
+
+    def _free_unused_buffer(self) -> str:
+        """Frees the buffer of a refused build (no kernel of ours ran on it). The extension's free begins with a
+        device-wide wait, without a timeout and with the GIL held, and a kernel of another library may still run
+        on this GPU (an NCCL collective waiting for a peer): that wait is made here first, timed. Returns '' once
+        freed, or, past the timeout, why the memory stays allocated (a leak, as in destroy) instead of a hang."""
+        buffer, self._buffer = self._buffer, None
+        if buffer is None:
+            return ""
+        try:
+            streams.wait_for_device(self.device, self.timeout_s,
+                                    f"ep_plugin {self.backend}: rank {self.rank}: freeing the refused buffer")
+        except (EPTimeoutError, RuntimeError) as error:  # late, or a CUDA error of the device
+            buffer.abandon()
+            return f"its buffer stays allocated: {error}"
+        try:
+            buffer.destroy()  # the device-wide wait it begins with finds nothing left to wait for
+        except RuntimeError as error:  # reported with the refusal, which stays the error raised
+            return f"freeing its buffer failed: {error}"
+        return ""
 
     def _close_peers_together(self, where: str, *, synchronize: bool = True) -> Optional[RuntimeError]:
         """CUDA IPC: every rank closes its mappings of the peers' buffers, then meets them, so that no exporter
