@@ -999,25 +999,33 @@ def test_a_first_call_past_a_set_size_is_refused_on_every_rank_as_too_many_token
         assert outcome["fits"] < 1e-5, (rank, outcome)
 
 
-def _a_setting_on_rank_1_only(ctx, variable: str, value: str) -> dict:
-    """The first call with ``variable`` set on rank 1 only, then (unset again) the same call."""
+def _a_setting_on_rank_1_only(ctx, variable: str, value: str, backend: str = "ep_reference") -> dict:
+    """The first call with ``variable`` set on rank 1 only, then (unset again) the same call. A compiled
+    ``backend`` runs on the GPU, in bf16."""
     import os
 
     import torch
 
+    device = "cpu" if backend == "ep_reference" else "cuda"
+    if device == "cuda":
+        torch.cuda.set_device(ctx.device)
     _init_megatron(ctx)
     try:
-        dispatcher = _top2_dispatcher()
+        if device == "cpu":
+            dispatcher = _top2_dispatcher()
+        else:
+            dispatcher = _make_layer(_make_config(2, backend, bf16=True), torch.zeros(NUM_EXPERTS, FFN, HIDDEN),
+                                     torch.zeros(NUM_EXPERTS, HIDDEN, FFN))[0]
         generator = torch.Generator().manual_seed(ctx.rank)
         if ctx.rank == 1:
             os.environ[variable] = value
         try:  # rank 1 past its own limit where the variable is the token limit
-            _restore_error(dispatcher, 200 if ctx.rank == 1 else 8, generator)
+            _restore_error(dispatcher, 200 if ctx.rank == 1 else 8, generator, device)
             outcome = {"first": "ran"}
         except ValueError as error:
             outcome = {"first": f"{type(error).__name__}: {error}"}
         os.environ.pop(variable, None)
-        outcome["again"] = _restore_error(dispatcher, 200 if ctx.rank == 1 else 8, generator)
+        outcome["again"] = _restore_error(dispatcher, 200 if ctx.rank == 1 else 8, generator, device)
         return outcome
     finally:
         _finish_megatron()
@@ -1045,6 +1053,26 @@ def test_a_setting_on_one_rank_only_is_refused_on_every_rank_at_the_build(variab
             (rank, outcome)
         assert named in outcome["first"], (rank, outcome)
         assert outcome["again"] < 1e-5, (rank, outcome)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["ep_hybrid", "ep_elastic"])
+def test_sync_free_mode_on_one_rank_only_is_refused_on_every_rank(backend):
+    """EP_PLUGIN_BLOCKING=0 (its outputs' rows past the count unwritten, which Megatron's experts would compute
+    with) from one node's env file: refused at model build on the ranks that had it alone, the others went on
+    into Megatron's next collective and waited there. Now the first dispatch's exchange refuses it on every
+    rank, naming it, and the call runs once it is unset."""
+    from ep_plugin.testing.launcher import run_ranks
+
+    results = run_ranks(_a_setting_on_rank_1_only, 2, "EP_PLUGIN_BLOCKING", "0", backend, device="cuda",
+                        timeout_s=300, env={"TORCHDYNAMO_DISABLE": "1", "EP_PLUGIN_TIMEOUT_S": "20",
+                                            "EP_PLUGIN_BLOCKING": ""})
+    for rank, outcome in enumerate(results):
+        assert outcome["first"].startswith("ValueError: ep_plugin megatron: no rank builds the backend"), \
+            (rank, outcome)
+        assert f"rank 1: moe_flex_dispatcher_backend='{backend}' with EP_PLUGIN_BLOCKING=0" in outcome["first"], \
+            (rank, outcome)
+        assert outcome["again"] < BF16_TOLERANCE, (rank, outcome)
 
 
 def test_the_exchange_that_reports_an_unparsable_variable_keeps_the_ones_that_parse(monkeypatch):

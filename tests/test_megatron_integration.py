@@ -342,15 +342,20 @@ def test_plugin_name_without_the_flex_dispatcher_type_is_refused(ep_megatron):
 
 @needs_megatron
 def test_options_the_plugin_cannot_honour_fail_at_model_build(ep_megatron, monkeypatch):
-    """Drop-and-pad (also 0.19's for decode), 0.19's fixed receive budget and non-blocking outputs raise
-    ValueError when the dispatcher is built (before any process group is touched), naming the option and
-    the config value."""
+    """Drop-and-pad (also 0.19's for decode), 0.19's fixed receive budget and Megatron's SM knob out of range
+    raise ValueError when the dispatcher is built (before any process group is touched), naming the option and
+    the config value; EP_PLUGIN_* variables do not (they may differ between ranks)."""
     from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
 
     from ep_plugin.backends.elastic import ElasticBackend
     from ep_plugin.backends.hybrid import HybridBackend
+    from ep_plugin.config import Config
     from ep_plugin.integrations.megatron import compat
-    from ep_plugin.integrations.megatron.manager import check_megatron_options, resolve_backend_class
+    from ep_plugin.integrations.megatron.manager import (
+        check_megatron_options,
+        resolve_backend_class,
+        sync_free_problem,
+    )
 
     def build(name, **overrides):
         MoEFlexTokenDispatcher(2, [0, 1], config=_config(moe_flex_dispatcher_backend=name, **overrides))
@@ -378,23 +383,31 @@ def test_options_the_plugin_cannot_honour_fail_at_model_build(ep_megatron, monke
     setattr(config, knob, 2000)
     with pytest.raises(ValueError, match=f"'ep_reference': {knob}=2000 is the SMs per rank.*num_sms must be in"):
         MoEFlexTokenDispatcher(2, [0, 1], config=config)
-    monkeypatch.setenv("EP_PLUGIN_NUM_SMS", "8")  # the variable decides then: the knob is not used
-    resolve_backend_class("reference", config)
+    # Also where EP_PLUGIN_NUM_SMS takes its place: the variable may be set on some ranks only, and a refusal
+    # here, on the ranks without it alone, would leave the others waiting in Megatron's next collective.
+    monkeypatch.setenv("EP_PLUGIN_NUM_SMS", "8")
+    with pytest.raises(ValueError, match=f"{knob}=2000 is the SMs per rank.*EP_PLUGIN_NUM_SMS takes its place too"):
+        resolve_backend_class("reference", config)
     monkeypatch.delenv("EP_PLUGIN_NUM_SMS")
-    # Sync-free outputs have unwritten rows past the count, which Megatron's experts would compute with.
-    monkeypatch.setenv("EP_PLUGIN_BLOCKING", "0")
-    for name in ("ep_hybrid", "ep_elastic"):
-        with pytest.raises(ValueError, match=f"'{name}' with EP_PLUGIN_BLOCKING=0"):
-            build(name)
-    # A variable that does not parse is not refused here, on the ranks that have it alone (building a dispatcher
-    # is not a collective): the first dispatch's agreement refuses it on every rank.
-    for variable, value in (("EP_PLUGIN_BLOCKING", "maybe"), ("EP_PLUGIN_TIMEOUT_S", "soon")):
-        monkeypatch.delenv("EP_PLUGIN_BLOCKING")
+    # No EP_PLUGIN_* variable is refused here, on the ranks that have it alone (building a dispatcher is not a
+    # collective): neither one that does not parse nor sync-free mode, whose outputs' unwritten rows past the
+    # count Megatron's experts would compute with. The first dispatch's exchange refuses them on every rank
+    # (test_megatron_dispatcher: test_a_setting_on_one_rank_only_..., test_sync_free_mode_on_one_rank_only_...).
+    for variable, value in (("EP_PLUGIN_BLOCKING", "maybe"), ("EP_PLUGIN_TIMEOUT_S", "soon"),
+                            ("EP_PLUGIN_BLOCKING", "0")):
         monkeypatch.setenv(variable, value)
         for backend_class in (HybridBackend, ElasticBackend):
             check_megatron_options(_config(moe_flex_dispatcher_backend=f"ep_{backend_class.name}"), backend_class)
         monkeypatch.delenv(variable)
-        monkeypatch.setenv("EP_PLUGIN_BLOCKING", "0")
+    # What that exchange tells the peers of sync-free mode (the backend's, not the reference's, which has none).
+    monkeypatch.setenv("EP_PLUGIN_BLOCKING", "0")
+    sync_free = Config.from_env()
+    for backend_class in (HybridBackend, ElasticBackend):
+        config = _config(moe_flex_dispatcher_backend=f"ep_{backend_class.name}")
+        assert f"'ep_{backend_class.name}' with EP_PLUGIN_BLOCKING=0" in sync_free_problem(config, backend_class,
+                                                                                          sync_free)
+        assert sync_free_problem(config, backend_class, Config()) is None
+    assert sync_free_problem(config, ep_plugin.get_backend("reference"), sync_free) is None
 
 
 @needs_megatron

@@ -124,9 +124,6 @@ def check_megatron_options(config, backend_class) -> None:
     - Drop-and-pad (``moe_pad_expert_input_to_capacity``, and 0.19's
       ``moe_pad_experts_for_cuda_graph_inference``, which switches it on for decode) and 0.19's fixed
       receive budget (``moe_expert_rank_capacity_factor``): the plugin is dropless, its outputs sized exactly.
-    - Non-blocking mode (EP_PLUGIN_BLOCKING=0): its outputs are sized to a budget with rows past the
-      count left unwritten, while Megatron's experts use every row (SequentialMLP splits them by
-      ``tokens_per_expert``, a single expert computes them all and its weight gradients with them).
     - fp16 activations (``fp16=True``) on a backend that does not move them (the compiled backends take
       bf16). An fp32 config is only warned about: a script may cast the model to bf16 itself, and
       otherwise the first dispatch refuses the fp32 tokens.
@@ -139,7 +136,12 @@ def check_megatron_options(config, backend_class) -> None:
       (``Backend.shape_problem``: the compiled backends' hidden size, or latent size, a multiple of 8 and at
       most 256 experts per rank), which would otherwise be refused at the first step.
     - Megatron's SM knob for its flex dispatcher (``compat.dispatcher_num_sms``, our ``num_sms`` unless
-      EP_PLUGIN_NUM_SMS is set) out of range.
+      EP_PLUGIN_NUM_SMS is set) out of range, whether or not the variable is set on this rank.
+
+    Only the Megatron config decides here, the same on every rank: building a dispatcher is not a collective,
+    so a refusal that an EP_PLUGIN_* variable decides would stop the ranks that have it alone, and the others
+    would wait for them in Megatron's next collective. Those variables are checked in the first dispatch's
+    exchange, on every rank together (``agree_before_build``; EP_PLUGIN_BLOCKING=0: ``sync_free_problem``).
 
     Warned about: ``variable_seq_lengths`` without EP_PLUGIN_MAX_TOKENS_PER_RANK (the backend is sized from
     the first call, ``tokens_per_rank``, and built again for each longer one).
@@ -175,18 +177,13 @@ def check_megatron_options(config, backend_class) -> None:
     if capacity_problem:
         raise ValueError(capacity_problem)
     num_sms = compat.dispatcher_num_sms(config)
-    if num_sms is not None and not env_is_set("num_sms"):  # Megatron's SM knob becomes the backend's num_sms
+    if num_sms is not None:  # Megatron's SM knob becomes the backend's num_sms where EP_PLUGIN_NUM_SMS is unset
         try:
             Config(num_sms=num_sms)
         except ValueError as error:  # at model build, naming the knob (the first step would blame EP_PLUGIN_*)
             raise ValueError(f"{selected}: {compat.dispatcher_num_sms_field(config)}={num_sms} is the SMs per rank "
-                             f"of ep_plugin's kernels: {error}") from None
-    # Only what parses: building a dispatcher is not a collective, so a variable refused here would stop this
-    # rank alone; the first dispatch's agreement refuses it on every rank (agree_before_build).
-    if backend_class.capabilities.non_blocking and not Config.of_what_parses().blocking:
-        raise ValueError(f"{selected} with EP_PLUGIN_BLOCKING=0: non-blocking outputs are sized to a budget and "
-                         "their rows past the count are not written, while Megatron's experts compute every row "
-                         "they get; unset EP_PLUGIN_BLOCKING (blocking mode sizes the output exactly)")
+                             f"of ep_plugin's kernels: {error} (refused where EP_PLUGIN_NUM_SMS takes its place "
+                             f"too: this check is made on every rank alike)") from None
     dtype = compat.activation_dtype(config)
     moved = backend_class.capabilities.hidden_dtypes
     if dtype not in moved:
@@ -208,6 +205,19 @@ def check_megatron_options(config, backend_class) -> None:
                   "EP_PLUGIN_MAX_TOKENS_PER_RANK, equal on every rank, to the most any "
                   "micro-batch can have: sequence length x micro-batch size, over TP with sequence parallelism "
                   "and over CP", selected)
+
+
+def sync_free_problem(megatron_config, backend_class, config: Config) -> Optional[str]:
+    """Why ``config`` (this rank's EP_PLUGIN_* variables) cannot run Megatron's experts on ``backend_class``, or
+    None: non-blocking mode (EP_PLUGIN_BLOCKING=0) sizes its outputs to a budget with rows past the count left
+    unwritten, while Megatron's experts use every row (SequentialMLP splits them by ``tokens_per_expert``, a
+    single expert computes them all and its weight gradients with them). Told to every rank in the first
+    dispatch's exchange (``agree_before_build``): a variable may be set on some ranks only."""
+    if not backend_class.capabilities.non_blocking or config.blocking:
+        return None
+    return (f"{selected_by(megatron_config)} with EP_PLUGIN_BLOCKING=0: non-blocking outputs are sized to a budget "
+            "and their rows past the count are not written, while Megatron's experts compute every row they get; "
+            "unset EP_PLUGIN_BLOCKING (blocking mode sizes the output exactly)")
 
 
 def backend_config(megatron_config) -> Config:
@@ -238,7 +248,8 @@ def shared_backend(backend_name: str, group, hidden_size: int, num_experts: int,
     combine-input arena gets Megatron's default size (``arena.combine_input_options``) where the experts can
     put their output there (``experts_take_arena``: SequentialMLP; grouped-GEMM experts cannot, and an arena
     would be memory nothing uses). ``config``: the backend's (default: the EP_PLUGIN_* variables);
-    ``config_problem``: why this rank's EP_PLUGIN_* variables did not parse (``config`` is then the defaults),
+    ``config_problem``: why this rank's EP_PLUGIN_* variables cannot be used (they do not parse, ``config`` is
+    then what parses; or ``sync_free_problem``),
     which the first exchange tells every rank (``agree_before_build``).
 
     ``grow_past``: the cached backend that every rank's dispatch just refused for its token count
@@ -311,7 +322,7 @@ def agree_before_build(words: HostCollectives, config: Config, num_tokens: Optio
     each backend the build may free), from the one timed exchange every rank runs before a shared backend is
     built.
     ValueError on every rank alike, naming the ranks and their values, where a rank's EP_PLUGIN_* variables
-    did not parse (``config_problem``) or the ranks differ in ``SHARED_BEFORE_BUILD``: a rank that refused
+    cannot be used (``config_problem``) or the ranks differ in ``SHARED_BEFORE_BUILD``: a rank that refused
     alone would leave its peers waiting for it in the next exchange."""
     mine = {"tokens": num_tokens, "problem": config_problem, "moe_grouped_gemm": not experts_take_arena,
             "holds_handles": list(holds_handles)}
@@ -322,7 +333,7 @@ def agree_before_build(words: HostCollectives, config: Config, num_tokens: Optio
                 if facts["problem"]]
     if unparsed:
         raise ValueError("ep_plugin megatron: no rank builds the backend, as the EP_PLUGIN_* variables of some "
-                         "ranks do not parse: " + "; ".join(unparsed))
+                         "ranks do not parse or cannot run Megatron's experts: " + "; ".join(unparsed))
     differing = []
     for name, meaning in SHARED_BEFORE_BUILD.items():
         values = [facts[name] for facts in gathered]
@@ -650,6 +661,7 @@ class EPPluginManager:
                 config, problem = backend_config(self.config), None
             except ValueError as error:  # refused on every rank, in the build's first exchange
                 config, problem = _config_of_what_parses(self.config), str(error)
+            problem = problem or sync_free_problem(self.config, ep_plugin.get_backend(self.backend_name), config)
             backend = shared_backend(self.backend_name, self.group, hidden_size, self.num_experts, device,
                                      experts_per_token=self._experts_per_token(), pad_multiple=self.pad_multiple,
                                      config=config, config_problem=problem,
