@@ -712,7 +712,7 @@ def test_fine_grained_callables_see_plugin_names_as_hybridep(ep_megatron):
 
 
 @needs_megatron
-def test_replace_builtin_routes_hybridep_to_plugin(ep_megatron):
+def test_replace_builtin_routes_hybridep_to_plugin(ep_megatron, monkeypatch):
     assert ep_megatron.plugin_backend_for("hybridep") is None
     assert ep_megatron.plugin_backend_for("deepep") is None
     assert ep_megatron.plugin_backend_for("ep_reference") == "reference"
@@ -725,6 +725,14 @@ def test_replace_builtin_routes_hybridep_to_plugin(ep_megatron):
     ep_megatron.install()
     validate_ep_plugin_backend(_config(moe_flex_dispatcher_backend="ep_reference"))
     assert ep_megatron.plugin_backend_for("hybridep") == "hybrid"
+    # The validation checks what runs for "hybridep" then, the plugin's hybrid (it took the name for Megatron's
+    # own and passed it unchecked: a machine without a GPU or the kernels failed only at model build).
+    # (Without the extension, stood in for on a GPU.)
+    from ep_plugin import _cuda
+
+    monkeypatch.setattr(_cuda, "_module", None)
+    with pytest.raises(ValueError, match="ep_hybrid needs a CUDA GPU|backend 'hybrid' needs the compiled extension"):
+        validate_ep_plugin_backend(_config(moe_flex_dispatcher_backend="hybridep"))
     ep_megatron.install(replace_builtin=False)
     assert ep_megatron.plugin_backend_for("hybridep") is None
 

@@ -31,7 +31,15 @@ from __future__ import annotations
 import logging
 import os
 
-from ..megatron import PLUGIN_BACKENDS, check_dispatcher_type, install, unknown_backend_error, valid_backend_names
+from ..megatron import (
+    BUILTIN_ALIAS,
+    PLUGIN_BACKENDS,
+    check_dispatcher_type,
+    install,
+    plugin_backend_for,
+    unknown_backend_error,
+    valid_backend_names,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -137,9 +145,12 @@ def validate_ep_plugin_backend(model_config) -> None:
 
     The counterpart of Bridge's ``validate_flex_dispatcher_backend`` (which passes the plugin's
     names through unchecked); call it where the job runs, after the config is final (e.g. after
-    command-line overrides).
+    command-line overrides). A "hybridep" config that ``install(replace_builtin=True)`` routes to the plugin
+    is checked as ``ep_hybrid``, which runs for it.
     """
     name = getattr(model_config, "moe_flex_dispatcher_backend", None)
+    if name == BUILTIN_ALIAS and plugin_backend_for(name) is not None:  # install(replace_builtin=True)
+        name = "ep_hybrid"  # what runs for it
     if name not in PLUGIN_BACKENDS:
         # None is Bridge's fallback next to "alltoall"; a name no dispatcher takes is a typo whatever the type.
         unused = name is None and getattr(model_config, "moe_token_dispatcher_type", None) != "flex"
