@@ -432,17 +432,45 @@ def arena_tensor_outliving_its_backend(ctx) -> int:
     return 1
 
 
+def combine_input_outliving_its_backend(ctx) -> int:
+    """A combine_input view (rows of the backend's own buffer) alive at destroy(): the buffer was freed under it,
+    and a write to it went to whatever the driver put there next. Now the buffer stays allocated (a warning
+    says so); with no view alive, destroy() frees it."""
+    num_experts = 32
+    room = HybridBackend.worst_case_rows(ctx.world_size, MAX_TOKENS, num_experts // ctx.world_size, 2, 16)
+    for keep_the_view in (True, False):
+        _, hybrid = make_backends(ctx, num_experts, room)
+        inputs = make_inputs(950, ctx.rank, ctx.world_size, 24, HIDDEN, num_experts, 2, skewed=False,
+                             drop_some=False)
+        out = hybrid.dispatch(inputs[0], **routing_kwargs("topk", inputs))
+        rows = hybrid.combine_input(out.handle)
+        rows.copy_(out.hidden)
+        back = hybrid.combine(rows, out.handle).hidden
+        del out, back
+        if not keep_the_view:
+            del rows
+        torch.cuda.synchronize()
+        hybrid.destroy()
+        assert hybrid.buffer.kept_for_views == keep_the_view, keep_the_view
+        if keep_the_view:
+            rows.fill_(1.0)  # its memory is still this buffer's
+            torch.cuda.synchronize()
+            del rows
+    return 1
+
+
 def run_suite(ctx) -> dict:
     return {"blocking": blocking_sweep(ctx), "over_budget": over_budget(ctx), "graph": graph_replays(ctx),
             "autograd": autograd_and_misuse(ctx), "arena": arena(ctx),
-            "arena outliving its backend": arena_tensor_outliving_its_backend(ctx)}
+            "arena outliving its backend": arena_tensor_outliving_its_backend(ctx),
+            "combine input outliving its backend": combine_input_outliving_its_backend(ctx)}
 
 
 @pytest.mark.parametrize("num_ranks", [2, 8])
 def test_hybrid_combine_in_place_is_the_one_pass_sum(num_ranks):
     results = run_ranks(run_suite, num_ranks, device="cuda", timeout_s=LAUNCH_TIMEOUT_S)
     assert results[0] == {"blocking": 3 * 8 + 8, "over_budget": 1, "graph": 6, "autograd": 1, "arena": 8,
-                          "arena outliving its backend": 1}, results[0]
+                          "arena outliving its backend": 1, "combine input outliving its backend": 1}, results[0]
     assert all(r == results[0] for r in results)
 
 

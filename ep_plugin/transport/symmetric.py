@@ -18,6 +18,7 @@ gone in the report, so that a wait for it stops at once ("rank 3 exited") instea
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import weakref
@@ -78,6 +79,10 @@ class SymmetricBuffer:
             except RuntimeError as error:  # CUDA IPC refused here (a container, say): memory is not the problem
                 failure, remedy = error, _ALLOW_IPC  # the buffer is freed with the refusal (_refuse_together)
         self._region_tensors: dict[tuple, torch.Tensor] = {}  # see region_tensor
+        # The memory objects of every tensor region_tensor made: one alive after destroy() dropped its own
+        # tensors means a tensor over this memory lives on (a combine_input view, in-place rows, a handle).
+        self._region_memories: weakref.WeakSet = weakref.WeakSet()
+        self.kept_for_views = False  # destroy() left the memory allocated: a tensor over it was still alive
         # Dropped without destroy() (garbage collected while the process runs, or left behind by an exchange
         # below that gave up): a peer may still map, read or write this memory, so it is kept, not freed
         # (``_kept_when_dropped``); at exit the process's end frees it. Only a refusal every rank makes together
@@ -218,6 +223,7 @@ class SymmetricBuffer:
             # The tensor keeps the extension's buffer object alive (not this wrapper, which holds the
             # tensor: that cycle would run through torch's storage, where the collector cannot see).
             memory = _DeviceMemory(address, (rows, *row_shape), _TYPESTRS[dtype], owner=self._buffer)
+            self._region_memories.add(memory)
             # Kept across ops: made under torch.inference_mode() it would be an inference tensor, and so would
             # every later view of it (combine_input's, in-place dispatch rows), outside that mode too.
             with torch.inference_mode(False):
@@ -312,7 +318,15 @@ class SymmetricBuffer:
             self._collectives.release()
             WATCH.unwatch(self)  # before the report's memory goes
         self._region_tensors.clear()
-        if keep_memory:
+        if self._region_memories:
+            gc.collect()  # a view held only by a dropped autograd graph's cycle is gone now
+        if self._region_memories:  # freed, the memory would be handed to other allocations under that tensor
+            self.kept_for_views = True
+            logger.warning("ep_plugin %s: rank %d: a tensor over the backend's buffer (a combine_input view, "
+                           "in-place dispatch rows, or a handle holding them) outlived destroy(): the buffer "
+                           "(%.2f GiB) stays allocated until the process ends", self.backend, self.rank,
+                           self._buffer.total_bytes / 2**30)
+        if keep_memory or self.kept_for_views:
             self._buffer.abandon()
         else:
             self._buffer.destroy()
