@@ -733,6 +733,8 @@ def test_replace_builtin_routes_hybridep_to_plugin(ep_megatron, monkeypatch):
     monkeypatch.setattr(_cuda, "_module", None)
     with pytest.raises(ValueError, match="ep_hybrid needs a CUDA GPU|backend 'hybrid' needs the compiled extension"):
         validate_ep_plugin_backend(_config(moe_flex_dispatcher_backend="hybridep"))
+    # Next to another dispatcher type no dispatcher reads the name (a recipe's fallback to alltoall): no check.
+    validate_ep_plugin_backend(_config(moe_flex_dispatcher_backend="hybridep", moe_token_dispatcher_type="alltoall"))
     ep_megatron.install(replace_builtin=False)
     assert ep_megatron.plugin_backend_for("hybridep") is None
 

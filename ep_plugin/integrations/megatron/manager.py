@@ -128,7 +128,8 @@ def check_megatron_options(config, backend_class) -> None:
       bf16). An fp32 config is only warned about: a script may cast the model to bf16 itself, and
       otherwise the first dispatch refuses the fp32 tokens.
     - A CUDA graph that captures the dispatch (the whole layer, a whole iteration): blocking mode reads the
-      exact counts on the host, which a capture cannot, and non-blocking mode is refused above. And 0.16's
+      exact counts on the host, which a capture cannot, and non-blocking mode is refused at the first
+      dispatch (``sync_free_problem``). And 0.16's
       partial local graphs of a hybrid model's MoE layer, which fail at the first step for every flex
       backend (``compat.partial_local_graph_problem``).
     - Top-k wider than the backend takes (elastic: 32 ids per token; Megatron hands it
@@ -543,7 +544,7 @@ class EPPluginManager:
             raise ValueError(f"{selected_by(self.config)}: drop-and-pad was switched on after the model was built. "
                              f"{DECODE_PADDING_PROBLEM}")
         if hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():  # inference graphs, say
-            # Before the backend's own refusal, whose advice (EP_PLUGIN_BLOCKING=0) Megatron's build refuses.
+            # Before the backend's own refusal, whose advice (EP_PLUGIN_BLOCKING=0) the first dispatch refuses.
             raise RuntimeError(f"{selected_by(self.config)}: Megatron is capturing this MoE layer's dispatch in a "
                                f"CUDA graph; {CAPTURE_PROBLEM}")
         release_drained(self.group if self.group is not None else torch.distributed.group.WORLD)

@@ -149,7 +149,8 @@ def validate_ep_plugin_backend(model_config) -> None:
     is checked as ``ep_hybrid``, which runs for it.
     """
     name = getattr(model_config, "moe_flex_dispatcher_backend", None)
-    if name == BUILTIN_ALIAS and plugin_backend_for(name) is not None:  # install(replace_builtin=True)
+    if (name == BUILTIN_ALIAS and plugin_backend_for(name) is not None  # install(replace_builtin=True)
+            and getattr(model_config, "moe_token_dispatcher_type", None) == "flex"):  # else no dispatcher reads it
         name = "ep_hybrid"  # what runs for it
     if name not in PLUGIN_BACKENDS:
         # None is Bridge's fallback next to "alltoall"; a name no dispatcher takes is a typo whatever the type.
