@@ -105,6 +105,11 @@ class SymmetricBuffer:
                 raise
             add_note(failure, f"ep_plugin {backend}: telling the peers about it failed too ({type(error).__name__}: "
                               f"{error}), so they may wait for this rank until their timeout")
+            if self._buffer is not None:  # its handle was never exported: no peer maps it, it can go
+                self._dropped.detach()
+                kept = self._free_unused_buffer()
+                if kept:
+                    add_note(failure, kept)
             try:
                 raise failure from None
             finally:  # as below: no cycle through this frame
