@@ -243,6 +243,24 @@ def test_a_rank_killed_while_sending_its_result_is_named():
                                                                                              done.stderr[-2000:])
 
 
+def killed_while_sending_with_a_child_holding_the_pipe(ctx, size):
+    """As killed_while_sending_its_result, with a child process of rank 1 holding its end of the pipe."""
+    import subprocess
+
+    if ctx.rank == 1:
+        subprocess.Popen(["sleep", "120"], close_fds=False)  # the launcher's cleanup kills its process group
+    return killed_while_sending_its_result(ctx, size)
+
+
+def test_a_rank_killed_while_sending_with_a_child_holding_its_pipe_is_named():
+    """No end of file comes while the child lives: the rank, seen exited with half its report read, must be named
+    after the grace period (it was once left to its reader as "arriving", and the launcher waited out its
+    timeout to say the rank "did not finish")."""
+    done = launch_in_a_subprocess("killed_while_sending_with_a_child_holding_the_pipe", 200_000_000, timeout_s=60)
+    assert "rank(s) [1] exited with code(s) [-9] before reporting a result" in done.stdout, (done.stdout,
+                                                                                             done.stderr[-2000:])
+
+
 def returns_a_tensor(ctx):
     return __import__("torch").full((1000,), float(ctx.rank))
 
@@ -507,12 +525,12 @@ def test_a_report_that_takes_longer_than_the_grace_to_receive_is_not_named(monke
     with code 0 without reporting", and its result lost."""
     from ep_plugin.testing import launcher
 
-    def slow_receive(read_end):
+    def slow_unpickle(message):
         time.sleep(3 * launcher.PEER_DEATH_GRACE_S + 1)  # meanwhile the ranks exit, and are seen exited
-        return real_receive(read_end)
+        return real_unpickle(message)
 
-    real_receive = launcher._receive
-    monkeypatch.setattr(launcher, "_receive", slow_receive)
+    real_unpickle = launcher._unpickle
+    monkeypatch.setattr(launcher, "_unpickle", slow_unpickle)
     assert run_ranks(report_rank, 2, 0, env={"EP_PLUGIN_TIMEOUT_S": "7"}, timeout_s=60) == [(0, 1, "7"), (1, 1, "7")]
 
 
@@ -521,10 +539,10 @@ def test_a_report_the_launcher_cannot_receive_is_named_not_waited_for(monkeypatc
     thread without a word, and the launcher waited out its timeout for a rank that had finished."""
     import multiprocessing.connection
 
-    def out_of_memory(self):
+    def out_of_memory(self, *args):
         raise MemoryError("a large result")
 
-    monkeypatch.setattr(multiprocessing.connection.Connection, "recv", out_of_memory)
+    monkeypatch.setattr(multiprocessing.connection.Connection, "recv_bytes", out_of_memory)
     start = time.monotonic()
     with pytest.raises(EPError, match=r"could not receive its report \(MemoryError: a large result\)"):
         run_ranks(report_rank, 2, 0, timeout_s=120)

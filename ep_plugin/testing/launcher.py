@@ -302,16 +302,17 @@ def _read_reports(read_ends) -> tuple[queue.Queue, set[int]]:
     """Each rank's report, as it arrives, in one queue: (rank, ok, payload) from a thread per rank (a large result
     takes a while to come through, and the launcher's checks and timeout go on meanwhile), or (rank, None, None)
     when its pipe closed without one (the rank died, or exited without reporting). Also the set of ranks whose
-    pipes have something to read (a report on its way, or their end): the thread puts those in the queue soon, so
-    they are never named as gone without one. The threads end with their pipes, which the cleanup's kill closes."""
+    whole report was read and is being unpickled (a large result takes a while): the thread puts those in the
+    queue soon, so they are never named as gone without one. (A rank killed halfway through its send is not in
+    it.) The threads end with their pipes, which the cleanup's kill closes."""
     reports: queue.Queue = queue.Queue()
     arriving: set[int] = set()
 
     def read(rank: int, read_end) -> None:
         try:
-            read_end.poll(None)  # the first bytes, or the end of the pipe
+            message = read_end.recv_bytes()
             arriving.add(rank)
-            ok, payload = _receive(read_end)
+            ok, payload = _unpickle(message)
         except (EOFError, OSError):
             ok, payload = None, None
         except BaseException as error:  # noqa: BLE001 - (out of memory for a large result, say) reported, not lost
@@ -326,8 +327,8 @@ def _read_reports(read_ends) -> tuple[queue.Queue, set[int]]:
     return reports, arriving
 
 
-def _receive(read_end) -> tuple[Any, Any]:
-    return read_end.recv()  # a function of its own so that a test can make it slow
+def _unpickle(message: bytes) -> tuple[Any, Any]:
+    return pickle.loads(message)  # what Connection.recv does after recv_bytes; its own function for a test
 
 
 def _collect(processes, reports: queue.Queue, arriving: set[int], timeout_s: float) -> list[Any]:
@@ -341,7 +342,7 @@ def _collect(processes, reports: queue.Queue, arriving: set[int], timeout_s: flo
         except queue.Empty:
             # A rank that exited while its pipe stays open (a process it started holds it) and empty is named
             # once it was seen exited for a grace period (a report it sent just before may still be on its way).
-            # One whose pipe has bytes is left to its reader: a large report may take longer than the grace.
+            # One whose whole report was read is left to its reader: a large one may take longer to unpickle.
             now = time.monotonic()
             for rank, p in enumerate(processes):
                 if rank not in outputs and not p.is_alive():
