@@ -80,7 +80,7 @@ class SymmetricBuffer:
                 failure, remedy = error, _ALLOW_IPC  # the buffer is freed with the refusal (_refuse_together)
         self._region_tensors: dict[tuple, torch.Tensor] = {}  # see region_tensor
         # The memory objects of every tensor region_tensor made: one alive after destroy() dropped its own
-        # tensors means a tensor over this memory lives on (a combine_input view, in-place rows, a handle).
+        # tensors means a tensor over this memory lives on (a combine_input view, in-place rows, views of them).
         self._region_memories: weakref.WeakSet = weakref.WeakSet()
         self.kept_for_views = False  # destroy() left the memory allocated: a tensor over it was still alive
         # Dropped without destroy() (garbage collected while the process runs, or left behind by an exchange
@@ -328,7 +328,7 @@ class SymmetricBuffer:
         if self._region_memories:  # freed, the memory would be handed to other allocations under that tensor
             self.kept_for_views = True
             logger.warning("ep_plugin %s: rank %d: a tensor over the backend's buffer (a combine_input view, "
-                           "in-place dispatch rows, or a handle holding them) outlived destroy(): the buffer "
+                           "in-place dispatch rows, or a view of them) outlived destroy(): the buffer "
                            "(%.2f GiB) stays allocated until the process ends", self.backend, self.rank,
                            self._buffer.total_bytes / 2**30)
         if keep_memory or self.kept_for_views:
