@@ -680,6 +680,31 @@ exit 1
         os.kill(pid, 9)
         raise AssertionError(f"the forked daemon (pid {pid}) still runs")
 
+def test_a_second_sigterm_does_not_cut_the_launchers_cleanup_short():
+    """``timeout`` sends SIGTERM to its command and then to the command's process group: a loaded process took
+    the second while its launcher killed the ranks, and the SystemExit it raised there left a rank alive, which
+    the process's exit then waited for (CI: pytest killed by timeout's SIGKILL, test below)."""
+    from ep_plugin.testing.launcher import _sigterm_unwinds
+
+    passed_on = []
+    earlier = signal.signal(signal.SIGTERM, lambda signum, frame: passed_on.append(signum))
+    cleaned = []
+    try:
+        with pytest.raises(SystemExit):
+            with _sigterm_unwinds():
+                try:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(5)  # interrupted by the first
+                finally:  # the launcher's cleanup
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(0.1)  # where the second's handler runs
+                    cleaned.append(True)
+    finally:
+        signal.signal(signal.SIGTERM, earlier)
+    assert cleaned == [True]
+    assert passed_on == [signal.SIGTERM]  # handed on once, after the cleanup
+
+
 SESSION_UNDER_SIGTERM = '''
 import time
 from ep_plugin.testing import run_ranks

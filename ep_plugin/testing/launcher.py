@@ -187,8 +187,10 @@ def _sigterm_unwinds() -> Iterator[None]:
     cleanup runs: the ranks are killed, the private MPS daemon quits, the rendezvous folder goes. By
     default SIGTERM ends the process at once and left the daemon and the folders behind. Then the signal is
     delivered again to the earlier handler (by default: the process ends, as SIGTERM asked): pytest took the
-    SystemExit for one failed test and ran on to the next, past the caller's timeout. Main thread only
-    (signal handlers can be set nowhere else)."""
+    SystemExit for one failed test and ran on to the next, past the caller's timeout. A second SIGTERM
+    (``timeout`` signals its command, then the command's process group: a busy process takes them one at a
+    time) does not interrupt that cleanup: it stopped the rank loop halfway, a rank lived on, and the process's
+    exit waited for it. Main thread only (signal handlers can be set nowhere else)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -196,7 +198,8 @@ def _sigterm_unwinds() -> Iterator[None]:
 
     def unwind(signum, frame):
         received.append(signum)
-        raise SystemExit(128 + signum)
+        if len(received) == 1:
+            raise SystemExit(128 + signum)
 
     earlier = signal.signal(signal.SIGTERM, unwind)
     try:
