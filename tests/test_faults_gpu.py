@@ -225,7 +225,7 @@ def test_a_refused_build_on_a_busy_gpu_is_raised_within_the_timeout():
     results = run_ranks(busy_rank_told_of_a_failed_build, 4, device="cuda", timeout_s=120)
     busy = results[0]
     assert busy["error"] is not None and busy["error"].startswith("EPError: ") and MADE_NONE in busy["error"], busy
-    # The free's wait gives up after the buffer's 3 s, leaving the memory allocated, and says so.
+    # The free's wait gives up after the buffer's 3 s (and destroy's margin), leaving the memory allocated, and says so.
     assert "stays allocated" in busy["error"] and "freeing the refused buffer" in busy["error"], busy
     assert busy["seconds"] < 15.0, busy  # not the other kernel's ~25 s
     for rank, result in enumerate(results[1:3], start=1):  # idle GPUs: freed at once, nothing to say

@@ -173,8 +173,7 @@ class SymmetricBuffer:
         if buffer is None:
             return ""
         try:
-            streams.wait_for_device(self.device, self.timeout_s,
-                                    f"ep_plugin {self.backend}: rank {self.rank}: freeing the refused buffer")
+            self.synchronize("freeing the refused buffer", raise_report=False)  # as destroy's wait
         except (EPTimeoutError, RuntimeError) as error:  # late, or a CUDA error of the device
             buffer.abandon()
             return f"its buffer stays allocated: {error}"

@@ -662,7 +662,7 @@ class EPPluginManager:
                 config, problem = backend_config(self.config), None
             except ValueError as error:  # refused on every rank, in the build's first exchange
                 config, problem = _config_of_what_parses(self.config), str(error)
-            problem = problem or sync_free_problem(self.config, ep_plugin.get_backend(self.backend_name), config)
+            problem = problem or sync_free_problem(self.config, self.backend_class, config)
             backend = shared_backend(self.backend_name, self.group, hidden_size, self.num_experts, device,
                                      experts_per_token=self._experts_per_token(), pad_multiple=self.pad_multiple,
                                      config=config, config_problem=problem,
