@@ -2,13 +2,15 @@
 # What a session runs on the lent GPU machine; each stage fits one device call (< 10 min):
 #   scripts/gpu_validate.sh tests OUT [pytest args]   build, then the test suite (GPU tests included), or
 #                                                     only the tests named in the pytest args
-#   scripts/gpu_validate.sh gpu1 OUT [pytest args]    the GPU and Megatron tests (-m "gpu or megatron") in four
-#   scripts/gpu_validate.sh gpu2 OUT [pytest args]    calls: gpu1 = test_elastic and test_hybrid, gpu3 = the
-#   scripts/gpu_validate.sh gpu3 OUT [pytest args]    files that mostly wait (faults, scale-out, reference on
-#   scripts/gpu_validate.sh gpu4 OUT [pytest args]    CUDA), gpu4 = the Megatron and Bridge files, gpu2 = every
-#                                                     other file (each about 6 min of pytest or less on one H100; gpu2
-#                                                     with the Megatron files ran past a call there); pytest
-#                                                     gets what is left of the call after the build
+#   scripts/gpu_validate.sh gpu1 OUT [pytest args]    the GPU and Megatron tests (-m "gpu or megatron") in five
+#   scripts/gpu_validate.sh gpu2 OUT [pytest args]    calls: gpu1 = test_elastic and test_hybrid, gpu2 = every
+#   scripts/gpu_validate.sh gpu3 OUT [pytest args]    file not named here, gpu3 = the fault tests (they mostly
+#   scripts/gpu_validate.sh gpu4 OUT [pytest args]    wait), gpu4 = the Megatron dispatcher file, gpu5 = scale-out,
+#   scripts/gpu_validate.sh gpu5 OUT [pytest args]    reference on CUDA and the other Megatron and Bridge files
+#                                                     (each 6-8 min of pytest or less on the slower H100s; four
+#                                                     stages ran past a call there twice); pytest gets what is
+#                                                     left of the call after the build, and its log names each
+#                                                     passed test, so one cut short says where it stopped
 #   scripts/gpu_validate.sh pending OUT               the GPU tests no GPU has run yet (scripts/pending_gpu_tests.txt),
 #                                                     then one short standard-shape run of every compiled form
 #                                                     (its value check; no figures to quote): the first call
@@ -42,7 +44,7 @@
 # logs, instead of the device killing the call before any log comes back.
 set -uo pipefail
 RC=0  # the exit status: the first failure's (fail)
-STAGE=${1:?stage: tests, gpu1, gpu2, gpu3, gpu4, pending, bench, nvlink_tests, nvlink, sweep, megatron, nemo, scaleout or scaleout_bench}
+STAGE=${1:?stage: tests, gpu1, gpu2, gpu3, gpu4, gpu5, pending, bench, nvlink_tests, nvlink, sweep, megatron, nemo, scaleout or scaleout_bench}
 OUT=${2:?output folder}
 shift 2
 cd "$(dirname "$0")/.."
@@ -77,7 +79,7 @@ python3 -c "from ep_plugin import _cuda; print(_cuda.describe()); raise SystemEx
   >> /tmp/build.log 2>&1 && [[ "$GPUS" -ge 1 ]] || stop "no usable CUDA device (torch sees $GPUS)"
 echo "build ok: ep_plugin._C imports; $GPUS GPU(s)"
 case "$STAGE" in  # the stages whose Megatron tests or scripts would skip (or fail late) without it
-  tests|gpu4|pending|nvlink_tests|megatron|nemo)
+  tests|gpu4|gpu5|pending|nvlink_tests|megatron|nemo)
     python3 -c "import megatron.core" 2>/dev/null || stop "no megatron-core here: carry .whl/ (a cp312 wheel)" ;;
 esac
 
@@ -126,20 +128,26 @@ case "$STAGE" in
     python3 -m ep_plugin info | head -3
     pytest_run $((END - SECONDS < 500 ? END - SECONDS : 500)) "$OUT/pytest.log" 25 --durations=6 "${@:-tests}"
     ;;
-  gpu1|gpu2|gpu3|gpu4)
+  gpu1|gpu2|gpu3|gpu4|gpu5)
     HEAVY=(tests/test_elastic.py tests/test_hybrid.py)  # the two longest GPU files, about half the GPU time
-    # Files that mostly wait (timeouts, peers that fail on purpose, scale-out layouts): gpu2 alone ran
-    # past its call on a cold machine.
-    WAITING=(tests/test_faults_gpu.py tests/test_scaleout_gpu.py tests/test_reference_gpu.py)
-    MEGATRON=(tests/test_megatron_arena.py tests/test_megatron_dispatcher.py tests/test_megatron_integration.py
-              tests/test_nemo_bridge.py)
+    # Files that mostly wait (timeouts, peers that fail on purpose): gpu2 alone ran past its call on a cold
+    # machine, and the faults with scale-out and reference on CUDA did on a slow one.
+    FAULTS=(tests/test_faults_gpu.py)
+    # Every Megatron test launches ranks that import Megatron (~20 s each on the GPU machine): the dispatcher
+    # file alone is a call on a slow H100.
+    DISPATCHER=(tests/test_megatron_dispatcher.py)
+    REST=(tests/test_scaleout_gpu.py tests/test_reference_gpu.py tests/test_megatron_arena.py
+          tests/test_megatron_integration.py tests/test_nemo_bridge.py)
     case $STAGE in
       gpu1) FILES=("${HEAVY[@]}") ;;
-      gpu2) FILES=(tests "${HEAVY[@]/#/--ignore=}" "${WAITING[@]/#/--ignore=}" "${MEGATRON[@]/#/--ignore=}") ;;
-      gpu3) FILES=("${WAITING[@]}") ;;
-      gpu4) FILES=("${MEGATRON[@]}") ;;
+      gpu2) FILES=(tests "${HEAVY[@]/#/--ignore=}" "${FAULTS[@]/#/--ignore=}" "${DISPATCHER[@]/#/--ignore=}"
+                   "${REST[@]/#/--ignore=}") ;;
+      gpu3) FILES=("${FAULTS[@]}") ;;
+      gpu4) FILES=("${DISPATCHER[@]}") ;;
+      gpu5) FILES=("${REST[@]}") ;;
     esac
-    pytest_run $((END - SECONDS)) "$OUT/pytest.log" 25 --durations=8 -m "gpu or megatron" "${FILES[@]}" "$@"
+    # -rfEsp: the summary names every passed test too, also when the timeout cuts pytest short.
+    pytest_run $((END - SECONDS)) "$OUT/pytest.log" 25 --durations=8 -rfEsp -m "gpu or megatron" "${FILES[@]}" "$@"
     ;;
   pending)
     mapfile -t PENDING < <(grep -v '^#' scripts/pending_gpu_tests.txt | grep .)
