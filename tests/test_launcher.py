@@ -98,12 +98,12 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _start_launcher(folder, env=None):
+def _start_launcher(folder, env=None, script=LAUNCHER_SCRIPT):
     """A launcher running two sleeping ranks in a subprocess, once both ranks wrote their pids:
     (the Popen, the ranks' pids)."""
     import subprocess
 
-    script = LAUNCHER_SCRIPT.format(tests=os.path.dirname(__file__), folder=str(folder))
+    script = script.format(tests=os.path.dirname(__file__), folder=str(folder))
     launcher = subprocess.Popen([sys.executable, "-c", script], env=env)
     pid_files = [folder / f"rank{r}.pid" for r in range(2)]
     deadline = time.monotonic() + 60
@@ -703,6 +703,47 @@ def test_a_second_sigterm_does_not_cut_the_launchers_cleanup_short():
         signal.signal(signal.SIGTERM, earlier)
     assert cleaned == [True]
     assert passed_on == [signal.SIGTERM]  # handed on once, after the cleanup
+
+
+# The second Ctrl-C, arriving while the launcher's cleanup waits for a rank it killed: the first wait raises
+# KeyboardInterrupt (no rank dies before the cleanup here, so the first join is the cleanup's).
+LAUNCHER_INTERRUPTED_AGAIN_SCRIPT = """
+import sys
+import multiprocessing.process as process
+sys.path.insert(0, {tests!r})
+join, interrupted = process.BaseProcess.join, []
+
+
+def join_interrupted_once(self, timeout=None):
+    if not interrupted:
+        interrupted.append(True)
+        raise KeyboardInterrupt
+    return join(self, timeout)
+
+
+process.BaseProcess.join = join_interrupted_once
+from ep_plugin.testing import run_ranks
+from test_launcher import write_pid_and_sleep
+run_ranks(write_pid_and_sleep, 2, {folder!r}, timeout_s=120)
+"""
+
+
+def test_a_second_ctrl_c_during_the_cleanup_leaves_no_rank_alive(tmp_path):
+    """Ctrl-C twice: the second stopped the launcher's cleanup in its wait for the first rank, before the
+    second was killed; that rank lived on, and the process's exit waited for it (multiprocessing joins its
+    children at exit) until its sleep ended. Every rank is killed now before any wait."""
+    import subprocess
+
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    launcher, ranks = _start_launcher(folder, script=LAUNCHER_INTERRUPTED_AGAIN_SCRIPT)
+    launcher.send_signal(signal.SIGINT)
+    try:
+        launcher.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+    alive = _kill_survivors(ranks)
+    assert not alive and launcher.returncode != -signal.SIGKILL, (alive, launcher.returncode)
 
 
 SESSION_UNDER_SIGTERM = '''

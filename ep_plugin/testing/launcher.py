@@ -256,13 +256,16 @@ def _spawn(fn, args, plan: LaunchPlan, timeout_s: float, env: dict[str, str]) ->
             _check_exits(processes, EXIT_TIMEOUT_S, outputs)
             return outputs
         finally:
-            for process in processes:
-                if process.pid is None:  # never started (the start that failed is what propagates)
-                    continue
+            started = [process for process in processes if process.pid is not None]  # (a start that failed
+            # is what propagates.) Every rank is killed before any is waited for: a second Ctrl-C during a wait
+            # stopped the loop there, and the ranks not yet killed held the process's exit (multiprocessing
+            # joins its children at exit).
+            for process in started:
                 if process.is_alive():
                     process.kill()
+                _kill_group(process.pid)  # and what it started
+            for process in started:
                 process.join(timeout=10)
-                _kill_group(process.pid)
             for read_end, write_end in pipes:
                 write_end.close()  # those of ranks that never started (closing twice is harmless)
                 if reports is None:
