@@ -493,6 +493,10 @@ class HostCollectives:
         rows = self.all_to_all(sent, frames, frames, where=label).view(self.num_ranks, FRAME_WORDS)
         rows = rows.tolist()
         in_ops = [q for q, row in enumerate(rows) if row[1] != SETUP_EXCHANGE]
+        elsewhere = [q for q, row in enumerate(rows) if row[3] != digest]
+        late = (in_ops or elsewhere) and self.came_late_error(where)
+        if late:
+            raise late
         if in_ops:
             from .agreement import OpFingerprint  # agreement imports this module
 
@@ -502,13 +506,42 @@ class HostCollectives:
                           f"{self.peer_name(q)} ran a {theirs.op} op on a backend of this process group: the ranks "
                           f"issued different calls (an op on some ranks only, or a backend built on some ranks "
                           f"only). Peers in ops: {', '.join(self.peer_name(p) for p in in_ops)}.")
-        elsewhere = [q for q, row in enumerate(rows) if row[3] != digest]
         if elsewhere:
             raise EPError(f"{self.owner}: {self.peer_name(self.rank)} was in {where} while "
                           f"{', '.join(self.peer_name(q) for q in elsewhere)} were in another setup step (each "
                           f"rank's own message names its step): the ranks build their backends in different "
                           f"orders, or with different arguments.")
         return [row[0] for row in rows]
+
+    def came_late_error(self, where: str, others: Iterable["HostCollectives"] = ()) -> Optional[EPError]:
+        """For a rank whose exchange in ``where`` met a peer in another call: EPError when a peer had given up
+        waiting for this rank in a collective of this owner (or of ``others``, the owner's other collectives).
+        That peer's abandoned collective is what this rank met, not a call of the peer's own: the ranks did not
+        disagree, this rank came late. Marks the owners out of step (their next op refuses at once, as the
+        peer's do). None when no peer gave up: the disagreement stands."""
+        gave_up: dict[int, str] = {}
+        for owner in (self, *others):
+            for q, place in owner._posts_of_peers_that_gave_up().items():
+                gave_up.setdefault(q, place)
+        if not gave_up:
+            return None
+        for owner in (self, *others):
+            owner.mark_out_of_step(f"came late to {where}")
+        peers = "; ".join(f"{self.peer_name(q)} timed out waiting for it, in {place}"
+                          for q, place in sorted(gave_up.items()))
+        return EPError(f"{self.owner}: {self.peer_name(self.rank)} came late to {where} ({peers}): the exchange met "
+                       f"what that peer left behind, not a call of its own. Raise EP_PLUGIN_TIMEOUT_S if this rank "
+                       f"is only slow (a first step's compilation, a checkpoint save). {_OUT_OF_STEP}")
+
+    def _posts_of_peers_that_gave_up(self) -> dict[int, str]:
+        """peer -> where it timed out in one of this owner's collectives (its post, ``_read_posts``)."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            key = f"ep_plugin/timeouts/{self.site}/"
+            return {q: store.get(key + str(q)).decode() for q in range(self.num_ranks)
+                    if q != self.rank and store.check([key + str(q)])}
+        except Exception:  # noqa: BLE001 - no store here, so no posts: the disagreement stands as found
+            return {}
 
     def release(self) -> None:
         """The owner is being destroyed: let go of the gloo twin (it goes with its last owner). No

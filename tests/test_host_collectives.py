@@ -99,6 +99,39 @@ def test_after_a_timeout_the_backend_refuses_at_once(late_outcomes):
         assert seconds < 1.0
 
 
+def late_to_the_next_call(ctx, setup: bool):
+    """Rank 1 comes late, to its next call: rank 0 times out in a combine (a barrier, ``setup``) and rank 1's
+    dispatch (another barrier) then meets the exchange rank 0 left behind."""
+    if setup:
+        words = HostCollectives(None, owner="test", timeout_s=TIMEOUT_S, label="late")
+        first, late = (lambda: words.barrier(where="barrier A")), (lambda: words.barrier(where="barrier B"))
+        again = words.check_usable
+    else:
+        backend = _reference()
+        dispatched = _dispatch(backend)
+        first = lambda: backend.combine(dispatched.hidden, dispatched.handle)  # noqa: E731
+        late = again = lambda: _dispatch(backend)  # noqa: E731
+    if ctx.rank == 0:
+        outcome = _outcome(first)
+        time.sleep(TIMEOUT_S + 2.5)  # stay until rank 1 came (leaving would close the connection it meets)
+        return outcome
+    time.sleep(TIMEOUT_S + _grace_s(TIMEOUT_S) + 1.0)
+    return _outcome(late), _outcome(again)
+
+
+@pytest.mark.parametrize("setup", [False, True], ids=["op", "setup step"])
+def test_a_rank_late_to_its_next_call_is_told_it_came_late_not_that_ranks_disagree(setup):
+    """The late rank's exchange met the one its peer left when it timed out: it raised "ranks disagree on
+    dispatch / combine" (which names a wrong call, and says the backend stays usable), and its next op then
+    waited out a timeout of its own."""
+    gave_up, (late, again) = run_ranks(late_to_the_next_call, 2, setup, timeout_s=120)
+    assert gave_up[0] == "EPTimeoutError", gave_up
+    where = "barrier A" if setup else "combine of dispatch #1 (opening exchange)"
+    assert late[0] == "EPError" and "rank 1 came late to" in late[1], late
+    assert f"rank 0 timed out waiting for it, in {where}" in late[1] and "disagree" not in late[1], late
+    assert again[0] == "EPError" and "after an earlier failure" in again[1] and again[2] < 1.0, again
+
+
 def refused_in_a_subgroup_after_a_timeout(ctx):
     """Ranks 1 and 2 of a 3-rank world share a group; rank 2 comes late, so rank 1 (the group's rank 0) times out
     and then refuses its next op: both messages must name it as the group's rank and the world's."""

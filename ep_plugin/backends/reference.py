@@ -230,6 +230,10 @@ class ReferenceBackend(Backend):
             return [q for q in range(self.num_ranks) if theirs[q][field] != mine[field]]
 
         in_setup = [q for q in range(self.num_ranks) if theirs[q][0] == SETUP_EXCHANGE]
+        late = (in_setup or differing(0) or differing(1) or differing(2)) and self._words.came_late_error(
+            f"{where} (opening exchange)", (self._comm,))
+        if late:  # a peer gave up waiting for this rank: what differs is the call it left behind
+            raise late
         if in_setup:  # a peer building a backend (or another setup step) met this op: one frame size, no abort
             raise EPError(
                 f"ep_plugin reference: {self._comm.peer_name(self.rank)} ran {where} while "
