@@ -628,6 +628,15 @@ def _socket_forced_by_env(fabric: Fabric, environ: Mapping[str, str]) -> Optiona
     return None
 
 
+def _gloo_socket_names(value: str) -> list[str]:
+    """GLOO_SOCKET_IFNAME as torch's gloo groups read it: a value of one character or none is ignored (torch
+    looks at longer ones only); else the names between commas as written, a trailing comma ending the list."""
+    if len(value) <= 1:
+        return []
+    names = value.split(",")
+    return names[:-1] if names[-1] == "" else names
+
+
 def _named_net_missing(fabric: Fabric, environ: Mapping[str, str]) -> Optional[Problem]:
     """NCCL_NET picks one network by name; NCCL skips a network that has no device or whose plugin did not load,
     and when the named one is skipped its init fails ("network ... not found"): it does not fall back to
@@ -793,7 +802,7 @@ def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -
                              "gloo")
     # Whether turning the host words off takes ep_plugin off gloo (not where the job's process group is gloo).
     off_helps = host_words and not (options.backend == "reference" or _cpu_ranks(fabric))
-    names = [name.strip() for name in environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name.strip()]
+    names = _gloo_socket_names(environ.get("GLOO_SOCKET_IFNAME", ""))
     if not names:
         address = fabric.host_address or "nothing (gloo then takes the loopback address)"
         verdict.summary = f"GLOO_SOCKET_IFNAME unset: gloo uses the address this host's name resolves to, {address}"
@@ -809,6 +818,16 @@ def gloo_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str]) -
             verdict.passed = False
         return verdict
     verdict.summary = f"GLOO_SOCKET_IFNAME={','.join(names)}"
+    odd = [name for name in names if not name or name != name.strip()]
+    if odd:  # no interface has such a name, wherever it runs
+        verdict.problems.append(Problem(
+            f"GLOO_SOCKET_IFNAME={environ['GLOO_SOCKET_IFNAME']!r} has the name(s) {', '.join(map(repr, odd))}: "
+            f"gloo takes each name between commas as written (blanks and empty names included), so every gloo "
+            f"group (the host words of an NCCL group, Megatron's gloo groups) fails to form",
+            f"GLOO_SOCKET_IFNAME={','.join(name.strip() for name in names if name.strip())}"))
+        verdict.status = UNAVAILABLE
+        verdict.passed = False
+        return verdict
     if not fabric.net_interfaces:
         verdict.notes.append("no /sys/class/net here: the interface names were not checked")
         return verdict

@@ -813,6 +813,18 @@ def test_a_gloo_interface_this_host_lacks_fails_a_backend_job(tmp_path):
     present = {"GLOO_SOCKET_IFNAME": "ib0"}
     found, code = verdicts(make_fabric(tmp_path, report, present), present, backend="hybrid")
     assert (found["gloo"].status, code) == (OK, 0) and "present here" in found["gloo"].summary
+    # Names as torch reads them: as written, blanks and empty names included (they passed, stripped; every gloo
+    # group then failed with "Unable to find address for: ib0 " or "interface or hostname can't be empty").
+    for odd, shown in (("ib0 ", "'ib0 '"), (",ib0", "''"), ("eth0,,ib0", "''"), (" eth0", "' eth0'")):
+        found, code = verdicts(make_fabric(tmp_path, report, {"GLOO_SOCKET_IFNAME": odd}),
+                               {"GLOO_SOCKET_IFNAME": odd}, backend="hybrid")
+        assert (found["gloo"].status, code) == (UNAVAILABLE, 1), (odd, found["gloo"])
+        assert f"the name(s) {shown}" in found["gloo"].problems[0].text, found["gloo"].problems[0].text
+        assert fixes(found["gloo"]).startswith(f"GLOO_SOCKET_IFNAME={odd.strip(' ,').replace(',,', ',')}")
+    for fine in ("ib0,", "eth0,ib0,", " ", "x"):  # a trailing comma ends the list; one character is ignored
+        found, code = verdicts(make_fabric(tmp_path, report, {"GLOO_SOCKET_IFNAME": fine}),
+                               {"GLOO_SOCKET_IFNAME": fine}, backend="hybrid")
+        assert (found["gloo"].status, code) == (OK, 0), (fine, found["gloo"])
     # reference's process group is gloo itself (CPU ranks, or staging): asked whatever the knob says (it
     # passed with the knob off, and the job failed with "Unable to find address for: eth9").
     _, code = verdicts(make_fabric(tmp_path, report, off), off, backend="reference")
