@@ -419,12 +419,20 @@ def scaleout_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str
         # The probe's ranks could not run NCCL over the network transport: neither can a job's across nodes,
         # whatever the log lines before the failure said about the path.
         warned = probe.facts.warnings[-1] if probe.facts is not None and probe.facts.warnings else None
-        verdict.problems.append(Problem(
-            f"the NCCL probe failed ({probe.reason})" + (f"; NCCL's last warning: {warned}" if warned else ""),
-            "fix what NCCL's warning names (memlock for 'Cannot allocate memory', the NICs' state), then run "
-            "doctor --nccl-probe again; NCCL_DEBUG=INFO shows the whole log"))
+        if probe.facts is None or probe.facts.version is None:  # NCCL logs its version first: it never started
+            verdict.problems.append(Problem(
+                f"the NCCL probe failed before NCCL started: its ranks left no NCCL log ({probe.reason})",
+                "fix what that error names (a GPU torch can use: see the NVLink verdict; the driver), then run "
+                "doctor --nccl-probe again"))
+            verdict.summary = "unavailable: the NCCL probe failed before NCCL started"
+        else:
+            verdict.problems.append(Problem(
+                f"the NCCL probe failed ({probe.reason})" + (f"; NCCL's last warning: {warned}" if warned else ""),
+                "fix what NCCL's warning names (memlock for 'Cannot allocate memory', the NICs' state), then run "
+                "doctor --nccl-probe again; NCCL_DEBUG=INFO shows the whole log"))
+            verdict.summary = "unavailable: the NCCL probe failed" + (
+                f" (its log had said {probe.mode})" if probe.mode is not None else "")
         verdict.status, verdict.passed = UNAVAILABLE, False
-        verdict.summary = f"unavailable: the NCCL probe failed (its log had said {mode})"
         verdict.mode = nccl_probe.UNAVAILABLE
     return verdict
 

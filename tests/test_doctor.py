@@ -422,7 +422,8 @@ def test_a_failed_nccl_probe_fails_the_scaleout_verdict(tmp_path):
     for probe in (NcclProbeResult(ran=True, reason="the NCCL run failed: unhandled system error", succeeded=False,
                                   facts=facts, mode=mode, why=why),
                   NcclProbeResult(ran=True, reason="the NCCL run failed: remote process exited", succeeded=False,
-                                  facts=nccl_probe.parse_nccl_log([]), mode=None, why="no network connection")):
+                                  facts=nccl_probe.parse_nccl_log(["h:1:1 NCCL INFO NCCL version 2.27.3+cuda12.9"]),
+                                  mode=None, why="no network connection")):
         for scaleout in ("gdr", "socket", None):
             found, code = verdicts(fabric, probe=probe, scaleout=scaleout)
             verdict = found["scaleout"]
@@ -432,6 +433,17 @@ def test_a_failed_nccl_probe_fails_the_scaleout_verdict(tmp_path):
             assert verdict.mode == nccl_probe.UNAVAILABLE
             # NCCL's last warning reaches the user where the log had one (the first probe's)
             assert ("Cannot allocate memory" in verdict.problems[-1].text) == bool(probe.facts.warnings), verdict
+            # "its log had said" quotes the log's path, never the static guess (the second log names none)
+            assert ("its log had said" in verdict.summary) == (probe.mode is not None), verdict.summary
+    # Ranks that failed before NCCL started (torch sees no GPU, say) leave no NCCL log: the static guess was
+    # quoted as the log's, and the fix sent the user after NCCL's warnings and memlock.
+    early = NcclProbeResult(ran=True, reason="the NCCL run failed: device='cuda' but no CUDA device is visible",
+                            succeeded=False, facts=nccl_probe.parse_nccl_log([]), why="no network connection")
+    found, code = verdicts(fabric, probe=early, scaleout="gdr")
+    verdict = found["scaleout"]
+    assert (verdict.status, verdict.passed, code) == (UNAVAILABLE, False, 1), verdict
+    assert verdict.summary == "unavailable: the NCCL probe failed before NCCL started", verdict.summary
+    assert "no CUDA device is visible" in verdict.problems[-1].text and "memlock" not in fixes(verdict), verdict
     ran = NcclProbeResult(ran=True, reason="ran", facts=facts, mode=mode, why=why)  # succeeded by default
     found, code = verdicts(fabric, probe=ran, scaleout="gdr")
     assert (found["scaleout"].status, code) == (OK, 0)
