@@ -373,18 +373,23 @@ def scaleout_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str
     # More than one node crosses nodes whatever --scaleout says: at least some path must work.
     least = options.scaleout or ("socket" if options.nodes > 1 else None)
     verdict = Verdict("scaleout", "scale-out (NCCL across nodes)", OK, "", asked=least is not None)
-    if options.backend in (None, "reference") and _cpu_ranks(fabric):
-        # A job of CPU ranks (no GPU or no CUDA torch here, so no other backend): reference crosses nodes over
-        # gloo, TCP sockets.
+    cpu_ranks = options.backend in (None, "reference") and _cpu_ranks(fabric)
+    if cpu_ranks or (options.backend == "reference" and options.ranks_per_gpu > 1):
+        # A job of CPU ranks (no GPU or no CUDA torch here, so no other backend), or reference's ranks sharing
+        # a GPU (NCCL refuses two ranks on one GPU, so their group is gloo, staged through the host): reference
+        # crosses nodes over gloo, TCP sockets.
         verdict.mode, verdict.title = nccl_probe.SOCKET, "scale-out (gloo across nodes)"
-        why = "no GPU" if _no_gpu_reason(fabric) is not None else "a torch without CUDA"
-        verdict.summary = f"{nccl_probe.SOCKET}: {why}, so CPU ranks; the reference backend uses gloo (TCP)"
+        why = (("no GPU" if _no_gpu_reason(fabric) is not None else "a torch without CUDA") + ", so CPU ranks"
+               if cpu_ranks else f"{options.ranks_per_gpu} ranks share each GPU (NCCL takes one), so a gloo group")
+        verdict.summary = f"{nccl_probe.SOCKET}: {why}; the reference backend uses gloo (TCP)"
         verdict.status = DEGRADED
         verdict.passed = nccl_probe.RANK[nccl_probe.SOCKET] >= nccl_probe.REQUIREMENTS.get(least or "", 0)
         if not verdict.passed:
+            ranks, remedy = (("CPU ranks", "run on GPUs with RDMA NICs") if cpu_ranks else
+                             ("ranks sharing a GPU", "one rank per GPU, whose group can be NCCL"))
             verdict.problems.append(Problem(
-                f"--scaleout {options.scaleout} asks for RDMA between nodes; CPU ranks cross nodes over gloo "
-                f"(TCP sockets) only", "--scaleout socket for CPU ranks (or run on GPUs with RDMA NICs)"))
+                f"--scaleout {options.scaleout} asks for RDMA between nodes; {ranks} cross nodes over gloo "
+                f"(TCP sockets) only", f"--scaleout socket for {ranks} (or {remedy})"))
         if probe is not None and not probe.ran:  # said in the text too, not only in --json
             verdict.notes.append(f"NCCL probe skipped: {probe.reason}")
         return verdict

@@ -574,6 +574,21 @@ def test_no_driver_says_no_gpu(tmp_path):
     assert verdicts(fabric, scaleout="socket")[1] == 0
 
 
+def test_reference_ranks_sharing_a_gpu_cross_nodes_over_gloo(tmp_path):
+    """NCCL refuses two ranks on one GPU, so reference's ranks sharing GPUs run on a gloo group (staged through
+    the host), TCP between nodes: doctor promised GPUDirect RDMA on a machine with RDMA NICs (exit 0)."""
+    fabric = make_fabric(tmp_path, dgx_cx7(tmp_path))
+    found, code = verdicts(fabric, backend="reference", scaleout="gdr")
+    assert (nccl_probe.RANK[found["scaleout"].mode], code) == (3, 0), found["scaleout"]  # one rank per GPU: NCCL
+    found, code = verdicts(fabric, backend="reference", scaleout="gdr", ranks_per_gpu=2)
+    verdict = found["scaleout"]
+    assert (verdict.mode, verdict.passed, code) == (nccl_probe.SOCKET, False, 1), verdict
+    assert "2 ranks share each GPU" in verdict.summary and "gloo" in verdict.summary, verdict.summary
+    assert "one rank per GPU" in fixes(verdict), fixes(verdict)
+    found, code = verdicts(fabric, backend="reference", scaleout="socket", ranks_per_gpu=2)
+    assert (found["scaleout"].mode, found["scaleout"].passed) == (nccl_probe.SOCKET, True), found["scaleout"]
+
+
 def test_gpu_on_the_bus_without_driver(tmp_path):
     add_gpu_pci(tmp_path, ["pci0000:00", "0000:00:05.0"])
     found, _ = verdicts(make_fabric(tmp_path, DriverReport(loaded=False, error="no CUDA driver (x)")))
