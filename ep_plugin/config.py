@@ -198,14 +198,16 @@ def env_var_name(field_name: str) -> str:
 
 def unknown_variables(environ: Optional[dict] = None) -> dict[str, str]:
     """EP_PLUGIN_* variables that name no knob (a typo such as EP_PLUGIN_NUM_SM would go unnoticed), each with
-    a hint naming the closest knob ("" when none is close)."""
+    a hint naming the closest knob or build variable ("" when none is close). Names are compared after the
+    prefix, which every one shares (compared whole, any name came close to some knob)."""
     environ = os.environ if environ is None else environ
-    knobs = [env_var_name(f.name) for f in fields(Config)]
+    known = [env_var_name(f.name) for f in fields(Config)] + list(OTHER_VARIABLES)
+    suffixes = {name[len(ENV_PREFIX):]: name for name in known}
     unknown = {}
     for variable in sorted(environ):
-        if variable.startswith(ENV_PREFIX) and variable not in knobs and variable not in OTHER_VARIABLES:
-            close = difflib.get_close_matches(variable, knobs, n=1)
-            unknown[variable] = f" (did you mean {close[0]}?)" if close else ""
+        if variable.startswith(ENV_PREFIX) and variable not in known:
+            close = difflib.get_close_matches(variable[len(ENV_PREFIX):], list(suffixes), n=1)
+            unknown[variable] = f" (did you mean {suffixes[close[0]]}?)" if close else ""
     return unknown
 
 

@@ -899,11 +899,13 @@ def config_verdict(options: Options, environ: Mapping[str, str]) -> Verdict:
     """The EP_PLUGIN_* knobs as every backend reads them (``Config.from_env``): a value it refuses fails
     every backend's build, reference's too. Asked with ``--backend``."""
     verdict = Verdict("config", "EP_PLUGIN_* knobs", OK, "", asked=options.backend is not None)
-    from .config import unknown_variables
+    from .config import OTHER_VARIABLES, unknown_variables, variables_set
 
     unknown = unknown_variables(dict(environ))
-    set_here = sorted(name for name in environ if name.startswith("EP_PLUGIN_") and environ[name].strip()
-                      and name not in unknown)
+    set_here = list(variables_set(dict(environ)))
+    others = [name for name in OTHER_VARIABLES if environ.get(name, "").strip()]
+    if others:
+        verdict.notes.append(f"set here, for the build or the tests (no run reads them): {', '.join(others)}")
     try:
         _config(environ)
     except (ValueError, TypeError) as exc:

@@ -38,6 +38,19 @@ def test_a_variable_that_names_no_knob_is_named_once(caplog, capsys, monkeypatch
     assert "EP_PLUGIN_NUM_SM is set but is not a knob: ignored (did you mean EP_PLUGIN_NUM_SMS?)" in out
 
 
+def test_the_hint_for_a_variable_that_names_no_knob_compares_what_follows_the_prefix():
+    """Compared whole, every name shares EP_PLUGIN_ with every knob: EP_PLUGIN_FOO was asked "did you mean
+    EP_PLUGIN_BLOCKING?", and a misspelt build variable got a knob (EP_PLUGIN_CUDA_ARCH: EP_PLUGIN_BULK_COPY)."""
+    from ep_plugin.config import unknown_variables
+
+    env = {"EP_PLUGIN_FOO": "1", "EP_PLUGIN_CUDA_ARCH": "90", "EP_PLUGIN_NOCUDA": "1", "EP_PLUGIN_TIMEOUT": "5",
+           "EP_PLUGIN_NUM_SMS": "8", "EP_PLUGIN_REQUIRE_GPU": "1"}
+    assert unknown_variables(env) == {"EP_PLUGIN_CUDA_ARCH": " (did you mean EP_PLUGIN_CUDA_ARCHS?)",
+                                      "EP_PLUGIN_FOO": "",
+                                      "EP_PLUGIN_NOCUDA": " (did you mean EP_PLUGIN_NO_CUDA?)",
+                                      "EP_PLUGIN_TIMEOUT": " (did you mean EP_PLUGIN_TIMEOUT_S?)"}
+
+
 def test_a_variable_set_to_nothing_is_unset():
     """``docker -e EP_PLUGIN_BLOCKING=`` (or an empty export) keeps the default: it used to turn blocking off,
     while an empty int variable raised."""

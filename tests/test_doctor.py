@@ -875,6 +875,12 @@ def test_a_knob_every_backend_refuses_fails_any_backend_job(tmp_path):
         assert (found["config"].status, code) == (DEGRADED, 0), found["config"]
         assert "did you mean EP_PLUGIN_NUM_SMS?" in found["config"].problems[0].text
         assert "EP_PLUGIN_NUM_SM" not in found["config"].summary
+        # The build's and the test bed's variables are no knobs a run reads: a note, not "knobs set here".
+        built = {"EP_PLUGIN_CUDA_ARCHS": "90", "EP_PLUGIN_REQUIRE_GPU": "1", "EP_PLUGIN_TIMEOUT_S": "30"}
+        found, code = verdicts(fabric, built, backend="reference")
+        assert (found["config"].status, code) == (OK, 0), found["config"]
+        assert found["config"].summary == "set here: EP_PLUGIN_TIMEOUT_S", found["config"].summary
+        assert any("EP_PLUGIN_CUDA_ARCHS, EP_PLUGIN_REQUIRE_GPU" in note for note in found["config"].notes)
 
 
 def test_a_third_party_backend_is_not_shown_as_checked(tmp_path):
