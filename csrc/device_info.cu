@@ -23,6 +23,12 @@ std::string describe_devices() {
   cudaError_t status = cudaGetDeviceCount(&count);
   if (status != cudaSuccess || count == 0) {
     cudaGetLastError();
+    int driver = 0;  // 0 where no driver is loaded at all
+    if (status == cudaErrorInsufficientDriver && cudaDriverGetVersion(&driver) == cudaSuccess && driver == 0) {
+      // The runtime's text ("driver version is insufficient") would send the user to upgrade a driver
+      // that is not there.
+      return "no CUDA device (no CUDA driver loaded)";
+    }
     return std::string("no CUDA device (") + (status == cudaSuccess ? "zero devices" : cudaGetErrorString(status)) +
            ")";
   }
