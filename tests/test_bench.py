@@ -130,6 +130,17 @@ def test_bench_rejects_unknown_axis_values_before_launching():
         assert result.returncode == 2 and "error:" in result.stderr, (bad, result.stderr[-500:])
 
 
+def test_an_option_the_launcher_or_the_folder_cannot_take_is_refused_by_name():
+    """--timeout inf passed the check and failed in the launcher with a traceback; --backends ',' was told that
+    no backend can run on cpu (reference can); --out '' was called 'a file, not a folder'."""
+    for bad, said in ((["--timeout", "inf"], "--timeout must be a finite, positive number of seconds, got inf"),
+                      (["--backends", ","], "--backends ',' names no backend"),
+                      (["--out", ""], "--out names no folder")):
+        result = subprocess.run([sys.executable, "-m", "ep_plugin.bench", "--device", "cpu", *bad],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and said in result.stderr, (bad, result.stderr[-500:])
+
+
 def test_an_axis_value_listed_twice_runs_once():
     """--tokens 16,16 ran every case twice, and compare then took the two as if they were rounds."""
     from ep_plugin.bench.__main__ import _ints, _words
@@ -518,6 +529,13 @@ def test_sms_plot_draws_the_reference_as_levels(tmp_path):
             dict(base, backend="reference", sms=None, algo_gbps=7.0, tokens=128)]  # no hybrid line at 128 tokens
     written = write_plots(str(tmp_path), rows)
     assert str(tmp_path / "gbps_vs_sms.png") in written
+    # A run of one token count draws no token plot: an earlier run's left the folder, where it stood next to
+    # this run's bench.json as if it were this run's.
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "gbps_vs_tokens.png").write_bytes(b"an earlier run's plot")
+    assert write_plots(str(again), rows[:3]) == [str(again / "gbps_vs_sms.png")]
+    assert not (again / "gbps_vs_tokens.png").exists()
     levels = _reference_levels(rows, {("hybrid", "blocking", "bf16", "dispatch", "balanced", 8, 64, 2, 8): {}})
     assert list(levels.values()) == [5.0]
     # Another top-k is another line, not points written over the first one's.
@@ -563,7 +581,8 @@ def test_a_sweep_with_a_failed_case_exits_1(tmp_path, capsys, monkeypatch):
     assert "plots: none written (every case FAILED: no figure to draw)" in captured.out, captured.out
     from ep_plugin.bench.__main__ import _why_no_plots
 
-    assert _why_no_plots([{"error": None}, {"error": "wrong rows"}]).endswith("among the cases that did not fail")
+    why = _why_no_plots([{"error": None}, {"error": "wrong rows"}])
+    assert why.endswith("the cases that ran have one among those that did not fail"), why
 
 
 def test_back_to_back_timing_through_main(tmp_path, capsys):
@@ -1073,6 +1092,23 @@ def test_a_sweep_the_timeout_ends_keeps_the_cases_that_finished(tmp_path, capfd)
     assert [record["tokens"] for record in report["records"]] == [8]
     assert {row["op"] for row in report["summary"]} == {"dispatch", "combine", "roundtrip", "step"}
     assert "--timeout 40 s ended the sweep after 1 record(s)" in report["environment"]["incomplete"]
+    assert not (out / "records.partial.jsonl").exists()
+    output = capfd.readouterr()
+    assert "INCOMPLETE" in output.err and " step " in output.out
+
+
+def test_a_sweep_a_rank_failure_ends_keeps_the_cases_that_finished(tmp_path, capfd):
+    """A case that fails in a rank (here its inputs cannot be allocated: 2**40 columns) ended the sweep with the
+    rank's traceback alone, and the finished cases, written down by rank 0, were lost with it."""
+    out = tmp_path / "bench"
+    argv = ["--device", "cpu", "--ranks", "2", "--backends", "reference", "--tokens", "16,32", "--hidden",
+            f"64,{2**40}", "--experts", "8", "--topk", "2", "--routings", "balanced", "--modes", "blocking",
+            "--payloads", "bf16", "--warmup", "1", "--iters", "2", "--out", str(out)]
+    assert main(argv) == 1
+    report = json.loads((out / "bench.json").read_text())
+    assert [(record["tokens"], record["hidden"]) for record in report["records"]] == [(16, 64), (32, 64)]
+    incomplete = report["environment"]["incomplete"]
+    assert "a rank failed, which ended the sweep after 2 record(s)" in incomplete and "allocate" in incomplete
     assert not (out / "records.partial.jsonl").exists()
     output = capfd.readouterr()
     assert "INCOMPLETE" in output.err and " step " in output.out

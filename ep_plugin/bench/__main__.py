@@ -70,7 +70,7 @@ from ep_plugin.cli import (
     device_problem,
 )
 from ep_plugin.config import Config, variables_set
-from ep_plugin.errors import EPTimeoutError
+from ep_plugin.errors import EPError, EPTimeoutError
 from ep_plugin.testing.launcher import CPU_RANKS_PER_CORE, cpu_ranks_problem
 
 from .report import attach_all_to_all_ratio, attach_reference_ratio, format_table, summarize, write_json, write_plots
@@ -200,7 +200,7 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
         return problem
     backends = _words(args.backends)
     if not backends:
-        return f"no backend can run on {args.device} here"
+        return f"--backends {args.backends!r} names no backend"
     classes = {}  # base backend name -> its class (capabilities)
     for name in backends:
         if name == ALL_TO_ALL:  # the transport baseline, no backend
@@ -249,8 +249,8 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
     problem = cpu_ranks_problem(args.ranks, args.device)
     if problem:
         return f"--ranks {args.ranks}: {problem}"
-    if not args.timeout > 0:
-        return f"--timeout must be a positive number of seconds, got {args.timeout}"
+    if not 0 < args.timeout < math.inf:
+        return f"--timeout must be a finite, positive number of seconds, got {args.timeout}"
     if not 0 < args.link_gbps < math.inf:
         return f"--link-gbps must be a positive finite GB/s, got {args.link_gbps}"
     problem = _out_problem(args.out)
@@ -311,6 +311,8 @@ def graph_problem(args: argparse.Namespace, classes: dict, scaleup_from_env: int
 
 def _out_problem(out: str) -> Optional[str]:
     """Why the results could not be written to the folder ``out`` (found before the sweep, not after), or None."""
+    if not out.strip():
+        return "--out names no folder"
     existing = out
     while existing and not os.path.exists(existing):  # the nearest folder that exists must take a new one
         existing = os.path.dirname(existing.rstrip(os.sep)) or (os.curdir if not os.path.isabs(out) else os.sep)
@@ -354,8 +356,8 @@ def _why_no_plots(rows: list[dict]) -> str:
     failed = sum(1 for row in rows if row.get("error"))
     if failed == len(rows):  # a failed case has no figure, whatever the axes
         return "every case FAILED: no figure to draw"
-    return ("a plot draws a line over at least two token counts (--tokens) or SM counts (--sms); this sweep has one"
-            + (" among the cases that did not fail" if failed else ""))
+    return ("a plot draws a line over at least two token counts (--tokens) or SM counts (--sms); the cases that ran "
+            "have one" + (" among those that did not fail" if failed else ""))
 
 
 def _mps_share(environ=None) -> str:
@@ -394,14 +396,18 @@ def main(argv: list[str] | None = None) -> int:
         records = run_ranks(bench_rank, args.ranks, spec, device=args.device, timeout_s=args.timeout)[0]
     except TeardownError as error:  # every case ran; a rank then crashed or hung on its way out: say so, keep them
         records, teardown = error.results[0], str(error)
-    except EPTimeoutError as error:  # keep what finished: a long sweep's first hours are worth a table
+    except EPError as error:  # keep what finished: a long sweep's first hours are worth a table
         records = _finished_records(spec.records_path)
+        timed_out = isinstance(error, EPTimeoutError)
         if not records:
+            if not timed_out:
+                raise  # the rank's traceback is the whole story
             print(f"python -m ep_plugin.bench: no case finished within --timeout {args.timeout:g} s ({error})",
                   file=sys.stderr)
             return 1
-        incomplete = (f"--timeout {args.timeout:g} s ended the sweep after {len(records)} record(s); the cases after "
-                      f"them did not run ({error})")
+        ended = f"--timeout {args.timeout:g} s ended" if timed_out else "a rank failed, which ended"
+        incomplete = (f"{ended} the sweep after {len(records)} record(s); the cases after them did not run "
+                      f"({error})")
     if os.path.exists(spec.records_path):
         os.remove(spec.records_path)
     if not records:  # every case was skipped (the lines above say why): no empty table

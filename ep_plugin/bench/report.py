@@ -257,7 +257,13 @@ def _draw(plt, path: str, x_key: str, x_label: str, series: dict[tuple, dict], l
 
 
 def write_plots(out_dir: str, rows: list[dict]) -> list[str]:
-    """GB/s vs tokens per rank and GB/s vs SMs (the reference as dashed levels), one line per series."""
+    """GB/s vs tokens per rank and GB/s vs SMs (the reference as dashed levels), one line per series. A plot
+    of an earlier run in ``out_dir`` goes first (the default folder is reused): one this run does not draw
+    stood next to its bench.json as if it were this run's."""
+    plots = (("tokens", "tokens per rank", "gbps_vs_tokens.png"), ("sms", "SMs per rank", "gbps_vs_sms.png"))
+    for _, _, file_name in plots:
+        if os.path.exists(os.path.join(out_dir, file_name)):
+            os.remove(os.path.join(out_dir, file_name))
     try:
         import matplotlib
 
@@ -267,8 +273,7 @@ def write_plots(out_dir: str, rows: list[dict]) -> list[str]:
         return []
     written = []
     rows = [r for r in rows if r["algo_gbps"] and r["op"] != "roundtrip"]
-    for x_key, x_label, file_name in (("tokens", "tokens per rank", "gbps_vs_tokens.png"),
-                                      ("sms", "SMs per rank", "gbps_vs_sms.png")):
+    for x_key, x_label, file_name in plots:
         series = _series(rows, x_key)
         if not series:
             continue
