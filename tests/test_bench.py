@@ -112,6 +112,24 @@ def test_an_fp8_dispatch_is_rated_in_its_rows_and_its_combine_in_bf16():
     assert rows["combine"]["algo_gbps"] == pytest.approx(tokens_in * 2 * hidden / 10e-6 / 1e9)
 
 
+def test_the_rate_is_the_busiest_ranks():
+    """Under skewed routing one rank receives far more than another: the median of every rank's rates pooled
+    described no rank (two ranks: the mean of the busy one's slowest sample and the idle one's fastest), and
+    the skewed lines of the plot zig-zagged. The rate is the busiest rank's bytes over its median time."""
+    record = dict(backend="reference", mode="blocking", payload="bf16", tokens=8, hidden=64, topk=2, experts=4,
+                  sms=None, routing="skewed", ranks=2,
+                  samples_us=[[[10.0, 20.0], [12.0, 24.0], [14.0, 28.0]], [[1.0, 2.0], [1.0, 2.0], [1.0, 2.0]]],
+                  bytes={"recv_token_bytes": [120_000, 600], "out_bytes": [0, 0], "remote_bytes_in": [0, 0]},
+                  ceiling_us={})
+    rows = {row["op"]: row for row in summarize(record, link_gbps=0.0)}
+    assert rows["dispatch"]["algo_gbps"] == pytest.approx(120_000 / 12e-6 / 1e9)
+    assert rows["combine"]["algo_gbps"] == pytest.approx(120_000 / 24e-6 / 1e9)
+    assert rows["roundtrip"]["algo_gbps"] is None
+    # No rank receives anything: no rate (not a division by zero, nor 0 GB/s as if the op were slow).
+    record["bytes"]["recv_token_bytes"] = [0, 0]
+    assert all(row["algo_gbps"] is None for row in summarize(record, link_gbps=0.0))
+
+
 def test_skewed_routing_is_skewed():
     shape = Shape(tokens=2048, hidden=8, topk=2, experts=16, payload="bf16", routing="skewed")
     routing_map, probs = make_routing(shape, 0, 0, torch.device("cpu"))

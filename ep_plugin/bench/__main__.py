@@ -2,9 +2,9 @@
 
 Launches N ranks (one per GPU over NCCL, or several per GPU under a private MPS daemon;
 CPU ranks over gloo with --device cpu) and sweeps the shapes below for each backend.
-Reports per call: median / p10 / p90 µs over ranks x iterations, algorithm GB/s per rank
-(bytes of the tokens a rank receives, once per (token, source rank) — DeepEP's convention,
-so a rank's bytes to itself count), and two ratios measured in the same run:
+Reports per call: median / p10 / p90 µs over ranks x iterations, algorithm GB/s of the busiest rank
+(bytes of the tokens it receives, once per (token, source rank) — DeepEP's convention, so a rank's bytes
+to itself count — over its median time), and two ratios measured in the same run:
 
   ceil/ours  ceiling time / our time. Ranks sharing one GPU: the ceiling is one device-to-device
              copy of as many bytes as all ranks' dispatch outputs together (combine: all ranks'

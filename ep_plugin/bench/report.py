@@ -85,33 +85,38 @@ def _combine_token_bytes(record: dict) -> list[int]:
     return [b // shape.row_bytes() * 2 * shape.hidden for b in received]
 
 
-def _op_times(record: dict) -> list[tuple[str, list[float], list[float]]]:
-    """(op, µs samples, GB/s per sample) for each op of a record: the per-op events' samples over ranks x
-    iterations, and the step row's one figure per rank (records written before it existed have none).
-    GB/s: the tokens a rank receives, in the op's rows: the payload's for dispatch, bf16 for combine (an fp8
-    dispatch is combined in bf16)."""
+def _op_times(record: dict) -> list[tuple[str, list[float], Optional[float]]]:
+    """(op, µs samples, GB/s) for each op of a record: the per-op events' samples over ranks x iterations, and
+    the step row's one figure per rank (records written before it existed have none).
+    GB/s: the busiest rank's, the tokens it receives in the op's rows (the payload's for dispatch, bf16 for
+    combine: an fp8 dispatch is combined in bf16) over its median time. The busiest rank bounds the op; a
+    median of every rank's samples pooled described none under skewed routing (with two ranks, the mean of
+    the busy rank's slowest sample and the idle one's fastest)."""
     op_bytes = {"dispatch": record["bytes"]["recv_token_bytes"], "combine": _combine_token_bytes(record)}
     ops = []
     for op_index, op in enumerate(OPS):
-        times, rates = [], []
-        for rank, samples in enumerate(record["samples_us"]):
-            for sample in samples:
-                t = sample[0] + sample[1] if op == "roundtrip" else sample[op_index]
-                times.append(t)
-                if op != "roundtrip" and t > 0:
-                    rates.append(op_bytes[op][rank] / (t * 1e-6) / 1e9)
-        ops.append((op, times, rates))
+        times, per_rank = [], []
+        for samples in record["samples_us"]:
+            per_rank.append([sample[0] + sample[1] if op == "roundtrip" else sample[op_index] for sample in samples])
+            times.extend(per_rank[-1])
+        rate = None
+        if op != "roundtrip":
+            busiest = max(range(len(per_rank)), key=lambda rank: op_bytes[op][rank])
+            median = statistics.median(per_rank[busiest]) if per_rank[busiest] else 0.0
+            if op_bytes[op][busiest] > 0 and median > 0:
+                rate = op_bytes[op][busiest] / (median * 1e-6) / 1e9
+        ops.append((op, times, rate))
     if record.get("step_us"):
-        ops.append(("step", list(record["step_us"]), []))
+        ops.append(("step", list(record["step_us"]), None))
     return ops
 
 
 def summarize(record: dict, link_gbps: float) -> list[dict]:
-    """One row per op: µs median/p10/p90 over ranks x iterations (step: over ranks), algorithm GB/s per rank,
-    ceiling, link use."""
+    """One row per op: µs median/p10/p90 over ranks x iterations (step: over ranks), algorithm GB/s of the
+    busiest rank, ceiling, link use."""
     rows = []
     ceilings = _ceilings(record, link_gbps)
-    for op, times, rates in _op_times(record):
+    for op, times, rate in _op_times(record):
         ceiling = ceilings[op]
         median = statistics.median(times) if times else float("nan")
         rows.append(dict(
@@ -119,7 +124,7 @@ def summarize(record: dict, link_gbps: float) -> list[dict]:
             hidden=record["hidden"], topk=record["topk"], experts=record["experts"], sms=record["sms"],
             routing=record["routing"], ranks=record["ranks"], op=op, median_us=median,
             p10_us=_percentile(times, 0.1), p90_us=_percentile(times, 0.9),
-            algo_gbps=statistics.median(rates) if rates else None, ceiling_us=ceiling,
+            algo_gbps=rate, ceiling_us=ceiling,
             ceiling_ratio=(ceiling / median) if ceiling and median > 0 else None,
             **_link_columns(record, op, median, link_gbps), **_scaleout_columns(record, op, median),
             error=record.get("graph_error") or record.get("error")))
@@ -247,7 +252,7 @@ def _draw(plt, path: str, x_key: str, x_label: str, series: dict[tuple, dict], l
     for index, (label, gbps) in enumerate(sorted(levels.items()), start=len(series)):
         axis.axhline(gbps, linestyle="--", linewidth=1.2, color=palette[index % len(palette)], label=label)
     axis.set_xlabel(x_label)
-    axis.set_ylabel("algorithm GB/s per rank")
+    axis.set_ylabel("algorithm GB/s (busiest rank)")
     if x_key == "tokens":
         axis.set_xscale("log", base=2)
     axis.grid(True, alpha=0.3)
