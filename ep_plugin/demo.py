@@ -12,7 +12,6 @@ backend when it is built (else reference), ranks sharing the GPU under MPS.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -221,8 +220,8 @@ def _argument_problem(args: argparse.Namespace) -> Optional[str]:
     problem = backend_limits_problem(args) or _memory_problem(args)
     if problem:
         return problem
-    if not 0 < args.lr < math.inf:
-        return f"--lr must be a positive finite number, got {args.lr}"
+    if not 0 < args.lr <= torch.finfo(torch.float32).max:  # Adam takes it as a float32 step (1e39 overflowed)
+        return f"--lr must be a positive number a float32 holds, got {args.lr}"
     return None
 
 

@@ -201,13 +201,14 @@ def test_demo_rejects_experts_not_divisible_by_ranks():
     assert result.returncode == 2 and "divisible" in result.stderr
 
 
-def test_demo_rejects_a_learning_rate_that_is_not_finite():
+def test_demo_rejects_a_learning_rate_adam_cannot_take():
     """--lr inf was accepted and trained into NaN losses."""
     import ep_plugin.demo as demo
 
-    with pytest.raises(SystemExit) as stop:
-        demo.main(["--lr", "inf", "--device", "cpu", "--backend", "reference"])
-    assert stop.value.code == 2
+    for lr in ("inf", "1e39"):  # 1e39 passed, and every rank's optimizer step failed to make it a float32
+        with pytest.raises(SystemExit) as stop:
+            demo.main(["--lr", lr, "--device", "cpu", "--backend", "reference"])
+        assert stop.value.code == 2, lr
 
 
 def test_demo_with_one_step_is_a_smoke_run_not_a_failure(monkeypatch, capsys):
