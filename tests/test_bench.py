@@ -1115,21 +1115,54 @@ def test_a_sweep_the_timeout_ends_keeps_the_cases_that_finished(tmp_path, capfd)
     assert "INCOMPLETE" in output.err and " step " in output.out
 
 
-def test_a_sweep_a_rank_failure_ends_keeps_the_cases_that_finished(tmp_path, capfd):
-    """A case that fails in a rank (here its inputs cannot be allocated: 2**40 columns) ended the sweep with the
-    rank's traceback alone, and the finished cases, written down by rank 0, were lost with it."""
+class _FailingAtWideRowsReference(ReferenceBackend):
+    """A dispatch that fails in the rank (out of memory, say) for rows wider than 64."""
+
+    def _dispatch(self, *args, **kwargs):
+        if self.hidden_size > 64:
+            raise RuntimeError("planted: the rank could not allocate its rows")
+        return super()._dispatch(*args, **kwargs)
+
+
+def _bench_rank_failing_at_wide_rows(ctx, spec):
+    from ep_plugin.bench.runner import bench_rank as real
+
+    ep_plugin.register_backend("reference", _FailingAtWideRowsReference, overwrite=True)
+    return real(ctx, spec)
+
+
+def test_a_sweep_a_rank_failure_ends_keeps_the_cases_that_finished(tmp_path, capfd, monkeypatch):
+    """A case that fails in a rank ended the sweep with the rank's traceback alone, and the finished cases,
+    written down by rank 0, were lost with it."""
+    from ep_plugin.bench import __main__ as bench_main
+
+    monkeypatch.setattr(bench_main, "bench_rank", _bench_rank_failing_at_wide_rows)
     out = tmp_path / "bench"
-    argv = ["--device", "cpu", "--ranks", "2", "--backends", "reference", "--tokens", "16,32", "--hidden",
-            f"64,{2**40}", "--experts", "8", "--topk", "2", "--routings", "balanced", "--modes", "blocking",
-            "--payloads", "bf16", "--warmup", "1", "--iters", "2", "--out", str(out)]
+    argv = ["--device", "cpu", "--ranks", "2", "--backends", "reference", "--tokens", "16,32", "--hidden", "64,128",
+            "--experts", "8", "--topk", "2", "--routings", "balanced", "--modes", "blocking", "--payloads", "bf16",
+            "--warmup", "1", "--iters", "2", "--out", str(out)]
     assert main(argv) == 1
     report = json.loads((out / "bench.json").read_text())
     assert [(record["tokens"], record["hidden"]) for record in report["records"]] == [(16, 64), (32, 64)]
     incomplete = report["environment"]["incomplete"]
-    assert "a rank failed, which ended the sweep after 2 record(s)" in incomplete and "allocate" in incomplete
+    assert "a rank failed, which ended the sweep after 2 record(s)" in incomplete and "planted" in incomplete
     assert not (out / "records.partial.jsonl").exists()
     output = capfd.readouterr()
     assert "INCOMPLETE" in output.err and " step " in output.out
+
+
+def test_a_case_too_large_for_the_hosts_memory_is_skipped_on_cpu(tmp_path, capfd):
+    """A size typed wrong (2**40 columns) failed in every CPU rank, one traceback each: the GPU's cases were
+    measured against its free memory, the host's never."""
+    out = tmp_path / "bench"
+    argv = ["--device", "cpu", "--ranks", "2", "--backends", "reference", "--tokens", "16", "--hidden",
+            f"64,{2**40}", "--experts", "8", "--topk", "2", "--routings", "balanced", "--modes", "blocking",
+            "--payloads", "bf16", "--warmup", "1", "--iters", "2", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert [record["hidden"] for record in report["records"]] == [64]
+    output = capfd.readouterr()
+    assert f"hidden={2**40}" in output.out + output.err and "GiB of host memory available" in output.out + output.err
 
 
 def test_the_progress_bar_ends_full_when_a_backend_is_skipped(tmp_path, capfd):

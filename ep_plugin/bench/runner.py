@@ -413,13 +413,22 @@ def _busiest_rank_rows(shape: Shape, num_ranks: int, seed: int) -> int:
 
 
 def _memory_shortfall(ctx: RankContext, shape: Shape, device: torch.device, seed: int) -> str:
-    """Why a case would not fit the GPU's free memory ('' when it fits; same answer on every rank).
+    """Why a case would not fit the GPU's free memory, or on CPU the host's ('' when it fits; same answer on
+    every rank).
 
     The busiest rank (skewed routing at 8192 tokens receives ~5x its share) holds its dispatch
-    output and the combine input of as many bf16 rows; ranks sharing a GPU each need that much.
-    An out-of-memory error on one rank would leave the others waiting in a handshake.
+    output and the combine input of as many bf16 rows; ranks sharing a GPU each need that much, CPU ranks
+    that and their inputs in the host's memory. An out-of-memory error on one rank would leave the others
+    waiting in a handshake (a size typed wrong on CPU failed in every rank, one traceback each).
     """
     message = ""
+    if device.type == "cpu" and ctx.rank == 0:  # one host for every rank: one rank says it
+        available = _host_bytes_available()
+        rows = _busiest_rank_rows(shape, ctx.world_size, seed)
+        need = (rows * (shape.row_bytes() + 2 * shape.hidden) + shape.tokens * 4 * shape.hidden) * ctx.world_size
+        if available is not None and need > 0.8 * available:
+            message = (f"~{need / 2**30:,.1f} GiB of inputs and outputs for the {ctx.world_size} CPU ranks, "
+                       f"{available / 2**30:,.1f} GiB of host memory available")
     if device.type == "cuda":
         rows = _busiest_rank_rows(shape, ctx.world_size, seed)
         need = rows * (shape.row_bytes() + 2 * shape.hidden) * max(ctx.plan.ranks_per_gpu, 1)
@@ -431,6 +440,18 @@ def _memory_shortfall(ctx: RankContext, shape: Shape, device: torch.device, seed
     messages = [None] * ctx.world_size
     dist.all_gather_object(messages, message)
     return "; ".join(m for m in messages if m)
+
+
+def _host_bytes_available() -> Optional[int]:
+    """MemAvailable of /proc/meminfo (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _tight_budget(shape: Shape, num_ranks: int, seed: int, *, pad_multiple: int = 1,
