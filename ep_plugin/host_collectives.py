@@ -519,18 +519,19 @@ class HostCollectives:
         That peer's abandoned collective is what this rank met, not a call of the peer's own: the ranks did not
         disagree, this rank came late. Marks the owners out of step (their next op refuses at once, as the
         peer's do). None when no peer gave up: the disagreement stands."""
-        gave_up: dict[int, str] = {}
-        for owner in (self, *others):
-            for q, place in owner._posts_of_peers_that_gave_up().items():
-                gave_up.setdefault(q, place)
+        owners = list(dict.fromkeys((self, *others)))  # (one object may stand for two of the owner's roles)
+        gave_up: dict[str, str] = {}  # peer's name (in its owner's group) -> where it gave up
+        for owner in owners:
+            for q, place in sorted(owner._posts_of_peers_that_gave_up().items()):
+                gave_up.setdefault(owner.peer_name(q), place)
         if not gave_up:
             return None
-        for owner in (self, *others):
+        for owner in owners:
             owner.mark_out_of_step(f"came late to {where}")
-        peers = "; ".join(f"{self.peer_name(q)} timed out waiting for it, in {place}"
-                          for q, place in sorted(gave_up.items()))
+        peers = "; ".join(f"{peer} timed out waiting for it, in {place}" for peer, place in gave_up.items())
+        those = "that peer" if len(gave_up) == 1 else "those peers"
         return EPError(f"{self.owner}: {self.peer_name(self.rank)} came late to {where} ({peers}): the exchange met "
-                       f"what that peer left behind, not a call of its own. Raise EP_PLUGIN_TIMEOUT_S if this rank "
+                       f"what {those} left behind, not a call of its own. Raise EP_PLUGIN_TIMEOUT_S if this rank "
                        f"is only slow (a first step's compilation, a checkpoint save). {_OUT_OF_STEP}")
 
     def _posts_of_peers_that_gave_up(self) -> dict[int, str]:

@@ -132,6 +132,31 @@ def test_a_rank_late_to_its_next_call_is_told_it_came_late_not_that_ranks_disagr
     assert again[0] == "EPError" and "after an earlier failure" in again[1] and again[2] < 1.0, again
 
 
+def late_to_the_next_call_across_domains(ctx):
+    """Two domains of two ranks (forced): global rank 3 comes late, to its next call; its rail peer (rank 1)
+    and its domain peer (rank 2) time out in a combine, and rank 3's dispatch meets what they left."""
+    backend = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=8, device="cpu",
+                                                 config=Config.from_env(timeout_s=TIMEOUT_S))
+    dispatched = _dispatch(backend)
+    if ctx.rank != 3:
+        outcome = _outcome(lambda: backend.combine(dispatched.hidden, dispatched.handle))
+        time.sleep(TIMEOUT_S + 2.5)  # stay until rank 3 came
+        return outcome
+    time.sleep(TIMEOUT_S + _grace_s(TIMEOUT_S) + 1.0)
+    return _outcome(lambda: _dispatch(backend)), _outcome(lambda: _dispatch(backend))
+
+
+def test_a_rank_late_to_its_next_call_across_domains_is_told_it_came_late():
+    """The same across NVLink domains: the late rank's rail and domain stages met its peers' abandoned ones, and
+    it raised "ranks disagree on dispatch / combine", then waited out a timeout in its next op."""
+    results = run_ranks(late_to_the_next_call_across_domains, 4, timeout_s=120, env={"EP_PLUGIN_SCALEUP_SIZE": "2"})
+    late, again = results[3]
+    assert late[0] == "EPError" and "rank 1 (global rank 3) came late to dispatch #2" in late[1], late
+    assert "rank 0 (global rank 1) timed out waiting for it, in combine of dispatch #1" in late[1], late
+    assert "rank 0 (global rank 2) timed out waiting for it" in late[1] and "disagree" not in late[1], late
+    assert again[0] == "EPError" and "after an earlier failure" in again[1] and again[2] < 1.0, again
+
+
 def refused_in_a_subgroup_after_a_timeout(ctx):
     """Ranks 1 and 2 of a 3-rank world share a group; rank 2 comes late, so rank 1 (the group's rank 0) times out
     and then refuses its next op: both messages must name it as the group's rank and the world's."""

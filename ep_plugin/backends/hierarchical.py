@@ -820,6 +820,12 @@ class HierarchicalBackend(Backend):
         received = self._at_domain_level(lambda: collectives.all_to_all(
             sent.reshape(-1), words, words, where=f"{where}: {phase}", read_on_host=True)).view(S, -1)
         theirs = received[:, width:].tolist()  # [flag, fingerprint, backend number, row bytes] per peer
+        differs = (disagreement is not None and not isinstance(disagreement, RefusedInput)) or any(
+            flag == 1 or word != code or number != instance or width_of_peer != row_bytes
+            for flag, word, number, width_of_peer in theirs)
+        late = differs and self._came_late_error(f"{where}: {phase}")
+        if late:  # a peer gave up waiting for this rank: what differs is the call it left behind
+            raise late
         # First: ranks that ran this op on two backends (each rail on one of its own) raise EPError on every rank
         # here, before any rail's refusal could make some of them raise TooManyTokensError alone.
         for peer, (_, _, number, _) in enumerate(theirs):
@@ -861,6 +867,12 @@ class HierarchicalBackend(Backend):
             raise refused_error(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found a "
                                 f"rank that {why}; every rank refuses it, and the backend stays usable")
         return received[:, :self.num_domains * (self.num_local_experts + 1)] if self.config.blocking else None
+
+    def _came_late_error(self, where: str) -> Optional[EPError]:
+        """``HostCollectives.came_late_error`` over every collective of this backend's stages: a rail or domain
+        peer that timed out waiting for this rank left an exchange that this rank's next call met."""
+        rail = self.scaleout.rail
+        return rail.came_late_error(where, (self.scaleout.rail_words, self._domain_counts, self._domain_words))
 
     def _at_domain_level(self, call: Callable):
         """Run a domain-level step; its errors come back naming the domain."""
