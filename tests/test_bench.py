@@ -1115,6 +1115,13 @@ def test_a_sweep_the_timeout_ends_keeps_the_cases_that_finished(tmp_path, capfd)
     assert "INCOMPLETE" in output.err and " step " in output.out
 
 
+def _small_cpu_sweep(out, *, tokens: str = "8", hidden: str = "64") -> list[str]:
+    """The options of a few seconds' sweep: the reference on 2 CPU ranks, one mode, payload and routing."""
+    return ["--device", "cpu", "--ranks", "2", "--backends", "reference", "--tokens", tokens, "--hidden", hidden,
+            "--experts", "8", "--topk", "2", "--routings", "balanced", "--modes", "blocking", "--payloads", "bf16",
+            "--warmup", "1", "--iters", "2", "--out", str(out)]
+
+
 class _FailingAtWideRowsReference(ReferenceBackend):
     """A dispatch that fails in the rank (out of memory, say) for rows wider than 64."""
 
@@ -1138,10 +1145,7 @@ def test_a_sweep_a_rank_failure_ends_keeps_the_cases_that_finished(tmp_path, cap
 
     monkeypatch.setattr(bench_main, "bench_rank", _bench_rank_failing_at_wide_rows)
     out = tmp_path / "bench"
-    argv = ["--device", "cpu", "--ranks", "2", "--backends", "reference", "--tokens", "16,32", "--hidden", "64,128",
-            "--experts", "8", "--topk", "2", "--routings", "balanced", "--modes", "blocking", "--payloads", "bf16",
-            "--warmup", "1", "--iters", "2", "--out", str(out)]
-    assert main(argv) == 1
+    assert main(_small_cpu_sweep(out, tokens="16,32", hidden="64,128")) == 1
     report = json.loads((out / "bench.json").read_text())
     assert [(record["tokens"], record["hidden"]) for record in report["records"]] == [(16, 64), (32, 64)]
     incomplete = report["environment"]["incomplete"]
@@ -1155,10 +1159,7 @@ def test_a_case_too_large_for_the_hosts_memory_is_skipped_on_cpu(tmp_path, capfd
     """A size typed wrong (2**40 columns) failed in every CPU rank, one traceback each: the GPU's cases were
     measured against its free memory, the host's never."""
     out = tmp_path / "bench"
-    argv = ["--device", "cpu", "--ranks", "2", "--backends", "reference", "--tokens", "16", "--hidden",
-            f"64,{2**40}", "--experts", "8", "--topk", "2", "--routings", "balanced", "--modes", "blocking",
-            "--payloads", "bf16", "--warmup", "1", "--iters", "2", "--out", str(out)]
-    assert main(argv) == 0
+    assert main(_small_cpu_sweep(out, tokens="16", hidden=f"64,{2**40}")) == 0
     report = json.loads((out / "bench.json").read_text())
     assert [record["hidden"] for record in report["records"]] == [64]
     output = capfd.readouterr()
@@ -1188,10 +1189,7 @@ def test_a_sweep_whose_ranks_crash_on_their_way_out_keeps_every_case(tmp_path, c
 
     monkeypatch.setattr(launcher, "_check_exits", teardown_fails)
     out = tmp_path / "bench"
-    argv = ["--device", "cpu", "--ranks", "2", "--backends", "reference", "--tokens", "8", "--hidden", "64",
-            "--experts", "8", "--topk", "2", "--routings", "balanced", "--modes", "blocking", "--payloads", "bf16",
-            "--warmup", "1", "--iters", "2", "--out", str(out)]
-    assert main(argv) == 1
+    assert main(_small_cpu_sweep(out)) == 1
     report = json.loads((out / "bench.json").read_text())
     assert [record["tokens"] for record in report["records"]] == [8]
     assert "killed by SIGSEGV" in report["environment"]["teardown"] and "incomplete" not in report["environment"]
