@@ -424,7 +424,7 @@ def scaleout_verdict(fabric: Fabric, options: Options, environ: Mapping[str, str
         # The probe's ranks could not run NCCL over the network transport: neither can a job's across nodes,
         # whatever the log lines before the failure said about the path.
         warned = probe.facts.warnings[-1] if probe.facts is not None and probe.facts.warnings else None
-        if probe.facts is None or probe.facts.version is None:  # NCCL logs its version first: it never started
+        if not probe.log_lines:  # not one NCCL line: its ranks failed before NCCL started
             verdict.problems.append(Problem(
                 f"the NCCL probe failed before NCCL started: its ranks left no NCCL log ({probe.reason})",
                 "fix what that error names (a GPU torch can use: see the NVLink verdict; the driver), then run "

@@ -419,11 +419,16 @@ def test_a_failed_nccl_probe_fails_the_scaleout_verdict(tmp_path):
         "h:1:1 NCCL WARN NET/IB : ibv_reg_mr failed: Cannot allocate memory"])
     mode, why = nccl_probe.scaleout_mode_from_log(facts)
     assert mode == nccl_probe.GDR_UNSPECIFIED or nccl_probe.RANK[mode] == 3
+    # NCCL's bootstrap failing (a mistyped NCCL_SOCKET_IFNAME) logs its warning before any version line.
+    bootstrap = nccl_probe.parse_nccl_log(["h:1:1 NCCL INFO NCCL_SOCKET_IFNAME set by environment to eht0",
+                                           "h:1:1 NCCL WARN Bootstrap : no socket interface found"])
     for probe in (NcclProbeResult(ran=True, reason="the NCCL run failed: unhandled system error", succeeded=False,
-                                  facts=facts, mode=mode, why=why),
+                                  facts=facts, mode=mode, why=why, log_lines=4),
                   NcclProbeResult(ran=True, reason="the NCCL run failed: remote process exited", succeeded=False,
                                   facts=nccl_probe.parse_nccl_log(["h:1:1 NCCL INFO NCCL version 2.27.3+cuda12.9"]),
-                                  mode=None, why="no network connection")):
+                                  mode=None, why="no network connection", log_lines=1),
+                  NcclProbeResult(ran=True, reason="the NCCL run failed: unhandled system error", succeeded=False,
+                                  facts=bootstrap, mode=None, why="no network connection", log_lines=2)):
         for scaleout in ("gdr", "socket", None):
             found, code = verdicts(fabric, probe=probe, scaleout=scaleout)
             verdict = found["scaleout"]
@@ -431,8 +436,10 @@ def test_a_failed_nccl_probe_fails_the_scaleout_verdict(tmp_path):
             assert code == (0 if scaleout is None else 1)
             assert "the NCCL probe failed" in verdict.problems[-1].text
             assert verdict.mode == nccl_probe.UNAVAILABLE
-            # NCCL's last warning reaches the user where the log had one (the first probe's)
-            assert ("Cannot allocate memory" in verdict.problems[-1].text) == bool(probe.facts.warnings), verdict
+            # NCCL's last warning reaches the user where the log had one (the first and third probes')
+            warned = probe.facts.warnings[-1] if probe.facts.warnings else None
+            assert (warned is not None and warned in verdict.problems[-1].text) == bool(warned), verdict
+            assert "before NCCL started" not in verdict.summary, verdict.summary
             # "its log had said" quotes the log's path, never the static guess (the second log names none)
             assert ("its log had said" in verdict.summary) == (probe.mode is not None), verdict.summary
     # Ranks that failed before NCCL started (torch sees no GPU, say) leave no NCCL log: the static guess was

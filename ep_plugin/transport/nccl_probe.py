@@ -119,6 +119,7 @@ class NcclProbeResult:
     mode: Optional[str] = None
     why: str = ""
     log_tail: list[str] = field(default_factory=list)
+    log_lines: int = 0  # NCCL's lines in all: none where the ranks failed before NCCL started
 
 
 def _probe_rank(ctx) -> float:
@@ -161,4 +162,5 @@ def run_nccl_probe(num_gpus: int, *, timeout_s: float = 120.0) -> NcclProbeResul
     facts = parse_nccl_log(lines)
     mode, why = scaleout_mode_from_log(facts)
     return NcclProbeResult(ran=True, reason=reason, succeeded=succeeded, facts=facts, mode=mode, why=why,
-                           log_tail=[line.rstrip() for line in lines if "NET" in line or "WARN" in line][-20:])
+                           log_tail=[line.rstrip() for line in lines if "NET" in line or "WARN" in line][-20:],
+                           log_lines=sum(1 for line in lines if "NCCL" in line))
