@@ -535,14 +535,25 @@ class HostCollectives:
                        f"is only slow (a first step's compilation, a checkpoint save). {_OUT_OF_STEP}")
 
     def _posts_of_peers_that_gave_up(self) -> dict[int, str]:
-        """peer -> where it timed out in one of this owner's collectives (its post, ``_read_posts``)."""
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            key = f"ep_plugin/timeouts/{self.site}/"
-            return {q: store.get(key + str(q)).decode() for q in range(self.num_ranks)
-                    if q != self.rank and store.check([key + str(q)])}
-        except Exception:  # noqa: BLE001 - no store here, so no posts: the disagreement stands as found
-            return {}
+        """peer -> where it timed out in one of this owner's collectives (its post, ``_read_posts``). In a thread,
+        as ``_report_peers``'s reads: a store host that stopped answering would hold a disagreement's error for
+        the store's own timeout (30 min by default); no answer in time, or no store, reads as no posts."""
+        outcome: dict[int, str] = {}
+
+        def read() -> None:
+            try:
+                store = dist.distributed_c10d._get_default_store()
+                key = f"ep_plugin/timeouts/{self.site}/"
+                posts = {q: store.get(key + str(q)).decode() for q in range(self.num_ranks)
+                         if q != self.rank and store.check([key + str(q)])}
+            except Exception:  # noqa: BLE001 - no store here, so no posts: the disagreement stands as found
+                return
+            outcome.update(posts)
+
+        reader = threading.Thread(target=read, name="ep_plugin store posts", daemon=True)
+        reader.start()
+        reader.join(_STORE_ANSWER_S)
+        return dict(outcome) if not reader.is_alive() else {}
 
     def release(self) -> None:
         """The owner is being destroyed: let go of the gloo twin (it goes with its last owner). No

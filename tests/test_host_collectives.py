@@ -286,10 +286,9 @@ def test_torchs_debug_wrapper_does_not_lengthen_the_wait():
 STORE_FROZEN_S = 15.0  # past the bound below, so a report that waited for the store would fail the test
 
 
-def peers_of_a_frozen_store_host(ctx):
-    """Rank 0, which hosts the default store, stops (SIGSTOP: its store server stops with it, as on a host
-    that froze or dropped off the network without a reset) and is resumed later; ranks 1 and 2 dispatch. The
-    launcher's world meets in a file store, which no process hosts: this one meets in rank 0's TCP store."""
+def _meet_in_rank_0s_tcp_store(ctx) -> None:
+    """The launcher's world meets in a file store, which no process hosts: this one meets in rank 0's TCP
+    store, which stops with rank 0 (``_freeze_rank_0``)."""
     files = dist.distributed_c10d._get_default_store()
     if ctx.rank == 0:
         hosted = dist.TCPStore("127.0.0.1", 0, ctx.world_size, is_master=True, wait_for_workers=False)
@@ -298,13 +297,46 @@ def peers_of_a_frozen_store_host(ctx):
     dist.destroy_process_group()
     store = hosted if ctx.rank == 0 else dist.TCPStore("127.0.0.1", port, ctx.world_size, is_master=False)
     dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size)
+
+
+def _freeze_rank_0() -> None:
+    """SIGSTOP (its store server stops with it, as on a host that froze or dropped off the network without a
+    reset), resumed STORE_FROZEN_S later."""
+    subprocess.Popen(["sh", "-c", f"sleep {STORE_FROZEN_S}; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def peers_of_a_frozen_store_host(ctx):
+    """Rank 0, which hosts the default store, stops and is resumed later; ranks 1 and 2 dispatch."""
+    _meet_in_rank_0s_tcp_store(ctx)
     backend = _reference()
     dist.barrier()
     if ctx.rank == 0:
-        subprocess.Popen(["sh", "-c", f"sleep {STORE_FROZEN_S}; kill -CONT {os.getpid()}"])
-        os.kill(os.getpid(), signal.SIGSTOP)
+        _freeze_rank_0()
         return None
     return _outcome(lambda: _dispatch(backend))
+
+
+def disagreement_under_a_frozen_store_host(ctx):
+    """Ranks 1 and 2 run two different setup steps in a group of their own while rank 0, the store's host,
+    is stopped: the came-late check reads the store for timeout posts."""
+    _meet_in_rank_0s_tcp_store(ctx)
+    group = dist.new_group([1, 2])
+    words = HostCollectives(group, owner="test", timeout_s=30.0, label="frozen") if ctx.rank else None
+    dist.barrier()
+    if ctx.rank == 0:
+        _freeze_rank_0()
+        return None
+    return _outcome(lambda: words.barrier(where=f"barrier {ctx.rank}"))
+
+
+def test_a_disagreement_does_not_wait_for_a_store_that_stopped_answering():
+    """The came-late check's store reads had no bound but the store's own timeout (30 min by default): a
+    disagreement's error waited for rank 0's resumption. Now the reads give up as the timeout report's do."""
+    for rank, (kind, message, seconds) in enumerate(run_ranks(disagreement_under_a_frozen_store_host, 3,
+                                                             timeout_s=120)[1:], start=1):
+        assert kind == "EPError" and "in another setup step" in message, (rank, kind, message)
+        assert seconds < _STORE_ANSWER_S + SLACK_S < STORE_FROZEN_S, seconds
 
 
 def test_a_timeout_report_does_not_wait_for_a_store_that_stopped_answering():
