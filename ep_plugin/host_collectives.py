@@ -56,7 +56,7 @@ import time
 import weakref
 from collections import Counter
 from datetime import timedelta
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -513,24 +513,30 @@ class HostCollectives:
                           f"orders, or with different arguments.")
         return [row[0] for row in rows]
 
-    def came_late_error(self, where: str, others: Iterable["HostCollectives"] = ()) -> Optional[EPError]:
+    def came_late_error(self, where: str, others: Iterable["HostCollectives"] = (), *,
+                        name_peer: Optional[Callable[["HostCollectives", int], str]] = None,
+                        this_rank: Optional[str] = None) -> Optional[EPError]:
         """For a rank whose exchange in ``where`` met a peer in another call: EPError when a peer had given up
         waiting for this rank in a collective of this owner (or of ``others``, the owner's other collectives).
         That peer's abandoned collective is what this rank met, not a call of the peer's own: the ranks did not
         disagree, this rank came late. Marks the owners out of step (their next op refuses at once, as the
-        peer's do). None when no peer gave up: the disagreement stands."""
+        peer's do). None when no peer gave up: the disagreement stands.
+        ``name_peer(owner, q)`` names peer q of an owner's group, ``this_rank`` begins the message (an owner
+        whose collectives run on subgroups names ranks as its own group knows them); by default the owner's."""
+        name_peer = name_peer or (lambda owner, q: owner.peer_name(q))
+        this_rank = this_rank or f"{self.owner}: {self.peer_name(self.rank)}"
         owners = list(dict.fromkeys((self, *others)))  # (one object may stand for two of the owner's roles)
-        gave_up: dict[str, str] = {}  # peer's name (in its owner's group) -> where it gave up
+        gave_up: dict[str, str] = {}  # peer's name -> where it gave up
         for owner in owners:
             for q, place in sorted(owner._posts_of_peers_that_gave_up().items()):
-                gave_up.setdefault(owner.peer_name(q), place)
+                gave_up.setdefault(name_peer(owner, q), place)
         if not gave_up:
             return None
         for owner in owners:
             owner.mark_out_of_step(f"came late to {where}")
         peers = "; ".join(f"{peer} timed out waiting for it, in {place}" for peer, place in gave_up.items())
         those = "that peer" if len(gave_up) == 1 else "those peers"
-        return EPError(f"{self.owner}: {self.peer_name(self.rank)} came late to {where} ({peers}): the exchange met "
+        return EPError(f"{this_rank} came late to {where} ({peers}): the exchange met "
                        f"what {those} left behind, not a call of its own. Raise EP_PLUGIN_TIMEOUT_S if this rank "
                        f"is only slow (a first step's compilation, a checkpoint save). {_OUT_OF_STEP}")
 

@@ -111,12 +111,24 @@ def late_to_the_next_call(ctx, setup: bool):
         dispatched = _dispatch(backend)
         first = lambda: backend.combine(dispatched.hidden, dispatched.handle)  # noqa: E731
         late = again = lambda: _dispatch(backend)  # noqa: E731
-    if ctx.rank == 0:
+    return _late_rank_meets_what_the_others_left(ctx, 1, first, late, again)
+
+
+def _late_rank_meets_what_the_others_left(ctx, late_rank: int, first, late, again):
+    """The other ranks run ``first`` (they time out in it, waiting for ``late_rank``); once every one of them
+    raised (its timeout post written before), ``late_rank`` runs ``late`` and then ``again``. The others stay
+    until then: leaving would close the connections it meets. Store keys, not sleeps: a loaded machine."""
+    store = dist.distributed_c10d._get_default_store()
+    if ctx.rank != late_rank:
         outcome = _outcome(first)
-        time.sleep(TIMEOUT_S + 2.5)  # stay until rank 1 came (leaving would close the connection it meets)
+        store.set(f"late test: rank {ctx.rank} gave up", "1")
+        store.wait(["late test: the late rank is done"], timedelta(seconds=90))
         return outcome
-    time.sleep(TIMEOUT_S + _grace_s(TIMEOUT_S) + 1.0)
-    return _outcome(late), _outcome(again)
+    store.wait([f"late test: rank {q} gave up" for q in range(ctx.world_size) if q != late_rank],
+               timedelta(seconds=90))
+    outcomes = _outcome(late), _outcome(again)
+    store.set("late test: the late rank is done", "1")
+    return outcomes
 
 
 @pytest.mark.parametrize("setup", [False, True], ids=["op", "setup step"])
@@ -138,12 +150,8 @@ def late_to_the_next_call_across_domains(ctx):
     backend = ep_plugin.get_backend("reference")(hidden_size=HIDDEN, num_experts=8, device="cpu",
                                                  config=Config.from_env(timeout_s=TIMEOUT_S))
     dispatched = _dispatch(backend)
-    if ctx.rank != 3:
-        outcome = _outcome(lambda: backend.combine(dispatched.hidden, dispatched.handle))
-        time.sleep(TIMEOUT_S + 2.5)  # stay until rank 3 came
-        return outcome
-    time.sleep(TIMEOUT_S + _grace_s(TIMEOUT_S) + 1.0)
-    return _outcome(lambda: _dispatch(backend)), _outcome(lambda: _dispatch(backend))
+    return _late_rank_meets_what_the_others_left(ctx, 3, lambda: backend.combine(dispatched.hidden, dispatched.handle),
+                                                 lambda: _dispatch(backend), lambda: _dispatch(backend))
 
 
 def test_a_rank_late_to_its_next_call_across_domains_is_told_it_came_late():
@@ -151,9 +159,11 @@ def test_a_rank_late_to_its_next_call_across_domains_is_told_it_came_late():
     it raised "ranks disagree on dispatch / combine", then waited out a timeout in its next op."""
     results = run_ranks(late_to_the_next_call_across_domains, 4, timeout_s=120, env={"EP_PLUGIN_SCALEUP_SIZE": "2"})
     late, again = results[3]
-    assert late[0] == "EPError" and "rank 1 (global rank 3) came late to dispatch #2" in late[1], late
-    assert "rank 0 (global rank 1) timed out waiting for it, in combine of dispatch #1" in late[1], late
-    assert "rank 0 (global rank 2) timed out waiting for it" in late[1] and "disagree" not in late[1], late
+    assert late[0] == "EPError" and "ep_plugin reference: rank 3 came late to dispatch #2" in late[1], late
+    # Named as the EP group knows them (rank 1's rail, rank 2's domain), not by their index in the rail or domain
+    assert "rank 1 timed out waiting for it, in combine of dispatch #1: rail" in late[1], late
+    assert "rank 2 timed out waiting for it, in combine of dispatch #1: domain" in late[1], late
+    assert "disagree" not in late[1] and "rank 0" not in late[1], late
     assert again[0] == "EPError" and "after an earlier failure" in again[1] and again[2] < 1.0, again
 
 

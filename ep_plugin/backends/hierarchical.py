@@ -870,9 +870,17 @@ class HierarchicalBackend(Backend):
 
     def _came_late_error(self, where: str) -> Optional[EPError]:
         """``HostCollectives.came_late_error`` over every collective of this backend's stages: a rail or domain
-        peer that timed out waiting for this rank left an exchange that this rank's next call met."""
-        rail = self.scaleout.rail
-        return rail.came_late_error(where, (self.scaleout.rail_words, self._domain_counts, self._domain_words))
+        peer that timed out waiting for this rank left an exchange that this rank's next call met. Ranks are
+        named as the EP group knows them, like every other message (a rail's or a domain's index is not)."""
+        rails = (self.scaleout.rail, self.scaleout.rail_words)
+
+        def name_peer(owner: HostCollectives, q: int) -> str:
+            ranks = self._topology.rail_ranks() if owner in rails else self._topology.domain_ranks()
+            return self._host.peer_name(ranks[q])
+
+        return rails[0].came_late_error(where, (rails[1], self._domain_counts, self._domain_words),
+                                        name_peer=name_peer,
+                                        this_rank=f"ep_plugin {self.name}: {self._host.peer_name(self.rank)}")
 
     def _at_domain_level(self, call: Callable):
         """Run a domain-level step; its errors come back naming the domain."""
