@@ -1166,6 +1166,20 @@ def test_a_case_too_large_for_the_hosts_memory_is_skipped_on_cpu(tmp_path, capfd
     assert f"hidden={2**40}" in output.out + output.err and "GiB of host memory available" in output.out + output.err
 
 
+def test_a_containers_memory_limit_bounds_what_the_cpu_check_counts_as_available(tmp_path):
+    """MemAvailable is the host's: in a container with --memory, a case past the cgroup's limit passed the check
+    and the OOM killer ended a rank."""
+    from ep_plugin.bench.runner import _host_bytes_available
+
+    host = _host_bytes_available(str(tmp_path))  # no cgroup files there: the host's figure
+    assert host is not None and host > 0
+    (tmp_path / "memory.max").write_text(f"{2 * 2**30}\n")
+    (tmp_path / "memory.current").write_text(f"{2**30 - 4096}\n")
+    assert _host_bytes_available(str(tmp_path)) == min(host, 2**30 + 4096)  # the limit less what the cgroup uses
+    (tmp_path / "memory.max").write_text("max\n")  # no limit: the host's figure again (it moves a little)
+    assert abs(_host_bytes_available(str(tmp_path)) - host) < 2**30
+
+
 def test_the_progress_bar_ends_full_when_a_backend_is_skipped(tmp_path, capfd):
     """A backend skipped at its first case (here a forced scale-up size that repeats a layout) left its
     other cases off the bar, which ended short of its total as if the sweep had stopped."""

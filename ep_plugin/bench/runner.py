@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -442,16 +443,26 @@ def _memory_shortfall(ctx: RankContext, shape: Shape, device: torch.device, seed
     return "; ".join(m for m in messages if m)
 
 
-def _host_bytes_available() -> Optional[int]:
-    """MemAvailable of /proc/meminfo (None where it cannot be read)."""
+def _host_bytes_available(cgroup: str = "/sys/fs/cgroup") -> Optional[int]:
+    """MemAvailable of /proc/meminfo, or less where this process's cgroup (v2) limits it (a container's
+    --memory: past it the OOM killer ends a rank, whatever the host has free); None where neither is read."""
+    available = None
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return None
+    try:
+        with open(os.path.join(cgroup, "memory.max")) as limit, open(os.path.join(cgroup, "memory.current")) as used:
+            text = limit.read().strip()
+            if text != "max":
+                headroom = max(0, int(text) - int(used.read().strip()))
+                available = headroom if available is None else min(available, headroom)
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 def _tight_budget(shape: Shape, num_ranks: int, seed: int, *, pad_multiple: int = 1,
