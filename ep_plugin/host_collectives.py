@@ -292,6 +292,25 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _ask_store(read: Callable[[], Any], limit_s: float) -> dict[str, Any]:
+    """``read()`` (store calls) in a thread, waited for at most ``limit_s``: a store call has no bound of its own
+    but the store's timeout (30 min by default), which a store host that stopped answering (frozen, cut off
+    without a reset) would make every waiter sit out. Returns {"answer": what it returned}, {"error": its
+    exception's name} (no store, or it went with a dead rank 0), or {} (no answer in time)."""
+    outcome: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            outcome["answer"] = read()
+        except Exception as exc:  # noqa: BLE001 - the caller says what a missing answer means
+            outcome["error"] = type(exc).__name__
+
+    reader = threading.Thread(target=ask, name="ep_plugin store read", daemon=True)
+    reader.start()
+    reader.join(limit_s)
+    return dict(outcome)
+
+
 def _grace_s(timeout_s: float) -> float:
     """How long a rank that timed out waits for its peers' posts before it reports."""
     return min(2.0, max(0.2, 0.1 * timeout_s))
@@ -526,9 +545,13 @@ class HostCollectives:
         name_peer = name_peer or (lambda owner, q: owner.peer_name(q))
         this_rank = this_rank or f"{self.owner}: {self.peer_name(self.rank)}"
         owners = list(dict.fromkeys((self, *others)))  # (one object may stand for two of the owner's roles)
+        # Bounded as the timeout report's reads: a store host that stopped answering would hold this error for the
+        # store's own timeout (30 min by default). No answer in time, or no store, reads as no posts.
+        posts = _ask_store(lambda: [owner._posts_of_peers_that_gave_up() for owner in owners],
+                           _STORE_ANSWER_S).get("answer") or [{}] * len(owners)
         gave_up: dict[str, str] = {}  # peer's name -> where it gave up
-        for owner in owners:
-            for q, place in sorted(owner._posts_of_peers_that_gave_up().items()):
+        for owner, owners_posts in zip(owners, posts, strict=True):
+            for q, place in sorted(owners_posts.items()):
                 gave_up.setdefault(name_peer(owner, q), place)
         if not gave_up:
             return None
@@ -541,25 +564,12 @@ class HostCollectives:
                        f"is only slow (a first step's compilation, a checkpoint save). {_OUT_OF_STEP}")
 
     def _posts_of_peers_that_gave_up(self) -> dict[int, str]:
-        """peer -> where it timed out in one of this owner's collectives (its post, ``_read_posts``). In a thread,
-        as ``_report_peers``'s reads: a store host that stopped answering would hold a disagreement's error for
-        the store's own timeout (30 min by default); no answer in time, or no store, reads as no posts."""
-        outcome: dict[int, str] = {}
-
-        def read() -> None:
-            try:
-                store = dist.distributed_c10d._get_default_store()
-                key = f"ep_plugin/timeouts/{self.site}/"
-                posts = {q: store.get(key + str(q)).decode() for q in range(self.num_ranks)
-                         if q != self.rank and store.check([key + str(q)])}
-            except Exception:  # noqa: BLE001 - no store here, so no posts: the disagreement stands as found
-                return
-            outcome.update(posts)
-
-        reader = threading.Thread(target=read, name="ep_plugin store posts", daemon=True)
-        reader.start()
-        reader.join(_STORE_ANSWER_S)
-        return dict(outcome) if not reader.is_alive() else {}
+        """peer -> where it timed out in one of this owner's collectives (its post, ``_read_posts``); a store call
+        (``came_late_error`` bounds it)."""
+        store = dist.distributed_c10d._get_default_store()
+        key = f"ep_plugin/timeouts/{self.site}/"
+        return {q: store.get(key + str(q)).decode() for q in range(self.num_ranks)
+                if q != self.rank and store.check([key + str(q)])}
 
     def release(self) -> None:
         """The owner is being destroyed: let go of the gloo twin (it goes with its last owner). No
@@ -707,27 +717,16 @@ class HostCollectives:
         if not peers:
             return ""
         grace = _grace_s(self.timeout_s)
-        # A store call has no bound of its own but the store's timeout (30 min by default): where the store's
-        # host stopped answering (frozen, cut off without a reset), the report would hang that long after the
-        # timeout it reports. So it runs in a thread, and the error comes when the thread is not back in time.
+        # Bounded (_ask_store): a store host that stopped answering would hold the report that long after the
+        # timeout it reports; the error comes when the store is not back in time.
         limit_s = 2 * grace + _STORE_ANSWER_S
-        outcome: dict[str, Any] = {}
-
-        def read() -> None:
-            try:
-                outcome["posts"] = self._read_posts(where, peers, grace)
-            except Exception as exc:  # noqa: BLE001 - no store, or it is gone with a dead rank 0: said below
-                outcome["error"] = type(exc).__name__
-
-        reader = threading.Thread(target=read, name="ep_plugin store report", daemon=True)
-        reader.start()
-        reader.join(limit_s)
-        if "posts" not in outcome:
+        outcome = _ask_store(lambda: self._read_posts(where, peers, grace), limit_s)
+        if "answer" not in outcome:
             names = ", ".join(self.peer_name(q) for q in peers)
             why = (f"the store could not be asked ({outcome['error']})" if "error" in outcome else
                    f"the store did not answer within {limit_s:.1f} s (its host stopped or cannot be reached)")
             return f"{self.engine} does not say which peer is missing, and {why}; any of {names} may be late."
-        places, waits_elsewhere = outcome["posts"]
+        places, waits_elsewhere = outcome["answer"]
         late = [q for q in peers if q not in places and q not in waits_elsewhere]
         waiting = [q for q in peers if places.get(q) == where]
         elsewhere = [q for q in peers if q in places and places[q] != where]
