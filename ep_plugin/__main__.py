@@ -12,8 +12,9 @@ def info() -> int:
     import ep_plugin
     from ep_plugin import _cuda
     from ep_plugin.cli import available_backends, config_problem, default_device, describe_gpus
-    from ep_plugin.config import describe, unknown_variables
+    from ep_plugin.config import claim_unknown_variables, describe
 
+    unknown = claim_unknown_variables()  # before anything builds a Config: listed below, not warned on stderr
     print(f"ep_plugin {ep_plugin.__version__}, torch {torch.__version__}")
     print(f"GPU: {describe_gpus()}")
     print(f"backends: {', '.join(ep_plugin.list_backends())} (usable here: "
@@ -28,7 +29,7 @@ def info() -> int:
     for env_name, default, help_text in describe():
         set_here = os.environ.get(env_name, "").strip()
         print(f"  {env_name:36s} {default:10s} {help_text}" + (f"  [set here: {set_here}]" if set_here else ""))
-    for variable, hint in unknown_variables().items():
+    for variable, hint in unknown.items():
         print(f"  {variable} is set but is not a knob: ignored{hint}")
     return 0
 

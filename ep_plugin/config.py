@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-from .logs import warn_once
+from .logs import count_as_given, warn_once
 
 ENV_PREFIX = "EP_PLUGIN_"
 # Variables of the build and the test bed, not knobs: setup.py and tests/conftest.py read them.
@@ -147,7 +147,7 @@ class Config:
             raise TypeError(f"Config has no field(s) {sorted(unknown)}; known fields: {sorted(known)}")
         values: dict[str, Any] = {}
         for variable, hint in unknown_variables(environ).items():  # once: from_env runs at every backend build
-            warn_once(logger, ("unknown variable", variable), "ep_plugin: %s is not a knob and is ignored%s",
+            warn_once(logger, _unknown_warning(variable), "ep_plugin: %s is not a knob and is ignored%s",
                       variable, hint)
         for name, f in known.items():
             env_name = env_var_name(name)
@@ -209,6 +209,19 @@ def unknown_variables(environ: Optional[dict] = None) -> dict[str, str]:
             close = difflib.get_close_matches(variable[len(ENV_PREFIX):], list(suffixes), n=1)
             unknown[variable] = f" (did you mean {suffixes[close[0]]}?)" if close else ""
     return unknown
+
+
+def claim_unknown_variables(environ: Optional[dict] = None) -> dict[str, str]:
+    """``unknown_variables``, for a command that lists them itself (info, doctor): from_env's warning for each
+    counts as given, so that no name is said twice."""
+    unknown = unknown_variables(environ)
+    for variable in unknown:
+        count_as_given(_unknown_warning(variable))
+    return unknown
+
+
+def _unknown_warning(variable: str) -> tuple[str, str]:
+    return ("unknown variable", variable)
 
 
 def env_is_set(field_name: str, environ: Optional[dict] = None) -> bool:

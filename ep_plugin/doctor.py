@@ -906,17 +906,22 @@ def config_verdict(options: Options, environ: Mapping[str, str]) -> Verdict:
     others = [name for name in OTHER_VARIABLES if environ.get(name, "").strip()]
     if others:
         verdict.notes.append(f"set here, for the build or the tests (no run reads them): {', '.join(others)}")
+    # A typo leaves the knob it meant at its default; said here, next to a refused value too (main keeps
+    # from_env's warning from saying it again).
+    typos = [Problem(f"{name} is not an ep_plugin knob{hint}: ignored",
+                     "fix its name, or unset it (python -m ep_plugin info lists every knob)")
+             for name, hint in unknown.items()]
     try:
         _config(environ)
     except (ValueError, TypeError) as exc:
         verdict.problems.append(Problem(str(exc), "fix or unset the EP_PLUGIN_* variable named above"))
+        verdict.problems += typos
         verdict.status, verdict.passed = UNAVAILABLE, False
         verdict.summary = "a value is refused: building any backend raises"
         return verdict
     verdict.summary = f"set here: {', '.join(set_here)}" if set_here else "none set (the defaults)"
-    for name, hint in unknown.items():  # a typo leaves the knob it meant at its default
-        verdict.problems.append(Problem(f"{name} is not an ep_plugin knob{hint}: ignored",
-                                        "fix its name, or unset it (python -m ep_plugin info lists every knob)"))
+    if typos:
+        verdict.problems += typos
         verdict.status = DEGRADED
     return verdict
 
@@ -1243,8 +1248,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None, *, fabric: Optional[Fabric] = None,
          environ: Optional[Mapping[str, str]] = None) -> int:
     """Run the doctor; ``fabric`` / ``environ`` are injectable for tests. Returns the exit code."""
+    from .config import claim_unknown_variables
+
     args = build_parser().parse_args(argv)
     environ = os.environ if environ is None else environ
+    claim_unknown_variables(dict(environ))  # the config verdict names them: no warning on stderr as well
     options = Options(backend=args.backend, scaleout=args.scaleout, ranks_per_gpu=args.ranks_per_gpu,
                       nodes=args.nodes, num_experts=args.experts, hidden=args.hidden)
     fabric = fabric if fabric is not None else probe_fabric(environ=environ)

@@ -17,6 +17,11 @@ def warn_once(logger: logging.Logger, key: Hashable, message: str, *args: Any) -
     logger.warning(message, *args)
 
 
+def count_as_given(key: Hashable) -> None:
+    """Give no warning for ``key`` in this process: the caller says it another way (a command's own list)."""
+    _given.add(key)
+
+
 def forget_warnings() -> None:
     """Give every warning again (tests that check a warning whatever ran before them)."""
     _given.clear()

@@ -172,6 +172,17 @@ def test_info_shows_the_knobs_set_here_and_a_value_every_backend_refuses(monkeyp
     assert "REFUSED, every backend's build would raise" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", [["info"], ["doctor"], ["doctor", "--backend", "reference"]])
+def test_a_variable_that_names_no_knob_is_named_once_by_the_commands_that_list_them(command):
+    """info and doctor list such a name themselves, and the config's warning named it again on stderr. In a
+    subprocess: pytest's log capture would swallow the warning in this one."""
+    env = dict(os.environ, EP_PLUGIN_FOO="1")
+    result = subprocess.run([sys.executable, "-m", "ep_plugin", *command], capture_output=True, text=True,
+                            timeout=120, env=env)
+    said = result.stdout + result.stderr
+    assert said.count("EP_PLUGIN_FOO") == 1, said
+
+
 def test_dev_prints_usage_before_building_anything(tmp_path):
     shutil.copy(ROOT / "dev", tmp_path / "dev")  # alone: anything past the usage check would fail here
     for argv, status in (([], 2), (["--help"], 0), (["tset"], 2)):

@@ -882,6 +882,10 @@ def test_a_knob_every_backend_refuses_fails_any_backend_job(tmp_path):
         assert (found["config"].status, code) == (DEGRADED, 0), found["config"]
         assert "did you mean EP_PLUGIN_NUM_SMS?" in found["config"].problems[0].text
         assert "EP_PLUGIN_NUM_SM" not in found["config"].summary
+        # Next to a refused value too: doctor keeps from_env's warning quiet, so this is its only mention.
+        found, code = verdicts(fabric, dict(bad, EP_PLUGIN_NUM_SM="8"), backend="reference")
+        assert (found["config"].status, code) == (UNAVAILABLE, 1), found["config"]
+        assert "did you mean EP_PLUGIN_NUM_SMS?" in found["config"].problems[1].text, found["config"]
         # The build's and the test bed's variables are no knobs a run reads: a note, not "knobs set here".
         built = {"EP_PLUGIN_CUDA_ARCHS": "90", "EP_PLUGIN_REQUIRE_GPU": "1", "EP_PLUGIN_TIMEOUT_S": "30"}
         found, code = verdicts(fabric, built, backend="reference")
