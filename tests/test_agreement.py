@@ -7,6 +7,7 @@ raises if one does).
 """
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -394,13 +395,31 @@ class _OpsAfterTheirFirstLaunch:
     """The compiled backends' op wrapper (``op_range``) around an op that fails after enqueueing its first kernel:
     its peers ran that op, so the rank is out of step."""
 
-    name, rank, _failed_mid_op, _launches = "hybrid", 0, None, 0
+    name, rank, num_ranks, num_experts, num_local_experts, _failed_mid_op, _launches = "hybrid", 0, 2, 8, 4, None, 0
     _out_of_step_error = CompiledBackend._out_of_step_error
+    _dispatch_counts = CompiledBackend._dispatch_counts
+    _refuse_flagged_input = CompiledBackend._refuse_flagged_input
+    # The count read's words: rank 1 passed an expert id out of range (the exchange told every rank).
+    _C = SimpleNamespace(MAILBOX_INPUT_FLAGS=0, MAILBOX_FLAGGED_RANKS=1, MAILBOX_EXPERT_ROWS=2,
+                         INPUT_ID_OUT_OF_RANGE=1, INPUT_ID_REPEATED=2, INPUT_TOO_MANY_TOKENS=4)
+    buffer = SimpleNamespace(mailbox=lambda first, count: [1, 0b10] + [0] * (count - 2))
+
+    def _wait_for_host(self, what, mark=None):
+        pass
 
     @op_range("dispatch")
     def dispatch(self, error: BaseException):
         self._launches += 1
         raise error
+
+    @op_range("dispatch")
+    def refuse_before_launching(self, error: BaseException):
+        raise error
+
+    @op_range("dispatch")
+    def dispatch_a_peer_flagged(self):
+        self._launches += 1  # the layout and its count exchange
+        self._dispatch_counts(None, routing=None)
 
 
 def test_an_interrupt_midway_through_a_compiled_op_stays_an_interrupt(monkeypatch):
@@ -422,3 +441,30 @@ def test_an_interrupt_midway_through_a_compiled_op_stays_an_interrupt(monkeypatc
     with pytest.raises(EPError, match="this dispatch failed after its first launch .MemoryError") as raised:
         ops.dispatch(MemoryError("its count sized an allocation past the memory"))
     assert isinstance(raised.value.__cause__, MemoryError)
+
+
+def test_only_a_refusal_every_rank_raises_leaves_a_compiled_op_retryable_after_its_first_launch(monkeypatch):
+    """op_range let any ValueError or TypeError through as a refusal, also one of this rank alone after a launch
+    (a launcher refusing an argument the Python checks let by: a bug): its peers had run the op, and a retry
+    met their next one. Only the count read's refusals, raised by every rank alike, leave the ranks in step."""
+    import contextlib
+
+    from ep_plugin.backends import compiled
+
+    monkeypatch.setattr(compiled, "nvtx_range", lambda name: contextlib.nullcontext())  # no CUDA build here
+    monkeypatch.setattr(compiled.torch.cuda, "is_current_stream_capturing", lambda: False)
+    ops = _OpsAfterTheirFirstLaunch()
+    with pytest.raises(ValueError, match="bad input"):  # before any launch
+        ops.refuse_before_launching(ValueError("bad input"))
+    with pytest.raises(ValueError, match=r"rank\(s\) \[1\] of the group passed topk_idx with an expert id outside"):
+        ops.dispatch_a_peer_flagged()
+    assert ops._failed_mid_op is None
+    for error in (ValueError("ep_plugin hybrid: the permute needs out"),
+                  TypeError("field 'out' takes None, an int address or a tensor, got str")):
+        ops = _OpsAfterTheirFirstLaunch()
+        with pytest.raises(EPError, match=f"this dispatch failed after its first launch .{type(error).__name__}: "
+                                          f"{error}") as raised:
+            ops.dispatch(error)
+        assert raised.value.__cause__ is error
+        with pytest.raises(EPError, match="dispatch refused: an earlier dispatch failed after its first launch"):
+            ops.refuse_before_launching(ValueError("never reached"))

@@ -99,9 +99,11 @@ def op_range(op: str):
     size, say) has taken its place in the device handshakes, and its peers ran it: the backend is out of
     step, and says so then and at every later op (``EPError``), where a retry would have met the peers'
     next op. So is a host wait of the op that timed out before the device reported anything (its kernels
-    are still queued). Refusals every rank makes alike (``ValueError``, ``TypeError``) and the device's own
-    reports (``EPError``) are not that. A KeyboardInterrupt or SystemExit there leaves the backend out of step
-    too, but propagates as itself (a handler that saves a checkpoint on Ctrl-C must see it)."""
+    are still queued). Bad input refused before the first launch, the refusals every rank raises alike at the
+    count read (``_dispatch_counts``) and the device's own reports (``EPError``) are not that; a ValueError or
+    TypeError of this rank alone after a launch (a launcher refusing an argument the Python checks let by: a
+    bug) is. A KeyboardInterrupt or SystemExit there leaves the backend out of step too, but propagates as
+    itself (a handler that saves a checkpoint on Ctrl-C must see it)."""
     def decorate(method):
         names: dict[str, str] = {}  # backend name -> range name, built once
 
@@ -122,12 +124,13 @@ def op_range(op: str):
                     if self._launches != launches and self.buffer.failure_message() is None:
                         self._failed_mid_op = f"{op} timed out on the host after its first launch ({exc})"
                     raise
-                except (ValueError, TypeError, EPError):
+                except EPError:
                     raise
                 except BaseException as exc:
                     # Nothing enqueued, or only captured into a graph (no kernel ran, no handshake took
-                    # place): the call may be made again.
-                    if self._launches == launches or torch.cuda.is_current_stream_capturing():
+                    # place), or refused by every rank: the call may be made again.
+                    if (self._launches == launches or torch.cuda.is_current_stream_capturing()
+                            or getattr(exc, "raised_by_every_rank", False)):
                         raise
                     self._failed_mid_op = f"{op} failed after its first launch ({type(exc).__name__}: {exc})"
                     if not isinstance(exc, Exception):  # Ctrl-C, SystemExit: kept as they are, for their handlers
@@ -572,9 +575,13 @@ class CompiledBackend(Backend):
         self._wait_for_host("the dispatch counts", counted)
         words = self.buffer.mailbox(0, self._C.MAILBOX_EXPERT_ROWS + self.num_local_experts)
         if words[self._C.MAILBOX_INPUT_FLAGS] or refused is not None:  # (the flag is this rank's own, too)
-            self._refuse_flagged_input(words[self._C.MAILBOX_INPUT_FLAGS],
-                                       words[self._C.MAILBOX_FLAGGED_RANKS] | (refused is not None) << self.rank,
-                                       routing, refused)
+            try:
+                self._refuse_flagged_input(words[self._C.MAILBOX_INPUT_FLAGS],
+                                           words[self._C.MAILBOX_FLAGGED_RANKS] | (refused is not None) << self.rank,
+                                           routing, refused)
+            except ValueError as error:  # TooManyTokensError too
+                error.raised_by_every_rank = True  # op_range: after the op's launches, yet the ranks in step
+                raise
         return words
 
     def _refuse_flagged_input(self, flags: int, flagged_ranks: int, routing: Routing,
