@@ -87,7 +87,16 @@ class ArgStruct {
   // A plain value field (int, bool, double, ...).
   template <typename T>
   ArgStruct& val(const char* name, T S::*member) {
-    (*setters_)[name] = [member](S& s, py::handle v) { s.*member = py::cast<T>(v); };
+    const std::string field = name;
+    (*setters_)[field] = [member, field](S& s, py::handle v) {
+      try {
+        s.*member = py::cast<T>(v);
+      } catch (const py::cast_error&) {  // pybind's RuntimeError names no field: a TypeError by field, as ptr's
+        const std::string got = PyLong_Check(v.ptr()) ? std::string(py::str(v)) + " (out of range)"
+                                                      : std::string(Py_TYPE(v.ptr())->tp_name);
+        throw py::type_error("field '" + field + "' takes a C++ " + py::type_id<T>() + ", got " + got);
+      }
+    };
     cls_.def_readwrite(name, member);
     return *this;
   }

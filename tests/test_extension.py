@@ -111,4 +111,9 @@ def test_pointer_fields_take_tensors_ints_and_none(extension):
         C.ExchangeArgs(expert_counts="0x1000")
     with pytest.raises(TypeError, match="ExchangeArgs has no field 'expert_count' "):
         C.ExchangeArgs(expert_count=counts)
+    # A value field names itself too (pybind's own cast error is a RuntimeError naming no field).
+    with pytest.raises(TypeError, match=r"field 'num_local_experts' takes a C\+\+ int, got str"):
+        C.ExchangeArgs(num_local_experts="12")
+    with pytest.raises(TypeError, match=r"'num_local_experts' takes a C\+\+ int, got 1099511627776 \(out of range\)"):
+        C.ExchangeArgs(num_local_experts=2**40)
 
