@@ -1,5 +1,5 @@
-"""The main job: the README's demo command trains, its loss goes down, and its losses are the
-ones the same model gets when trained in one process without dispatch or combine."""
+"""The main job: the README's demo command trains, its loss goes down, and its losses (every step's and the
+held-out batch's) are the ones the same model gets when trained in one process without dispatch or combine."""
 
 import dataclasses
 import re
@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import replace
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ep_plugin.backends.reference import ReferenceBackend
-from ep_plugin.demo import DemoSpec, MoELayer, synthetic_tokens, teacher, train
+from ep_plugin.demo import DemoResult, DemoSpec, MoELayer, held_out_tokens, synthetic_tokens, teacher, train
 from ep_plugin.testing import run_ranks
 
 
@@ -29,7 +30,7 @@ def test_demo_command_loss_decreases_on_4_ranks():
 
 
 def train_in_one_process(spec: DemoSpec, world_size: int, payload_dtype: torch.dtype,
-                         device: str = "cpu") -> list[float]:
+                         device: str = "cpu") -> DemoResult:
     """The demo's training with every rank's tokens and experts in one process, summed densely.
 
     The same parameters (the demo's own MoELayer, built for each rank on the ranks' device type, so
@@ -46,11 +47,12 @@ def train_in_one_process(spec: DemoSpec, world_size: int, payload_dtype: torch.d
     router = layers[0].router  # every rank builds the same router (one seed); ranks sum its gradients
     parameters = list(router.parameters()) + [p for layer in layers for p in (layer.w_in, layer.w_out)]
     optimizer = torch.optim.Adam(parameters, lr=spec.lr)
-    losses = []
-    for step in range(spec.steps):
+
+    def global_loss(draw) -> torch.Tensor:
+        """The mean loss over every rank's tokens, ``draw(rank, world_size)``."""
         loss = torch.zeros((), device=device)
         for rank in range(world_size):
-            x = synthetic_tokens(spec, step, rank, world_size).to(device)
+            x = draw(rank, world_size).to(device)
             routing = layers[0].route(x)  # the reference takes the routing-map form
             routing_map, probs = routing["routing_map"], routing["probs"]
             payload = x.to(payload_dtype).float()
@@ -61,23 +63,38 @@ def train_in_one_process(spec: DemoSpec, world_size: int, payload_dtype: torch.d
                 moe = moe.index_add(0, chosen, rows.to(payload_dtype).float())
             y = x + moe.to(payload_dtype).float()
             loss = loss + F.mse_loss(y, teacher(x, spec.seed)) / world_size
+        return loss
+
+    def held_out() -> float:
+        with torch.no_grad():
+            return float(global_loss(partial(held_out_tokens, spec)))
+
+    held_out_before, losses = held_out(), []
+    for step in range(spec.steps):
+        loss = global_loss(partial(synthetic_tokens, spec, step))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
-    return losses
+    return DemoResult(losses, held_out_before, held_out())
 
 
 DENSE_CHECK_SPEC = DemoSpec(steps=8, tokens_per_rank=32, hidden_size=16, ffn_size=32, num_experts=8, topk=2)
 
 
+def losses_of(result: DemoResult) -> torch.Tensor:
+    """Every step's loss, then the held-out batch's before and after training."""
+    return torch.tensor([*result.losses, result.held_out_before, result.held_out_after])
+
+
 def test_demo_losses_equal_single_process_training():
     """Every step's global loss equals the one-process dense run's: a wrong dispatch or combine (even
-    one the model could still learn around) changes the first loss, a wrong backward the later ones."""
+    one the model could still learn around) changes the first loss, a wrong backward the later ones. The
+    held-out losses are the dense model's on the held-out batch before the first step and after the last."""
     spec = DENSE_CHECK_SPEC
     distributed = run_ranks(train, 4, spec, timeout_s=180)
     single = train_in_one_process(spec, 4, torch.float32)
-    torch.testing.assert_close(torch.tensor(distributed[0]), torch.tensor(single), rtol=1e-5, atol=0)
+    torch.testing.assert_close(losses_of(distributed[0]), losses_of(single), rtol=1e-5, atol=0)
 
 
 @pytest.mark.gpu
@@ -86,7 +103,7 @@ def test_hybrid_demo_losses_equal_single_process_training():
     distributed = run_ranks(train, 2, spec, device="cuda", timeout_s=300)
     single = train_in_one_process(spec, 2, torch.bfloat16, device="cuda")
     # hybrid rounds each rank's partial sum to bf16 (the dense twin rounds once): a few bf16 ulps.
-    torch.testing.assert_close(torch.tensor(distributed[0]), torch.tensor(single), rtol=2e-2, atol=0)
+    torch.testing.assert_close(losses_of(distributed[0]), losses_of(single), rtol=2e-2, atol=0)
 
 
 @pytest.mark.gpu
@@ -96,7 +113,7 @@ def test_hybrid_demo_trains_alike_in_non_blocking_mode():
     spec = replace(DENSE_CHECK_SPEC, backend="hybrid", steps=3)
     blocking = run_ranks(train, 2, spec, device="cuda", timeout_s=300)
     non_blocking = run_ranks(train, 2, spec, device="cuda", timeout_s=300, env={"EP_PLUGIN_BLOCKING": "0"})
-    torch.testing.assert_close(torch.tensor(non_blocking[0]), torch.tensor(blocking[0]), rtol=1e-3, atol=0)
+    torch.testing.assert_close(losses_of(non_blocking[0]), losses_of(blocking[0]), rtol=1e-3, atol=0)
 
 
 class _ShapeLimitedReference(ReferenceBackend):
@@ -164,6 +181,10 @@ def test_a_backend_that_takes_top_k_ids_trains_alike():
     assert topk[0] == routing_map[0]
 
 
+# What a stubbed run_ranks returns (no rank process starts): rank 0's result of a run whose held-out loss fell.
+TRAINED = [DemoResult([0.5], held_out_before=0.5, held_out_after=0.4)]
+
+
 def test_device_cpu_on_a_gpu_machine_defaults_to_the_reference(monkeypatch):
     """The default backend follows --device (it was chosen from the machine before the options were read,
     so `--device cpu` on a GPU machine stopped with 'backend hybrid runs on cuda only')."""
@@ -171,7 +192,7 @@ def test_device_cpu_on_a_gpu_machine_defaults_to_the_reference(monkeypatch):
 
     launched = []
     monkeypatch.setattr(demo, "default_device_and_backend", lambda: ("cuda", "hybrid"))
-    monkeypatch.setattr(demo, "run_ranks", lambda fn, ranks, spec, **kwargs: launched.append(spec) or [[0.5]])
+    monkeypatch.setattr(demo, "run_ranks", lambda fn, ranks, spec, **kwargs: launched.append(spec) or TRAINED)
     assert demo.main(["--device", "cpu", "--steps", "1", "--ranks", "2"]) == 0
     assert launched[0].backend == "reference"
 
@@ -188,7 +209,7 @@ def test_a_default_launch_without_the_mps_tools_runs_on_the_cpu(monkeypatch, cap
     monkeypatch.setattr(demo, "gpu_count", lambda: 1)
     monkeypatch.setattr(launcher.shutil, "which", lambda name: None)
     monkeypatch.setattr(demo, "run_ranks", lambda fn, ranks, spec, **kwargs: launched.append(
-        (ranks, spec.backend, kwargs["device"])) or [[0.5]])
+        (ranks, spec.backend, kwargs["device"])) or TRAINED)
     assert demo.main(["--steps", "1"]) == 0
     assert launched == [(4, "reference", "cpu")]
     assert "Running on the CPU instead" in capsys.readouterr().out
@@ -211,14 +232,43 @@ def test_demo_rejects_a_learning_rate_adam_cannot_take():
         assert stop.value.code == 2, lr
 
 
-def test_demo_with_one_step_is_a_smoke_run_not_a_failure(monkeypatch, capsys):
-    """One step has no loss to compare with: the demo says so and exits 0 (it used to exit 1,
-    "DID NOT DECREASE"). run_ranks is stubbed so that no rank process starts."""
+def test_the_verdict_compares_the_held_out_losses_not_the_steps(monkeypatch, capsys):
+    """The first and the last step's losses are on different batches: on tiny shapes their difference was the
+    batches', and a run that learned read "DID NOT DECREASE" (exit 1). The held-out batch is one batch, measured
+    before the first step and after the last. run_ranks is stubbed so that no rank process starts."""
     import ep_plugin.demo as demo
 
-    monkeypatch.setattr(demo, "run_ranks", lambda *args, **kwargs: [[0.5]])
+    argv = ["--steps", "2", "--ranks", "2", "--device", "cpu", "--backend", "reference"]
+    learned = DemoResult([0.50, 0.56], held_out_before=0.55, held_out_after=0.54)  # steps rose, held-out fell
+    monkeypatch.setattr(demo, "run_ranks", lambda *args, **kwargs: [learned])
+    assert demo.main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == ("held-out loss: before 0.55000 -> after 0.54000 over 2 steps "
+                                                        "(decreased)")
+    did_not = DemoResult([0.56, 0.50], held_out_before=0.54, held_out_after=0.55)  # steps fell, held-out rose
+    monkeypatch.setattr(demo, "run_ranks", lambda *args, **kwargs: [did_not])
+    assert demo.main(argv) == 1
+    assert capsys.readouterr().out.splitlines()[-1].endswith("(DID NOT DECREASE)")
+
+
+def test_one_step_is_judged_like_any_run(monkeypatch, capsys):
+    """One step had no loss to compare with (a smoke run, exit 0 whatever happened); the held-out batch gives it
+    one."""
+    import ep_plugin.demo as demo
+
+    monkeypatch.setattr(demo, "run_ranks", lambda *args, **kwargs: TRAINED)
     assert demo.main(["--steps", "1", "--ranks", "2", "--device", "cpu", "--backend", "reference"]) == 0
-    assert "after 1 step" in capsys.readouterr().out
+    assert "before 0.50000 -> after 0.40000 over 1 step (decreased)" in capsys.readouterr().out
+
+
+def test_a_tiny_run_that_learns_passes():
+    """--tokens 8 --steps 2 printed "DID NOT DECREASE" and exited 1 (here the second step's batch had a higher loss
+    than the first's), though the held-out loss falls by some 3%."""
+    result = subprocess.run([sys.executable, "-m", "ep_plugin", "demo", "--ranks", "2", "--tokens", "8", "--steps",
+                             "2", "--device", "cpu", "--backend", "reference"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert re.fullmatch(r"held-out loss: before [0-9.]+ -> after [0-9.]+ over 2 steps \(decreased\)",
+                        result.stdout.splitlines()[-1]), result.stdout
 
 
 def test_a_reader_that_leaves_early_ends_the_printing_not_the_training():
@@ -262,6 +312,6 @@ def test_the_launcher_waits_past_ep_plugins_own_timeout(monkeypatch):
     asked = []
     monkeypatch.setenv("EP_PLUGIN_TIMEOUT_S", "1000")
     monkeypatch.setattr(demo, "run_ranks",
-                        lambda fn, ranks, spec, **kwargs: asked.append(kwargs["timeout_s"]) or [[0.5]])
+                        lambda fn, ranks, spec, **kwargs: asked.append(kwargs["timeout_s"]) or TRAINED)
     assert demo.main(["--steps", "1", "--ranks", "2", "--device", "cpu", "--backend", "reference"]) == 0
     assert asked[0] > 1000, asked
