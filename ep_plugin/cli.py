@@ -8,7 +8,8 @@ default to the devices and backends that are here, and refuse what is not with o
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+import os
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -55,6 +56,40 @@ def describe_gpus() -> str:
 
 def default_device() -> str:
     return "cuda" if gpu_count() else "cpu"
+
+
+class HostMemory(NamedTuple):
+    """What this process can still allocate on the host, and which limit gives that figure."""
+
+    bytes: int
+    limit: str  # AVAILABLE or CONTAINER_LIMIT, to name it in a message
+
+
+AVAILABLE = "the host's available memory"  # /proc/meminfo's MemAvailable
+CONTAINER_LIMIT = "what the container's memory limit leaves"  # cgroup v2 memory.max less what the cgroup uses
+
+
+def host_memory(cgroup: str = "/sys/fs/cgroup") -> Optional[HostMemory]:
+    """MemAvailable of /proc/meminfo, or less where this process's cgroup (v2) limits it (a container's
+    --memory: past it the OOM killer ends a rank, whatever the host has free); None where neither is read."""
+    available = None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = HostMemory(int(line.split()[1]) * 1024, AVAILABLE)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open(os.path.join(cgroup, "memory.max")) as limit, open(os.path.join(cgroup, "memory.current")) as used:
+            text = limit.read().strip()
+            if text != "max":
+                headroom = max(0, int(text) - int(used.read().strip()))
+                if available is None or headroom < available.bytes:
+                    available = HostMemory(headroom, CONTAINER_LIMIT)
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 def device_problem(device: str) -> Optional[str]:

@@ -1169,15 +1169,16 @@ def test_a_case_too_large_for_the_hosts_memory_is_skipped_on_cpu(tmp_path, capfd
 def test_a_containers_memory_limit_bounds_what_the_cpu_check_counts_as_available(tmp_path):
     """MemAvailable is the host's: in a container with --memory, a case past the cgroup's limit passed the check
     and the OOM killer ended a rank."""
-    from ep_plugin.bench.runner import _host_bytes_available
+    from ep_plugin.cli import AVAILABLE, CONTAINER_LIMIT, host_memory
 
-    host = _host_bytes_available(str(tmp_path))  # no cgroup files there: the host's figure
-    assert host is not None and host > 0
+    host = host_memory(str(tmp_path))  # no cgroup files there: the host's figure
+    assert host is not None and host.bytes > 0 and host.limit == AVAILABLE
     (tmp_path / "memory.max").write_text(f"{2 * 2**30}\n")
     (tmp_path / "memory.current").write_text(f"{2**30 - 4096}\n")
-    assert _host_bytes_available(str(tmp_path)) == min(host, 2**30 + 4096)  # the limit less what the cgroup uses
+    limited = (2**30 + 4096, CONTAINER_LIMIT) if host.bytes > 2**30 + 4096 else host  # the limit less what it uses
+    assert host_memory(str(tmp_path)) == limited
     (tmp_path / "memory.max").write_text("max\n")  # no limit: the host's figure again (it moves a little)
-    assert abs(_host_bytes_available(str(tmp_path)) - host) < 2**30
+    assert abs(host_memory(str(tmp_path)).bytes - host.bytes) < 2**30
 
 
 def test_the_progress_bar_ends_full_when_a_backend_is_skipped(tmp_path, capfd):

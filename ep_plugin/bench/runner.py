@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import os
 import statistics
 import sys
 import time
@@ -49,6 +48,7 @@ import torch.distributed as dist
 
 import ep_plugin
 from ep_plugin.backends.compiled import worst_case_rows
+from ep_plugin.cli import host_memory
 from ep_plugin.config import Config
 from ep_plugin.host_collectives import nccl_moves_cuda
 from ep_plugin.routing import route_counts
@@ -424,12 +424,12 @@ def _memory_shortfall(ctx: RankContext, shape: Shape, device: torch.device, seed
     """
     message = ""
     if device.type == "cpu" and ctx.rank == 0:  # one host for every rank: one rank says it
-        available = _host_bytes_available()
+        memory = host_memory()
         rows = _busiest_rank_rows(shape, ctx.world_size, seed)
         need = (rows * (shape.row_bytes() + 2 * shape.hidden) + shape.tokens * 4 * shape.hidden) * ctx.world_size
-        if available is not None and need > 0.8 * available:
+        if memory is not None and need > 0.8 * memory.bytes:
             message = (f"~{need / 2**30:,.1f} GiB of inputs and outputs for the {ctx.world_size} CPU ranks, "
-                       f"{available / 2**30:,.1f} GiB of host memory available")
+                       f"{memory.bytes / 2**30:,.1f} GiB of host memory available")
     if device.type == "cuda":
         rows = _busiest_rank_rows(shape, ctx.world_size, seed)
         need = rows * (shape.row_bytes() + 2 * shape.hidden) * max(ctx.plan.ranks_per_gpu, 1)
@@ -441,28 +441,6 @@ def _memory_shortfall(ctx: RankContext, shape: Shape, device: torch.device, seed
     messages = [None] * ctx.world_size
     dist.all_gather_object(messages, message)
     return "; ".join(m for m in messages if m)
-
-
-def _host_bytes_available(cgroup: str = "/sys/fs/cgroup") -> Optional[int]:
-    """MemAvailable of /proc/meminfo, or less where this process's cgroup (v2) limits it (a container's
-    --memory: past it the OOM killer ends a rank, whatever the host has free); None where neither is read."""
-    available = None
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        with open(os.path.join(cgroup, "memory.max")) as limit, open(os.path.join(cgroup, "memory.current")) as used:
-            text = limit.read().strip()
-            if text != "max":
-                headroom = max(0, int(text) - int(used.read().strip()))
-                available = headroom if available is None else min(available, headroom)
-    except (OSError, ValueError):
-        pass
-    return available
 
 
 def _tight_budget(shape: Shape, num_ranks: int, seed: int, *, pad_multiple: int = 1,
