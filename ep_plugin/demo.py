@@ -25,7 +25,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ep_plugin
-from ep_plugin.cli import OneLineParser, backend_problem, config_problem, default_device, device_problem, gpu_count
+from ep_plugin.cli import (
+    OneLineParser,
+    backend_problem,
+    config_problem,
+    default_device,
+    device_problem,
+    gpu_count,
+    host_memory,
+)
 from ep_plugin.config import Config
 from ep_plugin.testing import RankContext, plan_launch, run_ranks
 from ep_plugin.testing.launcher import CPU_RANKS_PER_CORE, cpu_ranks_problem, mps_problem
@@ -279,18 +287,19 @@ def host_bytes_per_rank(spec: DemoSpec, num_ranks: int) -> int:
 
 
 def _memory_problem(args: argparse.Namespace) -> Optional[str]:
-    """Whether the ranks' training would need more than half this machine's memory (a size typed wrong: it would
-    fail in every rank, one traceback each), or None. CPU ranks share the host's memory."""
-    try:
-        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not known here: no check
+    """Whether the ranks' training would need more than 80% of the host memory this process can still have (a size
+    typed wrong: it would fail in every rank, one traceback each), or None. CPU ranks share the host's memory; the
+    figure is the bench's: MemAvailable, or a container's limit below it."""
+    memory = host_memory()
+    if memory is None:  # not known here: no check
         return None
     spec = DemoSpec(tokens_per_rank=args.tokens, hidden_size=args.hidden, num_experts=args.experts, topk=args.topk)
     need = host_bytes_per_rank(spec, args.ranks) * (args.ranks if args.device == "cpu" else 1)
-    if need <= host // 2:
+    # A margin, as the bench's: the estimate leaves out torch's own memory in each process (~0.3 GiB).
+    if need <= 0.8 * memory.bytes:
         return None
     return (f"--hidden {args.hidden}, --experts {args.experts}, --tokens {args.tokens} on {args.ranks} rank(s) need "
-            f"about {need / 2**30:,.1f} GiB, more than half of this machine's {host / 2**30:,.1f} GiB")
+            f"about {need / 2**30:,.1f} GiB, more than 80% of {memory.limit} ({memory.bytes / 2**30:,.1f} GiB)")
 
 
 def _describe_launch(args: argparse.Namespace) -> str:

@@ -146,7 +146,26 @@ def test_demo_refuses_sizes_this_machine_cannot_hold_before_any_rank_starts(monk
         with pytest.raises(SystemExit) as stop:
             demo.main(option + ["--device", "cpu", "--ranks", "2", "--backend", "reference"])
         assert stop.value.code == 2
-        assert re.search(r"need about [\d,.]+ GiB, more than half of this machine's", capsys.readouterr().err), option
+        assert re.search(r"need about [\d,.]+ GiB, more than 80% of the host's available memory \([\d,.]+ GiB\)",
+                         capsys.readouterr().err), option
+
+
+def test_the_memory_check_counts_a_containers_limit(monkeypatch):
+    """The check compared the need with half the machine's physical memory: in a container with --memory, a size
+    past the container's limit passed and the OOM killer ended the ranks. It reads the bench's figure (MemAvailable,
+    or a container's limit below it) and names which limit it met."""
+    import ep_plugin.demo as demo
+    from ep_plugin.cli import AVAILABLE, CONTAINER_LIMIT, HostMemory
+
+    args = SimpleNamespace(tokens=2048, hidden=1024, experts=64, topk=8, ranks=8, device="cpu")  # ~4.8 GiB
+    monkeypatch.setattr(demo, "host_memory", lambda: HostMemory(2 * 2**30, CONTAINER_LIMIT))
+    assert demo._memory_problem(args).endswith("more than 80% of what the container's memory limit leaves (2.0 GiB)")
+    monkeypatch.setattr(demo, "host_memory", lambda: HostMemory(64 * 2**30, AVAILABLE))
+    assert demo._memory_problem(args) is None
+    monkeypatch.setattr(demo, "host_memory", lambda: HostMemory(5 * 2**30, AVAILABLE))
+    assert "more than 80% of the host's available memory (5.0 GiB)" in demo._memory_problem(args)
+    monkeypatch.setattr(demo, "host_memory", lambda: None)  # not known here: no check
+    assert demo._memory_problem(args) is None
 
 
 def test_demo_refuses_a_top_k_the_backend_cannot_take():
