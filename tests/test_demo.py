@@ -146,7 +146,7 @@ def test_demo_refuses_sizes_this_machine_cannot_hold_before_any_rank_starts(monk
         with pytest.raises(SystemExit) as stop:
             demo.main(option + ["--device", "cpu", "--ranks", "2", "--backend", "reference"])
         assert stop.value.code == 2
-        assert re.search(r"need about [\d,.]+ GiB, more than 80% of the host's available memory \([\d,.]+ GiB\)",
+        assert re.search(r"need about [\d,.]+ GiB, more than half of the host's available memory \([\d,.]+ GiB\)",
                          capsys.readouterr().err), option
 
 
@@ -159,11 +159,11 @@ def test_the_memory_check_counts_a_containers_limit(monkeypatch):
 
     args = SimpleNamespace(tokens=2048, hidden=1024, experts=64, topk=8, ranks=8, device="cpu")  # ~4.8 GiB
     monkeypatch.setattr(demo, "host_memory", lambda: HostMemory(2 * 2**30, CONTAINER_LIMIT))
-    assert demo._memory_problem(args).endswith("more than 80% of what the container's memory limit leaves (2.0 GiB)")
+    assert demo._memory_problem(args).endswith("more than half of what the container's memory limit leaves (2.0 GiB)")
     monkeypatch.setattr(demo, "host_memory", lambda: HostMemory(64 * 2**30, AVAILABLE))
     assert demo._memory_problem(args) is None
     monkeypatch.setattr(demo, "host_memory", lambda: HostMemory(5 * 2**30, AVAILABLE))
-    assert "more than 80% of the host's available memory (5.0 GiB)" in demo._memory_problem(args)
+    assert "more than half of the host's available memory (5.0 GiB)" in demo._memory_problem(args)
     monkeypatch.setattr(demo, "host_memory", lambda: None)  # not known here: no check
     assert demo._memory_problem(args) is None
 
