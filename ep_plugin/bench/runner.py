@@ -429,7 +429,7 @@ def _memory_shortfall(ctx: RankContext, shape: Shape, device: torch.device, seed
         need = (rows * (shape.row_bytes() + 2 * shape.hidden) + shape.tokens * 4 * shape.hidden) * ctx.world_size
         if memory is not None and need > 0.8 * memory.bytes:
             message = (f"~{need / 2**30:,.1f} GiB of inputs and outputs for the {ctx.world_size} CPU ranks, "
-                       f"{memory.bytes / 2**30:,.1f} GiB of host memory available")
+                       f"and {memory.limit} is {memory.bytes / 2**30:,.1f} GiB")
     if device.type == "cuda":
         rows = _busiest_rank_rows(shape, ctx.world_size, seed)
         need = rows * (shape.row_bytes() + 2 * shape.hidden) * max(ctx.plan.ranks_per_gpu, 1)
