@@ -84,20 +84,24 @@ class ArgStruct {
     return *this;
   }
 
-  // A plain value field (int, bool, double, ...).
+  // A plain value field (int, bool, double, ...). Set by keyword or by assignment, a value of another type
+  // is a TypeError naming the field, as for ptr() (pybind's own says "incompatible function arguments", or
+  // a RuntimeError, naming nothing).
   template <typename T>
   ArgStruct& val(const char* name, T S::*member) {
     const std::string field = name;
-    (*setters_)[field] = [member, field](S& s, py::handle v) {
+    auto set = [member, field](S& s, py::handle v) {
       try {
         s.*member = py::cast<T>(v);
-      } catch (const py::cast_error&) {  // pybind's RuntimeError names no field: a TypeError by field, as ptr's
+      } catch (const py::cast_error&) {
         const std::string got = PyLong_Check(v.ptr()) ? std::string(py::str(v)) + " (out of range)"
                                                       : std::string(Py_TYPE(v.ptr())->tp_name);
         throw py::type_error("field '" + field + "' takes a C++ " + py::type_id<T>() + ", got " + got);
       }
     };
-    cls_.def_readwrite(name, member);
+    (*setters_)[field] = set;
+    cls_.def_property(
+        name, [member](const S& s) { return s.*member; }, [set](S& s, py::object v) { set(s, v); });
     return *this;
   }
 

@@ -116,4 +116,8 @@ def test_pointer_fields_take_tensors_ints_and_none(extension):
         C.ExchangeArgs(num_local_experts="12")
     with pytest.raises(TypeError, match=r"'num_local_experts' takes a C\+\+ int, got 1099511627776 \(out of range\)"):
         C.ExchangeArgs(num_local_experts=2**40)
+    args = C.ExchangeArgs(num_local_experts=3)
+    with pytest.raises(TypeError, match=r"field 'num_local_experts' takes a C\+\+ int, got float"):
+        args.num_local_experts = 2.5  # assigned, as the ops set their per-call fields
+    assert args.num_local_experts == 3
 
