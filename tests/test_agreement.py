@@ -16,7 +16,7 @@ import ep_plugin
 from ep_plugin.agreement import OP_COMBINE, OP_DISPATCH, OpFingerprint, check_construction, mismatch_message
 from ep_plugin.backends.compiled import CompiledBackend, op_range
 from ep_plugin.config import Config
-from ep_plugin.errors import EPError
+from ep_plugin.errors import EPError, TooManyTokensError
 from ep_plugin.host_collectives import HostCollectives
 from ep_plugin.testing import run_ranks
 from ep_plugin.testing.launcher import _environment
@@ -421,6 +421,11 @@ class _OpsAfterTheirFirstLaunch:
         self._launches += 1  # the layout and its count exchange
         self._dispatch_counts(None, routing=None)
 
+    @op_range("dispatch")
+    def dispatch_over_budget(self):
+        self._launches += 1  # this rank's count exchange told its peers that it refused (no tokens sent)
+        self._dispatch_counts(None, routing=None, refused="3 tokens, more than max_tokens_per_rank=2")
+
 
 def test_an_interrupt_midway_through_a_compiled_op_stays_an_interrupt(monkeypatch):
     """A Ctrl-C in a blocking dispatch's host wait (a late peer) came out as EPError, so a handler for
@@ -458,6 +463,10 @@ def test_only_a_refusal_every_rank_raises_leaves_a_compiled_op_retryable_after_i
         ops.refuse_before_launching(ValueError("bad input"))
     with pytest.raises(ValueError, match=r"rank\(s\) \[1\] of the group passed topk_idx with an expert id outside"):
         ops.dispatch_a_peer_flagged()
+    assert ops._failed_mid_op is None
+    ops.buffer = SimpleNamespace(mailbox=lambda first, count: [4, 0b01] + [0] * (count - 2))  # rank 0: too many
+    with pytest.raises(TooManyTokensError, match="3 tokens, more than max_tokens_per_rank=2 .on rank 0.; every rank"):
+        ops.dispatch_over_budget()
     assert ops._failed_mid_op is None
     for error in (ValueError("ep_plugin hybrid: the permute needs out"),
                   TypeError("field 'out' takes None, an int address or a tensor, got str")):
