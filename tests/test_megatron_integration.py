@@ -840,3 +840,19 @@ def test_run_launcher_installs_then_runs_unmodified_script(tmp_path):
                                 capture_output=True, text=True, timeout=120)
     assert short_help.returncode == 0 and short_help.stdout.startswith("usage:"), short_help
 
+
+@needs_megatron
+def test_run_launcher_passes_torch_launchs_local_rank_on_to_the_script(tmp_path):
+    """``python -m torch.distributed.launch`` (without --use-env) puts --local-rank=N before the script: the
+    launcher refused it as its own unknown option, on every rank; Megatron-LM's arguments take it."""
+    script = tmp_path / "show_argv.py"
+    script.write_text("import sys\nprint('ARGV', sys.argv[1:])\n")
+    result = subprocess.run([sys.executable, "-m", "ep_plugin.integrations.megatron.run", "--local-rank=3",
+                             str(script), "--steps", "2"], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ARGV ['--local-rank=3', '--steps', '2']" in result.stdout, result.stdout
+    unknown = subprocess.run([sys.executable, "-m", "ep_plugin.integrations.megatron.run", "--local-rnak=3",
+                              str(script)], capture_output=True, text=True, timeout=120)
+    assert unknown.returncode != 0 and "unknown option '--local-rnak=3'" in unknown.stderr, unknown
+
