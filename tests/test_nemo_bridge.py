@@ -131,6 +131,13 @@ def test_without_gpu_applies_and_validate_raises(ep_megatron, monkeypatch):
     assert apply_ep_plugin_backend(config, "ep_hybrid") is True  # a config written on a host without a GPU
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         validate_ep_plugin_backend(config)  # where the job runs
+    # Where no dispatcher reads the name, no GPU is needed: Bridge's export at TP = EP = 1 switches flex to
+    # "allgather" and keeps the name, and a dense model builds no dispatcher (both raised "needs a CUDA GPU").
+    export = _transformer_config(moe_token_dispatcher_type="allgather", moe_flex_dispatcher_backend="ep_hybrid")
+    validate_ep_plugin_backend(export)
+    dense = _transformer_config(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="ep_hybrid")
+    dense.num_moe_experts = None
+    validate_ep_plugin_backend(dense)
 
 
 @needs_megatron

@@ -159,6 +159,9 @@ def validate_ep_plugin_backend(model_config) -> None:
             raise unknown_backend_error(name)
         return  # Megatron's own names: Bridge's validator covers them
     check_dispatcher_type(model_config)
+    if (getattr(model_config, "moe_token_dispatcher_type", None) != "flex"
+            or not getattr(model_config, "num_moe_experts", None)):
+        return  # passed above only where no dispatcher reads the name (export at TP = EP = 1, a dense model)
     install()
     problem = gpu_problem(name) or kernel_problem(name)
     if problem is not None:
