@@ -97,9 +97,9 @@ def install(replace_builtin: Optional[bool] = None) -> None:
     """
     compat.require_megatron()
     with _lock:
-        if replace_builtin is not None:
-            _state.replace_builtin = bool(replace_builtin)
         if _state.installed:
+            if replace_builtin is not None:
+                _state.replace_builtin = bool(replace_builtin)
             return
         annotation = compat.backend_field().type
         _state.builtin_names = compat.literal_names(annotation)
@@ -121,6 +121,8 @@ def install(replace_builtin: Optional[bool] = None) -> None:
             _restore_megatron()
             raise
         _state.installed = True
+        if replace_builtin is not None:  # only once installed: a failed install routes nothing
+            _state.replace_builtin = bool(replace_builtin)
 
 
 def uninstall() -> None:
