@@ -145,7 +145,8 @@ def mappable_domain_size(placements: list[dict]) -> int:
     def can_map(a: dict, b: dict) -> bool:
         if a["gpu"] is None or b["gpu"] is None or a["host"] != b["host"]:
             return False
-        return a["gpu"] == b["gpu"] or b["gpu"] in a["peers"]
+        # Both ways: each maps the other's memory, and a process sees only its own visible GPUs' peers.
+        return a["gpu"] == b["gpu"] or (b["gpu"] in a["peers"] and a["gpu"] in b["peers"])
 
     runs, start = [], 0
     for q in range(1, len(placements) + 1):

@@ -33,6 +33,10 @@ def test_detected_domain_is_the_ranks_that_can_map_each_other():
     assert mappable_domain_size(two_hosts) == 4
     no_peer_access = [_gpu("h", "g0"), _gpu("h", "g0"), _gpu("h", "g1"), _gpu("h", "g1")]
     assert mappable_domain_size(no_peer_access) == 2  # 2 ranks per GPU, GPUs that cannot map each other
+    # A rank that sees both GPUs next to one that sees only its own (CUDA_VISIBLE_DEVICES set per rank): the
+    # second cannot open the first's memory, in either order (rank 0 first read 2, as it saw the peer).
+    sees_both, sees_own = _gpu("h", "g0", ["g1"]), _gpu("h", "g1")
+    assert mappable_domain_size([sees_both, sees_own]) == mappable_domain_size([sees_own, sees_both]) == 1
 
 
 def test_ranks_that_each_see_one_gpu_are_found():
