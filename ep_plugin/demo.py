@@ -129,11 +129,16 @@ class DemoResult:
     held_out_after: float
 
 
+def _rank_loss(model: MoELayer, x: torch.Tensor, spec: DemoSpec, world_size: int) -> torch.Tensor:
+    """This rank's share of the global mean loss on ``x`` (the ranks' shares sum to it)."""
+    return F.mse_loss(model(x), teacher(x, spec.seed)) / world_size
+
+
 def _held_out_loss(model: MoELayer, x: torch.Tensor, spec: DemoSpec, world_size: int) -> float:
     """The global mean loss on ``x``, with no gradient step. Every rank calls it at the same point: the forward
     dispatches and combines, and the loss is summed over ranks."""
     with torch.no_grad():
-        loss = F.mse_loss(model(x), teacher(x, spec.seed)) / world_size
+        loss = _rank_loss(model, x, spec, world_size)
     dist.all_reduce(loss)
     return float(loss)
 
@@ -155,7 +160,7 @@ def train(ctx: RankContext, spec: DemoSpec) -> DemoResult:
     for step in range(spec.steps):
         step_start = time.perf_counter()
         x = synthetic_tokens(spec, step, ctx.rank, ctx.world_size).to(device)
-        loss = F.mse_loss(model(x), teacher(x, spec.seed)) / ctx.world_size
+        loss = _rank_loss(model, x, spec, ctx.world_size)
         optimizer.zero_grad()
         loss.backward()
         dist.all_reduce(model.router.weight.grad)
