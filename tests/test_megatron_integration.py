@@ -468,7 +468,7 @@ def test_a_cuda_graph_over_the_dispatch_and_a_too_wide_top_k_fail_at_model_build
     config = _config(moe_flex_dispatcher_backend="ep_elastic", num_moe_experts=64, moe_router_topk=8)
     config.expert_tensor_parallel_size = 8
     with pytest.raises(ValueError, match="at most 32 experts per token.*up to 64 "
-                                         r"\(moe_router_topk=8 x expert_tensor_parallel_size=8"):
+                                         r"\(moe_router_topk=8 x 8 expert tensor-parallel ranks"):
         build(config)
     config.expert_tensor_parallel_size = 4  # 32 ids: as wide as the kernels go
     unavailable = backend_problem("elastic", "cuda")  # none on a GPU machine with the extension built
@@ -476,12 +476,14 @@ def test_a_cuda_graph_over_the_dispatch_and_a_too_wide_top_k_fail_at_model_build
         resolve_backend_class("elastic", config)  # past the option checks (then refused only if it cannot run)
 
     # Shapes the compiled kernels cannot take: refused here, not at the first step after the checkpoint loaded.
-    for backend, shape, words in (("ep_hybrid", dict(hidden_size=4100), "hidden_size divisible by 8.*4100"),
-                                  ("ep_elastic", dict(num_moe_experts=1028, expert_model_parallel_size=2),
-                                   "at most 256 local experts, got 514")):
+    # (Megatron's MoE layer hands the dispatcher its experts per rank: 1028 over 2 ranks here.)
+    for backend, local, shape, words in (("ep_hybrid", 2, dict(hidden_size=4100), "hidden_size divisible by 8.*4100"),
+                                         ("ep_elastic", 514, dict(num_moe_experts=1028, expert_model_parallel_size=2),
+                                          r"at most 256 local experts, got 514 \(num_moe_experts=1028 over 2 "
+                                          "expert-parallel ranks")):
         config = _config(moe_flex_dispatcher_backend=backend, **shape)
         with pytest.raises(ValueError, match=words):
-            build(config)
+            MoEFlexTokenDispatcher(local, list(range(local)), config=config)
     assert ep_plugin.get_backend("reference").shape_problem(4100, 514) is None  # reference takes any shape
 
     config = _config(moe_flex_dispatcher_backend="ep_reference")
@@ -489,6 +491,55 @@ def test_a_cuda_graph_over_the_dispatch_and_a_too_wide_top_k_fail_at_model_build
     with pytest.raises(ValueError, match="moe_expert_rank_capacity_factor=1.5.*ep_plugin backends are dropless"
                                          "|ep_plugin backends are dropless.*moe_expert_rank_capacity_factor=1.5"):
         config.__post_init__()
+
+
+def _dispatchers_on_their_own_groups(ctx) -> dict:
+    """Rank function: elastic dispatchers built with a pg_collection whose sizes are not the config's."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher
+
+    import ep_plugin.integrations.megatron as ep_megatron
+
+    ep_megatron.install()
+    world = torch.distributed.group.WORLD
+    alone = [torch.distributed.new_group([rank]) for rank in range(ctx.world_size)][ctx.rank]
+
+    def build(local_experts, groups, expert_tensor_parallel_size=1, **overrides):
+        config = _config(moe_flex_dispatcher_backend="ep_elastic", **overrides)
+        config.expert_tensor_parallel_size = expert_tensor_parallel_size  # after __post_init__, as a recipe may
+        try:
+            MoEFlexTokenDispatcher(local_experts, list(range(local_experts)), config=config,
+                                   pg_collection=ProcessGroupCollection(**groups))
+        except Exception as error:  # noqa: BLE001 - the outcome is what the test reads
+            return f"{type(error).__name__}: {error}"
+        return "built"
+
+    return {
+        # The config's expert TP size (1) would let 32 ids per token pass; the layer's groups hold 2 copies.
+        "wider on the groups": build(64, dict(ep=alone, expt_tp=world, tp_ep=world), num_moe_experts=64,
+                                     moe_router_topk=32),
+        # The config says 8 copies (64 ids, refused); the layer's own groups hold 1.
+        "narrower on the groups": build(64, dict(ep=alone, expt_tp=alone, tp_ep=alone), num_moe_experts=64,
+                                        moe_router_topk=8, expert_tensor_parallel_size=8),
+        # The config says 512 experts on one rank (refused); the layer's EP group splits them over 2.
+        "split by the groups": build(256, dict(ep=world, expt_tp=alone, tp_ep=world), num_moe_experts=512),
+    }
+
+
+@needs_megatron
+def test_the_build_checks_read_the_layers_own_process_groups(ep_megatron):
+    """A layer built with its own pg_collection (NeMo, custom parallelism) runs with those groups' sizes, not
+    the config's expert_model_parallel_size / expert_tensor_parallel_size: the build's top-k and shape checks
+    read the layer's (a valid layer was refused, and a too-wide top-k passed to its first step)."""
+    # Past the checks, a machine without a GPU or the extension refuses elastic itself.
+    unavailable = backend_problem("elastic", "cuda" if torch.cuda.is_available() else "cpu")
+    past_the_checks = f"BackendUnavailableError: moe_flex_dispatcher_backend='ep_elastic': {unavailable}" \
+        if unavailable else "built"
+    for outcome in run_ranks(_dispatchers_on_their_own_groups, 2, timeout_s=120):
+        assert outcome["wider on the groups"].startswith("ValueError"), outcome
+        assert "up to 64 (moe_router_topk=32 x 2 expert tensor-parallel ranks" in outcome["wider on the groups"]
+        assert outcome["narrower on the groups"] == past_the_checks, outcome
+        assert outcome["split by the groups"] == past_the_checks, outcome
 
 
 @needs_megatron

@@ -210,7 +210,10 @@ def _init_plugin_dispatcher(dispatcher, backend_name, num_local_experts, local_e
                             pg_collection) -> None:
     from .manager import EPPluginManager, resolve_backend_class
 
-    resolve_backend_class(backend_name, config)  # before any group is touched
+    # Before any group is made (a refusal needs no parallel state); the sizes the layer runs with: its own
+    # experts per rank, and its own groups' expert tensor-parallel size where it brought groups.
+    resolve_backend_class(backend_name, config, local_experts=num_local_experts,
+                          tp_copies=None if pg_collection is None else compat.expert_tp_size(pg_collection))
     if pg_collection is None:
         pg_collection = compat.default_pg_collection()
     # The base class sets config, groups and sizes; unlike Megatron's DeepEP path there is no

@@ -130,6 +130,13 @@ def default_pg_collection():
     return get_default_pg_collection()
 
 
+def expert_tp_size(pg_collection) -> int:
+    """The expert tensor-parallel size of ``pg_collection``, as the dispatcher's base class reads it."""
+    from megatron.core.utils import get_pg_size
+
+    return get_pg_size(getattr(pg_collection, "expt_tp", None))
+
+
 def activation_dtype(config):
     """The dtype of the hidden states Megatron hands the dispatcher, as far as the config tells: bf16 or
     fp16 under those mixed-precision flags (Float16Module casts the model), Megatron's own autocast

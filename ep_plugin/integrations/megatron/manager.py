@@ -61,11 +61,12 @@ RETIRED_CHECK_INTERVAL = 32
 _dispatches_since_check: "weakref.WeakKeyDictionary[torch.distributed.ProcessGroup, int]" = weakref.WeakKeyDictionary()
 
 
-def resolve_backend_class(backend_name: str, config):
+def resolve_backend_class(backend_name: str, config, *, local_experts: Optional[int] = None,
+                          tp_copies: Optional[int] = None):
     """The ep_plugin backend class for a layer's TransformerConfig ``config``. Raises ValueError for
-    Megatron options the plugin does not do (``check_megatron_options``), then BackendUnavailableError
-    saying why this install lacks the backend or why it cannot run on this process's device (a CUDA
-    backend without a GPU or its extension)."""
+    Megatron options the plugin does not do (``check_megatron_options``, with the layer's ``local_experts``
+    and ``tp_copies`` where known), then BackendUnavailableError saying why this install lacks the backend
+    or why it cannot run on this process's device (a CUDA backend without a GPU or its extension)."""
     from ep_plugin.cli import backend_problem
 
     selected = selected_by(config)
@@ -75,7 +76,7 @@ def resolve_backend_class(backend_name: str, config):
         raise ep_plugin.BackendUnavailableError(
             f"{selected} selects ep_plugin backend {backend_name!r}, which this installation cannot provide "
             f"({error}); available backends: {', '.join(ep_plugin.list_backends())}") from error
-    check_megatron_options(config, backend_class)
+    check_megatron_options(config, backend_class, local_experts=local_experts, tp_copies=tp_copies)
     problem = backend_problem(backend_name, "cuda" if torch.cuda.is_available() else "cpu")
     if problem:
         raise ep_plugin.BackendUnavailableError(f"{selected}: {problem}")
@@ -118,8 +119,13 @@ CAPTURE_PROBLEM = ("ep_plugin's dispatch in Megatron reads the exact row counts 
                    "moe_preprocess)")
 
 
-def check_megatron_options(config, backend_class) -> None:
+def check_megatron_options(config, backend_class, *, local_experts: Optional[int] = None,
+                           tp_copies: Optional[int] = None) -> None:
     """Raise ValueError, at model build, for what a plugin backend would otherwise get wrong silently.
+
+    ``local_experts`` and ``tp_copies`` are the layer's experts per rank and expert tensor-parallel size, from
+    the process groups it runs on (a layer built with its own ``pg_collection`` may differ from the config's
+    ``expert_model_parallel_size`` / ``expert_tensor_parallel_size``); None reads them from the config.
 
     - Drop-and-pad (``moe_pad_expert_input_to_capacity``, and 0.19's
       ``moe_pad_experts_for_cuda_graph_inference``, which switches it on for decode) and 0.19's fixed
@@ -155,20 +161,23 @@ def check_megatron_options(config, backend_class) -> None:
     partial = compat.partial_local_graph_problem(config)
     if partial:  # Megatron's own bug, at model build rather than as an AttributeError at the first step
         raise ValueError(f"{selected}: {partial}")
-    copies = getattr(config, "expert_tensor_parallel_size", None) or 1  # the flex dispatcher's TP copies
-    too_wide = backend_class.topk_problem(config.moe_router_topk * copies)
+    if tp_copies is None:
+        tp_copies = getattr(config, "expert_tensor_parallel_size", None) or 1  # the flex dispatcher's TP copies
+    too_wide = backend_class.topk_problem(config.moe_router_topk * tp_copies)
     if too_wide:
         raise ValueError(f"{selected}: {too_wide}: this layer routes each token to up to "
-                         f"{config.moe_router_topk * copies} (moe_router_topk={config.moe_router_topk} x "
-                         f"expert_tensor_parallel_size={copies}: the flex dispatcher gives each tensor-parallel rank "
-                         "its own copy of the experts); lower one of them, or choose 'ep_hybrid', which takes "
+                         f"{config.moe_router_topk * tp_copies} (moe_router_topk={config.moe_router_topk} x "
+                         f"{tp_copies} expert tensor-parallel ranks: the flex dispatcher gives each tensor-parallel "
+                         "rank its own copy of the experts); lower one of them, or choose 'ep_hybrid', which takes "
                          "Megatron's routing map as it is")
+    if local_experts is None:
+        local_experts = config.num_moe_experts // config.expert_model_parallel_size
     # The tokens the dispatcher moves: 0.19's latent MoE projects them down to moe_latent_size first.
     moved_size = getattr(config, "moe_latent_size", None) or config.hidden_size
-    shape = backend_class.shape_problem(moved_size, config.num_moe_experts // config.expert_model_parallel_size)
+    shape = backend_class.shape_problem(moved_size, local_experts)
     if shape:
         raise ValueError(f"{selected}: {shape} (num_moe_experts={config.num_moe_experts} over "
-                         f"expert_model_parallel_size={config.expert_model_parallel_size})")
+                         f"{config.num_moe_experts // local_experts} expert-parallel ranks)")
     if config.moe_pad_expert_input_to_capacity:
         raise ValueError(f"{selected}: ep_plugin backends are dropless; moe_pad_expert_input_to_capacity=True is not "
                          "supported")
@@ -503,7 +512,8 @@ class EPPluginManager:
         self.num_experts = num_experts
         self.config = config
         # Resolve the class now so an unknown or unavailable backend fails at model build time.
-        self.backend_class = resolve_backend_class(backend_name, config)
+        self.backend_class = resolve_backend_class(backend_name, config, local_experts=num_local_experts,
+                                                   tp_copies=num_experts // config.num_moe_experts)
         self.pad_multiple = compat.quantization_pad_multiple(config)
 
         # Per-step state, the same attribute names Megatron's managers use (the fine-grained 1F1B
