@@ -23,6 +23,8 @@ or ``scripts/gpu_validate.sh scaleout OUT``.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from test_hybrid import assert_combine_close, make_inputs, routing_kwargs
@@ -287,6 +289,45 @@ def test_scaleout_with_nccl_rails_on_two_gpus(nccl_env):
         names = results[0]
         assert len(names) == 4 * len(LAYOUTS), names
         assert all("rail=nccl" in name for name in names if " 2x4 " in name), names
+
+
+def a_rail_peer_stopping_after_the_counts(ctx) -> dict:
+    """2x4 on two GPUs (NCCL rails): global rank 4, rail 0's rank in domain 1, stops after blocking dispatch's
+    count exchange, before its rail rows, for longer than the timeout; its rail peer (rank 0) reports it."""
+    config = _config(timeout_s=5.0)
+    backend = _build("hybrid", ctx, config, 4)
+    if ctx.rank == 4:
+        exchange = backend.scaleout.exchange_rows
+
+        def late_rows(*args, **kwargs):
+            time.sleep(config.timeout_s + 10)
+            return exchange(*args, **kwargs)
+
+        backend.scaleout.exchange_rows = late_rows
+    x, idx, w, _, _ = make_inputs(0, ctx.rank, NUM_RANKS, 32, HIDDEN, NUM_EXPERTS, 4, skewed=False, drop_some=False)
+    start = time.monotonic()
+    try:
+        backend.dispatch(x, topk_idx=idx, topk_weights=w)
+        outcome = "dispatched"
+    except ep_plugin.EPError as error:
+        outcome = f"{type(error).__name__}: {error}"
+    return {"engine": backend.scaleout.engine, "outcome": outcome, "seconds": time.monotonic() - start}
+
+
+def test_a_rail_peer_that_stops_after_the_counts_is_named_on_two_gpus():
+    """Over an NCCL rail blocking dispatch's rows are waited for on the host with the timeout: the rail peer of a
+    rank that stopped after the count exchange raises EPTimeoutError naming the rail rows and that rank within the
+    timeout (the rows were stream-ordered: it waited in an untimed CUDA sync until the late rank came, and then
+    reported a domain peer instead)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs: a NCCL rail needs its ranks on different GPUs")
+    results = run_ranks(a_rail_peer_stopping_after_the_counts, NUM_RANKS, device="cuda", timeout_s=120,
+                        placement="block")
+    assert {result["engine"] for result in results} == {"nccl"}, results
+    rank0 = results[0]
+    assert rank0["outcome"].startswith("EPTimeoutError") and "rail/tokens" in rank0["outcome"], rank0
+    assert "rank 4" in rank0["outcome"] and rank0["seconds"] < 5.0 + 8, rank0
+    assert all(result["outcome"] != "dispatched" for result in results), results
 
 
 def build_with_one_rank_limiting_its_gpu(ctx) -> str:

@@ -65,8 +65,9 @@ fingerprints differ by local index, which every domain holds: either way every r
 ``_domain_agreement``). Blocking dispatch runs its domain stage after the rail payload (it needs the
 counts), other ops before any rows move. Cost: in blocking mode one small domain exchange per combine,
 dispatch_again, cached dispatch and barrier (dispatch's rides on its counts); in sync-free mode two
-small host exchanges per op, CPU tensors over gloo (a gloo twin of an NCCL rail or domain group: no wait
-for the GPU), which the host waits for.
+small host exchanges per op. Both modes' words (and blocking mode's counts) are CPU tensors over gloo, a gloo
+twin of an NCCL rail or domain group (no wait for the GPU), which the host waits for with the timeout; a
+peer that stops there leaves no NCCL collective queued, and backends of both modes meet in one size.
 
 Costs and limits: the rail stages, the reorder and the sums are torch ops and host-issued
 collectives around the domain backend's kernels; on a gloo rail CUDA tensors are staged through
@@ -174,7 +175,7 @@ class HierarchicalBackend(Backend):
         self.experts_per_domain = S * self.num_local_experts
         self.scaleout = ScaleOut(self.group, topology, self.device, timeout_s=self.config.timeout_s,
                                  chunk_rows=self.config.scaleout_chunk_tokens, owner=f"ep_plugin {self.name}",
-                                 host_words=not self.config.blocking, gloo_host_words=self.config.gloo_host_words)
+                                 gloo_host_words=self.config.gloo_host_words)
         domain_global = [torch.distributed.get_global_rank(self.group, r) for r in topology.domain_ranks()]
         self.domain_level = f"domain {topology.domain_index} (global ranks {domain_global})"
         # A rank forwards up to D * max_tokens_per_rank rows into its domain; the domain backend's outputs
@@ -195,11 +196,11 @@ class HierarchicalBackend(Backend):
         self._domain_counts = HostCollectives(self.scaleout.domain_group, owner=f"ep_plugin {self.name} "
                                               f"{self.domain_level}", timeout_s=self.config.timeout_s,
                                               label="domain counts", device=self.device)
-        # Sync-free mode's domain agreement words: CPU tensors, on the gloo twin of an NCCL domain group
-        # (EP_PLUGIN_GLOO_HOST_WORDS=0: on the domain group, read after the GPU).
+        # The domain agreement words (with blocking mode's segment counts): CPU tensors, on the gloo twin of an
+        # NCCL domain group (EP_PLUGIN_GLOO_HOST_WORDS=0: on the domain group, read after the GPU). A peer that
+        # stops there leaves no NCCL collective queued, and backends of both modes meet in words of one size.
         self._domain_words = self._domain_counts
-        if not self.config.blocking and not moves_host_memory(self._domain_counts.engine) and \
-                self.config.gloo_host_words:
+        if not moves_host_memory(self._domain_counts.engine) and self.config.gloo_host_words:
             self._domain_words = HostCollectives(self.scaleout.domain_group, owner=f"ep_plugin {self.name} "
                                                  f"{self.domain_level}", timeout_s=self.config.timeout_s,
                                                  label="domain words", device=self.device, on_host=True)
@@ -454,7 +455,10 @@ class HierarchicalBackend(Backend):
         with self._between_exchanges(where):  # (a disagreement raises in _segment_counts, on every rank)
             if disagreement is None:
                 payload = self._pack_for_rail(packer, token_fields, to_domain, send_tokens, send_slot)
-                received = packer.unpack(self.scaleout.exchange_rows(payload, splits, where=f"{where}: rail/tokens"))
+                # Blocking mode reads the rows' counts on the host next (_segment_counts): waited for here, with
+                # the timeout, so that a rail peer that stopped after the count exchange is named.
+                received = packer.unpack(self.scaleout.exchange_rows(payload, splits, where=f"{where}: rail/tokens",
+                                                                     read_on_host=self.config.blocking))
             else:  # no payload moves on this rail; the domain hears of it with the segment counts below
                 splits = RailSplits([0] * D, [0] * D, 0)
                 received = packer.unpack(torch.zeros(0, packer.row_bytes, dtype=torch.uint8, device=dev))
@@ -790,11 +794,11 @@ class HierarchicalBackend(Backend):
         rail has a rank in every domain; where every rail agrees, a rank's fingerprint depends on its local
         index alone, and every domain holds every local index, so if not all are equal every domain sees two.
 
-        Blocking mode: the four words follow blocking dispatch's segment counts ``counts`` [S, D * (L + 1)],
-        zero-padded to ``_domain_count_width`` (zeros for the other ops: an op that meets another, or another
-        backend's op, then differs in the words, not in the sizes, which gloo would abort on); returns the
-        peers' counts (a host read). Sync-free mode: the four words, CPU tensors on a group that moves them
-        (no wait for the GPU), after as many zeros where that group is the blocking mode's too; returns None.
+        The four words follow blocking dispatch's segment counts ``counts`` [S, D * (L + 1)], zero-padded to
+        ``_domain_count_width`` (zeros for the other ops and in sync-free mode: an op that meets another, or
+        another backend's op, then differs in the words, not in the sizes, which gloo would abort on), as CPU
+        tensors on a group that moves them (``_domain_words``). Returns blocking mode's peers' counts (a host
+        read), None in sync-free mode.
         """
         S, code, instance = self.domain_size, fingerprint.pack(), self._host.instance
         # The flag: 0 agreed, 1 ranks disagree, 2 a rank refused its input (RefusedInput), 3 for its token count
@@ -804,18 +808,12 @@ class HierarchicalBackend(Backend):
         status = torch.tensor([[flag, code, instance, row_bytes]] * S, dtype=torch.int64)
         phase = "domain/segment counts" if counts is not None else "domain/agreement"
         width = self._domain_count_width
-        if self.config.blocking:
-            collectives = self._domain_counts
-            device = self._domain_counts_device(counts.device if counts is not None else self.device)
-            padded = torch.zeros(S, width, dtype=torch.int64, device=device)
-            if counts is not None:
-                padded[:, :counts.shape[1]] = counts.to(device)
-            sent = torch.cat([padded, status.to(device)], 1)
-        elif self._domain_words is self._domain_counts:  # one group for both modes' words: one size
-            collectives = self._domain_words
-            sent = torch.cat([torch.zeros(S, width, dtype=torch.int64), status], 1).to(collectives.word_device)
-        else:  # the words on a group of their own (a gloo twin): only this mode's backends use it
-            width, collectives, sent = 0, self._domain_words, status.to(self._domain_words.word_device)
+        collectives = self._domain_words
+        device = collectives.word_device
+        padded = torch.zeros(S, width, dtype=torch.int64, device=device)
+        if counts is not None:
+            padded[:, :counts.shape[1]] = counts.to(device)
+        sent = torch.cat([padded, status.to(device)], 1)
         words = [width + status.shape[1]] * S
         received = self._at_domain_level(lambda: collectives.all_to_all(
             sent.reshape(-1), words, words, where=f"{where}: {phase}", read_on_host=True)).view(S, -1)

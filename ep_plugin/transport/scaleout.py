@@ -9,9 +9,11 @@
 - the rail engine: NCCL where the ranks of each rail have GPUs of their own (one rank per GPU along
   the rail), gloo where some share a GPU (NCCL refuses two ranks on one GPU) or on CPU. The domain
   groups use the engine of the parent group.
-- on request (``host_words``: sync-free mode's agreement words, which the host reads without waiting
-  for the GPU), rail collectives that move CPU tensors: on the rail group itself where its engine is
-  gloo, else on a gloo twin of it (``HostCollectives``' ``on_host``).
+- the rail's words (both modes' agreement words and blocking mode's row counts, which the host writes and
+  reads): CPU tensors, on the rail group itself where its engine is gloo, else on a gloo twin of it
+  (``HostCollectives``' ``on_host``; ``Config.gloo_host_words``). A peer that stops in a word exchange then
+  leaves no NCCL collective queued behind the timeout, and backends of both modes meet there in rows of
+  one size.
 - the rail collectives, timed like every host wait (``HostCollectives``): a late or missing peer gives
   ``EPTimeoutError`` naming the level (``rail <l>``), the op and phase, and the peer (its rank on the
   rail and its global rank); an engine failure gives ``EPError`` with the engine's message.
@@ -24,7 +26,9 @@ per field, and bitwise by construction. CUDA tensors on a gloo rail are staged t
 here (gloo's CUDA support for all-to-all is not something we have checked on the device); staging
 waits for the stream, so "sync-free" there means static shapes and no host read of a count, not no
 synchronization. On NCCL rails the tensors stay on the GPU and the payload collectives are
-stream-ordered (no host wait).
+stream-ordered, or waited for on the host with the timeout where the caller reads on the host next
+(blocking dispatch: ``exchange_rows(read_on_host=True)``), so that a rail peer that stopped after the
+count exchange is named, not left to an untimed CUDA sync and NCCL's watchdog.
 
 Host memory on a gloo rail: the payload rows travel through two host buffers that ``ScaleOut`` keeps
 between ops (send and receive; pinned where CUDA tensors are staged), grown to the largest exchange
@@ -195,13 +199,13 @@ class ScaleOut:
         timeout_s: how long one rail collective may wait for its peers.
         chunk_rows: rows per peer per rail collective (0 = all at once).
         owner: name for messages ("ep_plugin reference").
-        host_words: ``exchange_words`` moves CPU tensors (no wait for the GPU): on the rail group where it
-            moves them, else on its gloo twin (``HostCollectives``' ``on_host``) unless ``gloo_host_words``
-            is False (then on the rail group, whose words the host reads after the GPU).
+        gloo_host_words: ``exchange_words`` and ``exchange_counts`` move CPU tensors (no wait for the GPU):
+            on the rail group where it moves them, else on its gloo twin (``HostCollectives``' ``on_host``);
+            False keeps them on an NCCL rail group (GPU words the host reads after the GPU).
     """
 
     def __init__(self, group: dist.ProcessGroup, topology: Topology, device: torch.device, *, timeout_s: float,
-                 chunk_rows: int = 0, owner: str, host_words: bool = False, gloo_host_words: bool = True) -> None:
+                 chunk_rows: int = 0, owner: str, gloo_host_words: bool = True) -> None:
         self.topology = topology
         self.device = device
         self.chunk_rows = int(chunk_rows)
@@ -218,14 +222,13 @@ class ScaleOut:
         self.exchange_device = device if device.type == "cuda" and not self.stage_on_host else torch.device("cpu")
         self._host_buffers: dict[str, torch.Tensor] = {}  # "send" / "receive": kept host rows (module docstring)
         self.pin_host_buffers = self.stage_on_host
-        # exchange_words: on the rail group, unless the host reads them without waiting for the GPU.
-        self.rail_words, self.words_device = self.rail, self.exchange_device
-        if host_words:
-            if not moves_host_memory(self.engine) and gloo_host_words:
-                self.rail_words = HostCollectives(self.rail_group, timeout_s=timeout_s, on_host=True,
-                                                  owner=f"{owner} scale-out, {self.level}", label="rail words",
-                                                  device=device)
-            self.words_device = self.rail_words.word_device  # the CPU, unless they stay on an NCCL rail
+        # The words: on the rail group where it moves CPU tensors, else on its gloo twin (the module docstring).
+        self.rail_words = self.rail
+        if not moves_host_memory(self.engine) and gloo_host_words:
+            self.rail_words = HostCollectives(self.rail_group, timeout_s=timeout_s, on_host=True,
+                                              owner=f"{owner} scale-out, {self.level}", label="rail words",
+                                              device=device)
+        self.words_device = self.rail_words.word_device  # the CPU, unless they stay on an NCCL rail
 
     @property
     def num_domains(self) -> int:
@@ -238,8 +241,8 @@ class ScaleOut:
     def exchange_words(self, words: torch.Tensor, *, where: str) -> list[list[int]]:
         """Send each rail peer the same few int64 words; return every peer's words (host lists, by domain).
 
-        A host read: sync-free mode's agreement and ``barrier`` use it (with ``host_words``, CPU tensors on a
-        group that moves them: no wait for the GPU).
+        A host read: sync-free mode's agreement and ``barrier`` use it (CPU tensors on a group that moves
+        them, unless ``gloo_host_words`` is off on an NCCL rail: no wait for the GPU).
         """
         D = self.num_domains
         sent = words.reshape(1, -1).to(torch.int64).repeat(D, 1).to(self.words_device)
@@ -258,9 +261,10 @@ class ScaleOut:
         """
         D = self.num_domains
         sent = torch.tensor([[count, *extra, *send_counts] for count in send_counts], dtype=torch.int64,
-                            device=self.exchange_device)
+                            device=self.words_device)
         width = sent.shape[1]
-        received = self.rail.all_to_all(sent.reshape(-1), [width] * D, [width] * D, where=where, read_on_host=True)
+        received = self.rail_words.all_to_all(sent.reshape(-1), [width] * D, [width] * D, where=where,
+                                              read_on_host=True)
         rows = received.view(D, width).tolist()
         largest = max((max(row[width - D:], default=0) for row in rows), default=0)
         splits = RailSplits(list(send_counts), [row[0] for row in rows], largest)
@@ -276,20 +280,22 @@ class ScaleOut:
             return self._host_rows("send", num_rows, row_bytes)
         return torch.empty(num_rows, row_bytes, dtype=torch.uint8, device=self.device)
 
-    def exchange_rows(self, rows: torch.Tensor, splits: RailSplits, *, where: str) -> torch.Tensor:
+    def exchange_rows(self, rows: torch.Tensor, splits: RailSplits, *, where: str,
+                      read_on_host: bool = False) -> torch.Tensor:
         """``all_to_all_single`` of ``rows`` [sum(splits.send), B] along the rail; returns [sum(splits.recv), B].
 
         Rows for peer d are the d-th block of ``rows``; received blocks come in domain order. Runs in
         ceil(splits.largest / chunk_rows) rounds when chunking is on (equal on every rail rank). Stays on
-        the stream over NCCL. On a CPU rail the result is a view of the kept receive buffer, which the
-        next exchange overwrites: read it (``RowPacker.unpack`` copies by default) before then.
+        the stream over NCCL, unless ``read_on_host``: the caller reads on the host next, so the host waits
+        for the rows here, with the timeout. On a CPU rail the result is a view of the kept receive buffer,
+        which the next exchange overwrites: read it (``RowPacker.unpack`` copies by default) before then.
         """
         if self.stage_on_host:
             return self._exchange_staged(rows, splits, where)
         received = None
         if rows.device.type == "cpu":
             received = self._host_rows("receive", sum(splits.recv), rows.shape[1])
-        return self._all_to_all_rows(rows, splits, received, where)
+        return self._all_to_all_rows(rows, splits, received, where, read_on_host)
 
     def _exchange_staged(self, rows: torch.Tensor, splits: RailSplits, where: str) -> torch.Tensor:
         """CUDA rows over a gloo rail: the own domain's block is a device copy, the others cross the host
@@ -305,18 +311,19 @@ class ScaleOut:
         for first, count, at in _around(send_own, splits.send[own], rows.shape[0]):
             host_rows[at:at + count].copy_(rows[first:first + count])
         received = self._all_to_all_rows(host_rows, remote, self._host_rows("receive", sum(remote.recv), width),
-                                         where)
+                                         where, read_on_host=True)
         for first, count, at in _around(recv_own, splits.recv[own], out.shape[0]):
             out[first:first + count].copy_(received[at:at + count])
         return out
 
     def _all_to_all_rows(self, rows: torch.Tensor, splits: RailSplits, out: Optional[torch.Tensor],
-                         where: str) -> torch.Tensor:
+                         where: str, read_on_host: bool) -> torch.Tensor:
         """The rail collective(s) of ``exchange_rows`` on tensors the engine moves, into ``out`` (or fresh)."""
         chunk = self.chunk_rows
         most = splits.largest
         if chunk <= 0 or most <= chunk:
-            return self.rail.all_to_all(rows, splits.recv, splits.send, where=where, read_on_host=False, out=out)
+            return self.rail.all_to_all(rows, splits.recv, splits.send, where=where, read_on_host=read_on_host,
+                                        out=out)
         if out is None:
             out = rows.new_empty((sum(splits.recv),) + tuple(rows.shape[1:]))
         send_starts = _starts(splits.send)
@@ -326,7 +333,7 @@ class ScaleOut:
             recv_now = [max(0, min(chunk, n - first)) for n in splits.recv]
             pieces = [rows[s + first:s + first + n] for s, n in zip(send_starts, send_now, strict=True)]
             received = self.rail.all_to_all(torch.cat(pieces), recv_now, send_now,
-                                            where=f"{where} (chunk {round_index + 1})", read_on_host=False)
+                                            where=f"{where} (chunk {round_index + 1})", read_on_host=read_on_host)
             offset = 0
             for s, n in zip(recv_starts, recv_now, strict=True):
                 out[s + first:s + first + n] = received[offset:offset + n]
