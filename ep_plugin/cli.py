@@ -66,12 +66,13 @@ class HostMemory(NamedTuple):
 
 
 AVAILABLE = "the host's available memory"  # /proc/meminfo's MemAvailable
-CONTAINER_LIMIT = "what the container's memory limit leaves"  # cgroup v2 memory.max less what the cgroup uses
+CONTAINER_LIMIT = "what the container's memory limit leaves"  # a cgroup's memory limit less what it uses
 
 
-def host_memory(cgroup: str = "/sys/fs/cgroup") -> Optional[HostMemory]:
-    """MemAvailable of /proc/meminfo, or less where this process's cgroup (v2) limits it (a container's
-    --memory: past it the OOM killer ends a rank, whatever the host has free); None where neither is read."""
+def host_memory(cgroup: str = "/sys/fs/cgroup", own_cgroup: str = "/proc/self/cgroup") -> Optional[HostMemory]:
+    """MemAvailable of /proc/meminfo, or less where a cgroup this process is in limits it (a container's
+    --memory, a Slurm job's: past it the OOM killer ends a rank, whatever the host has free); None where
+    neither is read. ``cgroup`` is where the cgroup tree is mounted, ``own_cgroup`` names this process's."""
     available = None
     try:
         with open("/proc/meminfo") as meminfo:
@@ -80,16 +81,66 @@ def host_memory(cgroup: str = "/sys/fs/cgroup") -> Optional[HostMemory]:
                     available = HostMemory(int(line.split()[1]) * 1024, AVAILABLE)
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        with open(os.path.join(cgroup, "memory.max")) as limit, open(os.path.join(cgroup, "memory.current")) as used:
-            text = limit.read().strip()
-            if text != "max":
-                headroom = max(0, int(text) - int(used.read().strip()))
-                if available is None or headroom < available.bytes:
-                    available = HostMemory(headroom, CONTAINER_LIMIT)
-    except (OSError, ValueError):
-        pass
+    headroom = _cgroup_headroom(cgroup, own_cgroup)
+    if headroom is not None and (available is None or headroom < available.bytes):
+        available = HostMemory(headroom, CONTAINER_LIMIT)
     return available
+
+
+# Per cgroup version: the limit's file, the usage's, and memory.stat's inactive page cache (dropped before a kill).
+_CGROUP_V2 = ("memory.max", "memory.current", "inactive_file")
+_CGROUP_V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+_NO_V1_LIMIT = 2**62  # v1 writes "no limit" as the largest page-aligned int64
+
+
+def _cgroup_headroom(root: str, own_cgroup: str) -> Optional[int]:
+    """The least room left under a memory limit of this process's cgroup or of one above it (a limit binds
+    every cgroup below: a Slurm job's above its steps'), v2 (``root``) or v1's memory controller
+    (``root``/memory), or None where none is set or read. What a cgroup uses is its usage less its inactive
+    page cache, which the kernel drops before it kills."""
+    places = []  # (mount, path, files)
+    try:
+        with open(own_cgroup) as lines:
+            for line in lines:
+                number, controllers, path = (line.rstrip("\n").split(":", 2) + ["", ""])[:3]
+                if number == "0" and controllers == "":
+                    places.append((root, path, _CGROUP_V2))
+                elif "memory" in controllers.split(","):
+                    places.append((os.path.join(root, "memory"), path, _CGROUP_V1))
+    except OSError:
+        pass
+    if not places:  # this process's cgroup not known: the root of a v2 tree (a container's own)
+        places.append((root, "", _CGROUP_V2))
+    least = None
+    for mount, path, files in places:
+        parts = [part for part in path.split("/") if part and part != ".."]
+        for depth in range(len(parts), -1, -1):  # this process's cgroup, then each one above it
+            room = _room_under_limit(os.path.join(mount, *parts[:depth]), files)
+            if room is not None and (least is None or room < least):
+                least = room
+    return least
+
+
+def _room_under_limit(directory: str, files: tuple[str, str, str]) -> Optional[int]:
+    """The limit less what the cgroup at ``directory`` uses, or None (no limit, or not readable)."""
+    limit_file, usage_file, inactive_key = files
+    try:
+        with open(os.path.join(directory, limit_file)) as limit:
+            text = limit.read().strip()
+        if text == "max" or int(text) >= _NO_V1_LIMIT:
+            return None
+        with open(os.path.join(directory, usage_file)) as usage:
+            used = int(usage.read().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        with open(os.path.join(directory, "memory.stat")) as stat:
+            for line in stat:
+                if line.startswith(inactive_key + " "):
+                    used -= int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return max(0, int(text) - max(0, used))
 
 
 def device_problem(device: str) -> Optional[str]:

@@ -1172,14 +1172,47 @@ def test_a_containers_memory_limit_bounds_what_the_cpu_check_counts_as_available
     and the OOM killer ended a rank."""
     from ep_plugin.cli import AVAILABLE, CONTAINER_LIMIT, host_memory
 
-    host = host_memory(str(tmp_path))  # no cgroup files there: the host's figure
+    own = tmp_path / "self_cgroup"
+    own.write_text("0::/\n")  # a container's own cgroup namespace: its cgroup is the tree's root
+    host = host_memory(str(tmp_path), str(own))  # no cgroup files there: the host's figure
     assert host is not None and host.bytes > 0 and host.limit == AVAILABLE
     (tmp_path / "memory.max").write_text(f"{2 * 2**30}\n")
     (tmp_path / "memory.current").write_text(f"{2**30 - 4096}\n")
     limited = (2**30 + 4096, CONTAINER_LIMIT) if host.bytes > 2**30 + 4096 else host  # the limit less what it uses
-    assert host_memory(str(tmp_path)) == limited
+    assert host_memory(str(tmp_path), str(own)) == limited
     (tmp_path / "memory.max").write_text("max\n")  # no limit: the host's figure again (it moves a little)
-    assert abs(host_memory(str(tmp_path)).bytes - host.bytes) < 2**30
+    assert abs(host_memory(str(tmp_path), str(own)).bytes - host.bytes) < 2**30
+
+
+def test_the_memory_check_reads_the_limit_of_the_processs_own_cgroup_and_those_above(tmp_path):
+    """Outside a container's namespace (a Slurm job on cgroup v2, or any job on v1, still RHEL 8's default) the
+    limit is not at the tree's root: it lies on the job's cgroup, above the step this process is in. Only
+    the root was read, so such a job's limit went unseen. Page cache the kernel drops first is not counted."""
+    from ep_plugin.cli import AVAILABLE, CONTAINER_LIMIT, host_memory
+
+    own = tmp_path / "self_cgroup"
+    host = host_memory(str(tmp_path / "none"), str(own))  # nothing readable: the host's figure
+    assert host is not None and host.limit == AVAILABLE and host.bytes > 2**30
+    # v2: a 1 GiB job limit two levels above this process's cgroup (whose own limit is "max").
+    step = tmp_path / "v2" / "system.slice" / "job_7" / "step_0"
+    step.mkdir(parents=True)
+    (step / "memory.max").write_text("max\n")
+    (step.parent / "memory.max").write_text(f"{2**30}\n")
+    (step.parent / "memory.current").write_text(f"{768 * 2**20}\n")
+    (step.parent / "memory.stat").write_text(f"anon 1\ninactive_file {512 * 2**20}\nactive_file 3\n")
+    own.write_text("0::/system.slice/job_7/step_0\n")
+    assert host_memory(str(tmp_path / "v2"), str(own)) == (768 * 2**20, CONTAINER_LIMIT)  # 1 GiB - (768 - 512) MiB
+    # v1: the memory controller's own line and mount; "no limit" is the largest page-aligned int64.
+    job = tmp_path / "v1" / "memory" / "slurm" / "uid_0" / "job_9"
+    job.mkdir(parents=True)
+    (job / "memory.limit_in_bytes").write_text(f"{2**30}\n")
+    (job / "memory.usage_in_bytes").write_text(f"{2**29}\n")
+    (job / "memory.stat").write_text(f"cache 5\ntotal_inactive_file {2**28}\n")
+    (job.parent / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    own.write_text("12:pids:/slurm/uid_0/job_9\n4:memory:/slurm/uid_0/job_9\n0::/\n")
+    assert host_memory(str(tmp_path / "v1"), str(own)) == (2**30 - 2**28, CONTAINER_LIMIT)
+    (job / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # unlimited all the way up
+    assert host_memory(str(tmp_path / "v1"), str(own)).limit == AVAILABLE
 
 
 def test_the_progress_bar_ends_full_when_a_backend_is_skipped(tmp_path, capfd):
