@@ -66,7 +66,7 @@ class HostMemory(NamedTuple):
 
 
 AVAILABLE = "the host's available memory"  # /proc/meminfo's MemAvailable
-CONTAINER_LIMIT = "what the container's memory limit leaves"  # a cgroup's memory limit less what it uses
+CONTAINER_LIMIT = "what the memory limit of its cgroup (a container's, a job's) leaves"  # the limit less the use
 
 
 def host_memory(cgroup: str = "/sys/fs/cgroup", own_cgroup: str = "/proc/self/cgroup") -> Optional[HostMemory]:

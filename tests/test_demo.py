@@ -159,7 +159,8 @@ def test_the_memory_check_counts_a_containers_limit(monkeypatch):
 
     args = SimpleNamespace(tokens=2048, hidden=1024, experts=64, topk=8, ranks=8, device="cpu")  # ~4.8 GiB
     monkeypatch.setattr(demo, "host_memory", lambda: HostMemory(2 * 2**30, CONTAINER_LIMIT))
-    assert demo._memory_problem(args).endswith("more than half of what the container's memory limit leaves (2.0 GiB)")
+    assert demo._memory_problem(args).endswith("more than half of what the memory limit of its cgroup (a container's, "
+                                               "a job's) leaves (2.0 GiB)")
     monkeypatch.setattr(demo, "host_memory", lambda: HostMemory(64 * 2**30, AVAILABLE))
     assert demo._memory_problem(args) is None
     monkeypatch.setattr(demo, "host_memory", lambda: HostMemory(5 * 2**30, AVAILABLE))
