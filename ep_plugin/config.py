@@ -94,7 +94,7 @@ class Config:
     peer_watch_s: float = field(default=0.5, metadata={
         "help": "watch the peers' processes on this host; seconds between looks where no pidfd (0 = off)"})
     # The small words the host reads (the setup's: construction check, topology, buffer handles; the
-    # sync-free scale-out agreement's) of an NCCL group on a gloo twin of it, so that a peer that never
+    # scale-out agreement's and counts) of an NCCL group on a gloo twin of it, so that a peer that never
     # arrives leaves no kernel waiting on a GPU (HostCollectives' on_host). Off: on the NCCL group itself,
     # for jobs where gloo cannot connect (the host then waits for the GPU to read them). Equal on every rank.
     gloo_host_words: bool = field(default=True, metadata={

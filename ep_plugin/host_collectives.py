@@ -19,14 +19,15 @@ How the wait is bounded (gloo's behaviour measured on torch 2.13; ``Work.wait(ti
   last owner, not with ``destroy_process_group``.
 - NCCL: a collective whose result the host reads next is polled with ``Work.is_completed()``
   (never blocks, never throws) until the deadline. Payload collectives are left on the stream
-  as before (no host sync added); a peer that dies in the middle of an op is then NCCL's
+  (no host sync added) unless the caller reads on the host next (``read_on_host``: the scale-out's
+  blocking dispatch rows); a peer that dies in the middle of one left on the stream is then NCCL's
   watchdog's to report, at the group's own timeout. Set that timeout above
   ``EP_PLUGIN_TIMEOUT_S`` so that ep_plugin's report comes first.
 - Either engine under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: torch's debug wrapper would block the issue itself
   until the peers come, so the collectives go on the engine under it (``unwrapped_backend``).
 
 Host words of an NCCL group (``on_host=True``: the construction check, topology, buffer handles,
-autosizing, the Megatron backend's tokens per rank and arena, sync-free scale-out agreement) travel on a
+autosizing, the Megatron backend's tokens per rank and arena, the scale-out agreement and counts) travel on a
 gloo twin of it, gloo over the same ranks that its owners share (``gloo_twin``;
 ``Config.gloo_host_words`` turns it off): a collective that a peer never joins then leaves nothing
 spinning on a GPU. Over NCCL it would leave a kernel that waits for the peer, and the process's exit

@@ -296,6 +296,8 @@ def a_rail_peer_stopping_after_the_counts(ctx) -> dict:
     count exchange, before its rail rows, for longer than the timeout; its rail peer (rank 0) reports it."""
     config = _config(timeout_s=5.0)
     backend = _build("hybrid", ctx, config, 4)
+    x, idx, w, _, _ = make_inputs(0, ctx.rank, NUM_RANKS, 32, HIDDEN, NUM_EXPERTS, 4, skewed=False, drop_some=False)
+    backend.dispatch(x, topk_idx=idx, topk_weights=w)  # in step once: the late rank is late in the second
     if ctx.rank == 4:
         exchange = backend.scaleout.exchange_rows
 
@@ -304,7 +306,6 @@ def a_rail_peer_stopping_after_the_counts(ctx) -> dict:
             return exchange(*args, **kwargs)
 
         backend.scaleout.exchange_rows = late_rows
-    x, idx, w, _, _ = make_inputs(0, ctx.rank, NUM_RANKS, 32, HIDDEN, NUM_EXPERTS, 4, skewed=False, drop_some=False)
     start = time.monotonic()
     try:
         backend.dispatch(x, topk_idx=idx, topk_weights=w)

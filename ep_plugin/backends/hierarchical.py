@@ -57,15 +57,17 @@ Where ranks disagree and a rank refused in one op, every rank raises ``EPError``
 Every op opens with two exchanges of a fixed size per peer, whatever the op: the rail stage (the op
 fingerprint, the width of its rail rows, the backend's number on its group and whether the rank refused its
 input; in blocking mode inside the count exchange) and the domain
-stage (whether this rank's rail found a disagreement, and the fingerprint; in blocking mode behind the
-dispatch's segment counts, zeros for other ops). So ranks that disagree always meet in an exchange of
-one size, never in two different collectives or one of two sizes (gloo aborts the process on those). A
+stage (whether this rank's rail found a disagreement, and the fingerprint: one frame of
+``host_collectives.FRAME_WORDS``, the size of the domain backend's own setup calls on that group; blocking
+dispatch sends its segment counts in a second exchange once the domain agreed). So ranks that disagree always
+meet in an exchange of one size, never in two different collectives or one of two sizes (gloo aborts the
+process on those). A
 rail that disagrees flags on all its ranks and has a rank in every domain; where every rail agrees, two
 fingerprints differ by local index, which every domain holds: either way every rank stops (see
 ``_domain_agreement``). Blocking dispatch runs its domain stage after the rail payload (it needs the
 counts), other ops before any rows move. Cost: in blocking mode one small domain exchange per combine,
-dispatch_again, cached dispatch and barrier (dispatch's rides on its counts); in sync-free mode two
-small host exchanges per op. Both modes' words (and blocking mode's counts) are CPU tensors over gloo, a gloo
+dispatch_again, cached dispatch and barrier, and two per dispatch (the frame, then the counts); in sync-free
+mode two small host exchanges per op. Both modes' words (and blocking mode's counts) are CPU tensors over gloo, a gloo
 twin of an NCCL rail or domain group (no wait for the GPU), which the host waits for with the timeout; a
 peer that stops there leaves no NCCL collective queued, and backends of both modes meet in one size.
 
@@ -102,7 +104,7 @@ from ..agreement import (
 )
 from ..errors import EPError, TooManyTokensError
 from ..handle import COMPACT, CombineOutput, DispatchOutput, Handle
-from ..host_collectives import HostCollectives, between_exchanges, moves_host_memory
+from ..host_collectives import FRAME_WORDS, HostCollectives, between_exchanges, moves_host_memory
 from ..routing import ROUTING_MAP, TOPK, Routing, check_tensor, dropped_ids_error
 from ..topology import Topology
 from ..transport.scaleout import RailSplits, RowPacker, ScaleOut, flat_order_index
@@ -111,10 +113,6 @@ from .base import Backend
 # The rail agreement's refusal word of a rank whose dispatch input was refused (see _rail_agreement; 0: none).
 _REFUSED_INPUT = -1
 _REFUSED_TOKENS = -2  # ... by one whose only reason was its token count (more than max_tokens_per_rank)
-# Local experts the domain stage's count words have room for, on every backend (the compiled ones allow 256);
-# a backend with more is refused across domains: its words would differ in size from other backends' on the
-# group, and gloo aborts the process where two sizes meet. See HierarchicalBackend._domain_count_width.
-DOMAIN_COUNT_EXPERTS = 256
 
 
 class RefusedInput(str):
@@ -168,9 +166,6 @@ class HierarchicalBackend(Backend):
         super().__init__(group, hidden_size=hidden_size, num_experts=num_experts, config=config, device=device,
                          topology=topology)
         S, D = topology.domain_size, topology.num_domains
-        if self.num_local_experts > DOMAIN_COUNT_EXPERTS:  # the same on every rank: the group agreed above
-            raise ValueError(f"{self.num_local_experts} local experts per rank: across NVLink domains a backend "
-                             f"takes at most {DOMAIN_COUNT_EXPERTS} (use more ranks, or one domain)")
         self.domain_size, self.num_domains = S, D
         self.experts_per_domain = S * self.num_local_experts
         self.scaleout = ScaleOut(self.group, topology, self.device, timeout_s=self.config.timeout_s,
@@ -196,19 +191,14 @@ class HierarchicalBackend(Backend):
         self._domain_counts = HostCollectives(self.scaleout.domain_group, owner=f"ep_plugin {self.name} "
                                               f"{self.domain_level}", timeout_s=self.config.timeout_s,
                                               label="domain counts", device=self.device)
-        # The domain agreement words (with blocking mode's segment counts): CPU tensors, on the gloo twin of an
-        # NCCL domain group (EP_PLUGIN_GLOO_HOST_WORDS=0: on the domain group, read after the GPU). A peer that
-        # stops there leaves no NCCL collective queued, and backends of both modes meet in words of one size.
+        # The domain agreement frames (and blocking dispatch's segment counts after them): CPU tensors, on the gloo
+        # twin of an NCCL domain group (EP_PLUGIN_GLOO_HOST_WORDS=0: on the domain group, read after the GPU). A
+        # peer that stops there leaves no NCCL collective queued, and backends of both modes meet in one size.
         self._domain_words = self._domain_counts
         if not moves_host_memory(self._domain_counts.engine) and self.config.gloo_host_words:
             self._domain_words = HostCollectives(self.scaleout.domain_group, owner=f"ep_plugin {self.name} "
                                                  f"{self.domain_level}", timeout_s=self.config.timeout_s,
                                                  label="domain words", device=self.device, on_host=True)
-        # Words of segment counts in every op's domain stage: sized for DOMAIN_COUNT_EXPERTS local experts
-        # whatever this backend has, so that two backends on one group (other expert counts, or modes) send
-        # words of one size: ranks that use them in two orders then see two backend numbers, where gloo
-        # would abort on two sizes.
-        self._domain_count_width = self.num_domains * (DOMAIN_COUNT_EXPERTS + 1)
         self._num_dispatches = 0
         # Sync-free top-k dispatches: a device bool, whether any held an id out of range (check_errors raises).
         self._invalid_expert_ids: Optional[torch.Tensor] = None
@@ -794,30 +784,26 @@ class HierarchicalBackend(Backend):
         rail has a rank in every domain; where every rail agrees, a rank's fingerprint depends on its local
         index alone, and every domain holds every local index, so if not all are equal every domain sees two.
 
-        The four words follow blocking dispatch's segment counts ``counts`` [S, D * (L + 1)], zero-padded to
-        ``_domain_count_width`` (zeros for the other ops and in sync-free mode: an op that meets another, or
-        another backend's op, then differs in the words, not in the sizes, which gloo would abort on), as CPU
-        tensors on a group that moves them (``_domain_words``). Returns blocking mode's peers' counts (a host
-        read), None in sync-free mode.
+        The four words are one frame (``FRAME_WORDS`` per peer, the fingerprint second), the size of every host
+        call's first exchange on a group: the domain backend's setup calls share the group (or its gloo twin),
+        and a rank in one of them (a destroy, say) while a peer runs an op meets it in one size and raises
+        EPError, where gloo would abort on two. CPU tensors where the group moves them (``_domain_words``).
+        Blocking dispatch then sends its segment counts ``counts`` [S, D * (L + 1)] in a second exchange of
+        one size, every rank of the domain being in the same op of the same backend; returns the peers'
+        counts (a host read), None for the other ops and in sync-free mode.
         """
         S, code, instance = self.domain_size, fingerprint.pack(), self._host.instance
         # The flag: 0 agreed, 1 ranks disagree, 2 a rank refused its input (RefusedInput), 3 for its token count
         # alone (RefusedTokens).
         flag = (0 if disagreement is None else 3 if isinstance(disagreement, RefusedTokens)
                 else 2 if isinstance(disagreement, RefusedInput) else 1)
-        status = torch.tensor([[flag, code, instance, row_bytes]] * S, dtype=torch.int64)
         phase = "domain/segment counts" if counts is not None else "domain/agreement"
-        width = self._domain_count_width
         collectives = self._domain_words
         device = collectives.word_device
-        padded = torch.zeros(S, width, dtype=torch.int64, device=device)
-        if counts is not None:
-            padded[:, :counts.shape[1]] = counts.to(device)
-        sent = torch.cat([padded, status.to(device)], 1)
-        words = [width + status.shape[1]] * S
-        received = self._at_domain_level(lambda: collectives.all_to_all(
-            sent.reshape(-1), words, words, where=f"{where}: {phase}", read_on_host=True)).view(S, -1)
-        theirs = received[:, width:].tolist()  # [flag, fingerprint, backend number, row bytes] per peer
+        sent = torch.tensor([[flag, code, instance, row_bytes]] * S, dtype=torch.int64, device=device)
+        frames = [FRAME_WORDS] * S
+        theirs = self._at_domain_level(lambda: collectives.all_to_all(
+            sent.reshape(-1), frames, frames, where=f"{where}: {phase}", read_on_host=True)).view(S, -1).tolist()
         differs = (disagreement is not None and not isinstance(disagreement, RefusedInput)) or any(
             flag == 1 or word != code or number != instance or width_of_peer != row_bytes
             for flag, word, number, width_of_peer in theirs)
@@ -864,7 +850,11 @@ class HierarchicalBackend(Backend):
                    else "refused its input (its error says why)")
             raise refused_error(f"ep_plugin {self.name}: {self.domain_level}: in {where} the rail of {names} found a "
                                 f"rank that {why}; every rank refuses it, and the backend stays usable")
-        return received[:, :self.num_domains * (self.num_local_experts + 1)] if self.config.blocking else None
+        if counts is None:
+            return None
+        words = [counts.shape[1]] * S  # the same on every rank of the domain: one backend (agreed above)
+        return self._at_domain_level(lambda: collectives.all_to_all(
+            counts.reshape(-1).to(device), words, words, where=f"{where}: {phase}", read_on_host=True)).view(S, -1)
 
     def _came_late_error(self, where: str) -> Optional[EPError]:
         """``HostCollectives.came_late_error`` over every collective of this backend's stages: a rail or domain

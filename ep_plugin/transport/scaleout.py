@@ -229,6 +229,12 @@ class ScaleOut:
                                               owner=f"{owner} scale-out, {self.level}", label="rail words",
                                               device=device)
         self.words_device = self.rail_words.word_device  # the CPU, unless they stay on an NCCL rail
+        if self.engine == "nccl":
+            # NCCL connects a group at its first collective, on the host and with no timeout: here, at the build,
+            # among peers that just met, not in the first dispatch's rows (whose timed wait starts after it).
+            D = topology.num_domains
+            self.rail.all_to_all(torch.zeros(D, dtype=torch.int64, device=self.exchange_device), [1] * D, [1] * D,
+                                 where="connecting the rail's NCCL group", read_on_host=True)
 
     @property
     def num_domains(self) -> int:
@@ -241,8 +247,8 @@ class ScaleOut:
     def exchange_words(self, words: torch.Tensor, *, where: str) -> list[list[int]]:
         """Send each rail peer the same few int64 words; return every peer's words (host lists, by domain).
 
-        A host read: sync-free mode's agreement and ``barrier`` use it (CPU tensors on a group that moves
-        them, unless ``gloo_host_words`` is off on an NCCL rail: no wait for the GPU).
+        A host read: sync-free mode's agreement uses it (CPU tensors on a group that moves them, unless
+        ``gloo_host_words`` is off on an NCCL rail: no wait for the GPU).
         """
         D = self.num_domains
         sent = words.reshape(1, -1).to(torch.int64).repeat(D, 1).to(self.words_device)
@@ -328,12 +334,15 @@ class ScaleOut:
             out = rows.new_empty((sum(splits.recv),) + tuple(rows.shape[1:]))
         send_starts = _starts(splits.send)
         recv_starts = _starts(splits.recv)
-        for round_index, first in enumerate(range(0, most, chunk)):
+        rounds = range(0, most, chunk)
+        for round_index, first in enumerate(rounds):
             send_now = [max(0, min(chunk, n - first)) for n in splits.send]
             recv_now = [max(0, min(chunk, n - first)) for n in splits.recv]
             pieces = [rows[s + first:s + first + n] for s, n in zip(send_starts, send_now, strict=True)]
             received = self.rail.all_to_all(torch.cat(pieces), recv_now, send_now,
-                                            where=f"{where} (chunk {round_index + 1})", read_on_host=read_on_host)
+                                            where=f"{where} (chunk {round_index + 1})",
+                                            # rounds on one group end in order: the host waits for the last
+                                            read_on_host=read_on_host and round_index == len(rounds) - 1)
             offset = 0
             for s, n in zip(recv_starts, recv_now, strict=True):
                 out[s + first:s + first + n] = received[offset:offset + n]
@@ -365,8 +374,8 @@ class ScaleOut:
         self.rail_words.release()
 
     def barrier(self, *, where: str) -> None:
-        """Every rank of this rail reached this point (a timed host wait)."""
-        self.exchange_words(torch.zeros(1, dtype=torch.int64), where=where)
+        """Every rank of this rail reached this point (a timed host wait): a row of the agreement's size, zeros."""
+        self.exchange_counts([0] * self.num_domains, (0, 0, 0, 0), where=where)
 
 
 def _around(start: int, count: int, total: int) -> list[tuple[int, int, int]]:
