@@ -832,10 +832,10 @@ def _rail_bytes_against_the_model(ctx, blocking: bool, form: str, max_tokens: in
     sent = [0]
     exchange_rows = scaleout.ScaleOut.exchange_rows
 
-    def counted(self, rows, splits, *, where):
+    def counted(self, rows, splits, **options):
         own = self.topology.domain_index
         sent[0] += sum(n for d, n in enumerate(splits.send) if d != own) * rows.shape[1] * rows.element_size()
-        return exchange_rows(self, rows, splits, where=where)
+        return exchange_rows(self, rows, splits, **options)
 
     scaleout.ScaleOut.exchange_rows = counted
     shape = Shape(48, 64, 4, 8, "bf16", "balanced")
