@@ -764,6 +764,43 @@ def test_ranks_that_disagree_across_the_rail_raise(case, words):
     assert all("ranks disagree" in message and words in message for message in messages), messages
 
 
+def a_domain_peer_in_another_call(ctx, case: str) -> str:
+    """2 domains x 2: ranks 1 and 3 (rail 1) run the backend's op, ranks 0 and 2 (rail 0) another call on their
+    domain group alone: a setup step (building a backend there) or an op (the domain backend's dispatch)."""
+    torch.set_num_threads(1)
+    backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=8, device="cpu",
+                                                 config=ep_plugin.Config.from_env(timeout_s=20.0),
+                                                 topology=Topology(4, 2, ctx.rank))
+    x, idx = torch.ones(2, 4), torch.tensor([[0, 5], [3, 7]])
+    try:
+        if ctx.rank % 2 == 0 and case == "setup":
+            ep_plugin.get_backend("reference")(backend.scaleout.domain_group, hidden_size=4, num_experts=4,
+                                               device="cpu", config=ep_plugin.Config.from_env(timeout_s=20.0))
+        elif ctx.rank % 2 == 0:
+            backend.domain.dispatch(x, topk_idx=idx % 4)
+        else:
+            backend.barrier() if case == "setup" else backend.dispatch(x, topk_idx=idx)
+    except Exception as error:  # noqa: BLE001 - the test reads what came
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.parametrize("case", ["setup", "op"])
+def test_a_domain_stage_that_meets_another_call_of_its_domain_raises_eperror(case):
+    """The domain stage is a frame of the size every call's first exchange has on the group, so a domain backend's
+    setup step or op there (on some ranks only) meets it and both sides raise EPError: blocking dispatch's words
+    were larger (padded counts), and gloo aborted the processes; then the reference domain backend, reading the
+    frame's row-bytes word as a probs dtype, raised an IndexError, and a setup frame read as a backend number 0."""
+    outcomes = run_ranks(a_domain_peer_in_another_call, 4, case, timeout_s=120)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.startswith("EPError: "), (rank, outcome)
+    if case == "setup":  # both sides say the other was in another call
+        assert "were in a setup step on domain" in outcomes[1] and "building or destroying" in outcomes[1], outcomes
+        assert "(a setup step) while" in outcomes[0] and "ran a barrier op" in outcomes[0], outcomes
+    else:
+        assert "another call's word" in outcomes[0] or "ranks disagree" in outcomes[0], outcomes
+
+
 def two_backends_in_two_orders(ctx, kind: str, split: str, too_many: bool = False) -> list:
     """2 domains x 2: two backends on one group that differ in their experts (8 and 1200, so 2 and 300 per rank,
     whose segment counts differ in size; ``kind`` "experts_blocking" or "experts_sync_free") or their mode

@@ -54,7 +54,8 @@ handle, raise ``EPError`` on every rank before the domain backend is called; the
 ``ValueError`` on every rank the same way: the rank that checked them says so in its agreement words
 (not in sync-free mode on a backend that has one: no host read there, the domain backend drops them).
 Where ranks disagree and a rank refused in one op, every rank raises ``EPError``, as flat.
-Every op opens with two exchanges of a fixed size per peer, whatever the op: the rail stage (the op
+Every op opens with two exchanges of a fixed size per peer, whatever the op (blocking dispatch's segment counts
+follow in a third): the rail stage (the op
 fingerprint, the width of its rail rows, the backend's number on its group and whether the rank refused its
 input; in blocking mode inside the count exchange) and the domain
 stage (whether this rank's rail found a disagreement, and the fingerprint: one frame of
@@ -104,7 +105,7 @@ from ..agreement import (
 )
 from ..errors import EPError, TooManyTokensError
 from ..handle import COMPACT, CombineOutput, DispatchOutput, Handle
-from ..host_collectives import FRAME_WORDS, HostCollectives, between_exchanges, moves_host_memory
+from ..host_collectives import FRAME_WORDS, SETUP_EXCHANGE, HostCollectives, between_exchanges, moves_host_memory
 from ..routing import ROUTING_MAP, TOPK, Routing, check_tensor, dropped_ids_error
 from ..topology import Topology
 from ..transport.scaleout import RailSplits, RowPacker, ScaleOut, flat_order_index
@@ -435,7 +436,7 @@ class HierarchicalBackend(Backend):
         fingerprint = OpFingerprint(OP_DISPATCH, dtype=data.dtype, probs=probs is not None, form=form,
                                     topk=min(k, TOPK_FIELD_MAX), grad=self.op_records_backward,
                                     probs_grad=self.op_probs_need_grad)
-        if self.config.blocking:  # the domain stage of the agreement comes with the segment counts below
+        if self.config.blocking:  # the domain stage of the agreement comes before the segment counts below
             splits, disagreement = self._rail_agreement(fingerprint, packer.row_bytes, where, refused=refused,
                                                         send_counts=[len(tokens) for tokens in send_tokens])
         else:  # no counts to carry the agreement: both stages before any row moves
@@ -449,7 +450,7 @@ class HierarchicalBackend(Backend):
                 # the timeout, so that a rail peer that stopped after the count exchange is named.
                 received = packer.unpack(self.scaleout.exchange_rows(payload, splits, where=f"{where}: rail/tokens",
                                                                      read_on_host=self.config.blocking))
-            else:  # no payload moves on this rail; the domain hears of it with the segment counts below
+            else:  # no payload moves on this rail; the domain hears of it in the domain stage below
                 splits = RailSplits([0] * D, [0] * D, 0)
                 received = packer.unpack(torch.zeros(0, packer.row_bytes, dtype=torch.uint8, device=dev))
 
@@ -652,7 +653,7 @@ class HierarchicalBackend(Backend):
         """[S, D, L + 1]: per forwarding peer s and source domain d, the rows it delivers to this rank per
         local expert, and (last) its packets (tokens with any expert here): the reorder's block sizes.
 
-        Blocking mode sends them with the domain stage of the dispatch's agreement (``_domain_agreement``:
+        Blocking mode sends them right after the domain stage of the dispatch's agreement (``_domain_agreement``:
         raises EPError when ranks disagree). Sync-free mode agreed before the rows moved; its counts stay on
         the device (no host read).
         """
@@ -662,6 +663,8 @@ class HierarchicalBackend(Backend):
         # the domain stage (the exchange's refusals, raised on every rank alike, stay outside).
         with self._between_exchanges(where):
             mine = self._local_segment_counts(mask, splits)
+            if self.config.blocking:  # where the domain words go (the host, mostly): a copy that fails fails here
+                mine = mine.to(self._domain_words.word_device)
         if self.config.blocking:
             received = self._domain_agreement(fingerprint, disagreement, where, row_bytes, counts=mine)
         else:
@@ -702,7 +705,7 @@ class HierarchicalBackend(Backend):
               send_counts: Optional[list[int]] = None, expected: Optional[list[int]] = None,
               refused: Optional[RefusedInput] = None) -> Optional[RailSplits]:
         """The agreement every op opens with, before any payload moves: its rail stage, then its domain stage.
-        (Blocking dispatch runs the same two stages around its rail payload: its domain stage carries the
+        (Blocking dispatch runs the same two stages around its rail payload: its domain stage is followed by the
         segment counts.) Raises EPError on every rank when ranks disagree (ValueError when a rank refused
         its input, ``refused``); returns blocking mode's rail splits, None in sync-free mode."""
         splits, disagreement = self._rail_agreement(fingerprint, row_bytes, where, send_counts=send_counts,
@@ -810,6 +813,14 @@ class HierarchicalBackend(Backend):
         late = differs and self._came_late_error(f"{where}: {phase}")
         if late:  # a peer gave up waiting for this rank: what differs is the call it left behind
             raise late
+        domain_ranks = self._topology.domain_ranks()  # (peer is an index in the domain)
+        in_setup = [peer for peer, (_, word, _, _) in enumerate(theirs) if word == SETUP_EXCHANGE]
+        if in_setup:  # a domain peer building or destroying a backend on this group met this op: one frame size
+            names = ", ".join(self._host.peer_name(domain_ranks[peer]) for peer in in_setup)
+            raise EPError(f"ep_plugin {self.name}: {self._host.peer_name(self.rank)} ran {where} while {names} were "
+                          f"in a setup step on {self.domain_level} (building or destroying a backend; their own "
+                          "messages name it): the ranks issued different calls (an op on some ranks only, or a "
+                          "backend built or destroyed on some ranks only).")
         # First: ranks that ran this op on two backends (each rail on one of its own) raise EPError on every rank
         # here, before any rail's refusal could make some of them raise TooManyTokensError alone.
         for peer, (_, _, number, _) in enumerate(theirs):
@@ -820,8 +831,7 @@ class HierarchicalBackend(Backend):
         # sees a rail that found ranks disagreeing, whatever another rail refused.
         if disagreement is not None and not isinstance(disagreement, RefusedInput):
             raise EPError(str(disagreement))
-        # Named as the EP group knows them, like every other message (peer is an index in the domain).
-        domain_ranks = self._topology.domain_ranks()
+        # Named as the EP group knows them, like every other message.
         flagged = [peer for peer, (flag, *_) in enumerate(theirs) if flag == 1]
         if flagged:
             names = ", ".join(self._host.peer_name(domain_ranks[peer]) for peer in flagged)
@@ -854,7 +864,8 @@ class HierarchicalBackend(Backend):
             return None
         words = [counts.shape[1]] * S  # the same on every rank of the domain: one backend (agreed above)
         return self._at_domain_level(lambda: collectives.all_to_all(
-            counts.reshape(-1).to(device), words, words, where=f"{where}: {phase}", read_on_host=True)).view(S, -1)
+            counts.reshape(-1).to(device), words, words, where=f"{where}: {phase} (after the agreement)",
+            read_on_host=True)).view(S, -1)
 
     def _came_late_error(self, where: str) -> Optional[EPError]:
         """``HostCollectives.came_late_error`` over every collective of this backend's stages: a rail or domain

@@ -254,9 +254,13 @@ class ReferenceBackend(Backend):
                           f"from its: {', '.join(self._comm.peer_name(q) for q in bad)}.")
         if differing(2):
             q = differing(2)[0]
+            # A word past the codes: another call's frame on this group (a domain stage of a backend across domains
+            # run beside this domain backend's op), whose fourth word is no probs dtype.
+            theirs_probs = _PROBS_DTYPES[theirs[q][2]] if 0 <= theirs[q][2] < len(_PROBS_DTYPES) else \
+                f"another call's word ({theirs[q][2]})"
             raise EPError(
                 f"ep_plugin reference: ranks disagree on {where}: probs dtype: {_PROBS_DTYPES[probs_code]} on "
-                f"{self._comm.peer_name(self.rank)}, {_PROBS_DTYPES[theirs[q][2]]} on {self._comm.peer_name(q)}. All "
+                f"{self._comm.peer_name(self.rank)}, {theirs_probs} on {self._comm.peer_name(q)}. All "
                 "ranks must pass probs of one dtype.")
         refusing = [q for q in range(self.num_ranks) if counts[q] in (_REFUSED_IDS, _REFUSED_TOKENS)]
         if refusing:

@@ -233,8 +233,12 @@ class ScaleOut:
             # NCCL connects a group at its first collective, on the host and with no timeout: here, at the build,
             # among peers that just met, not in the first dispatch's rows (whose timed wait starts after it).
             D = topology.num_domains
-            self.rail.all_to_all(torch.zeros(D, dtype=torch.int64, device=self.exchange_device), [1] * D, [1] * D,
-                                 where="connecting the rail's NCCL group", read_on_host=True)
+            slow = (f"{owner}: rank {dist.get_rank(group)} has waited {timeout_s:g} s (EP_PLUGIN_TIMEOUT_S) in NCCL's "
+                    f"connection of {self.level}: a rail peer that stopped after making the groups keeps it there "
+                    "(NCCL's own connect has no timeout)")
+            with _said_if_slow(timeout_s, slow):
+                self.rail.all_to_all(torch.zeros(D, dtype=torch.int64, device=self.exchange_device), [1] * D,
+                                     [1] * D, where="connecting the rail's NCCL group", read_on_host=True)
 
     @property
     def num_domains(self) -> int:
