@@ -26,11 +26,11 @@ def info() -> int:
     problem = config_problem()
     refused = f" REFUSED, every backend's build would raise: {problem}" if problem else ""
     print(f"knobs (default; the value set here, if any):{refused}")
+    for variable, hint in unknown.items():  # before the long list, so that `info | head` still shows them
+        print(f"  {variable} is set but is not a knob: ignored{hint}")
     for env_name, default, help_text in describe():
         set_here = os.environ.get(env_name, "").strip()
         print(f"  {env_name:36s} {default:10s} {help_text}" + (f"  [set here: {set_here}]" if set_here else ""))
-    for variable, hint in unknown.items():
-        print(f"  {variable} is set but is not a knob: ignored{hint}")
     return 0
 
 
