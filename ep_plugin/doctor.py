@@ -31,7 +31,7 @@ from typing import Any, Mapping, Optional
 
 from . import _cuda
 from .transport import nccl_probe
-from .transport.fabric import Fabric, probe_fabric
+from .transport.fabric import Fabric, ib_hca_selects, nccl_list_picks, probe_fabric
 from .transport.sizing import SmSizing, autosize_sms, co_residency_limit
 
 OK, DEGRADED, UNAVAILABLE, NOT_NEEDED = "ok", "degraded", "unavailable", "not needed"
@@ -467,29 +467,6 @@ def _nccl_int(text: Optional[str]) -> Optional[int]:
     return value if -2**63 <= value < 2**63 else None  # ERANGE: NCCL keeps the default
 
 
-def _ib_hca_selects(text: str, nic) -> bool:
-    """Whether NCCL_IB_HCA (``text``) lets NCCL's IB transport use an ACTIVE port of ``nic``: a comma list of
-    names, each a prefix of the device's name (``=`` before the list: the whole name), ``:port`` after one: that
-    port only; ``^`` before the list: all but those. An empty list lists every device (so ``^`` alone excludes
-    them all)."""
-    exclude = text.startswith("^")
-    text = text[1:] if exclude else text
-    exact = text.startswith("=")
-    text = text[1:] if exact else text
-    entries = []
-    for entry in text.split(","):
-        name, _, port = entry.partition(":")
-        if name:
-            entries.append((name, int(port) if port.isdigit() else None))
-    active = {port.number for port in nic.ports if port.active}
-
-    def listed(port: int) -> bool:
-        return not entries or any((nic.name == name if exact else nic.name.startswith(name))
-                                  and (wanted is None or wanted == port) for name, wanted in entries)
-
-    return any(listed(port) != exclude for port in active)
-
-
 def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdict) -> tuple[str, str]:
     """The mode sysfs, the driver and the environment predict, with problems and fixes."""
     problems = verdict.problems
@@ -498,6 +475,11 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
     if fabric.nccl.version is None:
         problems.append(Problem(f"no NCCL: {fabric.nccl.version_error}", "install a CUDA build of torch"))
         return nccl_probe.UNAVAILABLE, "torch has no NCCL"
+    no_bootstrap = _nccl_socket_unusable(fabric, environ)
+    if no_bootstrap is not None:
+        problems.append(no_bootstrap)
+        return nccl_probe.UNAVAILABLE, f"NCCL_SOCKET_IFNAME={environ['NCCL_SOCKET_IFNAME']} leaves NCCL no " \
+                                       "interface the other nodes reach"
     missing_net = _named_net_missing(fabric, environ)
     if missing_net is not None:
         problems.append(missing_net)
@@ -539,7 +521,7 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
     if _uverbs_missing(fabric, problems):
         return nccl_probe.SOCKET, "RDMA NICs not reachable from user space"
     hca = environ.get("NCCL_IB_HCA", "")
-    if hca and not fabric.efa and not any(_ib_hca_selects(hca, nic) for nic in usable):
+    if hca and not fabric.efa and not any(ib_hca_selects(hca, nic) for nic in usable):
         problems.append(Problem(f"NCCL_IB_HCA={hca} selects none of the usable RDMA NICs "
                                 f"({', '.join(nic.name for nic in usable)}): NCCL's IB transport finds no device "
                                 "('NET/IB : No device found') and falls back to TCP sockets",
@@ -567,9 +549,17 @@ def _static_scaleout(fabric: Fabric, environ: Mapping[str, str], verdict: Verdic
     peermem = bool(fabric.peermem)
     efa_flags = {nic.efa_gdr for nic in fabric.usable_nics if nic.efa}
     efa_registers = True in efa_flags  # AWS's efa driver registers GPU memory itself (device/gdr)
-    if (dmabuf_ok or peermem or efa_registers) and _too_far_for_gdr(fabric, gdr_text, problems):
+    # NCCL reads the PCI paths from a topology file where one is given (cloud VMs whose sysfs shows each device
+    # on a root of its own ship one): sysfs then says nothing about the distance NCCL sees.
+    topology_file = environ.get("NCCL_TOPO_FILE", "")
+    if topology_file and os.path.isfile(topology_file):
+        verdict.notes.append(f"NCCL_TOPO_FILE={topology_file}: NCCL takes the GPUs' and NICs' PCI paths from that "
+                             "file, not from sysfs, so their distance (GPUDirect RDMA or staging) was not judged "
+                             "here; doctor --nccl-probe reads NCCL's own choice")
+    elif (dmabuf_ok or peermem or efa_registers) and _too_far_for_gdr(fabric, gdr_text, problems):
         return nccl_probe.STAGED, "every GPU's NIC is farther than NCCL_NET_GDR_LEVEL allows"
-    _note_gdr_distance(fabric, verdict)
+    else:
+        _note_gdr_distance(fabric, verdict)
     if dmabuf_ok:
         also = " (nvidia-peermem is loaded too)" if peermem else ""
         return nccl_probe.GDR_DMABUF, f"DMA-BUF export works on GPU {first.index}{also}"
@@ -650,6 +640,34 @@ def _gloo_socket_names(value: str) -> list[str]:
     return names[:-1] if names[-1] == "" else names
 
 
+def _nccl_socket_unusable(fabric: Fabric, environ: Mapping[str, str]) -> Optional[Problem]:
+    """NCCL_SOCKET_IFNAME picks the interfaces of NCCL's bootstrap (and of its socket transport), with NCCL's list
+    syntax: where it picks none with an address, every NCCL communicator fails to form ("Bootstrap : no socket
+    interface found"), one node's too; where it picks loopback ones only, the other nodes cannot reach them."""
+    value = environ.get("NCCL_SOCKET_IFNAME", "")
+    if not value or not fabric.net_interfaces:
+        return None
+    addresses = fabric.interface_addresses
+    picked = [name for name in fabric.net_interfaces if nccl_list_picks(value, name)]
+    if addresses is not None:  # NCCL skips an interface without an address
+        picked = [name for name in picked if addresses.get(name)]
+    syntax = "a prefix: eth picks eth0 and eth1; =eth0 that name alone; ^lo,docker all but those"
+    if not picked:
+        return Problem(f"NCCL_SOCKET_IFNAME={value} picks no interface of this host with an address (it has "
+                       f"{', '.join(fabric.net_interfaces)}): NCCL's bootstrap finds none ('Bootstrap : no socket "
+                       "interface found'), so every NCCL communicator fails to form, one node's too",
+                       _unset(fabric, "NCCL_SOCKET_IFNAME") + f", or name this host's interface ({syntax})")
+    if addresses is not None and all(_loopback(address) for name in picked for address in addresses[name]):
+        others = [name for name in fabric.net_interfaces if name not in picked and addresses.get(name)
+                  and not all(_loopback(address) for address in addresses[name])]
+        return Problem(f"NCCL_SOCKET_IFNAME={value} picks only {', '.join(picked)}, whose addresses are loopback: "
+                       "the other nodes cannot reach NCCL's bootstrap there, so every NCCL communicator across "
+                       "nodes fails to connect",
+                       f"name the interface the nodes reach each other on (here: {', '.join(others) or 'none'}; "
+                       f"{syntax}), or " + _unset(fabric, "NCCL_SOCKET_IFNAME"))
+    return None
+
+
 def _named_net_missing(fabric: Fabric, environ: Mapping[str, str]) -> Optional[Problem]:
     """NCCL_NET picks one network by name; NCCL skips a network that has no device or whose plugin did not load,
     and when the named one is skipped its init fails ("network ... not found"): it does not fall back to
@@ -667,10 +685,15 @@ def _named_net_missing(fabric: Fabric, environ: Mapping[str, str]) -> Optional[P
         # A net plugin may name its network IB too (and NCCL_IB_DISABLE does not turn plugins off).
         if not fabric.nccl.plugin_may_load and _nccl_int(ib_disable):
             why = f"NCCL_IB_DISABLE={ib_disable} turns it off"
-        elif not fabric.usable_nics:
+        # NCCL's IB transport also runs over software RDMA (soft-RoCE): it needs an ACTIVE port, hardware or not.
+        active = [nic for nic in fabric.rdma_devices if any(port.active for port in nic.ports)]
+        hca = environ.get("NCCL_IB_HCA", "")
+        if not active:
             why = "no RDMA NIC with an ACTIVE port"
         elif not fabric.uverbs:
             why = "no /dev/infiniband/uverbs*"
+        elif hca and not any(ib_hca_selects(hca, nic) for nic in active):
+            why = f"NCCL_IB_HCA={hca} selects none of {', '.join(nic.name for nic in active)}"
         if why is None:
             return None
         return Problem(f"NCCL_NET={net} names NCCL's IB network, which cannot start here ({why}): NCCL init fails "

@@ -208,7 +208,10 @@ def test_nccl_variables_are_read_as_nccl_reads_them(tmp_path):
                           ({"NCCL_DMABUF_ENABLE": ""}, nccl_probe.GDR_DMABUF),  # empty: NCCL's default
                           ({"NCCL_IB_DISABLE": "9" * 30}, nccl_probe.GDR_DMABUF),  # past int64: the default
                           ({"NCCL_IB_DISABLE": "\xa01"}, nccl_probe.GDR_DMABUF),  # not C's blank: reads 0
-                          ({"NCCL_IB_HCA": "^mlx5_0,mlx5_1"}, nccl_probe.GDR_DMABUF)):
+                          ({"NCCL_IB_HCA": "^mlx5_0,mlx5_1"}, nccl_probe.GDR_DMABUF),
+                          ({"NCCL_IB_HCA": "mlx5_0:\u00b2"}, nccl_probe.GDR_DMABUF),  # no ASCII port: any (it raised)
+                          # NCCL_NET names IB: no fallback to sockets, its init fails (it said sockets)
+                          ({"NCCL_NET": "IB", "NCCL_IB_HCA": "mlx5_9"}, nccl_probe.UNAVAILABLE)):
         found, _ = scaleout(dgx, report, environ)
         assert found["scaleout"].mode == mode, (environ, found["scaleout"])
     without_peermem = tmp_path / "nopeermem"
@@ -230,6 +233,71 @@ def test_a_nic_under_another_host_bridge_of_the_gpus_cpu_is_phb(tmp_path):
     found, code = scaleout(tmp_path, report)  # NCCL's default, PXB, stops short of the host bridge
     assert (found["scaleout"].mode, code) == (nccl_probe.STAGED, 1) and "NCCL_NET_GDR_LEVEL=PHB" in fixes(
         found["scaleout"])
+
+
+def test_a_topology_file_gives_nccl_the_distance_sysfs_does_not(tmp_path):
+    """Cloud VMs show each device on a PCI root of its own and give NCCL the real paths in NCCL_TOPO_FILE: the
+    distance sysfs shows is not NCCL's (doctor said "staged" and failed --scaleout gdr there). A path to no
+    file: NCCL detects from sysfs, as without one."""
+    add_gpu_pci(tmp_path, ["pci0000:15", "0000:15:01.0", "0000:16:00.0"], numa=0)
+    add_rdma(tmp_path, "mlx5_0", ["pci0000:37", "0000:37:01.0", "0000:38:00.0"], numa=0)
+    add_uverbs(tmp_path, 1)
+    report = driver([gpu(0, "0000:16:00.0")])
+    topology = tmp_path / "topo.xml"
+    topology.write_text("<system version='1'></system>\n")
+    found, code = scaleout(tmp_path, report, {"NCCL_TOPO_FILE": str(topology)})
+    assert (found["scaleout"].mode, code) == (nccl_probe.GDR_DMABUF, 0), found["scaleout"]
+    assert any(f"NCCL_TOPO_FILE={topology}" in note and "not judged" in note for note in found["scaleout"].notes)
+    found, code = scaleout(tmp_path, report, {"NCCL_TOPO_FILE": str(tmp_path / "missing.xml")})
+    assert (found["scaleout"].mode, code) == (nccl_probe.STAGED, 1), found["scaleout"]
+
+
+def test_ib_hca_naming_some_nics_leaves_the_others_out_of_the_gpus_nics(tmp_path):
+    """NCCL's IB transport uses only the NICs NCCL_IB_HCA names: GPU 1's own NIC left out, its traffic goes to
+    mlx5_0, behind another GPU's switch, shared by all eight. The doctor counted mlx5_1 as GPU 1's (GPUDirect,
+    50 GB/s) whatever the list said."""
+    report = dgx_cx7(tmp_path)
+    one = {"NCCL_IB_HCA": "=mlx5_0"}
+    fabric = make_fabric(tmp_path, report, one)
+    assert [g.nearest_nics for g in fabric.gpus] == [("mlx5_0",)] * 8
+    assert fabric.gpus[1].nic_affinity != "PCIe switch" and fabric.gpus[0].nic_affinity == "PCIe switch"
+    assert fabric.gpus[1].scaleout_gbytes_per_s == pytest.approx(400 / 8 / 8)
+    assert any("leaves out mlx5_1" in warning for warning in fabric.warnings)
+    found, _ = verdicts(fabric, one, scaleout="gdr")
+    assert any("GPU 1 (" in note and "expect host staging" in note for note in found["scaleout"].notes)
+    every = make_fabric(tmp_path, report, {"NCCL_IB_HCA": "mlx5"})  # names them all: as unset
+    assert [g.nearest_nics for g in every.gpus] == [(f"mlx5_{i}",) for i in range(8)]
+    assert every.gpus[1].scaleout_gbytes_per_s == pytest.approx(400 / 8)
+
+
+def test_nccl_socket_interfaces_this_host_cannot_use_fail_nccl(tmp_path):
+    """NCCL's bootstrap takes the interfaces NCCL_SOCKET_IFNAME picks (NCCL's list: prefixes, = exact, ^ all but):
+    one this host lacks, or one without an address, and every NCCL communicator fails to form; loopback alone,
+    and the other nodes cannot reach it. The variable was never read (every verdict passed)."""
+    report = dgx_cx7(tmp_path)
+    for name in ("lo", "eth0", "ib0", "ifb0"):
+        (tmp_path / "sys/class/net" / name).mkdir(parents=True, exist_ok=True)
+
+    def addresses(names):
+        return {name: [] if name == "ifb0" else every_interface_addressed([name])[name] for name in names}
+
+    for value, mode in (("ens99", nccl_probe.UNAVAILABLE), ("=eth", nccl_probe.UNAVAILABLE),
+                        ("^eth,ib,lo", nccl_probe.UNAVAILABLE), ("ifb0", nccl_probe.UNAVAILABLE),
+                        ("lo", nccl_probe.UNAVAILABLE), ("eth", nccl_probe.GDR_DMABUF),
+                        ("^lo", nccl_probe.GDR_DMABUF), ("=ib0", nccl_probe.GDR_DMABUF),
+                        ("lo,eth0", nccl_probe.GDR_DMABUF)):
+        environ = {"NCCL_SOCKET_IFNAME": value}
+        found, code = verdicts(make_fabric(tmp_path, report, environ, addresses=addresses), environ,
+                               backend="hybrid", scaleout="gdr")
+        assert (found["scaleout"].mode, code) == (mode, int(mode == nccl_probe.UNAVAILABLE)), (value, found)
+    environ = {"NCCL_SOCKET_IFNAME": "ens99"}
+    found, _ = verdicts(make_fabric(tmp_path, report, environ, addresses=addresses), environ, scaleout="gdr")
+    assert "picks no interface of this host with an address (it has " in found["scaleout"].problems[0].text
+    assert fixes(found["scaleout"]).startswith("unset NCCL_SOCKET_IFNAME")
+    environ = {"NCCL_SOCKET_IFNAME": "lo"}
+    found, _ = verdicts(make_fabric(tmp_path, report, environ, addresses=addresses), environ, scaleout="gdr")
+    assert "whose addresses are loopback" in found["scaleout"].problems[0].text
+    assert "(here: eth0, ib0;" in fixes(found["scaleout"])
 
 
 def test_old_kernel_cannot_import_dmabuf(tmp_path):
@@ -316,6 +384,17 @@ def test_software_rdma_only_is_named_and_never_gpudirect(tmp_path):
     text = verdict.problems[0].text
     assert "rxe0: software RDMA (soft-RoCE), no GPUDirect" in text and "siw0: software RDMA (soft-iWARP)" in text
     assert "InfiniBand / RoCE / EFA" in verdict.problems[0].fix
+
+
+def test_nccl_net_ib_runs_over_software_rdma(tmp_path):
+    """NCCL's IB network runs over soft-RoCE too (staged): NCCL_NET=IB there is no failed init (it said so)."""
+    found, code = verdicts(make_fabric(tmp_path, soft_rdma_only(tmp_path), {"NCCL_NET": "IB"}), {"NCCL_NET": "IB"},
+                           scaleout="rdma")
+    assert (found["scaleout"].mode, code) == (nccl_probe.STAGED, 0), found["scaleout"]
+    named = {"NCCL_NET": "IB", "NCCL_IB_HCA": "mlx5"}  # ... unless NCCL_IB_HCA leaves it out
+    found, code = verdicts(make_fabric(tmp_path, soft_rdma_only(tmp_path), named), named, scaleout="rdma")
+    assert (found["scaleout"].mode, code) == (nccl_probe.UNAVAILABLE, 1), found["scaleout"]
+    assert "NCCL_IB_HCA=mlx5 selects none of rxe0" in found["scaleout"].problems[0].text
 
 
 def test_software_rdma_only_still_needs_memlock(tmp_path):

@@ -354,6 +354,31 @@ def _read_rdma_devices(tree: _Tree, warnings: list[str]) -> list[RdmaDevice]:
     return devices
 
 
+def nccl_list_picks(text: str, name: str, port: Optional[int] = None) -> bool:
+    """Whether NCCL's list of device names ``text`` (NCCL_IB_HCA, NCCL_SOCKET_IFNAME) picks device ``name``
+    (at ``port``; None: any): a comma list of names, each a prefix of the device's name (``=`` before the list:
+    the whole name), ``:port`` after one: that port only; ``^`` before the list: all but those. An empty list
+    lists every device (so ``^`` alone excludes them all)."""
+    exclude = text.startswith("^")
+    text = text[1:] if exclude else text
+    exact = text.startswith("=")
+    text = text[1:] if exact else text
+    entries = []
+    for entry in text.split(","):
+        wanted, _, wanted_port = entry.partition(":")
+        if wanted:  # (a port of other digits than ASCII ones is none NCCL reads)
+            entries.append((wanted, int(wanted_port) if wanted_port.isascii() and wanted_port.isdigit() else None))
+    listed = not entries or any((name == wanted if exact else name.startswith(wanted))
+                                and (wanted_port is None or port is None or wanted_port == port)
+                                for wanted, wanted_port in entries)
+    return listed != exclude
+
+
+def ib_hca_selects(text: str, nic: RdmaDevice) -> bool:
+    """Whether NCCL_IB_HCA (``text``) lets NCCL's IB transport use an ACTIVE port of ``nic``."""
+    return any(nccl_list_picks(text, nic.name, port.number) for port in nic.ports if port.active)
+
+
 def nearest_nics(gpu_path: tuple[str, ...], gpu_numa: Optional[int],
                  nics: list[RdmaDevice]) -> tuple[tuple[str, ...], str]:
     """The usable NICs nearest a GPU and how they are near (see the module docstring's rule)."""
@@ -419,6 +444,21 @@ def _gpu_links(tree: _Tree, driver: DriverReport, nics: list[RdmaDevice], warnin
         warnings.append(f"no RDMA NIC with an ACTIVE port: scale-out bandwidth taken as the default "
                         f"{DEFAULT_SCALEOUT_GBYTES_PER_S:g} GB/s per GPU")
     return links
+
+
+def _named_by_ib_hca(nics: list[RdmaDevice], hca: str, warnings: list[str]) -> list[RdmaDevice]:
+    """The NICs NCCL's IB transport may use under NCCL_IB_HCA (``hca``), whose ports are up or not: only those
+    can be a GPU's NIC (affinity, GPUDirect distance, bandwidth). All of them where it is unset, names none
+    (NCCL then falls back to sockets: the doctor says so) or the NICs are EFA (whose plugin does not read it)."""
+    if not hca or any(nic.efa for nic in nics):
+        return nics
+    named = [nic for nic in nics if ib_hca_selects(hca, _assume_up(nic))]
+    if not named or len(named) == len(nics):
+        return nics
+    left = [nic.name for nic in nics if nic not in named]
+    warnings.append(f"NCCL_IB_HCA={hca} leaves out {', '.join(left)}: the GPUs' NICs are counted among "
+                    f"{', '.join(nic.name for nic in named)} only")
+    return named
 
 
 def _assume_up(nic: RdmaDevice) -> RdmaDevice:
@@ -662,7 +702,7 @@ def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mappi
     else:
         report = driver()
     nics = _read_rdma_devices(tree, warnings)
-    gpus = _gpu_links(tree, report, nics, warnings)
+    gpus = _gpu_links(tree, report, _named_by_ib_hca(nics, environ.get("NCCL_IB_HCA", ""), warnings), warnings)
     efa_nics = [nic.name for nic in nics if nic.efa]
     reasons = []
     if environ.get("FI_PROVIDER", "").lower() == "efa":
