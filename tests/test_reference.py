@@ -326,3 +326,30 @@ def test_a_destroyed_backend_refuses_every_op():
         for (name, op), outcome in outcomes.items():
             assert outcome.startswith("RuntimeError: ") and f"{op} on a backend that was destroyed" in outcome, \
                 (name, op, outcome)
+
+
+def _deepeps_stream_options(ctx) -> list[str]:
+    backend = ep_plugin.get_backend("reference")(hidden_size=4, num_experts=4, device="cpu")
+    hidden, idx = torch.ones(2, 4), torch.tensor([[0, 1], [2, 3]])
+    errors = []
+    for call in (lambda: backend.dispatch(hidden, topk_idx=idx, async_finish=True),
+                 lambda: backend.dispatch(hidden, topk_idx=idx, previous_event=None, allocate_on_comm_stream=True),
+                 lambda: backend.dispatch(hidden, topk_idx=idx, expnad=True)):
+        try:
+            call()
+            errors.append("no error")
+        except TypeError as error:
+            errors.append(str(error))
+    out = backend.dispatch(hidden, topk_idx=idx)  # nothing ran: the ranks are in step
+    backend.combine(out.hidden, out.handle)
+    backend.destroy()
+    return errors
+
+
+def test_deepeps_stream_options_are_refused_with_what_to_do_instead():
+    """DeepEP code passes async_finish / previous_event / allocate_on_comm_stream; they were refused as unknown
+    options with no word on streams. A typo stays a plain unknown option."""
+    for stream, both, typo in run_ranks(_deepeps_stream_options, 2, timeout_s=120):
+        assert "no dispatch option(s) ['async_finish']" in stream and "torch.cuda.stream(s)" in stream, stream
+        assert "out.use_on(stream)" in stream and "current stream" in both, both
+        assert "['expnad']" in typo and "stream" not in typo, typo

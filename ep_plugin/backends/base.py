@@ -34,6 +34,10 @@ def check_pad_multiple(pad_multiple, name: str = "pad_multiple") -> None:
         raise ValueError(f"{name} must be an int in [1, {MAX_PAD_MULTIPLE}], got {pad_multiple!r}")
 
 
+# DeepEP's per-call stream arguments, which our ops do not take (they run on the current stream): a call that
+# passes them is told what to do instead.
+DEEPEP_STREAM_OPTIONS = ("async_finish", "allocate_on_comm_stream", "previous_event", "async_with_compute_stream")
+
 @dataclass(frozen=True)
 class Capabilities:
     devices: tuple[str, ...]  # "cpu", "cuda"
@@ -588,7 +592,12 @@ class Backend(abc.ABC):
         unknown = sorted(set(options) - set(known))
         if unknown:
             takes = f"it takes {', '.join(known)}" if known else "it takes none"
-            raise TypeError(f"backend {self.name!r} has no {op} option(s) {unknown}; {takes}")
+            streams_instead = ""
+            if set(unknown) & set(DEEPEP_STREAM_OPTIONS):
+                streams_instead = (" (DeepEP's stream options: here an op runs on the caller's current stream, so "
+                                   "issue it under torch.cuda.stream(s) for another, and out.use_on(stream) hands "
+                                   "its outputs to a stream that reads them)")
+            raise TypeError(f"backend {self.name!r} has no {op} option(s) {unknown}; {takes}{streams_instead}")
 
     @classmethod
     def shape_problem(cls, hidden_size: int, num_local_experts: int) -> Optional[str]:
