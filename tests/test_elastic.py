@@ -407,6 +407,24 @@ def combine_in_place(ctx) -> int:
         with pytest.raises(ValueError, match="holds it for another dispatch"):
             elastic.combine(rows, first.handle)
         assert torch.equal(elastic.combine(expert_side_rows(first.hidden, me), first.handle).hidden, want)
+        if blocking:  # (exact row counts: sync-free outputs hold the worst case)
+            # Rows in the combine input's memory that combine cannot read in place (a smaller dispatch's rows one row
+            # into a larger one's combine input) are refused on every rank: the copying combine's sends write that
+            # memory while it reads them (it summed wrong rows without a word). The backend stays usable.
+            x0, idx0, w0, _, _ = all_inputs(700, world, 0, hidden, 6, skewed=False, drop_some=False)[me]
+            half = x0.shape[0] // 2
+            large = elastic.dispatch(x0, topk_idx=idx0, topk_weights=w0)
+            small = elastic.dispatch(x0[:half], topk_idx=idx0[:half], topk_weights=w0[:half])
+            elastic.barrier()
+            inside = elastic.combine_input(large.handle)
+            n = small.hidden.shape[0]
+            assert inside.shape[0] > n, (inside.shape, n)  # every token reaches some rank: more rows than the half's
+            inside[1:1 + n].copy_(expert_side_rows(small.hidden, me))
+            with pytest.raises(ValueError, match="lie in this rank's combine-input memory"):
+                elastic.combine(inside[1:1 + n], small.handle)
+            want, _ = compact_combine_oracle(x0[:half], idx0[:half], w0[:half], world)
+            assert torch.equal(elastic.combine(expert_side_rows(small.hidden, me), small.handle).hidden, want), \
+                f"blocking={blocking}: usable after the refusal"
         torch.cuda.synchronize()
         elastic.destroy()
 

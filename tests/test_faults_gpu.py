@@ -595,11 +595,11 @@ def test_check_errors_times_out_on_a_busy_device(backend_name):
 
 
 
-def stuck_behind_a_foreign_kernel(ctx, backend_name: str) -> dict:
-    """Rank 0's stream is stuck behind a kernel that is not ours, far past the backend's timeout: its blocking
-    dispatch's host wait for the counts gives up while the dispatch's kernels are still queued (the device has
-    reported nothing). Those kernels will take their place in the handshakes, so a retry must be refused as
-    out of step at once, not enqueue a second dispatch the peers never match."""
+def stuck_behind_a_foreign_kernel(ctx, backend_name: str, op: str) -> dict:
+    """Rank 0's stream is stuck behind a kernel that is not ours, far past the backend's timeout: its host wait
+    (a blocking dispatch's count read, or the barrier's) gives up while the op's kernels are still queued (the
+    device has reported nothing). Those kernels will take their place in the handshakes, so a retry must be
+    refused as out of step at once, not enqueue a second op the peers never match."""
     backend = make_backend(ctx, backend_name, timeout_s=1.0)
     x, routing = routed_tokens(ctx, 803)
     # A first round fills the allocator's and the backend's caches: a fresh allocation may wait for the
@@ -612,25 +612,27 @@ def stuck_behind_a_foreign_kernel(ctx, backend_name: str) -> dict:
         torch.cuda._sleep(int(3e10))  # ~15 s at the H200's ~2 GHz, past the host wait's 1 s + 5 s
     for _ in range(2 if ctx.rank == 0 else 1):
         try:
-            backend.dispatch(x, **routing)
+            backend.dispatch(x, **routing) if op == "dispatch" else backend.barrier()
             errors.append(None)
         except ep_plugin.EPError as caught:
             errors.append(f"{type(caught).__name__}: {caught}")
-    torch.cuda.synchronize()  # the sleep, then rank 0's dispatch, which times out on its own (rank 1 gave up)
+    torch.cuda.synchronize()  # the sleep, then rank 0's op, which times out on its own (rank 1 gave up)
     torch.distributed.barrier()
     backend.destroy()
     return {"errors": errors}
 
 
+@pytest.mark.parametrize("op", ["dispatch", "barrier"])
 @pytest.mark.parametrize("backend_name", BACKENDS)
-def test_a_retry_after_a_host_timeout_mid_dispatch_is_refused_as_out_of_step(backend_name):
-    """Before: the retry enqueued a second dispatch behind the first and waited out the host timeout again."""
-    first, second = run_ranks(stuck_behind_a_foreign_kernel, 2, backend_name, device="cuda", timeout_s=180)
+def test_a_retry_after_a_host_timeout_mid_op_is_refused_as_out_of_step(backend_name, op):
+    """Before: the retry enqueued a second op behind the first and waited out the host timeout again (a
+    barrier's retry was let through: its handshake met the peers' next op)."""
+    first, second = run_ranks(stuck_behind_a_foreign_kernel, 2, backend_name, op, device="cuda", timeout_s=180)
     timed_out, retry = first["errors"]
     assert timed_out is not None and timed_out.startswith("EPTimeoutError: ") and "reported nothing" in timed_out, \
         first
     assert retry is not None and retry.startswith("EPError: ") and "out of step" in retry, first
-    assert "dispatch" in retry and "timed out on the host" in retry, first
+    assert op in retry and "timed out on the host" in retry, first
     assert second["errors"][0] is not None and second["errors"][0].startswith("EPTimeoutError: "), second
 
 

@@ -518,6 +518,24 @@ class ElasticBackend(CompiledBackend):
         """Whether ``rows`` is the combine input in this rank's buffer (then it is read in place)."""
         return not layout.expand and self._is_combine_input(rows, layout, self.regions.off_comb_data)
 
+    def _refuse_rows_over_comb_data(self, rows: torch.Tensor) -> None:
+        """ValueError, before any launch, for rows a copying combine would read from this rank's comb_data (the
+        combine input's memory, but not read in place: another place there, or an expanded handle): that
+        combine's sends write the same memory meanwhile, and the sums would come out wrong without a word."""
+        if rows.numel() == 0:
+            return
+        start = self.buffer.raw.region_address + self.regions.off_comb_data
+        end = start + self.num_ranks * self.regions.max_tokens * self.hidden_size * 2  # bf16 [R][max_tokens][H]
+        first = rows.data_ptr()
+        last = first + sum((size - 1) * stride for size, stride in zip(rows.shape, rows.stride(), strict=True)) * \
+            rows.element_size() + rows.element_size()
+        if first < end and start < last:
+            raise ValueError(
+                "combine: these rows lie in this rank's combine-input memory (combine_input's), but not as the "
+                "combine input of this handle (another place there, or an expanded handle), so combine would "
+                "copy them while the peers' rows are written there: pass combine_input(handle) itself, or a "
+                "tensor of your own")
+
     @op_range("combine")
     def _combine(self, rows, handle: Handle, row_probs, bias=None) -> CombineOutput:
         self.buffer.raise_if_failed()
@@ -527,6 +545,8 @@ class ElasticBackend(CompiledBackend):
         in_place = self._in_place(rows, layout)
         op = OP_COMBINE_IN_PLACE if in_place else OP_COMBINE
         rows_in = None if in_place else self._aligned(rows)  # in place: the buffer is read, not the tensor
+        if rows_in is not None:
+            self._refuse_rows_over_comb_data(rows_in)
         # The outputs before the first launch: an allocation that fails then leaves the ranks in step.
         out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16, device=dev)
         values = torch.empty(T, k, dtype=torch.float32, device=dev) if row_probs is not None else None
