@@ -287,6 +287,12 @@ def _digest(where: str) -> int:
     return int.from_bytes(hashlib.blake2b(where.encode(), digest_size=8).digest(), "little") >> 1
 
 
+def _read_post(value: bytes) -> tuple[int, str]:
+    """A timeout post (``_read_posts``): (the call's number among its owner's collectives, where)."""
+    number, _, where = value.decode().partition("|")
+    return int(number), where
+
+
 def _first_line(exc: BaseException) -> str:
     """An engine's error in one line (its first), or its type where it says nothing."""
     text = str(exc).strip()
@@ -369,6 +375,9 @@ class HostCollectives:
         self.instance = opened[label]
         self.site = f"{group_name}/{label}#{self.instance}"
         self.failed: Optional[str] = None  # set once a wait timed out or the engine failed
+        # This owner's collectives so far: ranks in step are in the same one, so a peer's timeout post names the
+        # call it gave up in, not only its name (a barrier's, say, is the same on every call).
+        self._exchanges = 0
         self._device = device
         self._twin: Optional[GlooTwin] = None  # where the words go over the group's gloo twin (use_gloo_twin)
         self._unwrapped: dict[str, Optional[Any]] = {}  # device type -> the engine under torch's debug wrapper
@@ -453,6 +462,7 @@ class HostCollectives:
             raise RuntimeError(f"{self.owner}: {where} after release() (the owner was destroyed)")
         if out is None:
             out = tensor.new_empty((sum(out_splits),) + tuple(tensor.shape[1:]))
+        self._exchanges += 1
         try:
             if self._twin is not None:  # the twin is torch's gloo engine itself: its own call, its own timeout
                 options = dist.AllToAllOptions()
@@ -569,7 +579,7 @@ class HostCollectives:
         (``came_late_error`` bounds it)."""
         store = dist.distributed_c10d._get_default_store()
         key = f"ep_plugin/timeouts/{self.site}/"
-        return {q: store.get(key + str(q)).decode() for q in range(self.num_ranks)
+        return {q: _read_post(store.get(key + str(q)))[1] for q in range(self.num_ranks)
                 if q != self.rank and store.check([key + str(q)])}
 
     def release(self) -> None:
@@ -694,12 +704,14 @@ class HostCollectives:
                 found[q] = place
         return found
 
-    def _read_posts(self, where: str, peers: list[int], grace: float) -> tuple[dict[int, str], dict[int, str]]:
-        """Post where this rank gave up, then read the peers' posts for up to ``grace`` seconds: (peer ->
-        where it posted here, peer -> where it waits in another group)."""
+    def _read_posts(self, where: str, peers: list[int],
+                    grace: float) -> tuple[dict[int, tuple[int, str]], dict[int, str]]:
+        """Post where this rank gave up (the call's number among this owner's collectives, and its name), then
+        read the peers' posts for up to ``grace`` seconds: (peer -> (number, where) it posted here, peer ->
+        where it waits in another group)."""
         store = dist.distributed_c10d._get_default_store()
         key = f"ep_plugin/timeouts/{self.site}/"
-        store.set(key + str(self.rank), where)
+        store.set(key + str(self.rank), f"{self._exchanges}|{where}")
         # Also by global rank, with the time: a rank that blames this one in another group (a domain peer
         # of a rank stuck on its rail) learns where this one waits, and for whom.
         store.set(f"{_WAITS_BY_GLOBAL_RANK}{dist.get_rank()}", f"{time.time():.3f}|{where} ({self.owner})")
@@ -709,7 +721,7 @@ class HostCollectives:
             if len(posted) == len(peers) or time.monotonic() > deadline:
                 break
             time.sleep(0.02)
-        places = {q: store.get(key + str(q)).decode() for q in posted}
+        places = {q: _read_post(store.get(key + str(q))) for q in posted}
         return places, self._waits_elsewhere(store, [q for q in peers if q not in places], grace)
 
     def _report_peers(self, where: str, peers: list[int], *, engine_error: bool = False) -> str:
@@ -729,8 +741,9 @@ class HostCollectives:
             return f"{self.engine} does not say which peer is missing, and {why}; any of {names} may be late."
         places, waits_elsewhere = outcome["answer"]
         late = [q for q in peers if q not in places and q not in waits_elsewhere]
-        waiting = [q for q in peers if places.get(q) == where]
-        elsewhere = [q for q in peers if q in places and places[q] != where]
+        # Waiting here: the same call, not one of the same name that peer gave up in before (a barrier's).
+        waiting = [q for q in peers if places.get(q) == (self._exchanges, where)]
+        elsewhere = [q for q in peers if q in places and q not in waiting]
         parts = []
         if late and engine_error:
             parts.append(f"No report from {', '.join(self.peer_name(q) for q in late)} within {grace:.1f} s of this "
@@ -740,7 +753,8 @@ class HostCollectives:
                          f"within {grace:.1f} s of this rank's timeout: they came late or never: stopped calling "
                          f"ep_plugin, busy elsewhere, or dead).")
         for q in elsewhere:
-            parts.append(f"{self.peer_name(q)} gave up earlier, in {places[q]}.")
+            parts.append(f"{self.peer_name(q)} gave up earlier, in {places[q][1]}"
+                         f"{' (an earlier call of that name)' if places[q][1] == where else ''}.")
         for q, place in waits_elsewhere.items():
             parts.append(f"{self.peer_name(q)} did not come because it waits elsewhere itself, in {place}: its "
                          f"own error names whom it waits for.")

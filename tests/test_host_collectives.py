@@ -99,6 +99,34 @@ def test_after_a_timeout_the_backend_refuses_at_once(late_outcomes):
         assert seconds < 1.0
 
 
+def barriers_after_a_peer_gave_up(ctx) -> list[tuple[str, str, float]]:
+    """Rank 0 gives up in a barrier; only then rank 1 calls barrier twice: the first meets what rank 0 left
+    behind, the second waits alone."""
+    store = dist.distributed_c10d._get_default_store()
+    words = HostCollectives(None, owner="ep_plugin test", timeout_s=TIMEOUT_S, label="repeated barrier")
+    if ctx.rank == 0:
+        outcomes = [_outcome(lambda: words.barrier(where="barrier"))]
+        store.set("repeated barrier: rank 0 gave up", "1")
+        store.wait(["repeated barrier: rank 1 is done"], timedelta(seconds=60))  # its report reads our post
+        return outcomes
+    store.wait(["repeated barrier: rank 0 gave up"], timedelta(seconds=60))
+    outcomes = [_outcome(lambda: words.barrier(where="barrier")) for _ in range(2)]
+    store.set("repeated barrier: rank 1 is done", "1")
+    return outcomes
+
+
+def test_a_peer_that_gave_up_in_an_earlier_call_of_the_same_name_is_not_waiting_here():
+    """Posts named the call only: rank 1, alone in its second barrier, read rank 0's post from the first and said
+    "Waiting here too: rank 0" (and named no late peer), though rank 0 had given up a call earlier."""
+    first, second = run_ranks(barriers_after_a_peer_gave_up, 2, timeout_s=120)
+    assert first[0][0] == "EPTimeoutError", first
+    met_leftover, alone = second
+    assert met_leftover[0] == "ok", met_leftover
+    kind, message, _ = alone
+    assert kind == "EPTimeoutError" and "Waiting here too" not in message, message
+    assert "rank 0 gave up earlier, in barrier (an earlier call of that name)" in message, message
+
+
 def late_to_the_next_call(ctx, setup: bool):
     """Rank 1 comes late, to its next call: rank 0 times out in a combine (a barrier, ``setup``) and rank 1's
     dispatch (another barrier) then meets the exchange rank 0 left behind."""
