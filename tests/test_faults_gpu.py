@@ -81,6 +81,31 @@ def test_missing_rank_times_out_naming_phase_and_peer(backend_name):
         assert result["seconds"] < 10, (rank, result)
 
 
+def missing_rank_of_a_subgroup(ctx, backend_name: str) -> dict:
+    """A backend on global ranks 2 and 3 (as on Megatron's EP group): rank 2, the group's rank 0, never dispatches."""
+    group = torch.distributed.new_group([2, 3])
+    result = {}
+    if ctx.rank in (2, 3):
+        config = Config.from_env(max_tokens_per_rank=MAX_TOKENS, timeout_s=3.0, num_sms=8)
+        options = {"max_topk": 8} if backend_name == "elastic" else {}
+        backend = ep_plugin.get_backend(backend_name)(hidden_size=256, num_experts=NUM_EXPERTS, device=ctx.device,
+                                                      config=config, group=group, **options)
+        x, idx, w, _, _ = make_inputs(801, ctx.rank - 2, 2, 20, 256, NUM_EXPERTS, 2, skewed=False, drop_some=False)
+        if ctx.rank == 3:
+            result = timed_dispatch(backend, x, dict(topk_idx=idx, topk_weights=w))
+    torch.distributed.barrier()
+    return result
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_missing_rank_of_a_subgroup_is_named_by_its_global_rank_too(backend_name):
+    """The device's reports named the group's ranks only ("peer rank 0"): on an EP subgroup that is another
+    process's number, and the user opened the wrong log."""
+    error = run_ranks(missing_rank_of_a_subgroup, 4, backend_name, device="cuda", timeout_s=120)[3]["error"]
+    assert error is not None and error.startswith("EPTimeoutError: "), error
+    assert "rank 1 (global rank 3) timed out" in error and "peer rank 0 (global rank 2)" in error, error
+
+
 # ---- a rank that fails alone while the backend is built ----------------------------------------
 
 class _ExtensionOutOfMemory:

@@ -248,18 +248,26 @@ class SymmetricBuffer:
             return None
         _, rank, phase, peer, expected, seen, waited_ns = report
         phase_name = self.phase_names.get(phase, f"phase {phase}")
+        # The ranks as the group numbers them, with their global rank in a subgroup (Megatron's EP group): the
+        # log to open is the global rank's.
+        me, them = self._rank_name(rank), self._rank_name(peer)
         if kind == self._C.REPORT_MISMATCH:
-            return EPError, (f"{mismatch_message(self.backend, rank, peer, expected, seen)} (seen by rank {rank} "
+            return EPError, (f"{mismatch_message(self.backend, rank, peer, expected, seen)} (seen by {me} "
                              f"in {phase_name}; this backend is unusable now: build a new one)")
         if kind == self._C.REPORT_PEER_EXITED:
             identity = self.peer_processes.get(peer)
             pid = f" (pid {identity.pid})" if identity is not None else ""
-            return EPError, (f"ep_plugin {self.backend}: rank {rank} stopped waiting for peer rank {peer} in "
-                             f"{phase_name}: the process of rank {peer}{pid} has exited (its own log says why); "
+            return EPError, (f"ep_plugin {self.backend}: {me} stopped waiting for peer {them} in "
+                             f"{phase_name}: the process of {them}{pid} has exited (its own log says why); "
                              f"the communication buffer is unusable now")
-        return EPTimeoutError, (f"ep_plugin {self.backend}: rank {rank} timed out in {phase_name} waiting for peer "
-                                f"rank {peer} (flag expected >= {expected}, saw {seen}, waited {waited_ns / 1e9:.2f} "
+        return EPTimeoutError, (f"ep_plugin {self.backend}: {me} timed out in {phase_name} waiting for peer "
+                                f"{them} (flag expected >= {expected}, saw {seen}, waited {waited_ns / 1e9:.2f} "
                                 f"s); the communication buffer is unusable now")
+
+    def _rank_name(self, rank: int) -> str:
+        """'rank 3', or 'rank 3 (global rank 11)' in a subgroup."""
+        collectives = getattr(self, "_collectives", None)
+        return collectives.peer_name(rank) if collectives is not None else f"rank {rank}"
 
     def raise_if_failed(self) -> None:
         if not self._buffer.failed():  # every op asks: one bool, not the report's list
@@ -279,8 +287,8 @@ class SymmetricBuffer:
                 time.sleep(5e-5)
             if time.monotonic() > deadline:
                 self.raise_if_failed()
-                raise EPTimeoutError(f"ep_plugin {self.backend}: rank {self.rank}: host wait for {what} ran past "
-                                     f"{timeout_s:.1f} s and the device reported nothing")
+                raise EPTimeoutError(f"ep_plugin {self.backend}: {self._rank_name(self.rank)}: host wait for {what} "
+                                     f"ran past {timeout_s:.1f} s and the device reported nothing")
         self.raise_if_failed()
 
     def synchronize(self, what: str, *, raise_report: bool = True) -> None:
@@ -289,7 +297,8 @@ class SymmetricBuffer:
         # A margin past the kernels' own timeout (up to 5 s, as for the op waits): a kernel that began its wait
         # just after this one can still write its report, which names the peer, before the host gives up.
         streams.wait_for_device(self.device, self.timeout_s + min(5.0, self.timeout_s),
-                                f"ep_plugin {self.backend}: rank {self.rank}: {what}: waiting for the device",
+                                f"ep_plugin {self.backend}: {self._rank_name(self.rank)}: {what}: waiting for the "
+                                "device",
                                 before_timeout=self.raise_if_failed if raise_report else None)
         if raise_report:
             self.raise_if_failed()
