@@ -424,6 +424,9 @@ def test_software_rdma_next_to_real_nics_is_named_not_counted(tmp_path):
     assert (verdict.mode, verdict.status, code) == (nccl_probe.GDR_DMABUF, OK, 0)
     assert any("rxe0: software RDMA (soft-RoCE), no GPUDirect" in note and "NCCL_IB_HCA=^rxe0" in note
                for note in verdict.notes)
+    # Following that advice leaves no hardware NIC out: nothing to warn about.
+    fabric = make_fabric(tmp_path, report, {"NCCL_IB_HCA": "^rxe0"})
+    assert not any("leaves out" in warning for warning in fabric.warnings), fabric.warnings
 
 
 def test_missing_uverbs_devices(tmp_path):

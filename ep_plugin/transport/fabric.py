@@ -453,9 +453,9 @@ def _named_by_ib_hca(nics: list[RdmaDevice], hca: str, warnings: list[str]) -> l
     if not hca or any(nic.efa for nic in nics):
         return nics
     named = [nic for nic in nics if ib_hca_selects(hca, _assume_up(nic))]
-    if not named or len(named) == len(nics):
+    left = [nic.name for nic in nics if nic not in named and not nic.software]  # (software ones never count)
+    if not named or not left:
         return nics
-    left = [nic.name for nic in nics if nic not in named]
     warnings.append(f"NCCL_IB_HCA={hca} leaves out {', '.join(left)}: the GPUs' NICs are counted among "
                     f"{', '.join(nic.name for nic in named)} only")
     return named
