@@ -682,13 +682,13 @@ def _named_net_missing(fabric: Fabric, environ: Mapping[str, str]) -> Optional[P
     if net.lower() == "ib":
         ib_disable = environ.get("NCCL_IB_DISABLE")
         why = None
-        # A net plugin may name its network IB too (and NCCL_IB_DISABLE does not turn plugins off).
-        if not fabric.nccl.plugin_may_load and _nccl_int(ib_disable):
-            why = f"NCCL_IB_DISABLE={ib_disable} turns it off"
         # NCCL's IB transport also runs over software RDMA (soft-RoCE): it needs an ACTIVE port, hardware or not.
         active = [nic for nic in fabric.rdma_devices if any(port.active for port in nic.ports)]
         hca = environ.get("NCCL_IB_HCA", "")
-        if not active:
+        # A net plugin may name its network IB too (and NCCL_IB_DISABLE does not turn plugins off).
+        if not fabric.nccl.plugin_may_load and _nccl_int(ib_disable):
+            why = f"NCCL_IB_DISABLE={ib_disable} turns it off"
+        elif not active:
             why = "no RDMA NIC with an ACTIVE port"
         elif not fabric.uverbs:
             why = "no /dev/infiniband/uverbs*"

@@ -38,6 +38,7 @@ def check_pad_multiple(pad_multiple, name: str = "pad_multiple") -> None:
 # passes them is told what to do instead.
 DEEPEP_STREAM_OPTIONS = ("async_finish", "allocate_on_comm_stream", "previous_event", "async_with_compute_stream")
 
+
 @dataclass(frozen=True)
 class Capabilities:
     devices: tuple[str, ...]  # "cpu", "cuda"
