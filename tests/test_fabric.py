@@ -319,3 +319,32 @@ def test_a_nic_only_on_another_cpus_node_is_the_gpus_across_that_link(tmp_path):
     problems = []
     assert doctor._too_far_for_gdr(fabric, "", problems) and "NCCL_NET_GDR_LEVEL=SYS" in problems[0].fix
     assert not doctor._too_far_for_gdr(fabric, "SYS", [])
+
+
+def test_a_host_name_lookup_that_never_answers_is_given_up_with_a_warning(monkeypatch):
+    """getaddrinfo has no timeout of its own: a resolver that does not answer held doctor for its own timeout
+    (tens of seconds per name server), with no word. Now it is given up after the doctor's wait, and says why."""
+    import socket
+    import threading
+    import time
+
+    from ep_plugin.transport.fabric import host_name_address
+
+    answered = threading.Event()
+
+    def silent_resolver(*args, **kwargs):
+        answered.wait(30)
+        raise OSError("no answer")
+
+    monkeypatch.setattr(socket, "getaddrinfo", silent_resolver)
+    warnings = []
+    start = time.monotonic()
+    try:
+        assert host_name_address(timeout_s=0.3, warnings=warnings) is None
+        assert time.monotonic() - start < 5.0
+    finally:
+        answered.set()
+    assert len(warnings) == 1 and "did not resolve within 0.3 s" in warnings[0], warnings
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: [(2, 1, 6, "", ("10.9.8.7", 0))])
+    warnings = []
+    assert host_name_address(timeout_s=0.3, warnings=warnings) == "10.9.8.7" and warnings == []

@@ -70,6 +70,8 @@ PEERMEM_PATHS = (
     "/sys/kernel/mm/memory_peers/nv_mem_nc/version",
 )
 MPS_DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
+# How long the doctor waits for this host's name to resolve (host_name_address).
+HOST_NAME_TIMEOUT_S = 5.0
 NCCL_ENV_KEYS = (
     "NCCL_NET_PLUGIN", "NCCL_NET", "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_DMABUF_ENABLE", "NCCL_NET_GDR_LEVEL",
     "NCCL_NET_GDR_READ", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_SOCKET_IFNAME", "NCCL_CUMEM_ENABLE",
@@ -477,15 +479,32 @@ def _pci_nvidia_gpus(tree: _Tree) -> list[str]:
     return found
 
 
-def host_name_address() -> Optional[str]:
+def host_name_address(timeout_s: float = HOST_NAME_TIMEOUT_S, warnings: Optional[list[str]] = None) -> Optional[str]:
     """The first address this host's name resolves to, as gloo picks its own when GLOO_SOCKET_IFNAME is
-    unset (None when the name does not resolve)."""
+    unset (None when the name does not resolve). The lookup has no timeout of its own (a resolver that does not
+    answer holds it for the resolver's): past ``timeout_s`` it is left to end in its thread, and None comes
+    back with a line in ``warnings``."""
     import socket
+    import threading
 
-    try:
-        return socket.getaddrinfo(socket.gethostname(), None)[0][4][0]
-    except (OSError, IndexError):
+    found: list[Optional[str]] = []
+
+    def look_up() -> None:
+        try:
+            found.append(socket.getaddrinfo(socket.gethostname(), None)[0][4][0])
+        except (OSError, IndexError):
+            found.append(None)
+
+    lookup = threading.Thread(target=look_up, name="ep_plugin host name lookup", daemon=True)
+    lookup.start()
+    lookup.join(timeout_s)
+    if not found:
+        if warnings is not None:
+            warnings.append(f"this host's name did not resolve within {timeout_s:g} s (a resolver that does not "
+                            "answer: /etc/resolv.conf, DNS): gloo, which looks it up where GLOO_SOCKET_IFNAME is "
+                            "unset, waits as long; its address was not checked")
         return None
+    return found[0]
 
 
 def interface_addresses(names: list[str]) -> Optional[dict[str, list[str]]]:
@@ -728,7 +747,8 @@ def probe_fabric(*, root: Union[str, os.PathLike] = "/", environ: Optional[Mappi
         peermem=[path for path in PEERMEM_PATHS if tree.exists(path)],
         nccl=_nccl_info(tree, environ, nccl_version or torch_nccl_version, config),
         mps=_mps_info(tree, environ, warnings), warnings=warnings, net_interfaces=interfaces,
-        host_address=(host_address or host_name_address)(), interface_addresses=(addresses or interface_addresses)(
+        host_address=host_address() if host_address else host_name_address(warnings=warnings),
+        interface_addresses=(addresses or interface_addresses)(
             interfaces), torch_cuda=(torch_cuda or torch_cuda_version)())
     return fabric
 
