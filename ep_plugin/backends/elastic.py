@@ -527,8 +527,7 @@ class ElasticBackend(CompiledBackend):
         start = self.buffer.raw.region_address + self.regions.off_comb_data
         end = start + self.num_ranks * self.regions.max_tokens * self.hidden_size * 2  # bf16 [R][max_tokens][H]
         first = rows.data_ptr()
-        last = first + sum((size - 1) * stride for size, stride in zip(rows.shape, rows.stride(), strict=True)) * \
-            rows.element_size() + rows.element_size()
+        last = first + rows.numel() * rows.element_size()  # (combine's rows are contiguous: check_hidden)
         if first < end and start < last:
             raise ValueError(
                 "combine: these rows lie in this rank's combine-input memory (combine_input's), but not as the "
