@@ -16,7 +16,7 @@ Two checks keep ranks that disagree from crashing inside a collective or returni
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -144,13 +144,19 @@ def ordinal(number: int) -> str:
 assert fingerprint_code(OP_SETUP) == SETUP_EXCHANGE
 
 
-def mismatch_message(backend: str, rank: int, peer: int, mine: int, theirs: int) -> str:
-    """Name the op, every field that differs, both ranks and their values."""
+def mismatch_message(backend: str, rank: int, peer: int, mine: int, theirs: int,
+                     rank_name: Callable[[int], str] = "rank {}".format) -> str:
+    """Name the op, every field that differs, both ranks and their values.
+
+    ``rank_name`` names a rank of the group: ``HostCollectives.peer_name`` adds the global rank in a
+    subgroup (Megatron's EP group), whose own numbers send users to another process's log.
+    """
     a, b = OpFingerprint.unpack(mine), OpFingerprint.unpack(theirs)
+    me, them = rank_name(rank), rank_name(peer)
     differing = [f.name for f in fields(OpFingerprint) if getattr(a, f.name) != getattr(b, f.name)]
-    details = "; ".join(f"{name}: {getattr(a, name)!r} on rank {rank}, {getattr(b, name)!r} on rank {peer}"
+    details = "; ".join(f"{name}: {getattr(a, name)!r} on {me}, {getattr(b, name)!r} on {them}"
                         for name in differing)
-    op = a.op if a.op == b.op else f"{a.op} (rank {rank}) / {b.op} (rank {peer})"
+    op = a.op if a.op == b.op else f"{a.op} ({me}) / {b.op} ({them})"
     if "grad" in differing:  # the one field a user does not pass: say where it comes from
         details += (" (grad: autograd recorded the op, so its backward will run; the inputs need grad on some "
                     "ranks only, or some ranks run under torch.no_grad)")

@@ -359,6 +359,27 @@ def test_backend_stays_usable_after_a_rejected_op(op_outcomes):
     assert all(outcomes["agreed"][0] == "ok" for outcomes in op_outcomes), [o["agreed"] for o in op_outcomes]
 
 
+def dtypes_differ_in_a_subgroup(ctx):
+    """A reference backend on global ranks 1 and 2 (as on Megatron's EP group); the group's rank 1 dispatches
+    float64 rows, its rank 0 float32."""
+    group = torch.distributed.new_group([1, 2])
+    if ctx.rank == 0:
+        return None
+    backend = _reference(group=group, hidden_size=HIDDEN, num_experts=4)
+    dtype = torch.float64 if ctx.rank == 2 else torch.float32
+    return _outcome(lambda: backend.dispatch(torch.ones(2, HIDDEN, dtype=dtype),
+                                             topk_idx=torch.tensor([[0], [3]])))
+
+
+def test_ranks_that_disagree_in_a_subgroup_are_named_by_their_global_rank_too():
+    """The mismatch message numbered ranks as the group does: on an EP subgroup 'rank 0' sent users to the log of
+    another process (global rank 0 here is no member)."""
+    for rank, (kind, message, _) in enumerate(run_ranks(dtypes_differ_in_a_subgroup, 3, timeout_s=120)[1:], 1):
+        assert kind == "EPError", (rank, kind, message)
+        assert "on rank 0 (global rank 1), torch.float64 on rank 1 (global rank 2)" in message \
+            or "on rank 1 (global rank 2), torch.float32 on rank 0 (global rank 1)" in message, (rank, message)
+
+
 def test_mismatch_message_names_fields_and_ranks():
     mine = OpFingerprint(OP_COMBINE, dtype=torch.bfloat16, handle_id=1).pack()
     theirs = OpFingerprint(OP_COMBINE, dtype=torch.bfloat16, handle_id=2).pack()

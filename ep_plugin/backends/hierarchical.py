@@ -744,8 +744,9 @@ class HierarchicalBackend(Backend):
                                 f" (seen on {self.scaleout.level})")
         for peer, words in enumerate(theirs):
             if words[0] != mine[0]:
-                return splits, (f"{mismatch_message(self.name, self.rank, rail_ranks[peer], mine[0], words[0])} "
-                                f"(seen on {self.scaleout.level} in {where})")
+                mismatch = mismatch_message(self.name, self.rank, rail_ranks[peer], mine[0], words[0],
+                                            self._host.peer_name)
+                return splits, f"{mismatch} (seen on {self.scaleout.level} in {where})"
         for peer, words in enumerate(theirs):
             if words[1] != mine[1]:
                 return splits, (f"ep_plugin {self.name}: ranks disagree on {where} ({self.scaleout.level}): row bytes "
@@ -840,8 +841,8 @@ class HierarchicalBackend(Backend):
                           f"{WHAT_RANKS_SHARE}")
         for peer, (_, word, _, _) in enumerate(theirs):
             if word != code:
-                raise EPError(f"{mismatch_message(self.name, self.rank, domain_ranks[peer], code, word)} (seen in "
-                              f"{self.domain_level} in {where})")
+                mismatch = mismatch_message(self.name, self.rank, domain_ranks[peer], code, word, self._host.peer_name)
+                raise EPError(f"{mismatch} (seen in {self.domain_level} in {where})")
         for peer, (_, _, _, width_of_peer) in enumerate(theirs):  # the same op everywhere: its rows' width
             peer_rank = domain_ranks[peer]
             if width_of_peer != row_bytes:

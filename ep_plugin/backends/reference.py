@@ -249,7 +249,8 @@ class ReferenceBackend(Backend):
                 f"the one built {ordinal(theirs[q][1])}. Ranks must use their backends in the same order.")
         if differing(0):
             bad = differing(0)
-            raise EPError(mismatch_message(self.name, self.rank, bad[0], fingerprint_word, theirs[bad[0]][0])
+            raise EPError(mismatch_message(self.name, self.rank, bad[0], fingerprint_word, theirs[bad[0]][0],
+                                           self._comm.peer_name)
                           + f" {self._comm.peer_name(self.rank).capitalize()} was in {where}; ranks whose op differs "
                           f"from its: {', '.join(self._comm.peer_name(q) for q in bad)}.")
         if differing(2):

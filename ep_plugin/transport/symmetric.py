@@ -252,8 +252,8 @@ class SymmetricBuffer:
         # log to open is the global rank's.
         me, them = self._rank_name(rank), self._rank_name(peer)
         if kind == self._C.REPORT_MISMATCH:
-            return EPError, (f"{mismatch_message(self.backend, rank, peer, expected, seen)} (seen by {me} "
-                             f"in {phase_name}; this backend is unusable now: build a new one)")
+            mismatch = mismatch_message(self.backend, rank, peer, expected, seen, self._rank_name)
+            return EPError, f"{mismatch} (seen by {me} in {phase_name}; this backend is unusable now: build a new one)"
         if kind == self._C.REPORT_PEER_EXITED:
             identity = self.peer_processes.get(peer)
             pid = f" (pid {identity.pid})" if identity is not None else ""
