@@ -602,6 +602,41 @@ def test_a_teardown_whose_backend_destroy_fails_warns_and_goes_on(ep_megatron):
     assert any("planted" in warning and "teardown goes on" in warning for warning in outcome["warnings"]), outcome
 
 
+def _uninstall_with_a_shared_backend_alive(ctx) -> dict:
+    import logging
+
+    from megatron.core import parallel_state
+
+    import ep_plugin.integrations.megatron as ep_megatron
+    from ep_plugin.integrations.megatron import manager
+
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("ep_plugin.integrations.megatron").addHandler(handler)
+    ep_megatron.install()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ctx.world_size)
+    manager.shared_backend("reference", parallel_state.get_expert_model_parallel_group(), 16, 4,
+                           torch.device("cpu"), experts_per_token=2, pad_multiple=None)
+    ep_megatron.uninstall()
+    with_backend = list(warnings)
+    ep_megatron.clear_backend_cache()  # what the warning asks for
+    ep_megatron.install()
+    ep_megatron.uninstall()
+    parallel_state.destroy_model_parallel()
+    return {"with a backend": with_backend, "after clearing": warnings[len(with_backend):]}
+
+
+@needs_megatron
+def test_uninstall_with_a_shared_backend_alive_says_to_clear_the_cache(ep_megatron):
+    """uninstall() restores Megatron's destroy_model_parallel, which then no longer destroys the shared backends
+    (their buffers stay mapped past the process groups): it said nothing. A warning names the call to make."""
+    outcome = run_ranks(_uninstall_with_a_shared_backend_alive, 2, timeout_s=120)[0]
+    assert any("leaves 1 shared backend(s) alive" in w and "clear_backend_cache()" in w
+               for w in outcome["with a backend"]), outcome
+    assert not any("shared backend" in w for w in outcome["after clearing"]), outcome
+
+
 @needs_megatron
 def test_elastic_gets_megatrons_routing_map_as_top_k_ids(ep_megatron):
     """ep_elastic takes top-k ids, not Megatron's routing map: the manager's conversion keeps exactly each

@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from typing import Optional
 
 from . import compat
-from .manager import clear_backend_cache, rank_capacity_problem
+from .manager import cached_backend_count, clear_backend_cache, rank_capacity_problem
 
 logger = logging.getLogger(__name__)
 
@@ -126,13 +126,23 @@ def install(replace_builtin: Optional[bool] = None) -> None:
 
 
 def uninstall() -> None:
-    """Undo ``install()`` (for tests and for users who need Megatron's original behaviour back)."""
+    """Undo ``install()`` (for tests and for users who need Megatron's original behaviour back).
+
+    Shared backends already built stay alive for the layers that use them (destroying them is a collective,
+    and those layers would fail); ``destroy_model_parallel`` no longer destroys them, so a warning says to
+    call ``clear_backend_cache()`` on every rank first.
+    """
     with _lock:
         if not _state.installed:
             return
         _restore_megatron()
         _state.installed = False
         _state.replace_builtin = False
+        if cached_backend_count():  # Megatron's teardown is its own again: it no longer destroys them
+            logger.warning("ep_plugin: uninstall() leaves %d shared backend(s) alive for the layers built while "
+                           "installed; destroy_model_parallel no longer destroys them: call "
+                           "ep_plugin.integrations.megatron.clear_backend_cache() on every rank before the "
+                           "process groups go", cached_backend_count())
 
 
 def _restore_megatron() -> None:

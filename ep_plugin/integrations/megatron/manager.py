@@ -474,6 +474,11 @@ def combine_counts() -> dict[str, int]:
     return dict(total)
 
 
+def cached_backend_count() -> int:
+    """How many shared backends are alive (built and not destroyed), those a grow left behind included."""
+    return len(_backends) + len(_retired)
+
+
 def clear_backend_cache() -> None:
     """Destroy the shared backends (call before destroying the process groups they use). The cache is
     emptied even when a destroy raises (a timeout, say): the first error is raised after the others ran."""
