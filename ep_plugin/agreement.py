@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .config import Config
+from .errors import EPError
 from .host_collectives import SETUP_EXCHANGE, HostCollectives
 
 # Op kinds; the code is part of the fingerprint.
@@ -164,6 +165,15 @@ def mismatch_message(backend: str, rank: int, peer: int, mine: int, theirs: int,
         details += (" (probs_grad: the probs or top-k weights need a gradient on some ranks only; its backward "
                     "would route them back there only)")
     return f"ep_plugin {backend}: ranks disagree on {op}: {details or 'fingerprints differ'}. {WHAT_RANKS_SHARE}"
+
+
+def met_a_setup_step_error(backend: str, me: str, where: str, peers: list[str], on: str) -> EPError:
+    """An op's opening exchange met ``peers`` in a setup step (their word was ``SETUP_EXCHANGE``): one frame
+    size for both, so no abort, but the ranks issued different calls. ``on``: "this process group", or the
+    domain level of a backend across domains."""
+    return EPError(f"ep_plugin {backend}: {me} ran {where} while {', '.join(peers)} were in a setup step on {on} "
+                   "(building or destroying a backend; their own messages name it): the ranks issued different "
+                   "calls (an op on some ranks only, or a backend built or destroyed on some ranks only).")
 
 
 def check_construction(group: Optional[dist.ProcessGroup], backend: str, facts: dict[str, Any], *,

@@ -100,6 +100,7 @@ from ..agreement import (
     TOPK_FIELD_MAX,
     WHAT_RANKS_SHARE,
     OpFingerprint,
+    met_a_setup_step_error,
     mismatch_message,
     ordinal,
 )
@@ -817,11 +818,9 @@ class HierarchicalBackend(Backend):
         domain_ranks = self._topology.domain_ranks()  # (peer is an index in the domain)
         in_setup = [peer for peer, (_, word, _, _) in enumerate(theirs) if word == SETUP_EXCHANGE]
         if in_setup:  # a domain peer building or destroying a backend on this group met this op: one frame size
-            names = ", ".join(self._host.peer_name(domain_ranks[peer]) for peer in in_setup)
-            raise EPError(f"ep_plugin {self.name}: {self._host.peer_name(self.rank)} ran {where} while {names} were "
-                          f"in a setup step on {self.domain_level} (building or destroying a backend; their own "
-                          "messages name it): the ranks issued different calls (an op on some ranks only, or a "
-                          "backend built or destroyed on some ranks only).")
+            raise met_a_setup_step_error(self.name, self._host.peer_name(self.rank), where,
+                                         [self._host.peer_name(domain_ranks[peer]) for peer in in_setup],
+                                         self.domain_level)
         # First: ranks that ran this op on two backends (each rail on one of its own) raise EPError on every rank
         # here, before any rail's refusal could make some of them raise TooManyTokensError alone.
         for peer, (_, _, number, _) in enumerate(theirs):

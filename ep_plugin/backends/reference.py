@@ -47,6 +47,7 @@ from ..agreement import (
     OP_DISPATCH_AGAIN,
     TOPK_FIELD_MAX,
     OpFingerprint,
+    met_a_setup_step_error,
     mismatch_message,
     ordinal,
 )
@@ -235,11 +236,8 @@ class ReferenceBackend(Backend):
         if late:  # a peer gave up waiting for this rank: what differs is the call it left behind
             raise late
         if in_setup:  # a peer building a backend (or another setup step) met this op: one frame size, no abort
-            raise EPError(
-                f"ep_plugin reference: {self._comm.peer_name(self.rank)} ran {where} while "
-                f"{', '.join(self._comm.peer_name(q) for q in in_setup)} were in a setup step on this process "
-                "group (building a backend; their own messages name it): the ranks issued different calls (an op "
-                "on some ranks only, or a backend built on some ranks only).")
+            raise met_a_setup_step_error(self.name, self._comm.peer_name(self.rank), where,
+                                         [self._comm.peer_name(q) for q in in_setup], "this process group")
 
         if differing(1):  # first: other fields mean nothing when the ops ran on different backends
             q = differing(1)[0]
