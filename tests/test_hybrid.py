@@ -406,7 +406,8 @@ def test_hybrid_register_copies_and_long_rows_match_reference():
 
 def repeated_ids_probs_gradient(ctx) -> list:
     """Non-blocking mode drops a repeated expert's earlier slots (the last one counts): the weights' gradient
-    must be that of the same dispatch with those slots -1 (zero there), not the routed-back value in both."""
+    must be that of the same dispatch with those slots -1 (zero there), not the routed-back value in both.
+    Twice: finite rows, then token 0's row inf (its dropped slot's gradient is still 0, not inf x 0 = NaN)."""
     hidden, local = 256, NUM_EXPERTS // ctx.world_size
     _, hybrid = make_backends(ctx, hidden, blocking=False)
     remote, mine = ((ctx.rank + 1) % ctx.world_size) * local, ctx.rank * local + 1
@@ -414,15 +415,18 @@ def repeated_ids_probs_gradient(ctx) -> list:
     dropped = repeated.clone()
     dropped[0, 0] = dropped[1, 0] = -1
     generator = torch.Generator().manual_seed(31 + ctx.rank)
-    x = torch.randn(4, hidden, generator=generator).to(torch.bfloat16).to(ctx.device)
+    finite = torch.randn(4, hidden, generator=generator).to(torch.bfloat16).to(ctx.device)
+    inf_row = finite.clone()
+    inf_row[0] = float("inf")
     weights = torch.rand(4, 2, generator=generator).to(ctx.device)
     grads = []
-    for topk_idx in (repeated, dropped):
-        w = weights.clone().requires_grad_(True)
-        out = ep_plugin.dispatch(hybrid, x, topk_idx=topk_idx, topk_weights=w)
-        z = ep_plugin.combine(out.hidden * out.probs.unsqueeze(1).to(torch.bfloat16), out.handle)
-        z.float().sum().backward()
-        grads.append(w.grad.tolist())
+    for x in (finite, inf_row):
+        for topk_idx in (repeated, dropped):
+            w = weights.clone().requires_grad_(True)
+            out = ep_plugin.dispatch(hybrid, x, topk_idx=topk_idx, topk_weights=w)
+            z = ep_plugin.combine(out.hidden * out.probs.unsqueeze(1).to(torch.bfloat16), out.handle)
+            z.float().sum().backward()
+            grads.append(w.grad.tolist())
     torch.cuda.synchronize()
     hybrid.check_errors()
     hybrid.destroy()
@@ -431,10 +435,13 @@ def repeated_ids_probs_gradient(ctx) -> list:
 
 def test_a_repeated_expert_gets_the_gradient_of_its_last_slot_only():
     """Before: the earlier slot of a repeated expert got the same non-zero gradient as the last one."""
-    for rank, (repeated, dropped) in enumerate(run_ranks(repeated_ids_probs_gradient, 2, device="cuda",
-                                                         timeout_s=LAUNCH_TIMEOUT_S)):
+    for rank, grads in enumerate(run_ranks(repeated_ids_probs_gradient, 2, device="cuda",
+                                           timeout_s=LAUNCH_TIMEOUT_S)):
+        repeated, dropped, repeated_inf, dropped_inf = grads
         assert repeated == dropped, (rank, repeated, dropped)
         assert repeated[0][0] == 0 and repeated[0][1] != 0 and repeated[1][1] != 0, (rank, repeated)
+        # inf where token 0's last slot routes its row back; its dropped slot (and nothing else) stays finite
+        assert repeated_inf == dropped_inf and repeated_inf[0] == [0, float("inf")], (rank, repeated_inf)
 
 
 # ---- cached dispatch (handle=) ------------------------------------------------------------

@@ -505,5 +505,7 @@ class HybridBackend(CompiledBackend):
                 valid = (idx >= 0) & (idx < self.num_experts)
                 if layout.repeats_dropped:  # the dispatch's mode, whatever the config says now
                     valid &= ~earlier_repeats(idx)
-                probs = dense_probs.gather(1, torch.where(valid, idx, torch.zeros_like(idx))) * valid
+                # where(), not a product with the mask: an inf gathered for a dropped slot would give NaN there
+                gathered = dense_probs.gather(1, torch.where(valid, idx, torch.zeros_like(idx)))
+                probs = torch.where(valid, gathered, torch.zeros_like(gathered))
         return CombineOutput(out, probs)
