@@ -247,6 +247,71 @@ def test_a_combine_input_taken_on_another_stream_waits_for_the_queued_ops(backen
         assert result == {"writer_waited": True, "sleep_running_at_the_query": True, "same": True}, (rank, result)
 
 
+def _handle_dropped_before_its_combine_on_another_stream_ran(ctx, backend_name: str) -> dict:
+    """EP_PLUGIN_AVOID_RECORD_STREAM=1: the caller keeps its own inputs (the rows) alive, nothing else. A
+    combine queued on a side stream behind a sleep, then the handle dropped: its layout (our allocation,
+    made on the dispatch's stream) must not go back to that stream's pool while the combine still reads it.
+    Allocations on the dispatch's stream right after the drop stand for the caller's next work."""
+    import gc
+    import weakref
+
+    from test_faults_gpu import make_backend, routed_tokens
+
+    backend = make_backend(ctx, backend_name, timeout_s=20.0, blocking=False, avoid_record_stream=True)
+    x, routing = routed_tokens(ctx, 809)
+    out = backend.dispatch(x, **routing)
+    want = backend.combine(out.hidden, out.handle).hidden  # everything kept, one stream
+    torch.cuda.synchronize()
+    main, side = torch.cuda.current_stream(ctx.device), torch.cuda.Stream(ctx.device)
+
+    def combine_on_side(sleep_cycles: int) -> tuple:
+        out = backend.dispatch(x, **routing)
+        rows, layout_memory = out.hidden, out.handle.layout.scratch.memory
+        words, layout_gone = layout_memory.numel(), weakref.ref(layout_memory)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(sleep_cycles)
+            got = backend.combine(rows, out.handle).hidden
+            combined = torch.cuda.Event()
+            combined.record()
+        del out, layout_memory  # the caller drops the handle (and with it the layout) at once
+        gc.collect()
+        litter = [torch.full((words,), -1, dtype=torch.int32, device=ctx.device) for _ in range(4)]
+        littered = torch.cuda.Event()
+        littered.record(main)
+        littered.synchronize()
+        combine_was_queued = not combined.query()
+        main.wait_stream(side)
+        same = torch.equal(got, want)
+        torch.cuda.synchronize()
+        del litter
+        return layout_gone() is None, combine_was_queued, same
+
+    combine_on_side(0)  # the first calls of the streams, events and allocator, which may wait for the device
+    layout_dropped, combine_was_queued, same = combine_on_side(int(2e9))  # ~1 s
+    error = None
+    try:
+        backend.check_errors()
+    except Exception as caught:  # noqa: BLE001 - reported in the result
+        error = f"{type(caught).__name__}: {caught}"
+    backend.destroy()
+    return {"layout_dropped": layout_dropped, "combine_was_queued": combine_was_queued, "same": same,
+            "error": error}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend_name", ["hybrid", "elastic"])
+def test_a_handle_dropped_before_its_combine_on_another_stream_ran_keeps_its_layout(backend_name):
+    """The layout went back to the dispatch stream's pool with the handle: the next allocation there took it
+    and the queued combine read -1s (wrong rows, or a fault)."""
+    cases = _on_two_ranks_with_many_queues(_handle_dropped_before_its_combine_on_another_stream_ran, backend_name)
+    for rank, result in enumerate(cases):
+        # layout_dropped and combine_was_queued: the handle's last reference went while the combine was still
+        # queued (else the test proves nothing)
+        assert result == {"layout_dropped": True, "combine_was_queued": True, "same": True, "error": None}, \
+            (rank, result)
+
+
 def _ops_from_gpu_0(ctx, backend_name: str) -> dict:
     """A job that passes ``device=`` without torch.cuda.set_device: every rank's current device is GPU 0.
     Each step's current device afterwards, and whether the round trip matches the same ops issued with

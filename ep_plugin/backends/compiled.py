@@ -511,7 +511,15 @@ class CompiledBackend(Backend):
         return status == other_status == 1 and capture == other_capture
 
     def _keep_on_stream(self, *tensors) -> None:
+        """The caller's inputs (EP_PLUGIN_AVOID_RECORD_STREAM: the caller keeps them alive instead)."""
         streams.keep_on_stream(self.device, tensors, avoid_record_stream=self.config.avoid_record_stream)
+
+    def _keep_layout_on_stream(self, *tensors) -> None:
+        """A handle's layout, which a combine or cached dispatch on another stream reads: tied to that stream
+        always. Ours, not the caller's (who cannot see which of its pieces a kernel reads), so
+        EP_PLUGIN_AVOID_RECORD_STREAM does not leave it to the caller: freed with a handle dropped right after
+        the call, it went back to the dispatch stream's pool while the op was still queued."""
+        streams.keep_on_stream(self.device, tensors, avoid_record_stream=False)
 
     def _empty(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
         """Allocate a dispatch output (tests replace this to surround outputs with canaries)."""

@@ -468,7 +468,8 @@ class ElasticBackend(CompiledBackend):
         row_bytes = H if fp8 else 2 * H
         scale_bytes = H // self.FP8_BLOCK * 4 if fp8 else 0
         # The handle may go before this op has run: what it reads of the layout is tied to this stream too.
-        self._keep_on_stream(data, scales, layout.scratch.memory, layout.packet_rows)
+        self._keep_on_stream(data, scales)
+        self._keep_layout_on_stream(layout.scratch.memory, layout.packet_rows)
         send = self._C.elastic.SendArgs(hidden=data, row_bytes=row_bytes, scales=scales, scale_bytes=scale_bytes,
                                         send_slot=at("send_slot"), num_tokens=handle.num_tokens,
                                         bulk_copy=self._bulk)
@@ -553,8 +554,9 @@ class ElasticBackend(CompiledBackend):
                                                         handle=handle), input_read_in_place=in_place)
         # The handle may go before this op has run: what it reads of the layout is tied to this stream too
         # (packet_rows: the expanded form's send; topk_idx: where values are routed back).
-        self._keep_on_stream(rows_in, row_probs, bias, layout.scratch.memory, layout.packet_rows,
-                             layout.topk_idx if row_probs is not None else None)
+        self._keep_on_stream(rows_in, row_probs, bias)
+        self._keep_layout_on_stream(layout.scratch.memory, layout.packet_rows,
+                                    layout.topk_idx if row_probs is not None else None)
         # In place, only the routed-back values (if any) travel ahead of the receive.
         send_needed = not in_place or row_probs is not None
         if send_needed:

@@ -367,7 +367,8 @@ class HybridBackend(CompiledBackend):
         fingerprint = self._fingerprint(OP_DISPATCH_AGAIN, dtype=hidden.dtype, handle=handle)
         out = self._empty(layout.budget, H, dtype=hidden.dtype)  # before any launch (see _combine)
         self._exchange(PHASE_DISPATCH_AGAIN, fingerprint)
-        self._keep_on_stream(hidden, layout.scratch.memory)  # the handle may go before this op has run
+        self._keep_on_stream(hidden)
+        self._keep_layout_on_stream(layout.scratch.memory)  # the handle may go before this op has run
         send = self._C.hybrid.SendArgs(hidden=hidden, row_bytes=2 * H, send_slot=at("send_slot"),
                                        num_tokens=handle.num_tokens, bulk_copy=self._bulk)
         self._C.hybrid.dispatch_send(self.buffer.raw, self.regions, send, self.num_blocks, self._stream())
@@ -481,8 +482,8 @@ class HybridBackend(CompiledBackend):
         # In place the sources read the rows in the buffer: only the scalars (if any) travel ahead.
         send_needed = not in_place or row_probs is not None
         # The handle may go before this op has run (topk_idx: the values routed back are gathered by it).
-        self._keep_on_stream(rows, row_probs, layout.scratch.memory,
-                             layout.topk_idx if row_probs is not None else None)
+        self._keep_on_stream(rows, row_probs)
+        self._keep_layout_on_stream(layout.scratch.memory, layout.topk_idx if row_probs is not None else None)
         # Structs built once per plan and address (Scratch.args); the op's own fields are set on every call.
         scratch = layout.scratch
         if send_needed:
