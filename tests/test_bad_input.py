@@ -240,6 +240,41 @@ def test_topk_ids_changed_in_place_before_a_compiled_combine_that_reads_them_are
         assert outcome["rows"] and outcome["routed_back"], (rank, outcome)
 
 
+def deepeps_stream_options_on_a_compiled_backend(ctx, backend_name: str) -> list[str]:
+    """DeepEP's stream options in a dispatch, a cached dispatch and a combine: each a TypeError (before any
+    launch: the ranks stay in step, and the plain calls after them pair up)."""
+    from test_faults_gpu import make_backend, routed_tokens
+
+    torch.cuda.set_device(ctx.device)
+    backend = make_backend(ctx, backend_name)
+    x, routing = routed_tokens(ctx, 815)
+    out = backend.dispatch(x, **routing)
+    errors = []
+    for call in (lambda: backend.dispatch(x, **routing, async_finish=True),
+                 lambda: backend.dispatch(x, handle=out.handle, previous_event=None),
+                 lambda: backend.combine(out.hidden, out.handle, async_with_compute_stream=True)):
+        try:
+            call()
+            errors.append("no error")
+        except TypeError as error:
+            errors.append(str(error))
+    backend.combine(out.hidden, out.handle)
+    torch.cuda.synchronize()
+    backend.destroy()
+    return errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend_name", ["hybrid", "elastic"])
+def test_deepeps_stream_options_on_a_compiled_backend_say_what_to_do_instead(backend_name):
+    """elastic's dispatch and combine named their keywords: DeepEP's stream options got Python's bare
+    'unexpected keyword argument', not the words on streams that reference and hybrid give."""
+    for rank, errors in enumerate(run_ranks(deepeps_stream_options_on_a_compiled_backend, 2, backend_name,
+                                            device="cuda", timeout_s=120)):
+        for op, error in zip(("dispatch", "cached dispatch", "combine"), errors, strict=True):
+            assert f"no {op} option(s)" in error and "torch.cuda.stream(s)" in error, (rank, op, error)
+
+
 def test_expert_alignment_is_deepeps_name_for_pad_multiple():
     from ep_plugin.backends.base import merge_alignment
 

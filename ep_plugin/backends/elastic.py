@@ -197,7 +197,7 @@ class ElasticBackend(CompiledBackend):
     def dispatch(self, hidden, *, routing_map=None, probs=None, topk_idx=None, topk_weights=None,
                  pad_multiple: Optional[int] = None, expand: bool = False, zero_padding: bool = False,
                  handle: Optional[Handle] = None, expert_alignment: Optional[int] = None,
-                 in_place: bool = False) -> DispatchOutput:
+                 in_place: bool = False, **options) -> DispatchOutput:
         """See the module docstring. ``expert_alignment`` is DeepEP's name for ``pad_multiple``.
 
         Args:
@@ -210,11 +210,14 @@ class ElasticBackend(CompiledBackend):
                 until the next in-place dispatch); needs ``in_place_dispatch=True`` at construction.
             handle: a previous dispatch's handle: send ``hidden`` along its layout (cached dispatch; no
                 routing arguments, same T).
+            options: none of its own; taken to name what else a caller passed (DeepEP's stream options: a
+                TypeError saying what to do instead, not Python's bare unexpected keyword).
         Returns: DispatchOutput (see ``ep_plugin.DispatchOutput``).
         """
         pad_multiple = merge_alignment(pad_multiple, expert_alignment)
         if handle is not None:  # the checks of Backend.dispatch that apply to it, then its own
             self.refuse_if_destroyed("dispatch")
+            self.check_options("cached dispatch", options, self.capabilities.cached_dispatch_options)
             self.check_not_capturing("cached dispatch")
             self.check_cached_routing(handle, pad_multiple, routing_map, probs, topk_idx, topk_weights)
             self.check_dispatch_flags(expand=expand, zero_padding=zero_padding)
@@ -230,7 +233,7 @@ class ElasticBackend(CompiledBackend):
                              f"max_topk={self.max_topk}")
         return super().dispatch(hidden, probs=probs, topk_idx=topk_idx, topk_weights=topk_weights,
                                 pad_multiple=pad_multiple, expand=expand, zero_padding=zero_padding,
-                                in_place=in_place)
+                                in_place=in_place, **options)
 
     def dispatch_form(self, form: str, *, expand: bool = False, in_place: bool = False, **_) -> str:
         return f"{form}+expand" if expand else f"{form}+in_place" if in_place else form
@@ -244,15 +247,17 @@ class ElasticBackend(CompiledBackend):
             raise ValueError("in_place needs the compact form (expand=False) and a backend built with "
                              "in_place_dispatch=True")
 
-    def combine(self, rows, handle: Handle, *, row_probs=None, bias=None) -> CombineOutput:
+    def combine(self, rows, handle: Handle, *, row_probs=None, bias=None, **options) -> CombineOutput:
         """Sum each token's rows at its source (see the module docstring).
 
         Args:
             rows: [num_rows, H] bf16 in the layout of ``handle``'s dispatch.
             row_probs: shaped like the dispatched probs ([R, k] compact, [R] expanded) or None.
             bias: [T, H] bf16 added to the sum (in fp32), or None.
+            options: none of its own (as dispatch's).
         Returns: CombineOutput(hidden [T, H] bf16, probs [T, k] float32 or None).
         """
+        self.check_options("combine", options, self.capabilities.combine_options)
         if bias is not None:
             self.check_handle(handle)
             check_tensor("bias", bias, dtypes=(torch.bfloat16,), shape=(handle.num_tokens, self.hidden_size),
