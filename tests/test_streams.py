@@ -276,7 +276,9 @@ def _handle_dropped_before_its_combine_on_another_stream_ran(ctx, backend_name: 
             combined.record()
         del out, layout_memory  # the caller drops the handle (and with it the layout) at once
         gc.collect()
-        litter = [torch.full((words,), -1, dtype=torch.int32, device=ctx.device) for _ in range(4)]
+        # Many: the pool hands out its free blocks of that size lowest address first, and the freed layout's must
+        # be among those taken.
+        litter = [torch.full((words,), -1, dtype=torch.int32, device=ctx.device) for _ in range(64)]
         littered = torch.cuda.Event()
         littered.record(main)
         littered.synchronize()
