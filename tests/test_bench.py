@@ -70,9 +70,47 @@ def test_ceiling_per_gpu_link_uses_the_busiest_ranks_remote_bytes():
                          "remote_bytes_in": [500, 1500]}, ceiling_us={})
     rows = {row["op"]: row for row in summarize(record, link_gbps=1.0)}
     assert rows["dispatch"]["ceiling_us"] == 1500 / 1e9 * 1e6
-    assert rows["dispatch"]["median_us"] == 20.0 and rows["roundtrip"]["median_us"] == 50.0
-    assert rows["dispatch"]["ceiling_ratio"] == rows["dispatch"]["ceiling_us"] / 20.0
+    # One iteration: the slower rank's times (rank 1's: 30 and 30 + 40)
+    assert rows["dispatch"]["median_us"] == 30.0 and rows["roundtrip"]["median_us"] == 70.0
+    assert rows["dispatch"]["ceiling_ratio"] == rows["dispatch"]["ceiling_us"] / 30.0
     assert "step" not in rows  # a record written before the step row existed has none
+
+
+def test_an_iterations_time_is_its_slowest_ranks():
+    """Each rank is slowest in another iteration: the op's time is per iteration the slowest rank's (30 in the
+    median), not the median of every rank's samples pooled (15: mostly idle ranks' short ops), which made the
+    ceiling ratio read 4x under skewed routing. The round trip adds a rank's two ops before taking the max."""
+    record = dict(backend="hybrid", mode="blocking", payload="bf16", tokens=4, hidden=8, topk=1, experts=2, sms=8,
+                  routing="skewed", ranks=2,
+                  samples_us=[[[10.0, 1.0], [30.0, 1.0], [10.0, 1.0]], [[20.0, 5.0], [10.0, 5.0], [40.0, 5.0]]],
+                  bytes={"recv_token_bytes": [1000, 2000], "out_bytes": [1000, 2000], "remote_bytes_in": [500, 1500]},
+                  ceiling_us={"dispatch": 15.0, "combine": 2.0})
+    rows = {row["op"]: row for row in summarize(record, link_gbps=0.0)}
+    assert (rows["dispatch"]["median_us"], rows["dispatch"]["p10_us"], rows["dispatch"]["p90_us"]) == \
+        (30.0, pytest.approx(22.0), pytest.approx(38.0))
+    assert rows["dispatch"]["ceiling_ratio"] == pytest.approx(0.5)
+    assert rows["combine"]["median_us"] == 5.0
+    assert rows["roundtrip"]["median_us"] == 31.0  # per iteration max(11, 25), max(31, 15), max(11, 45)
+
+
+def test_compare_judges_both_files_by_this_versions_times(tmp_path):
+    """A bench.json's summary holds the times its writer's version computed; compare makes them again from
+    the records' samples, so a base file from before the slowest-rank time is judged in the same unit."""
+    import json
+
+    from ep_plugin.bench.compare import case_medians
+
+    record = dict(backend="hybrid", mode="blocking", payload="bf16", tokens=4, hidden=8, topk=1, experts=2, sms=8,
+                  routing="balanced", ranks=2, samples_us=[[[10.0, 2.0]], [[30.0, 4.0]]],
+                  bytes={"recv_token_bytes": [1000, 2000], "out_bytes": [1000, 2000], "remote_bytes_in": [500, 1500]},
+                  ceiling_us={})
+    old_rows = [dict(row, median_us=20.0) for row in summarize(record, link_gbps=0.0)]  # the pooled median
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"summary": old_rows, "records": [record]}))
+    medians = {case[-1]: median for case, median in case_medians([str(path)]).items()}
+    assert medians["dispatch"] == 30.0 and medians["combine"] == 4.0, medians
+    path.write_text(json.dumps({"summary": old_rows}))  # no records kept: the file's own rows
+    assert {case[-1]: m for case, m in case_medians([str(path)]).items()}["dispatch"] == 20.0
 
 
 def test_the_link_floor_counts_the_busiest_direction():
