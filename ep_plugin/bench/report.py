@@ -98,8 +98,8 @@ def _op_times(record: dict) -> list[tuple[str, list[float], Optional[float]]]:
         per_rank = [[sample[0] + sample[1] if op == "roundtrip" else sample[op_index] for sample in samples]
                     for samples in record["samples_us"]]
         # The op is done when its slowest rank is: each iteration counts its slowest rank's time. A median of
-        # every rank's samples pooled counted the idle ranks' short ops (skewed routing: it read 4x the copy
-        # ceiling with the busiest rank at 0.28 of it; balanced: 1-4% fast). Not strict: a case that failed
+        # every rank's samples pooled counted the idle ranks' short ops (skewed routing: 3-4.5x the copy ceiling
+        # where the slowest rank's time gives 0.50; balanced: 1-4% fast). Not strict: a case that failed
         # part-way may hold fewer samples on some rank.
         times = [max(iteration) for iteration in zip(*per_rank, strict=False)]
         rate = None
