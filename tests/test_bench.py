@@ -94,11 +94,13 @@ def test_an_iterations_time_is_its_slowest_ranks():
 
 
 def test_compare_judges_both_files_by_this_versions_times(tmp_path):
-    """A bench.json's summary holds the times its writer's version computed; compare makes them again from
-    the records' samples, so a base file from before the slowest-rank time is judged in the same unit."""
+    """A bench.json's summary holds the times its writer's version computed; compare makes a file's times
+    from before the slowest-rank reading (no "times" mark) again from its records' samples, so a base file
+    from before is judged in the same unit; a marked file's own rows stand (the other compare tests edit them)."""
     import json
 
     from ep_plugin.bench.compare import case_medians
+    from ep_plugin.bench.report import TIMES_READING
 
     record = dict(backend="hybrid", mode="blocking", payload="bf16", tokens=4, hidden=8, topk=1, experts=2, sms=8,
                   routing="balanced", ranks=2, samples_us=[[[10.0, 2.0]], [[30.0, 4.0]]],
@@ -110,6 +112,8 @@ def test_compare_judges_both_files_by_this_versions_times(tmp_path):
     medians = {case[-1]: median for case, median in case_medians([str(path)]).items()}
     assert medians["dispatch"] == 30.0 and medians["combine"] == 4.0, medians
     path.write_text(json.dumps({"summary": old_rows}))  # no records kept: the file's own rows
+    assert {case[-1]: m for case, m in case_medians([str(path)]).items()}["dispatch"] == 20.0
+    path.write_text(json.dumps({"times": TIMES_READING, "summary": old_rows, "records": [record]}))
     assert {case[-1]: m for case, m in case_medians([str(path)]).items()}["dispatch"] == 20.0
 
 

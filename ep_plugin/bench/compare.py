@@ -35,7 +35,7 @@ import statistics
 import sys
 from typing import Optional
 
-from .report import ROW_OPS, summarize
+from .report import ROW_OPS, TIMES_READING, summarize
 
 # What names a case in a bench.json summary row (its figures are the other keys).
 CASE_KEYS = ("backend", "mode", "payload", "tokens", "hidden", "topk", "experts", "sms", "routing", "ranks",
@@ -79,17 +79,17 @@ def read_environment(path: str) -> dict:
 def read_summary(path: str) -> list[dict]:
     """The summary rows of one bench.json; ValueError naming the file when it is none.
 
-    Made again from the file's records (their raw samples) by this version's ``summarize``, so that both
-    sides of a comparison use one definition of a case's time whatever version wrote them (a file from before
-    the slowest rank's time per iteration held the pooled median of every rank's samples); the file's own
-    rows where its records cannot be (none kept, or a field this version needs missing).
+    A file written before a case's time was its slowest rank's per iteration (no ``times`` mark) held the
+    pooled median of every rank's samples: its rows are made again from its records (their raw samples) by
+    this version's ``summarize``, so that both sides of a comparison read time alike; the file's own rows
+    where its records cannot be (none kept, or a field this version needs missing).
     """
     report = _read(path)
     rows = report.get("summary")
     if not isinstance(rows, list):
         raise ValueError(f"{path}: no 'summary' list: not a bench.json written by python -m ep_plugin.bench")
     records = report.get("records")
-    if isinstance(records, list) and records:
+    if report.get("times") != TIMES_READING and isinstance(records, list) and records:
         try:
             return [row for record in records for row in summarize(record, link_gbps=0.0)]
         except (KeyError, TypeError, IndexError, ValueError):

@@ -215,8 +215,14 @@ def _finite(value):
     return value
 
 
+# How a summary row's times read a record's samples; a file without it pooled every rank's samples
+# (``bench.compare`` reads such a file's times again from its records).
+TIMES_READING = "slowest rank per iteration"
+
+
 def write_json(path: str, environment: dict, records: list[dict], rows: list[dict], argv: list[str]) -> None:
-    report = _finite({"command": argv, "environment": environment, "summary": rows, "records": records})
+    report = _finite({"command": argv, "environment": environment, "times": TIMES_READING, "summary": rows,
+                      "records": records})
     with open(path, "w") as f:
         json.dump(report, f, indent=1, default=str, allow_nan=False)
 
