@@ -138,11 +138,12 @@ def uninstall() -> None:
         _restore_megatron()
         _state.installed = False
         _state.replace_builtin = False
-        if cached_backend_count():  # Megatron's teardown is its own again: it no longer destroys them
+        alive = cached_backend_count()
+        if alive:  # Megatron's teardown is its own again: it no longer destroys them
             logger.warning("ep_plugin: uninstall() leaves %d shared backend(s) alive for the layers built while "
                            "installed; destroy_model_parallel no longer destroys them: call "
                            "ep_plugin.integrations.megatron.clear_backend_cache() on every rank before the "
-                           "process groups go", cached_backend_count())
+                           "process groups go", alive)
 
 
 def _restore_megatron() -> None:
